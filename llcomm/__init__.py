@@ -1,0 +1,12 @@
+"""llcomm: low-latency GPU communication for LLM inference decode.
+
+Tensor-parallel joins (``Communicator``) over NVLink peer memory with Triton kernels, and a
+reference backend on torch.distributed (NCCL or gloo) with the same API.
+"""
+from .errors import (CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError,
+                     UnsupportedConfigError)
+from .tp import Communicator
+
+__version__ = "0.1.0"
+__all__ = ["Communicator", "CommTimeoutError", "CommMismatchError", "CommBrokenError",
+           "LLCommError", "UnsupportedConfigError", "__version__"]

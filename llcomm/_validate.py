@@ -1,0 +1,64 @@
+"""Argument checks shared by every backend. Problems are collected and raised once, as one
+ValueError/TypeError naming each argument and what was expected, before any buffer is touched."""
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Problems:
+    """Collects problems of one call; ``raise_if_any`` raises them together."""
+
+    def __init__(self, fn: str):
+        self.fn = fn
+        self.items: list[str] = []
+        self.type_error = False
+
+    def add(self, msg: str, *, type_error: bool = False) -> None:
+        self.items.append(msg)
+        self.type_error |= type_error
+
+    def raise_if_any(self) -> None:
+        if not self.items:
+            return
+        text = f"llcomm.{self.fn}: " + "; ".join(self.items)
+        raise (TypeError if self.type_error else ValueError)(text)
+
+
+def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=SUPPORTED_DTYPES,
+                 max_bytes: int | None = None) -> bool:
+    """Check that ``t`` is a contiguous tensor of a supported dtype on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        pr.add(f"{name} must be a torch.Tensor, got {type(t).__name__}", type_error=True)
+        return False
+    ok = True
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        pr.add(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; expected one of {names}",
+               type_error=True)
+        ok = False
+    if t.device != device:
+        pr.add(f"{name} is on {t.device}; expected {device} (this communicator's device)")
+        ok = False
+    if not t.is_contiguous():
+        pr.add(f"{name} is not contiguous; pass x.contiguous()")
+        ok = False
+    if max_bytes is not None and t.numel() * t.element_size() > max_bytes:
+        pr.add(f"{name} holds {t.numel() * t.element_size()} bytes, more than max_bytes="
+               f"{max_bytes} the communicator was created with: this would overrun the "
+               "workspace; create the Communicator with a larger max_bytes")
+        ok = False
+    return ok
+
+
+def check_out(pr: Problems, out, x: torch.Tensor, shape: tuple, device: torch.device) -> None:
+    """``out`` (when given) must match the expected shape, x's dtype, and be contiguous."""
+    if out is None:
+        return
+    if not check_tensor(pr, "out", out, device, dtypes=None):
+        return
+    if tuple(out.shape) != tuple(shape):
+        pr.add(f"out has shape {tuple(out.shape)}; expected {tuple(shape)}")
+    if out.dtype != x.dtype:
+        pr.add(f"out has dtype {out.dtype}; expected {x.dtype} (the dtype of x)", type_error=True)

@@ -1,0 +1,91 @@
+"""Device-side protocol helpers shared by every kernel: clock, bounded waits, signals.
+
+Numbers mirror ``llcomm/protocol.py``. Every wait here is bounded by ``timeout_ns`` (read from
+the GPU's global nanosecond timer); on expiry it writes an error word to host-visible memory and
+reports failure, so a missing peer becomes an exception on the host, never a hung GPU.
+
+Signal timeline of one barrier between ranks A and B (block b of each)::
+
+    A: stores to B's staging ... bar.sync; atom.release.sys B.flag[b][A] = word
+    B: spin on acquire loads of B.flag[b][A] == word ... bar.sync; read staging
+"""
+import triton
+import triton.language as tl
+
+from .. import protocol as P
+
+EPOCH_SHIFT = tl.constexpr(P.EPOCH_SHIFT)
+TAG_MASK = tl.constexpr(P.TAG_MASK)
+STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
+STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
+
+
+@triton.jit
+def global_time_ns():
+    """The GPU's global timer in ns (same clock on every SM)."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def ptr_from_table(table, idx, DTYPE: tl.constexpr):
+    """Address ``table[idx]`` (an int64 table of per-rank base addresses) as a DTYPE pointer."""
+    return tl.load(table + idx).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def report_error(err_ptr, status, op, phase, mask):
+    """Write an error word to host-visible memory (first write wins is not needed: any is true)."""
+    zero = tl.full([], 0, tl.int64)
+    word = ((zero + status) << 48) | ((zero + op) << 40) | ((zero + phase) << 32) | (zero + mask)
+    tl.store(err_ptr, word)
+
+
+@triton.jit
+def signal_peers(flag_tab, slot, word, rank, W: tl.constexpr, WP: tl.constexpr):
+    """Publish ``word`` into ``flags[slot][rank]`` on every rank (release, system scope).
+
+    Caller must issue ``tl.debug_barrier()`` first so the whole block's stores precede it.
+    ``slot`` selects (phase, block); each rank's flags region is ``int64[slots][W]``.
+    """
+    ps = tl.arange(0, WP)
+    live = ps < W
+    bases = tl.load(flag_tab + ps, mask=live, other=0)
+    ptrs = bases.to(tl.pointer_type(tl.int64)) + slot * W + rank
+    vals = tl.full([WP], 0, tl.int64) + word
+    tl.atomic_xchg(ptrs, vals, mask=live, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_peers(flags, slot, word, timeout_ns, err_ptr, op, phase,
+               W: tl.constexpr, WP: tl.constexpr):
+    """Spin until ``flags[slot][p] == word`` for every rank p; bounded by ``timeout_ns``.
+
+    Returns 1 on success, 0 on timeout or mismatch (after writing the error word).
+    ``flags`` is this rank's own flags region (int64 pointer).
+    """
+    ps = tl.arange(0, WP)
+    live = ps < W
+    ptrs = flags + slot * W + ps
+    zero = tl.full([WP], 0, tl.int64)
+    epoch = word >> EPOCH_SHIFT
+    t0 = global_time_ns()
+    status = 0
+    bad = zero
+    while status == 0:
+        got = tl.atomic_add(ptrs, zero, mask=live, sem="acquire", scope="sys")
+        arrived = (got == word) | (ps >= W)
+        wrong = ((got >> EPOCH_SHIFT) >= epoch) & (got != word) & live
+        if tl.sum(wrong.to(tl.int32), axis=0) > 0:
+            status = STATUS_MISMATCH
+            bad = wrong.to(tl.int64)
+        elif tl.sum(arrived.to(tl.int32), axis=0) == WP:
+            status = -1
+        elif global_time_ns() - t0 > timeout_ns:
+            status = STATUS_TIMEOUT
+            bad = (arrived == 0).to(tl.int64)
+    ok = status == -1
+    if not ok:
+        report_error(err_ptr, status, op, phase, tl.sum(bad << ps.to(tl.int64), axis=0))
+    tl.debug_barrier()
+    return ok

@@ -1,0 +1,173 @@
+"""All-reduce kernels (sum): push one-shot, two-shot, and the barrier-free Lamport one-shot.
+
+Every kernel runs on a fixed grid of ``NB`` blocks (the communicator's constant), so block ``b``
+of every kernel owns counter ``ctrl[b]`` = number of ops this communicator has run. That counter
+lives on the GPU, which is what lets a captured CUDA graph replay any number of times and mix
+with eager calls: the round (staging parity, flag epoch) is read on the device, never frozen into
+the launch. Element ``i`` is handled by block ``(i // BLOCK) % NB`` on every rank, so block ``b``
+only ever waits for block ``b`` of its peers.
+
+Why two staging halves suffice (``parity = seq % 2``): every op makes each rank wait for every
+peer. So when rank r starts op k, it has finished op k-1, which needed every peer to have
+*started* op k-1, i.e. finished op k-2 (kernels on one stream run in order). Op k writes the half
+that op k-2 used, which nobody reads any more. Write-after-write and read-after-write are both
+covered without an exit barrier.
+
+Accumulation is fp32 in global rank order (rank 0 first) in every algorithm, rounded once, so all
+ranks and all algorithms produce the same bits for the same inputs.
+"""
+import triton
+import triton.language as tl
+
+from ._sync import EPOCH_SHIFT, ptr_from_table, report_error, signal_peers, wait_peers, global_time_ns
+from .. import protocol as P
+
+PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
+PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
+PHASE_DATA = tl.constexpr(P.PHASE_DATA)
+OP_ONE_SHOT = tl.constexpr(P.OP_ONE_SHOT)
+OP_TWO_SHOT = tl.constexpr(P.OP_TWO_SHOT)
+OP_LAMPORT = tl.constexpr(P.OP_LAMPORT)
+STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
+
+
+@triton.jit
+def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag, timeout_ns,
+                    cap,                    # elements per staging slot
+                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
+    then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank."""
+    b = tl.program_id(0)
+    DT = x.dtype.element_ty
+    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
+    seq = tl.load(ctrl + b)
+    parity = seq % 2
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, n, NB * BLOCK):
+        offs = start + lanes
+        m = offs < n
+        v = tl.load(x + offs, mask=m)
+        for p in tl.static_range(W):
+            dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (parity * W + rank) * cap
+            tl.store(dst + offs, v, mask=m)
+    if b * BLOCK < n:
+        tl.debug_barrier()
+        signal_peers(flag_tab, b, word, rank, W, WP)
+        if wait_peers(flags, b, word, timeout_ns, err_ptr, OP_ONE_SHOT, PHASE_ENTRY, W, WP):
+            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
+            for start in range(b * BLOCK, n, NB * BLOCK):
+                offs = start + lanes
+                m = offs < n
+                acc = tl.zeros([BLOCK], tl.float32)
+                for p in tl.static_range(W):
+                    acc += tl.load(local + p * cap + offs, mask=m).to(tl.float32)
+                tl.store(out + offs, acc.to(DT), mask=m)
+    tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ctrl, err_addr,
+                    rank, tag, timeout_ns,
+                    cap,                    # elements per staging slot
+                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Reduce-scatter then all-gather, both by push. Rank s owns elements
+    ``[s * shard, (s + 1) * shard)``. Phase 1: push shard s of x to rank s (slot ``rank``);
+    barrier; sum own shard in rank order. Phase 2: push the reduced shard to every rank's gather
+    region; second barrier; copy the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
+    b = tl.program_id(0)
+    DT = x.dtype.element_ty
+    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
+    seq = tl.load(ctrl + b)
+    parity = seq % 2
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, shard, NB * BLOCK):
+        rel = start + lanes
+        for s in tl.static_range(W):
+            offs = s * shard + rel
+            m = (rel < shard) & (offs < n)
+            v = tl.load(x + offs, mask=m)
+            dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (parity * W + rank) * cap
+            tl.store(dst + rel, v, mask=m)
+    if b * BLOCK < shard:
+        tl.debug_barrier()
+        signal_peers(flag_tab, b, word, rank, W, WP)
+        ok = wait_peers(flags, b, word, timeout_ns, err_ptr, OP_TWO_SHOT, PHASE_ENTRY, W, WP)
+        if ok:
+            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
+            for start in range(b * BLOCK, shard, NB * BLOCK):
+                rel = start + lanes
+                offs = rank * shard + rel
+                m = (rel < shard) & (offs < n)
+                acc = tl.zeros([BLOCK], tl.float32)
+                for p in tl.static_range(W):
+                    acc += tl.load(local + p * cap + rel, mask=m).to(tl.float32)
+                red = acc.to(DT)
+                for p in tl.static_range(W):
+                    dst = tl.multiple_of(ptr_from_table(gather_tab, p, DT), 16) + parity * cap
+                    tl.store(dst + offs, red, mask=m)
+            tl.debug_barrier()
+            signal_peers(flag_tab, NB + b, word, rank, W, WP)
+            ok = wait_peers(flags, NB + b, word, timeout_ns, err_ptr, OP_TWO_SHOT, PHASE_EXIT, W, WP)
+            if ok:
+                gathered = tl.multiple_of(ptr_from_table(gather_tab, rank, DT), 16) + parity * cap
+                for start in range(b * BLOCK, shard, NB * BLOCK):
+                    rel = start + lanes
+                    for s in tl.static_range(W):
+                        offs = s * shard + rel
+                        m = (rel < shard) & (offs < n)
+                        tl.store(out + offs, tl.load(gathered + offs, mask=m), mask=m)
+    tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def lamport_kernel(x, out, n, lam_tab, ctrl, err_addr, rank, timeout_ns,
+                   cap,                     # elements per Lamport slot
+                   SENTINEL: tl.constexpr,  # bit pattern of "not yet written" in the int view
+                   FT: tl.constexpr,        # the float dtype the int view holds
+                   W: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Barrier-free one-shot: the data is its own flag.
+
+    Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats). Each rank stores
+    its operand (with SENTINEL replaced by +0.0 bits, which changes no sum since accumulation
+    starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every rank, then polls its own
+    half until no element is SENTINEL, sums in rank order, and writes SENTINEL back so the half
+    is idle again. A fast peer's next op writes the other half; the op after that cannot start
+    before this rank's next push, which comes after this kernel finished resetting.
+    ``x`` and ``out`` are given as integer views (int16 or int32) of the float data.
+    """
+    b = tl.program_id(0)
+    IT = x.dtype.element_ty
+    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
+    seq = tl.load(ctrl + b)
+    half = seq % 2
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, n, NB * BLOCK):
+        offs = start + lanes
+        m = offs < n
+        v = tl.load(x + offs, mask=m)
+        v = tl.where(v == SENTINEL, 0, v)
+        for p in tl.static_range(W):
+            dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
+            tl.store(dst + offs, v, mask=m)
+    local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
+    failed = 0
+    for start in range(b * BLOCK, n, NB * BLOCK):
+        offs = start + lanes
+        m = offs < n
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p in tl.static_range(W):
+            src = local + p * cap + offs
+            v = tl.load(src, mask=m, other=0, volatile=True)
+            t0 = global_time_ns()
+            while (tl.sum((v == SENTINEL).to(tl.int32), axis=0) > 0) & (failed == 0):
+                v = tl.load(src, mask=m, other=0, volatile=True)
+                if global_time_ns() - t0 > timeout_ns:
+                    failed = 1
+                    report_error(err_ptr, STATUS_TIMEOUT, OP_LAMPORT, PHASE_DATA,
+                                 tl.full([], 1 << p, tl.int64))
+            acc += v.to(FT, bitcast=True).to(tl.float32)
+            tl.store(src, tl.full([BLOCK], SENTINEL, IT), mask=m)
+        tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
+    tl.store(ctrl + b, seq + 1)

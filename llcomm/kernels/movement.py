@@ -1,0 +1,128 @@
+"""Broadcast, all-gather (contiguous and strided 2-D) and reduce-scatter kernels.
+
+Same scheme as ``all_reduce.py`` (fixed grid of NB blocks, per-block op counter on the device,
+staging half ``seq % 2``, one barrier): data is pushed with remote stores into the staging of the
+ranks that need it, then each rank reads only its own staging. The movement kernels copy raw
+words (int32 or uint8 views), so they are byte-exact by construction.
+"""
+import triton
+import triton.language as tl
+
+from ._sync import EPOCH_SHIFT, ptr_from_table, signal_peers, wait_peers
+from .. import protocol as P
+
+PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
+OP_BROADCAST = tl.constexpr(P.OP_BROADCAST)
+OP_ALL_GATHER = tl.constexpr(P.OP_ALL_GATHER)
+OP_REDUCE_SCATTER = tl.constexpr(P.OP_REDUCE_SCATTER)
+
+
+@triton.jit
+def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag, timeout_ns,
+                     cap,                   # words per staging slot
+                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """``src`` pushes x into slot 0 of every other rank's staging; one barrier (``src`` also
+    waits, so it never runs two ops ahead); the others copy slot 0 into x."""
+    b = tl.program_id(0)
+    DT = x.dtype.element_ty
+    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
+    seq = tl.load(ctrl + b)
+    half = seq % 2
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    lanes = tl.arange(0, BLOCK)
+    if rank == src:
+        for start in range(b * BLOCK, n, NB * BLOCK):
+            offs = start + lanes
+            m = offs < n
+            v = tl.load(x + offs, mask=m)
+            for p in tl.static_range(W):
+                if p != src:
+                    dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + half * W * cap
+                    tl.store(dst + offs, v, mask=m)
+    if b * BLOCK < n:
+        tl.debug_barrier()
+        signal_peers(flag_tab, b, word, rank, W, WP)
+        ok = wait_peers(flags, b, word, timeout_ns, err_ptr, OP_BROADCAST, PHASE_ENTRY, W, WP)
+        if ok & (rank != src):
+            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
+            for start in range(b * BLOCK, n, NB * BLOCK):
+                offs = start + lanes
+                m = offs < n
+                tl.store(x + offs, tl.load(local + offs, mask=m), mask=m)
+    tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag,
+                      timeout_ns,
+                      cap,                  # words per staging slot
+                      W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Every rank pushes its ``n`` words into slot ``rank`` of every rank's staging; one
+    barrier; each rank copies slot p to ``out``. x is ``[n // part, part]`` and word ``i`` of
+    rank p lands at ``(i // part) * W * part + p * part + i % part`` (``part == n`` gives the
+    contiguous rank-major all-gather; ``part < n`` the token-major 2-D form)."""
+    b = tl.program_id(0)
+    DT = x.dtype.element_ty
+    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
+    seq = tl.load(ctrl + b)
+    half = seq % 2
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, n, NB * BLOCK):
+        offs = start + lanes
+        m = offs < n
+        v = tl.load(x + offs, mask=m)
+        for p in tl.static_range(W):
+            dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (half * W + rank) * cap
+            tl.store(dst + offs, v, mask=m)
+    if b * BLOCK < n:
+        tl.debug_barrier()
+        signal_peers(flag_tab, b, word, rank, W, WP)
+        if wait_peers(flags, b, word, timeout_ns, err_ptr, OP_ALL_GATHER, PHASE_ENTRY, W, WP):
+            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
+            for start in range(b * BLOCK, n, NB * BLOCK):
+                offs = start + lanes
+                m = offs < n
+                row = offs // part
+                col = offs - row * part
+                for p in tl.static_range(W):
+                    v = tl.load(local + p * cap + offs, mask=m)
+                    tl.store(out + row * (W * part) + p * part + col, v, mask=m)
+    tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag,
+                          timeout_ns,
+                          cap,              # elements per staging slot
+                          W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
+    Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
+    b = tl.program_id(0)
+    DT = x.dtype.element_ty
+    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
+    seq = tl.load(ctrl + b)
+    half = seq % 2
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, m_out, NB * BLOCK):
+        offs = start + lanes
+        m = offs < m_out
+        for s in tl.static_range(W):
+            v = tl.load(x + s * m_out + offs, mask=m)
+            dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (half * W + rank) * cap
+            tl.store(dst + offs, v, mask=m)
+    if b * BLOCK < m_out:
+        tl.debug_barrier()
+        signal_peers(flag_tab, b, word, rank, W, WP)
+        if wait_peers(flags, b, word, timeout_ns, err_ptr, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
+            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
+            for start in range(b * BLOCK, m_out, NB * BLOCK):
+                offs = start + lanes
+                m = offs < m_out
+                acc = tl.zeros([BLOCK], tl.float32)
+                for p in tl.static_range(W):
+                    acc += tl.load(local + p * cap + offs, mask=m).to(tl.float32)
+                tl.store(out + offs, acc.to(DT), mask=m)
+    tl.store(ctrl + b, seq + 1)

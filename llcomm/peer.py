@@ -1,0 +1,198 @@
+"""The peer backend: TP ops as Triton kernels over the symmetric workspace (one host, NVLink).
+
+Host side of ``llcomm/kernels/``: owns the workspace, picks launch shapes, launches on the
+caller's current stream. No host synchronisation and no allocation per call, so every op can be
+captured in a CUDA graph. Device errors (timeouts, mismatches) land in a host-visible word that
+is read before each launch and by ``check()``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import protocol as P
+from .errors import CommBrokenError
+from .workspace import SymmetricWorkspace
+
+#: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
+#: advances counter ctrl[b], so all counters stay equal to the number of ops run.
+NUM_BLOCKS = 64
+#: Bytes per Lamport slot at most: the barrier-free one-shot is for small messages only.
+LAMPORT_MAX_BYTES = 1 << 20
+#: Idle Lamport words hold this 16-bit pattern (-0.0 in bf16 / fp16).
+SENTINEL16 = -32768                      # 0x8000
+SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words seen as int32
+#: Two-shot shards are rounded to this many elements so every shard starts 16-byte aligned.
+SHARD_ALIGN = 16
+#: Staging halves used alternately by consecutive ops (see kernels/all_reduce.py for why 2).
+HALVES = 2
+#: Flag slots per block: entry barrier and exit barrier.
+FLAG_PHASES = 2
+
+_TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _launch_shape(n: int, itemsize: int) -> tuple[int, int]:
+    """(BLOCK elements, num_warps): 16 bytes per thread per access; enough blocks busy."""
+    per_thread = max(16 // itemsize, 1)
+    chunks = max(-(-n // NUM_BLOCKS), 1)
+    block = 1 << (chunks - 1).bit_length()
+    block = min(max(block, 32 * per_thread), 4096)
+    return block, max(1, min(8, block // (32 * per_thread)))
+
+
+class PeerBackend:
+    """Symmetric workspace plus the kernels. Created by ``Communicator``; a collective."""
+
+    name = "peer"
+
+    def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int):
+        import triton.language as tl  # noqa: F401  (kernels need Triton; fail here, not mid-op)
+        from .kernels import all_reduce, movement
+
+        self._k_ar = all_reduce
+        self._k_mv = movement
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = W = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_bytes = max_bytes
+        self.timeout_ns = timeout_ms * P.NS_PER_MS
+        self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
+        self.cap_bytes = (max_bytes + 255) // 256 * 256
+        self.ws = SymmetricWorkspace(group, {
+            "ctrl": 8 * NUM_BLOCKS,
+            "flags": 8 * FLAG_PHASES * NUM_BLOCKS * W,
+            "stage": HALVES * W * self.cap_bytes,
+            "gather": HALVES * self.cap_bytes,
+            "lamport": HALVES * W * self.lamport_bytes,
+        }, self.device)
+        self.ws.local("lamport", torch.int16).fill_(SENTINEL16)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)
+        self.ctrl = self.ws.local("ctrl", torch.int64)
+        self.flags = self.ws.local("flags", torch.int64)
+        self.tabs = {name: self.ws.table(name) for name in ("flags", "stage", "gather", "lamport")}
+        # Host-visible error word: pinned host memory is mapped into the GPU's address space
+        # (UVA), so kernels store to it directly and the host reads it without a sync.
+        self._err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._err_np = self._err.numpy()
+        self.err_addr = self._err.data_ptr()
+        self.broken: Exception | None = None
+        self.WP = 1 << (W - 1).bit_length()
+
+    # -- errors ---------------------------------------------------------------------------------
+    def _precheck(self) -> None:
+        if self.broken is None and self._err_np[0] != 0:
+            self.broken = P.decode_error(int(self._err_np[0]), self.rank)
+            raise self.broken
+        if self.broken is not None:
+            raise CommBrokenError(f"llcomm: rank {self.rank}: this communicator failed earlier "
+                                  f"({self.broken}); destroy it and create a new one.")
+
+    def check(self) -> None:
+        """Wait for this rank's queued work, then raise any error a kernel reported."""
+        torch.cuda.current_stream().synchronize()
+        self._precheck()
+
+    def _tag(self, op: int, n: int, dtype: torch.dtype) -> int:
+        return P.size_tag(op, n, str(dtype).removeprefix("torch."))
+
+    # -- all_reduce -----------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
+        n = x.numel()
+        if n == 0:
+            return out
+        self._precheck()
+        block, warps = _launch_shape(n, x.element_size())
+        W, grid = self.world_size, (NUM_BLOCKS,)
+        cap = self.cap_bytes // x.element_size()
+        if algo == "lamport":
+            if x.element_size() == 2:
+                xi, oi, sent = x.view(torch.int16), out.view(torch.int16), SENTINEL16
+            else:
+                xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
+            import triton.language as tl
+            self._k_ar.lamport_kernel[grid](
+                xi, oi, n, self.tabs["lamport"], self.ctrl, self.err_addr, self.rank,
+                self.timeout_ns, self.lamport_bytes // x.element_size(),
+                SENTINEL=sent, FT=getattr(tl, _TL_FLOAT[x.dtype]), W=W, NB=NUM_BLOCKS,
+                BLOCK=block, num_warps=warps)
+        elif algo == "one_shot":
+            self._k_ar.one_shot_kernel[grid](
+                x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
+                self.err_addr, self.rank, self._tag(P.OP_ONE_SHOT, n, x.dtype), self.timeout_ns,
+                cap, W=W, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+        else:
+            shard = -(-n // W)
+            shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
+            block, warps = _launch_shape(shard, x.element_size())
+            self._k_ar.two_shot_kernel[grid](
+                x, out, n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
+                self.flags, self.ctrl, self.err_addr, self.rank,
+                self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_ns, cap,
+                W=W, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+        return out
+
+    # -- movement -------------------------------------------------------------------------------
+    def _bytes_view(self, t: torch.Tensor) -> torch.Tensor:
+        """Movement kernels copy bytes: view any dtype as int32 when aligned, else uint8."""
+        flat = t.view(-1).view(torch.uint8)
+        if flat.numel() % 4 == 0 and t.data_ptr() % 4 == 0:
+            return flat.view(torch.int32)
+        return flat
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        xb = self._bytes_view(x)
+        n = xb.numel()
+        if n == 0:
+            return x
+        self._precheck()
+        block, warps = _launch_shape(n, xb.element_size())
+        self._k_mv.broadcast_kernel[(NUM_BLOCKS,)](
+            xb, n, src, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
+            self.err_addr, self.rank, self._tag(P.OP_BROADCAST, n, str(x.dtype)), self.timeout_ns,
+            self.cap_bytes // xb.element_size(),
+            W=self.world_size, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+        return x
+
+    def _gather(self, x: torch.Tensor, out: torch.Tensor, rows: int) -> torch.Tensor:
+        xb, ob = self._bytes_view(x), self._bytes_view(out)
+        if xb.element_size() != ob.element_size():
+            xb, ob = x.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
+        n = xb.numel()
+        if n == 0:
+            return out
+        self._precheck()
+        block, warps = _launch_shape(n, xb.element_size())
+        self._k_mv.all_gather_kernel[(NUM_BLOCKS,)](
+            xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
+            self.err_addr, self.rank, self._tag(P.OP_ALL_GATHER, n, str(x.dtype)),
+            self.timeout_ns, self.cap_bytes // xb.element_size(),
+            W=self.world_size, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+        return out
+
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self._gather(x, out, 1)
+
+    def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self._gather(x, out, x.shape[0])
+
+    def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        m = out.numel()
+        if m == 0:
+            return out
+        self._precheck()
+        block, warps = _launch_shape(m, x.element_size())
+        self._k_mv.reduce_scatter_kernel[(NUM_BLOCKS,)](
+            x, out, m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
+            self.err_addr, self.rank, self._tag(P.OP_REDUCE_SCATTER, m, x.dtype),
+            self.timeout_ns, self.cap_bytes // x.element_size(),
+            W=self.world_size, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+        return out
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+            self.ws = None

@@ -1,0 +1,102 @@
+"""The wire protocol between ranks: op codes, flag words, error words, timeouts.
+
+Pure Python (no Triton): the kernels mirror these numbers as ``tl.constexpr`` in
+``llcomm/kernels/_sync.py`` and the host decodes what the kernels write with the functions here.
+
+Flag word (int64, written by a peer into this rank's signal region)::
+
+    bits 63..24  epoch   = the writer block's op sequence number + 1 (never reset, always grows)
+    bits 23..16  op code of the call that wrote it
+    bits 15..0   size tag (a hash of element count and dtype)
+
+A waiter expects exactly ``(epoch << 24) | tag``. An older epoch means "not yet"; the right epoch
+with another tag means the ranks disagree about the call (mismatch), which is reported instead of
+computed.
+
+Error word (int64, written by a kernel into host-visible memory when a wait gives up)::
+
+    bits 55..48  status: 1 = timeout, 2 = mismatch
+    bits 47..40  op code
+    bits 39..32  phase code
+    bits 31..0   bit mask of the ranks that had not arrived (or disagreed)
+"""
+from __future__ import annotations
+
+import os
+
+from .errors import CommMismatchError, CommTimeoutError, LLCommError
+
+#: Default bound of every device-side wait, milliseconds (env ``LLCOMM_TIMEOUT_MS`` overrides).
+DEFAULT_TIMEOUT_MS = 1000
+TIMEOUT_ENV = "LLCOMM_TIMEOUT_MS"
+NS_PER_MS = 1_000_000
+
+EPOCH_SHIFT = 24
+TAG_BITS = 24
+TAG_MASK = (1 << TAG_BITS) - 1
+SIZE_TAG_MASK = 0xFFFF
+
+# Operation codes (carried in flags and error words).
+OPS = {
+    1: "all_reduce(one_shot)",
+    2: "all_reduce(two_shot)",
+    3: "all_reduce(lamport)",
+    4: "broadcast",
+    5: "all_gather",
+    6: "reduce_scatter",
+    7: "dispatch",
+    8: "combine",
+}
+OP_ONE_SHOT, OP_TWO_SHOT, OP_LAMPORT, OP_BROADCAST, OP_ALL_GATHER, OP_REDUCE_SCATTER = 1, 2, 3, 4, 5, 6
+OP_DISPATCH, OP_COMBINE = 7, 8
+
+# Phase codes: which wait gave up. Entry and exit barriers have distinct codes (seed contract).
+PHASES = {1: "entry barrier", 2: "exit barrier", 3: "data poll"}
+PHASE_ENTRY, PHASE_EXIT, PHASE_DATA = 1, 2, 3
+
+STATUS_TIMEOUT, STATUS_MISMATCH = 1, 2
+
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5, "int64": 6}
+
+
+def timeout_ms_from_env(timeout_ms: int | None) -> int:
+    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else 1000."""
+    if timeout_ms is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT_MS
+        try:
+            timeout_ms = int(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive integer of milliseconds") from None
+    if not isinstance(timeout_ms, int) or timeout_ms <= 0:
+        raise ValueError(f"timeout_ms={timeout_ms!r}: expected a positive integer of milliseconds")
+    return timeout_ms
+
+
+def size_tag(op: int, numel: int, dtype_name: str) -> int:
+    """The 24-bit tag a flag carries: op code plus a 16-bit hash of (numel, dtype)."""
+    h = (numel * 2654435761 + DTYPE_CODES.get(dtype_name, 0) * 40503) & 0xFFFFFFFF
+    h = (h ^ (h >> 16)) & SIZE_TAG_MASK
+    return (op << 16) | h
+
+
+def decode_error(word: int, rank: int) -> LLCommError | None:
+    """Turn an error word written by a kernel into the exception to raise, or None if clear."""
+    if word == 0:
+        return None
+    status = (word >> 48) & 0xFF
+    op = OPS.get((word >> 40) & 0xFF, f"op#{(word >> 40) & 0xFF}")
+    phase = PHASES.get((word >> 32) & 0xFF, f"phase#{(word >> 32) & 0xFF}")
+    mask = word & 0xFFFFFFFF
+    ranks = [r for r in range(32) if mask >> r & 1]
+    if status == STATUS_MISMATCH:
+        return CommMismatchError(
+            f"llcomm: rank {rank}: {op} {phase}: ranks {ranks} called a different op, size or dtype "
+            "in the same round; every rank must issue the same sequence of calls with the same "
+            "shapes and dtypes. The communicator is now broken: destroy it and create a new one.",
+            op=op, phase=phase, ranks=ranks)
+    return CommTimeoutError(
+        f"llcomm: rank {rank}: {op} {phase}: ranks {ranks} did not arrive within the timeout. "
+        "The communicator is now broken: destroy it and create a new one (after the missing "
+        "ranks are back).", op=op, phase=phase, ranks=ranks)

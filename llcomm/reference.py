@@ -1,0 +1,58 @@
+"""The reference backend: every op on plain torch.distributed collectives.
+
+It is the oracle of every test, the backend on machines without peer-reachable GPUs (gloo on
+CPU) and the multi-host path (NCCL). It shares no code with the peer kernels it checks. The
+``Communicator`` validates arguments and allocates outputs before calling in here, so this
+module only moves data.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class ReferenceBackend:
+    """TP ops on torch.distributed collectives of ``group``."""
+
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out
+
+    def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        tokens, part = x.shape
+        stacked = torch.empty((self.world_size, tokens, part), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(stacked, x, group=self.group)
+        out.view(tokens, self.world_size, part).copy_(stacked.transpose(0, 1))
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":  # gloo has no reduce_scatter_tensor
+            full = x.clone()
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+            out.copy_(full.view(self.world_size, *out.shape)[self.rank])
+            return out
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def check(self) -> None:
+        """Nothing to surface: torch.distributed raises its own errors."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,247 @@
+"""``Communicator``: the tensor-parallel joins of a decode step.
+
+    comm = llcomm.Communicator(group, max_bytes=8 << 20)   # once, at start-up (a collective)
+    y = comm.all_reduce(x)                                  # every layer, any stream, graphable
+
+Backends: ``"peer"`` (Triton kernels over a symmetric NVLink workspace, one host),
+``"reference"`` (torch.distributed: NCCL or gloo), ``"auto"`` (peer where every rank has its own
+GPU and peer access works both ways, reference otherwise, with the reason logged).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import _validate as V
+from . import protocol as P
+from .errors import UnsupportedConfigError
+from .reference import ReferenceBackend
+
+log = logging.getLogger("llcomm")
+
+#: Default workspace bound: the largest input, in bytes, of any op (16 MiB).
+DEFAULT_MAX_BYTES = 16 << 20
+BACKENDS = ("auto", "peer", "reference")
+ALGOS = ("auto", "one_shot", "two_shot", "lamport")
+
+#: all_reduce(algo="auto") table, (world_size, largest bytes, algo), first match wins; from
+#: bench/results/h200x2-tp.json (see docs/performance.md). Beyond the last row: two_shot.
+AUTO_TABLE = (
+    (2, 512 << 10, "lamport"),
+    (None, 256 << 10, "lamport"),
+)
+
+
+def peer_support(group: dist.ProcessGroup) -> tuple[bool, str]:
+    """Can the peer backend run on ``group``? Returns (ok, reason). A collective."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is available"
+    if dist.get_backend(group) == "gloo":
+        pass  # symmetric memory only needs the group's store; gloo groups are fine
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    me = (socket.gethostname(), str(getattr(props, "uuid", dev)), dev)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    if len({h for h, _, _ in everyone}) != 1:
+        return False, "the ranks are on more than one host (peer memory is one host only)"
+    uuids = [u for _, u, _ in everyone]
+    if len(set(uuids)) != len(uuids):
+        return False, ("two or more ranks share one GPU: a peer store between two contexts on one "
+                       "device is undefined; give every rank its own GPU")
+    local = {str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i
+             for i in range(torch.cuda.device_count())}
+    for _, u, _ in everyone:
+        if u not in local:
+            return False, "a peer's GPU is not visible to this process, so peer access cannot be checked"
+        j = local[u]
+        if j != dev and not torch.cuda.can_device_access_peer(dev, j):
+            return False, f"GPU {dev} cannot access GPU {j} as a peer (no P2P/NVLink path)"
+    return True, "every rank has its own GPU on this host and peer access works"
+
+
+class Communicator:
+    """Tensor-parallel collectives for one process group.
+
+    Creating a Communicator is a **collective** and **host-blocking**: every rank of ``group``
+    must call it, in the same order relative to other collectives, and it exchanges memory
+    handles and synchronises. Create it once at start-up and keep it; never inside a CUDA graph
+    capture.
+
+    Args:
+        group: the process group (default: the world). One process per GPU.
+        max_bytes: the largest input of any op, in bytes. The peer backend allocates about
+            ``2 * (world_size + 1) * max_bytes`` of symmetric memory once; larger inputs are
+            refused with ValueError. The reference backend enforces the same bound.
+        backend: ``"auto"``, ``"peer"`` or ``"reference"``.
+        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000).
+
+    Every op runs on the caller's current CUDA stream, allocates nothing but its output (pass
+    ``out=`` to avoid even that), does not synchronise the host, and can be captured in a CUDA
+    graph. All ranks must issue the same ops, in the same order, with the same shapes and dtypes,
+    on one stream at a time. Supported dtypes: bfloat16, float16, float32 (sum).
+
+    Errors: a peer that never arrives, or that called a different op or size in the same round,
+    is written by the kernel to a host-visible word; the next call (or ``check()``) raises
+    ``CommTimeoutError`` / ``CommMismatchError`` and the communicator is broken from then on.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 backend: str = "auto", timeout_ms: int | None = None):
+        pr = V.Problems("Communicator")
+        if backend not in BACKENDS:
+            pr.add(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            pr.add(f"max_bytes={max_bytes!r}; expected a positive int")
+        pr.raise_if_any()
+        self.timeout_ms = P.timeout_ms_from_env(timeout_ms)
+        if not dist.is_initialized():
+            raise RuntimeError("llcomm.Communicator: torch.distributed is not initialised; call "
+                               "torch.distributed.init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.max_bytes = max_bytes
+        self.backend_reason = "requested"
+        if backend in ("auto", "peer"):
+            ok, why = peer_support(self.group)
+            if backend == "peer" and not ok:
+                raise UnsupportedConfigError(
+                    f"llcomm.Communicator(backend='peer'): {why}. Use backend='reference' "
+                    "(torch.distributed) for this configuration.")
+            backend = "peer" if ok else "reference"
+            self.backend_reason = why
+            if not ok:
+                log.info("llcomm: rank %d uses the reference backend: %s", self.rank, why)
+        if backend == "peer":
+            from .peer import PeerBackend
+            self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms)
+            self.device = self._impl.device
+        else:
+            self._impl = ReferenceBackend(self.group)
+            self.device = (torch.device("cuda", torch.cuda.current_device())
+                           if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+        self.backend = backend
+
+    # -- ops ------------------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
+                   algo: str = "auto") -> torch.Tensor:
+        """Sum of ``x`` over all ranks.
+
+        Args:
+            x: any shape, contiguous, bf16 / fp16 / fp32, on this communicator's device,
+               at most ``max_bytes``. Not modified (unless ``out is x``).
+            out: optional result tensor, same shape and dtype as x (may be x itself).
+            algo: ``"one_shot"`` (push + one barrier), ``"lamport"`` (one-shot, barrier-free,
+               inputs up to 1 MiB), ``"two_shot"`` (reduce-scatter + all-gather) or ``"auto"``.
+        Returns:
+            ``out`` (a new tensor if not given). The peer backend accumulates in fp32 in global
+            rank order and rounds once, so every rank gets the same bits whichever algorithm
+            ran (the reference backend is NCCL's or gloo's own order).
+        """
+        pr = V.Problems("all_reduce")
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+            V.check_out(pr, out, x, tuple(x.shape), self.device)
+        if algo not in ALGOS:
+            pr.add(f"algo={algo!r}; expected one of {', '.join(ALGOS)}")
+        elif algo == "lamport" and isinstance(x, torch.Tensor) and self.backend == "peer" \
+                and x.numel() * x.element_size() > self._impl.lamport_bytes:
+            pr.add(f"algo='lamport' takes at most {self._impl.lamport_bytes} bytes; x has "
+                   f"{x.numel() * x.element_size()}")
+        pr.raise_if_any()
+        if out is None:
+            out = torch.empty_like(x)
+        if algo == "auto":
+            algo = self.choose_algo(x.numel() * x.element_size())
+        return self._impl.all_reduce(x, out, algo)
+
+    def choose_algo(self, nbytes: int) -> str:
+        """The algorithm ``all_reduce(algo="auto")`` runs for ``nbytes`` (see AUTO_TABLE)."""
+        for ws, limit, algo in AUTO_TABLE:
+            if ws in (None, self.world_size) and nbytes <= limit:
+                if algo == "lamport" and self.backend == "peer" and nbytes > self._impl.lamport_bytes:
+                    continue
+                return algo
+        return "two_shot"
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Copy ``x`` of rank ``src`` (a rank of this group) into ``x`` on every rank, in place.
+
+        x: contiguous, any of the supported dtypes, same shape on every rank. Returns x.
+        Byte-exact: the bytes that arrive are the bytes that were sent.
+        """
+        pr = V.Problems("broadcast")
+        V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes)
+        if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < self.world_size:
+            pr.add(f"src={src!r}; expected a rank in [0, {self.world_size})")
+        pr.raise_if_any()
+        return self._impl.broadcast(x, src)
+
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along dim 0 in rank order.
+
+        x: ``[d0, ...]``; out: ``[world_size * d0, ...]`` (allocated if not given). Byte-exact.
+        """
+        pr = V.Problems("all_gather")
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+            shape = (self.world_size * (x.shape[0] if x.dim() else 1), *x.shape[1:])
+            V.check_out(pr, out, x, shape, self.device)
+        pr.raise_if_any()
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        return self._impl.all_gather(x, out)
+
+    def all_gather_2d(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-major gather: x ``[tokens, part]`` -> out ``[tokens, world_size * part]``.
+
+        Rank r's part of token t lands at ``out[t, r * part:(r + 1) * part]`` (flat offset
+        ``t * full + r * part``), the layout a column-parallel projection's output needs.
+        """
+        pr = V.Problems("all_gather_2d")
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+            if x.dim() != 2:
+                pr.add(f"x has shape {tuple(x.shape)}; expected 2-D [tokens, part]")
+            else:
+                shape = (x.shape[0], self.world_size * x.shape[1])
+                V.check_out(pr, out, x, shape, self.device)
+        pr.raise_if_any()
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        return self._impl.all_gather_2d(x, out)
+
+    def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum over ranks, then rank r keeps the r-th of ``world_size`` equal parts along dim 0.
+
+        x: ``[world_size * d0, ...]``; out: ``[d0, ...]``. Accumulation as in all_reduce.
+        """
+        pr = V.Problems("reduce_scatter")
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+            if x.dim() == 0 or x.shape[0] % self.world_size:
+                pr.add(f"x has shape {tuple(x.shape)}; dim 0 must be a multiple of world_size="
+                       f"{self.world_size}")
+            else:
+                shape = (x.shape[0] // self.world_size, *x.shape[1:])
+                V.check_out(pr, out, x, shape, self.device)
+        pr.raise_if_any()
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        return self._impl.reduce_scatter(x, out)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Wait for this rank's queued ops and raise any error the device reported. Call it after
+        replaying a CUDA graph (replays cannot raise) or whenever you want failures surfaced."""
+        self._impl.check()
+
+    def close(self) -> None:
+        """Release the workspace. A collective: every rank drains its work first."""
+        self._impl.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,91 @@
+"""Compile llcomm's kernels for sm_90 on any machine (no GPU needed) and report what matters.
+
+    python tools/ptx.py [--dump DIR]
+
+Prints, per kernel, whether the peer loads/stores are 16 bytes wide (ld/st.global.v4), the
+system-scope atomics, and register use when known. PTX reading costs no device time.
+"""
+import argparse
+import os
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from llcomm.kernels import all_reduce, movement
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _sig(names, overrides):
+    return {n: overrides.get(n, "i64") for n in names}
+
+
+KERNELS = {
+    "one_shot_bf16": (all_reduce.one_shot_kernel,
+                      {"x": "*bf16", "out": "*bf16", "n": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
+                       "flags": "*i64", "ctrl": "*i64", "err_addr": "i64", "rank": "i32", "tag": "i64",
+                       "timeout_ns": "i64", "cap": "i64"},
+                      {"W": 2, "WP": 2, "NB": 32, "BLOCK": 1024}),
+    "two_shot_bf16": (all_reduce.two_shot_kernel,
+                      {"x": "*bf16", "out": "*bf16", "n": "i32", "shard": "i32", "stage_tab": "*i64",
+                       "gather_tab": "*i64", "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64",
+                       "err_addr": "i64", "rank": "i32", "tag": "i64", "timeout_ns": "i64", "cap": "i64"},
+                      {"W": 2, "WP": 2, "NB": 32, "BLOCK": 1024}),
+    "lamport_bf16": (all_reduce.lamport_kernel,
+                     {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "ctrl": "*i64",
+                      "err_addr": "i64", "rank": "i32", "timeout_ns": "i64", "cap": "i64"},
+                     {"SENTINEL": -32768, "FT": "bf16", "W": 2, "NB": 32, "BLOCK": 1024}),
+    "broadcast_i32": (movement.broadcast_kernel,
+                      {"x": "*i32", "n": "i32", "src": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
+                       "flags": "*i64", "ctrl": "*i64", "err_addr": "i64", "rank": "i32", "tag": "i64",
+                       "timeout_ns": "i64", "cap": "i64"},
+                      {"W": 2, "WP": 2, "NB": 64, "BLOCK": 512}),
+    "all_gather_i32": (movement.all_gather_kernel,
+                       {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "stage_tab": "*i64",
+                        "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err_addr": "i64",
+                        "rank": "i32", "tag": "i64", "timeout_ns": "i64", "cap": "i64"},
+                       {"W": 2, "WP": 2, "NB": 64, "BLOCK": 512}),
+    "reduce_scatter_bf16": (movement.reduce_scatter_kernel,
+                            {"x": "*bf16", "out": "*bf16", "m_out": "i32", "stage_tab": "*i64",
+                             "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err_addr": "i64",
+                             "rank": "i32", "tag": "i64", "timeout_ns": "i64", "cap": "i64"},
+                            {"W": 2, "WP": 2, "NB": 64, "BLOCK": 1024}),
+}
+
+
+def compile_one(fn, sig, consts):
+    import triton.language as tl
+    cs = {k: (getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[v])
+              if isinstance(v, str) else v) for k, v in consts.items()}
+    full = dict(sig)
+    for k in cs:
+        full[k] = "constexpr"
+    # pointer args and ints are assumed 16-divisible as Triton specialises them at run time
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(full.items())
+             if v.startswith("*") or k in ("n", "cap", "shard", "m_out", "part")}
+    src = ASTSource(fn, signature=full, constexprs={(list(full).index(k),): v for k, v in cs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=TARGET)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dump", default=None)
+    args = ap.parse_args()
+    for name, (fn, sig, consts) in KERNELS.items():
+        k = compile_one(fn, sig, consts)
+        ptx = k.asm["ptx"]
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            open(os.path.join(args.dump, name + ".ptx"), "w").write(ptx)
+        v4 = len(re.findall(r"(ld|st)\.global[^\n]*\.v4", ptx))
+        narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
+        sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
+        print(f"{name:16s} v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  sys atomics {sys_atom:2d}  "
+              f"regs {k.n_regs if hasattr(k, 'n_regs') else '?'}")
+
+
+if __name__ == "__main__":
+    main()
