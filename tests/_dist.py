@@ -1,0 +1,161 @@
+"""The one spawn helper of every distributed test.
+
+    from _dist import run_distributed
+
+    def _body(rank, world_size, n):          # module level, so spawn can pickle it
+        ...                                  # torch.distributed is initialised here
+
+    def test_something():
+        run_distributed(_body, 2, 1000)      # raises in pytest if any rank raised
+
+``run_distributed`` starts ``world_size`` fresh processes (``spawn``), gives them a TCP store on
+a port the OS picked for this call only, initialises the default process group in each, runs
+``fn(rank, world_size, *args)`` and destroys the group in ``finally``. Each rank reports back over
+a queue: its return value, or its exception with the rank's traceback, which is then raised in
+the pytest process. Nothing can hang: once any rank fails, the others get a short grace period;
+past ``timeout`` seconds every remaining process is killed and the test fails, naming the ranks
+that never finished.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+#: Environment for GPU (NCCL) runs: NVLink multicast (NVLS) stays off on the lent machines.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+#: Seconds the other ranks get to finish after one rank failed (they are usually stuck in a
+#: collective waiting for it) before they are killed.
+FAILURE_GRACE_S = 5.0
+#: Seconds to wait for a killed process to go.
+KILL_WAIT_S = 5.0
+#: How often, in seconds, the parent looks at the processes while it waits for reports.
+POLL_S = 0.2
+HOST = "127.0.0.1"
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised, crashed or timed out. The message has every rank's story."""
+
+
+def _worker(fn, rank, world_size, port, backend, timeout, args, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    status, payload = "ok", None
+    try:
+        torch.set_num_threads(1)  # world_size processes share few cores: no oversubscription
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        td = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=td)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=td)
+        try:
+            payload = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001  (report everything, pytest's skip included)
+        if type(e).__name__ == "Skipped":  # pytest.skip() inside a rank
+            status, payload = "skip", str(e)
+        else:
+            status, payload = "error", "".join(traceback.format_exception(e))
+    try:
+        results.put((rank, status, payload))
+    except Exception:  # an unpicklable return value: say so instead of vanishing
+        results.put((rank, "error", f"rank {rank}: could not send its return value back:\n"
+                                    + traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Returns the list of
+    the ranks' return values, by rank. Raises ``RankFailed`` (an AssertionError) with the
+    traceback of every rank that raised, the exit code of every rank that died without a word,
+    and the ranks still running when ``timeout`` seconds ran out; calls ``pytest.skip`` when a
+    rank skipped and none failed.
+
+    backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r uses GPU r; multicast is switched off
+    through the environment before the processes start, see ``GPU_ENV``).
+    """
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        os.environ.update(GPU_ENV)
+    # The parent hosts the rendezvous store on a port the OS picks now (port 0): a fresh free
+    # port per call, with no window in which another process could take it.
+    td = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(HOST, 0, world_size=None, is_master=True, timeout=td,
+                          wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, name=f"llcomm-test-rank{r}", daemon=True,
+                         args=(fn, r, world_size, store.port, backend, timeout, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+
+    reports: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    try:
+        while len(reports) < world_size:
+            now = time.monotonic()
+            if now > deadline or (failed_at is not None and now > failed_at + FAILURE_GRACE_S):
+                break
+            try:
+                rank, status, payload = results.get(timeout=POLL_S)
+                reports[rank] = (status, payload)
+                if status == "error" and failed_at is None:
+                    failed_at = time.monotonic()
+                continue
+            except queue_mod.Empty:
+                pass
+            # A process that died without reporting (segfault, os._exit, killed) never will.
+            dead = [r for r, p in enumerate(procs)
+                    if r not in reports and p.exitcode is not None]
+            if dead:
+                time.sleep(POLL_S)  # its report may still be in the pipe
+                while True:
+                    try:
+                        rank, status, payload = results.get_nowait()
+                    except queue_mod.Empty:
+                        break
+                    reports[rank] = (status, payload)
+                for r in dead:
+                    if r not in reports:
+                        reports[r] = ("error", f"rank {r} died with exit code "
+                                               f"{procs[r].exitcode} and reported nothing")
+                if failed_at is None:
+                    failed_at = time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(KILL_WAIT_S, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=KILL_WAIT_S)
+        results.close()
+        del store
+
+    errors = [(r, payload) for r, (status, payload) in sorted(reports.items()) if status == "error"]
+    missing = [r for r in range(world_size) if r not in reports]
+    if errors or missing:
+        parts = [f"--- rank {r} of {world_size} raised ---\n{tb}" for r, tb in errors]
+        if missing:
+            why = ("after another rank failed" if errors else f"within timeout={timeout}s")
+            parts.append(f"--- ranks {missing} did not finish {why}; killed ---")
+        raise RankFailed(f"{getattr(fn, '__name__', fn)} failed on {world_size} ranks:\n"
+                         + "\n".join(parts))
+    skips = [payload for status, payload in reports.values() if status == "skip"]
+    if skips:
+        import pytest
+        pytest.skip(skips[0])
+    return [reports[r][1] for r in range(world_size)]
