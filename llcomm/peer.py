@@ -7,17 +7,25 @@ is read before each launch and by ``check()``.
 """
 from __future__ import annotations
 
-import numpy as np
+import os
+
 import torch
 import torch.distributed as dist
 
 from . import protocol as P
 from .errors import CommBrokenError
+from .launch import Launcher
 from .workspace import SymmetricWorkspace
 
 #: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
 #: advances counter ctrl[b], so all counters stay equal to the number of ops run.
 NUM_BLOCKS = 64
+#: Env override of NUM_BLOCKS (a tuning knob; every rank must use the same value).
+NUM_BLOCKS_ENV = "LLCOMM_NUM_BLOCKS"
+#: Largest slice one block moves per loop iteration, and its warps: 32 bytes in flight per thread
+#: at 8 warps, enough outstanding NVLink stores to approach the link's bandwidth.
+MAX_BLOCK_BYTES = 16 << 10
+MAX_WARPS = 8
 #: Bytes per Lamport slot at most: the barrier-free one-shot is for small messages only.
 LAMPORT_MAX_BYTES = 1 << 20
 #: Idle Lamport words hold this 16-bit pattern (-0.0 in bf16 / fp16).
@@ -27,19 +35,22 @@ SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words s
 SHARD_ALIGN = 16
 #: Staging halves used alternately by consecutive ops (see kernels/all_reduce.py for why 2).
 HALVES = 2
+#: int64 words after the op counters in the ctrl region: device error word, host word address.
+CTRL_ERR_WORDS = 2
 #: Flag slots per block: entry barrier and exit barrier.
 FLAG_PHASES = 2
 
 _TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def _launch_shape(n: int, itemsize: int) -> tuple[int, int]:
-    """(BLOCK elements, num_warps): 16 bytes per thread per access; enough blocks busy."""
+def _launch_shape(n: int, itemsize: int, nb: int) -> tuple[int, int]:
+    """(BLOCK elements, num_warps): 16 bytes per thread per access, all ``nb`` blocks busy
+    when there is enough work, at most MAX_BLOCK_BYTES per block-iteration."""
     per_thread = max(16 // itemsize, 1)
-    chunks = max(-(-n // NUM_BLOCKS), 1)
+    chunks = max(-(-n // nb), 1)
     block = 1 << (chunks - 1).bit_length()
-    block = min(max(block, 32 * per_thread), 4096)
-    return block, max(1, min(8, block // (32 * per_thread)))
+    block = min(max(block, 32 * per_thread), MAX_BLOCK_BYTES // itemsize)
+    return block, max(1, min(MAX_WARPS, block // (32 * per_thread)))
 
 
 class PeerBackend:
@@ -48,22 +59,24 @@ class PeerBackend:
     name = "peer"
 
     def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int):
-        import triton.language as tl  # noqa: F401  (kernels need Triton; fail here, not mid-op)
+        import triton.language as tl  # kernels need Triton: fail here, not mid-op
         from .kernels import all_reduce, movement
 
+        self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
         self._k_mv = movement
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = W = dist.get_world_size(group)
+        self.nb = nb = int(os.environ.get(NUM_BLOCKS_ENV, NUM_BLOCKS))
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_bytes = max_bytes
         self.timeout_ns = timeout_ms * P.NS_PER_MS
         self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         self.ws = SymmetricWorkspace(group, {
-            "ctrl": 8 * NUM_BLOCKS,
-            "flags": 8 * FLAG_PHASES * NUM_BLOCKS * W,
+            "ctrl": 8 * (nb + CTRL_ERR_WORDS),
+            "flags": 8 * FLAG_PHASES * nb * W,
             "stage": HALVES * W * self.cap_bytes,
             "gather": HALVES * self.cap_bytes,
             "lamport": HALVES * W * self.lamport_bytes,
@@ -71,14 +84,17 @@ class PeerBackend:
         self.ws.local("lamport", torch.int16).fill_(SENTINEL16)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
-        self.ctrl = self.ws.local("ctrl", torch.int64)
+        ctrl = self.ws.local("ctrl", torch.int64)
+        self.ctrl = ctrl[:nb]
+        self.err = ctrl[nb:]
         self.flags = self.ws.local("flags", torch.int64)
         self.tabs = {name: self.ws.table(name) for name in ("flags", "stage", "gather", "lamport")}
         # Host-visible error word: pinned host memory is mapped into the GPU's address space
         # (UVA), so kernels store to it directly and the host reads it without a sync.
+        self._launch = Launcher(self.device)
         self._err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._err_np = self._err.numpy()
-        self.err_addr = self._err.data_ptr()
+        self.err[1].fill_(self._err.data_ptr())
         self.broken: Exception | None = None
         self.WP = 1 << (W - 1).bit_length()
 
@@ -105,72 +121,71 @@ class PeerBackend:
         if n == 0:
             return out
         self._precheck()
-        block, warps = _launch_shape(n, x.element_size())
-        W, grid = self.world_size, (NUM_BLOCKS,)
+        block, warps = _launch_shape(n, x.element_size(), self.nb)
+        W = self.world_size
         cap = self.cap_bytes // x.element_size()
         if algo == "lamport":
             if x.element_size() == 2:
                 xi, oi, sent = x.view(torch.int16), out.view(torch.int16), SENTINEL16
             else:
                 xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
-            import triton.language as tl
-            self._k_ar.lamport_kernel[grid](
-                xi, oi, n, self.tabs["lamport"], self.ctrl, self.err_addr, self.rank,
-                self.timeout_ns, self.lamport_bytes // x.element_size(),
-                SENTINEL=sent, FT=getattr(tl, _TL_FLOAT[x.dtype]), W=W, NB=NUM_BLOCKS,
-                BLOCK=block, num_warps=warps)
+            self._launch(self._k_ar.lamport_kernel, self.nb, (
+                xi, oi, n, self.tabs["lamport"], self.ctrl, self.err, self.rank,
+                self.timeout_ns, self.lamport_bytes // x.element_size()), warps,
+                SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, NB=self.nb,
+                BLOCK=block)
         elif algo == "one_shot":
-            self._k_ar.one_shot_kernel[grid](
+            self._launch(self._k_ar.one_shot_kernel, self.nb, (
                 x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-                self.err_addr, self.rank, self._tag(P.OP_ONE_SHOT, n, x.dtype), self.timeout_ns,
-                cap, W=W, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+                self.err, self.rank, self._tag(P.OP_ONE_SHOT, n, x.dtype), self.timeout_ns,
+                cap), warps,
+                W=W, WP=self.WP, NB=self.nb, BLOCK=block)
         else:
             shard = -(-n // W)
             shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
-            block, warps = _launch_shape(shard, x.element_size())
-            self._k_ar.two_shot_kernel[grid](
+            block, warps = _launch_shape(shard, x.element_size(), self.nb)
+            self._launch(self._k_ar.two_shot_kernel, self.nb, (
                 x, out, n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
-                self.flags, self.ctrl, self.err_addr, self.rank,
-                self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_ns, cap,
-                W=W, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+                self.flags, self.ctrl, self.err, self.rank,
+                self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_ns, cap), warps,
+                W=W, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
 
     # -- movement -------------------------------------------------------------------------------
-    def _bytes_view(self, t: torch.Tensor) -> torch.Tensor:
-        """Movement kernels copy bytes: view any dtype as int32 when aligned, else uint8."""
-        flat = t.view(-1).view(torch.uint8)
-        if flat.numel() % 4 == 0 and t.data_ptr() % 4 == 0:
-            return flat.view(torch.int32)
-        return flat
+    @staticmethod
+    def _word_views(row_bytes: int, *ts: torch.Tensor) -> list[torch.Tensor]:
+        """Movement kernels copy words: int32 views when every row and every address is 4-byte
+        aligned, else uint8 views. Either is exact."""
+        words = row_bytes % 4 == 0 and all(t.data_ptr() % 4 == 0 for t in ts)
+        return [t.view(-1).view(torch.uint8).view(torch.int32 if words else torch.uint8)
+                for t in ts]
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        xb = self._bytes_view(x)
+        xb, = self._word_views(x.numel() * x.element_size(), x)
         n = xb.numel()
         if n == 0:
             return x
         self._precheck()
-        block, warps = _launch_shape(n, xb.element_size())
-        self._k_mv.broadcast_kernel[(NUM_BLOCKS,)](
+        block, warps = _launch_shape(n, xb.element_size(), self.nb)
+        self._launch(self._k_mv.broadcast_kernel, self.nb, (
             xb, n, src, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err_addr, self.rank, self._tag(P.OP_BROADCAST, n, str(x.dtype)), self.timeout_ns,
-            self.cap_bytes // xb.element_size(),
-            W=self.world_size, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+            self.err, self.rank, self._tag(P.OP_BROADCAST, n, x.dtype), self.timeout_ns,
+            self.cap_bytes // xb.element_size()), warps,
+            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return x
 
     def _gather(self, x: torch.Tensor, out: torch.Tensor, rows: int) -> torch.Tensor:
-        xb, ob = self._bytes_view(x), self._bytes_view(out)
-        if xb.element_size() != ob.element_size():
-            xb, ob = x.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
+        xb, ob = self._word_views(x.numel() * x.element_size() // max(rows, 1), x, out)
         n = xb.numel()
         if n == 0:
             return out
         self._precheck()
-        block, warps = _launch_shape(n, xb.element_size())
-        self._k_mv.all_gather_kernel[(NUM_BLOCKS,)](
+        block, warps = _launch_shape(n, xb.element_size(), self.nb)
+        self._launch(self._k_mv.all_gather_kernel, self.nb, (
             xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err_addr, self.rank, self._tag(P.OP_ALL_GATHER, n, str(x.dtype)),
-            self.timeout_ns, self.cap_bytes // xb.element_size(),
-            W=self.world_size, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+            self.err, self.rank, self._tag(P.OP_ALL_GATHER, n, x.dtype),
+            self.timeout_ns, self.cap_bytes // xb.element_size()), warps,
+            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
 
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -184,12 +199,12 @@ class PeerBackend:
         if m == 0:
             return out
         self._precheck()
-        block, warps = _launch_shape(m, x.element_size())
-        self._k_mv.reduce_scatter_kernel[(NUM_BLOCKS,)](
+        block, warps = _launch_shape(m, x.element_size(), self.nb)
+        self._launch(self._k_mv.reduce_scatter_kernel, self.nb, (
             x, out, m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err_addr, self.rank, self._tag(P.OP_REDUCE_SCATTER, m, x.dtype),
-            self.timeout_ns, self.cap_bytes // x.element_size(),
-            W=self.world_size, WP=self.WP, NB=NUM_BLOCKS, BLOCK=block, num_warps=warps)
+            self.err, self.rank, self._tag(P.OP_REDUCE_SCATTER, m, x.dtype),
+            self.timeout_ns, self.cap_bytes // x.element_size()), warps,
+            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
 
     def close(self) -> None:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the single-tensor collectives (the old names still work but warn).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class ReferenceBackend:
     """TP ops on torch.distributed collectives of ``group``."""
@@ -32,14 +36,17 @@ class ReferenceBackend:
         return x
 
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        dist.all_gather_into_tensor(out, x, group=self.group)
+        # Flat views: gloo wants the output to be world_size chunks shaped exactly like the
+        # input, which a 0-d x (out [world_size]) or a stacked output would not be.
+        _all_gather_flat(out.view(-1), x.reshape(-1), group=self.group)
         return out
 
     def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         tokens, part = x.shape
-        stacked = torch.empty((self.world_size, tokens, part), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(stacked, x, group=self.group)
-        out.view(tokens, self.world_size, part).copy_(stacked.transpose(0, 1))
+        stacked = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
+        _all_gather_flat(stacked, x.reshape(-1), group=self.group)
+        out.view(tokens, self.world_size, part).copy_(
+            stacked.view(self.world_size, tokens, part).transpose(0, 1))
         return out
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -48,7 +55,7 @@ class ReferenceBackend:
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
             out.copy_(full.view(self.world_size, *out.shape)[self.rank])
             return out
-        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter_flat(out.view(-1), x.view(-1), op=dist.ReduceOp.SUM, group=self.group)
         return out
 
     def check(self) -> None:

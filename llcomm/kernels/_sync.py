@@ -35,10 +35,18 @@ def ptr_from_table(table, idx, DTYPE: tl.constexpr):
 
 @triton.jit
 def report_error(err_ptr, status, op, phase, mask):
-    """Write an error word to host-visible memory (first write wins is not needed: any is true)."""
+    """Record an error word; the first error of a communicator wins.
+
+    ``err_ptr`` points at the device copy (int64, in the ctrl region); ``err_ptr[1]`` holds the
+    address of the host-visible copy (pinned, mapped) that the host reads without a sync. Only
+    the block that wins the compare-and-swap on the device copy writes the host copy, so a later
+    timeout of another block cannot hide the mismatch that caused it.
+    """
     zero = tl.full([], 0, tl.int64)
     word = ((zero + status) << 48) | ((zero + op) << 40) | ((zero + phase) << 32) | (zero + mask)
-    tl.store(err_ptr, word)
+    if tl.atomic_cas(err_ptr, zero, word, sem="relaxed", scope="gpu") == 0:
+        host = tl.load(err_ptr + 1).to(tl.pointer_type(tl.int64))
+        tl.store(host, word)
 
 
 @triton.jit

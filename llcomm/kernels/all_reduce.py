@@ -32,14 +32,13 @@ STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 
 
 @triton.jit
-def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag, timeout_ns,
+def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_ns,
                     cap,                    # elements per staging slot
                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
     then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
-    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
     seq = tl.load(ctrl + b)
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -54,7 +53,7 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err_addr, rank,
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_ns, err_ptr, OP_ONE_SHOT, PHASE_ENTRY, W, WP):
+        if wait_peers(flags, b, word, timeout_ns, err, OP_ONE_SHOT, PHASE_ENTRY, W, WP):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
@@ -67,7 +66,7 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err_addr, rank,
 
 
 @triton.jit
-def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ctrl, err_addr,
+def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ctrl, err,
                     rank, tag, timeout_ns,
                     cap,                    # elements per staging slot
                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
@@ -77,7 +76,6 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     region; second barrier; copy the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
-    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
     seq = tl.load(ctrl + b)
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -93,7 +91,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     if b * BLOCK < shard:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_ns, err_ptr, OP_TWO_SHOT, PHASE_ENTRY, W, WP)
+        ok = wait_peers(flags, b, word, timeout_ns, err, OP_TWO_SHOT, PHASE_ENTRY, W, WP)
         if ok:
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
             for start in range(b * BLOCK, shard, NB * BLOCK):
@@ -109,7 +107,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                     tl.store(dst + offs, red, mask=m)
             tl.debug_barrier()
             signal_peers(flag_tab, NB + b, word, rank, W, WP)
-            ok = wait_peers(flags, NB + b, word, timeout_ns, err_ptr, OP_TWO_SHOT, PHASE_EXIT, W, WP)
+            ok = wait_peers(flags, NB + b, word, timeout_ns, err, OP_TWO_SHOT, PHASE_EXIT, W, WP)
             if ok:
                 gathered = tl.multiple_of(ptr_from_table(gather_tab, rank, DT), 16) + parity * cap
                 for start in range(b * BLOCK, shard, NB * BLOCK):
@@ -122,7 +120,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
 
 
 @triton.jit
-def lamport_kernel(x, out, n, lam_tab, ctrl, err_addr, rank, timeout_ns,
+def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_ns,
                    cap,                     # elements per Lamport slot
                    SENTINEL: tl.constexpr,  # bit pattern of "not yet written" in the int view
                    FT: tl.constexpr,        # the float dtype the int view holds
@@ -139,7 +137,6 @@ def lamport_kernel(x, out, n, lam_tab, ctrl, err_addr, rank, timeout_ns,
     """
     b = tl.program_id(0)
     IT = x.dtype.element_ty
-    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
     seq = tl.load(ctrl + b)
     half = seq % 2
     lanes = tl.arange(0, BLOCK)
@@ -165,7 +162,7 @@ def lamport_kernel(x, out, n, lam_tab, ctrl, err_addr, rank, timeout_ns,
                 v = tl.load(src, mask=m, other=0, volatile=True)
                 if global_time_ns() - t0 > timeout_ns:
                     failed = 1
-                    report_error(err_ptr, STATUS_TIMEOUT, OP_LAMPORT, PHASE_DATA,
+                    report_error(err, STATUS_TIMEOUT, OP_LAMPORT, PHASE_DATA,
                                  tl.full([], 1 << p, tl.int64))
             acc += v.to(FT, bitcast=True).to(tl.float32)
             tl.store(src, tl.full([BLOCK], SENTINEL, IT), mask=m)

@@ -18,14 +18,13 @@ OP_REDUCE_SCATTER = tl.constexpr(P.OP_REDUCE_SCATTER)
 
 
 @triton.jit
-def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag, timeout_ns,
+def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_ns,
                      cap,                   # words per staging slot
                      W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """``src`` pushes x into slot 0 of every other rank's staging; one barrier (``src`` also
     waits, so it never runs two ops ahead); the others copy slot 0 into x."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
-    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
     seq = tl.load(ctrl + b)
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -42,7 +41,7 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err_addr, rank
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_ns, err_ptr, OP_BROADCAST, PHASE_ENTRY, W, WP)
+        ok = wait_peers(flags, b, word, timeout_ns, err, OP_BROADCAST, PHASE_ENTRY, W, WP)
         if ok & (rank != src):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
@@ -53,7 +52,7 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err_addr, rank
 
 
 @triton.jit
-def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag,
+def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                       timeout_ns,
                       cap,                  # words per staging slot
                       W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
@@ -63,7 +62,6 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err_add
     contiguous rank-major all-gather; ``part < n`` the token-major 2-D form)."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
-    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
     seq = tl.load(ctrl + b)
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -78,7 +76,7 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err_add
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_ns, err_ptr, OP_ALL_GATHER, PHASE_ENTRY, W, WP):
+        if wait_peers(flags, b, word, timeout_ns, err, OP_ALL_GATHER, PHASE_ENTRY, W, WP):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
@@ -92,7 +90,7 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err_add
 
 
 @triton.jit
-def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err_addr, rank, tag,
+def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                           timeout_ns,
                           cap,              # elements per staging slot
                           W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
@@ -101,7 +99,6 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err_a
     Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
-    err_ptr = err_addr.to(tl.pointer_type(tl.int64))
     seq = tl.load(ctrl + b)
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -116,7 +113,7 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err_a
     if b * BLOCK < m_out:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_ns, err_ptr, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
+        if wait_peers(flags, b, word, timeout_ns, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, m_out, NB * BLOCK):
                 offs = start + lanes

@@ -1,0 +1,426 @@
+"""``llcomm bench tp``: the TP joins of a decode step, timed against NCCL and torch symmetric
+memory in the same run, on the same input data, with every llcomm result checked.
+
+Per op and size, on GPUs (one process per GPU, NCCL):
+
+- llcomm (the ``Communicator``; impl ``reference`` where it fell back to its reference backend):
+  CUDA-graph mode and eager mode, algo ``auto`` (plus ``one_shot``, ``two_shot``, ``lamport``
+  with ``--algos all``; lamport only up to 1 MiB);
+- NCCL through torch.distributed, graph and eager;
+- all_reduce only: torch symmetric memory ``one_shot_all_reduce`` / ``two_shot_all_reduce_`` on a
+  buffer from ``symm_mem.empty`` + ``rendezvous``, graph mode.
+
+On CPU (two gloo processes) only the llcomm row runs, eagerly, timed with ``perf_counter``.
+
+Sizes follow nccl-tests: ``bytes`` is the whole buffer, i.e. the input of all_reduce, broadcast and
+reduce_scatter and the output of all_gather (each rank contributes ``bytes / world_size``).
+Bus bandwidth uses nccl-tests' factors: all_reduce ``2(n-1)/n``, all_gather and reduce_scatter
+``(n-1)/n``, broadcast 1.
+
+Correctness: fresh random inputs per size; the expected result comes from an all_gather of every
+rank's input. Sums are taken in fp32 in rank order and rounded once, which the peer backend must
+match bit for bit; the reference backend (NCCL's or gloo's own order) must be within a
+summation-error bound. Movement ops must be byte-exact. Outputs are poisoned with NaN before the
+first call and before the timed loop, and checked after both (after the replays in graph mode).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import common as C
+
+OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter")
+EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
+#: The barrier-free Lamport all-reduce is for small messages only.
+LAMPORT_MAX_BYTES = 1 << 20
+DEFAULT_ITERS = 100
+DEFAULT_WARMUP = 10
+#: all_gather_2d input is [tokens, part] with part = gcd(per-rank elements, this).
+GATHER_2D_MAX_PART = 1024
+#: Rank whose buffer broadcast sends.
+BROADCAST_SRC = 0
+#: Characters of an error message kept in a result row.
+ERROR_CHARS = 200
+
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' busbw / algbw factor."""
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    if op == "broadcast":
+        return 1.0
+    return (world - 1) / world
+
+
+@dataclass
+class Config:
+    sizes: list[int]
+    dtype: str = "bfloat16"
+    iters: int = DEFAULT_ITERS
+    warmup: int = DEFAULT_WARMUP
+    graph_ops: int = C.GRAPH_OPS
+    algos: str = "auto"
+    ops: tuple = ("all_reduce",)
+    backend: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class Impl:
+    """One thing to time at one size. ``fn`` runs one op (a collective: every rank calls it)."""
+    impl: str                                    # llcomm, reference, nccl, torch_one_shot, ...
+    algo: str                                    # the algorithm that runs
+    fn: Callable[[], object] | None
+    requested: str | None = None                 # llcomm: the ``algo=`` argument
+    reset: Callable[[], object] | None = None    # restore inputs, poison outputs
+    check: Callable[[], int] | None = None       # wrong elements in the current result
+    modes: tuple = ("graph", "eager")
+    is_llcomm: bool = False
+    error: str | None = None                     # set: not runnable here, report why
+    extra: dict = field(default_factory=dict)
+
+
+class Rank:
+    """Per-rank state of a run: device, communicator, generator, torch's symmetric buffer."""
+
+    def __init__(self, rank: int, world: int, cfg: Config):
+        from llcomm import Communicator
+
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.cuda = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self.dtype = C.parse_dtype(cfg.dtype)
+        self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self.comm = Communicator(max_bytes=max(cfg.sizes), backend=cfg.backend)
+        self.llcomm_name = "llcomm" if self.comm.backend == "peer" else "reference"
+        self.exact = self.comm.backend == "peer"
+        self.timing = C.Timing(self.device, cfg.iters, cfg.warmup,
+                               cfg.graph_ops if self.cuda else 1)
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
+        self.symm, self.symm_error = None, None
+        if self.cuda and "all_reduce" in cfg.ops:
+            self._torch_symm(max(cfg.sizes) // self.itemsize)
+
+    def _torch_symm(self, count: int) -> None:
+        """One symmetric buffer for torch's all-reduce ops, rendezvoused once (a collective)."""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+            self.group_name = dist.group.WORLD.group_name
+            self.symm = symm_mem.empty(count, dtype=self.dtype, device=self.device)
+            symm_mem.rendezvous(self.symm, self.group_name)
+            for op in ("one_shot_all_reduce", "two_shot_all_reduce_"):
+                getattr(torch.ops.symm_mem, op)  # raises where this torch lacks the op
+        except Exception as e:  # noqa: BLE001 - reported as a row note, not fatal
+            self.symm, self.symm_error = None, _short(e)
+        if C.any_rank(self.symm is None, self.device):
+            self.symm_error = self.symm_error or "failed on another rank"
+            self.symm = None
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=self.dtype, device=self.device, generator=self.gen)
+
+    def reduced(self, stack: torch.Tensor):
+        """(expected, bound) of a sum over dim 0 of ``stack`` for this run's backend."""
+        if self.exact:
+            return C.rank_order_sum(stack, self.dtype), None
+        return stack.double().sum(0), C.sum_bound(stack, self.dtype)
+
+    def llcomm_impl(self, algo: str, fn, out: torch.Tensor, expected, bound=None,
+                    requested: str | None = None, reset=None) -> Impl:
+        return Impl(self.llcomm_name, algo, fn, requested=requested,
+                    reset=reset or (lambda: C.poison_(out)),
+                    check=lambda: C.count_wrong(out, expected, bound), is_llcomm=True)
+
+
+def _short(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:ERROR_CHARS]
+
+
+# -- one builder per op: inputs, expected result, and the impls to time ------------------------
+def _all_reduce(R: Rank, count: int) -> list[Impl]:
+    x = R.rand(count)
+    expected, bound = R.reduced(C.gather_inputs(x))
+    nbytes = count * R.itemsize
+    requested = ["auto"]
+    if R.cfg.algos == "all" and R.comm.backend == "peer":
+        requested += [a for a in EXPLICIT_ALGOS if a != "lamport" or nbytes <= LAMPORT_MAX_BYTES]
+    impls = []
+    for req in requested:
+        out = torch.empty_like(x)
+        algo = (R.comm.choose_algo(nbytes) if req == "auto" else req) \
+            if R.comm.backend == "peer" else "reference"
+        impls.append(R.llcomm_impl(algo, lambda out=out, req=req: R.comm.all_reduce(
+            x, out=out, algo=req), out, expected, bound, requested=req))
+    if not R.cuda:
+        return impls
+    nb = x.clone()
+    impls.append(Impl("nccl", "nccl", lambda: dist.all_reduce(nb), reset=lambda: nb.copy_(x)))
+    if R.symm is None:
+        for name in ("torch_one_shot", "torch_two_shot"):
+            impls.append(Impl(name, name[6:], None, modes=("graph",), error=R.symm_error))
+        return impls
+    view, gname = R.symm[:count], R.group_name
+    impls.append(Impl("torch_one_shot", "one_shot", modes=("graph",), reset=lambda: view.copy_(x),
+                      fn=lambda: torch.ops.symm_mem.one_shot_all_reduce(view, "sum", gname)))
+    impls.append(Impl("torch_two_shot", "two_shot", modes=("graph",), reset=lambda: view.copy_(x),
+                      fn=lambda: torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", gname)))
+    return impls
+
+
+def _broadcast(R: Rank, count: int) -> list[Impl]:
+    x = R.rand(count)
+    expected = C.gather_inputs(x)[BROADCAST_SRC]
+    buf = torch.empty_like(x)
+
+    def reset():
+        buf.copy_(x) if R.rank == BROADCAST_SRC else C.poison_(buf)
+    impls = [R.llcomm_impl(R.llcomm_name if not R.exact else "peer",
+                           lambda: R.comm.broadcast(buf, BROADCAST_SRC), buf, expected,
+                           reset=reset)]
+    if R.cuda:
+        nb = x.clone()
+        impls.append(Impl("nccl", "nccl", lambda: dist.broadcast(nb, BROADCAST_SRC)))
+    return impls
+
+
+def _all_gather(R: Rank, count: int) -> list[Impl]:
+    x = R.rand(count // R.world)
+    expected = C.gather_inputs(x).reshape(-1)
+    out = torch.empty(count, dtype=R.dtype, device=R.device)
+    impls = [R.llcomm_impl("peer" if R.exact else "reference",
+                           lambda: R.comm.all_gather(x, out=out), out, expected)]
+    if R.cuda:
+        o2 = torch.empty_like(out)
+        impls.append(Impl("nccl", "nccl", lambda: dist.all_gather_into_tensor(o2, x)))
+    return impls
+
+
+def _all_gather_2d(R: Rank, count: int) -> list[Impl]:
+    per = count // R.world
+    part = math.gcd(per, GATHER_2D_MAX_PART)
+    tokens = per // part
+    x = R.rand(tokens, part)
+    expected = C.gather_inputs(x).transpose(0, 1).reshape(tokens, R.world * part)
+    out = torch.empty(tokens, R.world * part, dtype=R.dtype, device=R.device)
+    impls = [R.llcomm_impl("peer" if R.exact else "reference",
+                           lambda: R.comm.all_gather_2d(x, out=out), out, expected)]
+    impls[0].extra = {"tokens": tokens, "part": part}
+    if R.cuda:  # NCCL has no strided gather: gather rank-major, then permute (what engines do)
+        stacked = torch.empty(R.world, tokens, part, dtype=R.dtype, device=R.device)
+        o2 = torch.empty_like(out)
+
+        def nccl_2d():
+            dist.all_gather_into_tensor(stacked, x)
+            o2.view(tokens, R.world, part).copy_(stacked.transpose(0, 1))
+        impls.append(Impl("nccl", "gather+permute", nccl_2d, extra={"tokens": tokens, "part": part}))
+    return impls
+
+
+def _reduce_scatter(R: Rank, count: int) -> list[Impl]:
+    m = count // R.world
+    x = R.rand(count)
+    stack = C.gather_inputs(x)[:, R.rank * m:(R.rank + 1) * m]
+    expected, bound = R.reduced(stack)
+    out = torch.empty(m, dtype=R.dtype, device=R.device)
+    impls = [R.llcomm_impl("peer" if R.exact else "reference",
+                           lambda: R.comm.reduce_scatter(x, out=out), out, expected, bound)]
+    if R.cuda:
+        o2 = torch.empty_like(out)
+        impls.append(Impl("nccl", "nccl", lambda: dist.reduce_scatter_tensor(o2, x)))
+    return impls
+
+
+BUILDERS = {"all_reduce": _all_reduce, "broadcast": _broadcast, "all_gather": _all_gather,
+            "all_gather_2d": _all_gather_2d, "reduce_scatter": _reduce_scatter}
+
+
+def skip_reason(op: str, nbytes: int, itemsize: int, world: int) -> str | None:
+    if nbytes % itemsize:
+        return f"{nbytes} B is not a whole number of {itemsize}-byte elements"
+    if op in ("all_gather", "all_gather_2d", "reduce_scatter") and (nbytes // itemsize) % world:
+        return f"{nbytes // itemsize} elements do not split into {world} equal parts"
+    return None
+
+
+# -- running one impl ---------------------------------------------------------------------------
+def _attempt(R: Rank, step: Callable[[], object], what: list) -> bool:
+    """Run ``step``; agree with every rank whether all succeeded. ``what[0]`` gets the error."""
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - becomes the row's error note
+        what[0] = _short(e)
+    failed = C.any_rank(what[0] is not None, R.device)
+    if failed and what[0] is None:
+        what[0] = "failed on another rank"
+    return not failed
+
+
+def run_impl(R: Rank, op: str, nbytes: int, impl: Impl) -> list[dict]:
+    """Time ``impl`` in each of its modes (graph only on GPUs); one result row per mode."""
+    rows = []
+    for mode in impl.modes:
+        if mode == "graph" and not R.cuda:
+            continue
+        row = {"op": op, "impl": impl.impl, "algo": impl.algo, "mode": mode,
+               "dtype": C.dtype_name(R.dtype), "world_size": R.world, "bytes": nbytes,
+               "median_us": None, "p10_us": None, "p90_us": None, "wrong": None,
+               "count": nbytes // R.itemsize, **impl.extra}
+        if impl.is_llcomm:
+            row.update(requested_algo=impl.requested or "auto", backend=R.comm.backend)
+        rows.append(row)
+        if impl.fn is None:
+            row["error"] = impl.error
+            continue
+        err, wrong, state = [None], [0], {}
+
+        def first_call():
+            if impl.reset:
+                impl.reset()
+            impl.fn()
+            if impl.is_llcomm:
+                R.comm.check()
+            if impl.check:
+                wrong[0] += impl.check()
+
+        def capture():
+            state["graph"] = C.capture(impl.fn, R.timing.ops)
+
+        def timed():
+            if impl.reset:
+                impl.reset()
+            if mode == "graph":
+                state["stats"] = C.time_graph(state["graph"], R.timing)
+            else:
+                state["stats"] = C.time_eager(impl.fn, R.timing)
+            if impl.is_llcomm:
+                R.comm.check()
+            if impl.check:
+                wrong[0] += impl.check()
+
+        ok = _attempt(R, first_call, err)
+        if ok and mode == "graph":
+            ok = _attempt(R, capture, err)
+        if ok:
+            ok = _attempt(R, timed, err)
+        state.pop("graph", None)
+        if impl.check:
+            row["wrong"] = C.sum_over_ranks(wrong[0], R.device)
+        if ok:
+            s = state["stats"]
+            row.update(median_us=s.median_us, p10_us=s.p10_us, p90_us=s.p90_us)
+        else:
+            row["error"] = err[0]
+    return rows
+
+
+def rank_main(rank: int, world: int, cfg: Config):
+    """One rank of ``llcomm bench tp``: rank 0 returns the result (header, rows, notes)."""
+    R = Rank(rank, world, cfg)
+    rows, notes = [], []
+    with C.progress(len(cfg.ops) * len(cfg.sizes), "bench tp",
+                    enabled=rank == 0 and cfg.progress) as bar:
+        for op in cfg.ops:
+            for nbytes in cfg.sizes:
+                why = skip_reason(op, nbytes, R.itemsize, world)
+                if why:
+                    notes.append(f"{op} {C.fmt_bytes(nbytes)}: skipped, {why}")
+                else:
+                    for impl in BUILDERS[op](R, nbytes // R.itemsize):
+                        rows += run_impl(R, op, nbytes, impl)
+                bar.advance(f"{op} {C.fmt_bytes(nbytes)}")
+    backend, reason = R.comm.backend, R.comm.backend_reason
+    R.comm.close()
+    if rank != 0:
+        return None
+    header = C.result_header(world, R.device)
+    return {**header, "bench": "tp", "backend": backend, "backend_reason": reason,
+            "iters": cfg.iters, "warmup": cfg.warmup,
+            "graph_ops": R.timing.ops if R.cuda else None, "rows": rows, "notes": notes}
+
+
+# -- command line -------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--sizes", help="comma list of byte sizes with K/M suffixes "
+                   "(default: every power of two from 8 B to 16 MiB)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
+    p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
+                   help=f"timed iterations per case (graph replays; default {DEFAULT_ITERS})")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                   help=f"untimed iterations first (default {DEFAULT_WARMUP})")
+    p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
+                   help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
+    p.add_argument("--algos", choices=("auto", "all"), default="auto",
+                   help="llcomm all_reduce algorithms: auto only, or also each one explicitly")
+    p.add_argument("--ops", default="all_reduce",
+                   help=f"comma list of {', '.join(OPS)}, or 'all' (default all_reduce)")
+    p.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
+                   help="llcomm Communicator backend (default auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", metavar="PATH", help="write the run as a result file (bench/README.md)")
+    p.add_argument("--plot", metavar="PATH", help="write a latency-vs-size PNG")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on CPU (2 gloo processes) even where GPUs are present")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def config_from_args(a) -> Config:
+    """Validate every argument; raise one ValueError naming each problem."""
+    problems = []
+    sizes, ops = [], ()
+    try:
+        sizes = C.parse_sizes(a.sizes)
+    except ValueError as e:
+        problems.append(str(e))
+    try:
+        C.parse_dtype(a.dtype)
+    except ValueError as e:
+        problems.append(str(e))
+    if a.ops.strip() == "all":
+        ops = OPS
+    else:
+        ops = tuple(o.strip() for o in a.ops.split(",") if o.strip())
+        bad = [o for o in ops if o not in OPS]
+        if bad or not ops:
+            problems.append(f"--ops {a.ops!r}: expected 'all' or a comma list of {', '.join(OPS)}")
+    for name in ("iters", "graph_ops"):
+        if getattr(a, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1")
+    if a.warmup < 0:
+        problems.append("--warmup must not be negative")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return Config(sizes=sizes, dtype=C.dtype_name(C.parse_dtype(a.dtype)), iters=a.iters,
+                  warmup=a.warmup, graph_ops=a.graph_ops, algos=a.algos, ops=ops,
+                  backend=a.backend, seed=a.seed, progress=not a.no_progress)
+
+
+def run(a) -> int:
+    """``llcomm bench tp``: returns the exit status (1 if any llcomm result was wrong or failed)."""
+    from . import report
+
+    try:
+        cfg = config_from_args(a)
+    except ValueError as e:
+        print(f"llcomm bench tp: {e}")
+        return 2
+    result = C.launch(rank_main, cfg, force_cpu=a.cpu)
+    report.print_result(result)
+    if a.json:
+        C.write_json(a.json, result)
+        print(f"wrote {a.json}")
+    if a.plot:
+        C.plot_results(result, a.plot)
+        print(f"wrote {a.plot}")
+    bad = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")
+           and (r.get("error") or (r["wrong"] or 0) > 0)]
+    if bad:
+        print(f"llcomm bench tp: {len(bad)} llcomm result rows are wrong or failed")
+    return 1 if bad else 0

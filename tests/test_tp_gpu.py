@@ -1,0 +1,246 @@
+"""GPU tests of the peer backend (2 GPUs, NCCL group): every op against an fp32 rank-order oracle,
+NCCL (the reference backend) and across ranks, under repetition, resizing, CUDA-graph replay,
+and with a peer that never arrives. Run on a 2-GPU host: ``python -m pytest -m gpu -q``."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_BYTES = 4 << 20
+ALGOS = ("one_shot", "two_shot", "lamport")
+LAMPORT_MAX = 1 << 20
+
+
+def _comm(**kw):
+    import llcomm
+    return llcomm.Communicator(max_bytes=kw.pop("max_bytes", MAX_BYTES), backend="peer", **kw)
+
+
+def _inputs(n, dtype, seed, rank):
+    """Fresh random operand of rank ``rank`` and every rank's operand (gathered)."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed * 1009 + rank)
+    x = torch.randn(n, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    xs = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(xs, x)
+    return x, xs
+
+
+def _oracle_sum(xs):
+    acc = torch.zeros_like(xs[0], dtype=torch.float32)
+    for x in xs:
+        acc += x.float()
+    return acc.to(xs[0].dtype)
+
+
+def _same_on_all_ranks(t):
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, t.contiguous())
+    return all(torch.equal(g.view(torch.uint8), got[0].view(torch.uint8)) for g in got)
+
+
+def _bits(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _sizes(dtype):
+    """1 element up to max_bytes, odd sizes included, growing then shrinking (seed hazards)."""
+    top = MAX_BYTES // torch.tensor([], dtype=dtype).element_size()
+    up = [1, 2, 7, 100, 1000, 4096, 16385, 65536 + 7, 1 << 18, top]
+    return up + up[::-1][1:]
+
+
+def _all_ops_body(rank, ws):
+    import llcomm
+    comm = _comm()
+    ref = llcomm.Communicator(backend="reference")
+    seed = 0
+    for dtype in DTYPES:
+        for n in _sizes(dtype):
+            seed += 1
+            x, xs = _inputs(n, dtype, seed, rank)
+            want = _oracle_sum(xs)
+            results = []
+            for algo in ALGOS:
+                if algo == "lamport" and n * x.element_size() > LAMPORT_MAX:
+                    continue
+                for _ in range(2):  # a repeat must give the same bits (read-after-write edge)
+                    out = torch.full_like(x, float("nan"))
+                    comm.all_reduce(x, out=out, algo=algo)
+                    assert torch.equal(_bits(out), _bits(want)), (algo, dtype, n)
+                    results.append(out)
+            nccl = ref.all_reduce(x)
+            tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+            torch.testing.assert_close(results[0], nccl, rtol=tol, atol=tol)
+            assert _same_on_all_ranks(results[0])
+            for src in range(ws):
+                y = x.clone() if rank == src else torch.full_like(x, float("nan"))
+                comm.broadcast(y, src)
+                assert torch.equal(_bits(y), _bits(xs[src])), ("broadcast", dtype, n, src)
+            got = comm.all_gather(x, out=torch.full((ws * n,), float("nan"), dtype=dtype, device="cuda"))
+            assert torch.equal(_bits(got), _bits(ref.all_gather(x))), ("all_gather", dtype, n)
+            if n % ws == 0:
+                rs = comm.reduce_scatter(x, out=torch.full((n // ws,), float("nan"), dtype=dtype, device="cuda"))
+                assert torch.equal(_bits(rs), _bits(want.view(ws, -1)[rank])), ("reduce_scatter", dtype, n)
+                torch.testing.assert_close(rs, ref.reduce_scatter(x), rtol=tol, atol=tol)
+        for tokens, part in ((1, 8), (3, 1000), (64, 4096 // 2), (7, 129)):
+            seed += 1
+            x, xs = _inputs(tokens * part, dtype, seed, rank)
+            x = x.view(tokens, part)
+            got = comm.all_gather_2d(x, out=torch.full((tokens, ws * part), float("nan"), dtype=dtype, device="cuda"))
+            assert torch.equal(_bits(got), _bits(ref.all_gather_2d(x))), ("all_gather_2d", dtype, tokens, part)
+            for r in range(ws):  # rank r's part of token t at t * full + r * part
+                assert torch.equal(_bits(got[:, r * part:(r + 1) * part]), _bits(xs[r].view(tokens, part)))
+    comm.check()
+    comm.close()
+
+
+def test_all_ops_match_oracle_and_nccl():
+    run_distributed(_all_ops_body, 2, backend="nccl", timeout=600)
+
+
+def _broadcast_exact_body(rank, ws):
+    comm = _comm()
+    for nbytes in (4, 4 << 10, 64 << 10, 1 << 20):
+        for src in range(ws):
+            payload = torch.arange(nbytes, device="cuda", dtype=torch.int64).to(torch.uint8)
+            payload = (payload * 7 + src * 13 + nbytes).to(torch.uint8).view(torch.float32)
+            x = payload.clone() if rank == src else torch.full_like(payload, float("nan"))
+            comm.broadcast(x, src)
+            assert torch.equal(_bits(x), _bits(payload)), (nbytes, src)
+    comm.close()
+
+
+def test_broadcast_byte_exact():
+    run_distributed(_broadcast_exact_body, 2, backend="nccl")
+
+
+def _second_comm_body(rank, ws):
+    a = _comm()
+    b = _comm(max_bytes=1 << 20)
+    for i in range(20):
+        x, xs = _inputs(5000 + i, torch.bfloat16, i, rank)
+        want = _oracle_sum(xs)
+        assert torch.equal(a.all_reduce(x, algo="lamport"), want)
+        assert torch.equal(b.all_reduce(x, algo="one_shot"), want)
+        assert torch.equal(a.all_reduce(x, algo="two_shot"), want)
+    a.close()
+    b.close()
+
+
+def test_second_communicator():
+    run_distributed(_second_comm_body, 2, backend="nccl")
+
+
+REPLAYS = 100
+
+
+def _graph_body(rank, ws):
+    comm = _comm()
+    n = 3000 * ws
+    dtype = torch.bfloat16
+    static_x = torch.zeros(n, dtype=dtype, device="cuda")
+    static_2d = static_x.view(ws * 100, 30)
+    outs = {}
+
+    def ops():
+        for algo in ALGOS:
+            outs[algo] = comm.all_reduce(static_x, algo=algo)
+        b = static_x.clone()
+        comm.broadcast(b, ws - 1)
+        outs["broadcast"] = b
+        outs["all_gather"] = comm.all_gather(static_x)
+        outs["all_gather_2d"] = comm.all_gather_2d(static_2d)
+        outs["reduce_scatter"] = comm.reduce_scatter(static_x)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops()  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops()
+    for i in range(REPLAYS):
+        x, xs = _inputs(n, dtype, 10_000 + i, rank)
+        static_x.copy_(x)
+        for o in outs.values():
+            o.view(torch.uint8).fill_(0xFF)  # poison: NaN patterns in bf16
+        g.replay()
+        if i % 2:  # eager calls between replays must not disturb the device-side round counter
+            assert torch.equal(comm.all_reduce(x, algo="lamport"), _oracle_sum(xs))
+        want = _oracle_sum(xs)
+        for algo in ALGOS:
+            assert torch.equal(_bits(outs[algo]), _bits(want)), (algo, i)
+        assert torch.equal(_bits(outs["broadcast"]), _bits(xs[ws - 1]))
+        assert torch.equal(_bits(outs["all_gather"]), _bits(torch.cat(xs)))
+        assert torch.equal(_bits(outs["all_gather_2d"]), _bits(torch.cat([t.view(ws * 100, 30) for t in xs], 1)))
+        assert torch.equal(_bits(outs["reduce_scatter"]), _bits(want.view(ws, -1)[rank]))
+        assert _same_on_all_ranks(outs["one_shot"])
+    comm.check()
+    comm.close()
+
+
+def test_graph_replay_every_op():
+    run_distributed(_graph_body, 2, backend="nccl", timeout=300)
+
+
+TIMEOUT_MS = 200
+
+
+def _timeout_body(rank, ws, op):
+    import llcomm
+    comm = _comm(timeout_ms=TIMEOUT_MS)
+    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    comm.all_reduce(x, algo="one_shot")  # both ranks take part once
+    comm.check()
+    dist.barrier()
+    if rank == 1:  # rank 1 never arrives
+        dist.barrier()
+        return None
+    t0 = time.monotonic()
+    calls = {"one_shot": lambda: comm.all_reduce(x, algo="one_shot"),
+             "two_shot": lambda: comm.all_reduce(x, algo="two_shot"),
+             "lamport": lambda: comm.all_reduce(x, algo="lamport"),
+             "broadcast": lambda: comm.broadcast(x, 0),
+             "all_gather": lambda: comm.all_gather(x),
+             "reduce_scatter": lambda: comm.reduce_scatter(x)}
+    calls[op]()
+    with pytest.raises(llcomm.CommTimeoutError) as info:
+        comm.check()
+    elapsed = time.monotonic() - t0
+    dist.barrier()
+    assert elapsed < TIMEOUT_MS / 1000 + 1.0, elapsed
+    err = info.value
+    assert err.ranks == (1,), err
+    assert op.split("_")[0] in err.op, err
+    assert err.phase in ("entry barrier", "data poll"), err
+    with pytest.raises(llcomm.CommBrokenError, match="destroy it"):
+        comm.all_reduce(x)
+    return str(err)
+
+
+@pytest.mark.parametrize("op", ["one_shot", "two_shot", "lamport", "broadcast", "all_gather",
+                                "reduce_scatter"])
+def test_missing_peer_times_out(op):
+    msgs = run_distributed(_timeout_body, 2, op, backend="nccl")
+    assert "did not arrive" in msgs[0]
+
+
+def _shared_gpu_body(rank, ws):
+    import llcomm
+    torch.cuda.set_device(0)  # both ranks on one GPU: peer stores would be undefined
+    with pytest.raises(llcomm.UnsupportedConfigError, match="share one GPU"):
+        llcomm.Communicator(backend="peer")
+    comm = llcomm.Communicator(backend="auto")
+    assert comm.backend == "reference"
+
+
+def test_peer_refused_when_ranks_share_a_gpu():
+    run_distributed(_shared_gpu_body, 2, backend="gloo")
