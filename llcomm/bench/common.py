@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -114,13 +113,7 @@ def plan(force_cpu: bool = False) -> tuple[int, str]:
     return (n, "nccl") if n >= 2 else (CPU_WORLD_SIZE, "gloo")
 
 
-def _quiet_warnings() -> None:
-    # torch >= 2.12 flags all_gather_into_tensor as deprecated; the reference backend uses it.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
-
-
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, cfg, out_path: str):
-    _quiet_warnings()
     os.environ.update(MULTICAST_OFF_ENV)
     kwargs = {}
     if backend == "nccl":

@@ -46,6 +46,9 @@ GATHER_2D_MAX_PART = 1024
 BROADCAST_SRC = 0
 #: Characters of an error message kept in a result row.
 ERROR_CHARS = 200
+# torch >= 2.12 renamed the single-tensor collectives (the old names still work but warn).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -181,10 +184,12 @@ def _broadcast(R: Rank, count: int) -> list[Impl]:
     buf = torch.empty_like(x)
 
     def reset():
-        buf.copy_(x) if R.rank == BROADCAST_SRC else C.poison_(buf)
-    impls = [R.llcomm_impl(R.llcomm_name if not R.exact else "peer",
-                           lambda: R.comm.broadcast(buf, BROADCAST_SRC), buf, expected,
-                           reset=reset)]
+        if R.rank == BROADCAST_SRC:
+            buf.copy_(x)
+        else:
+            C.poison_(buf)
+    impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.broadcast(buf, BROADCAST_SRC), buf,
+                           expected, reset=reset)]
     if R.cuda:
         nb = x.clone()
         impls.append(Impl("nccl", "nccl", lambda: dist.broadcast(nb, BROADCAST_SRC)))
@@ -195,11 +200,10 @@ def _all_gather(R: Rank, count: int) -> list[Impl]:
     x = R.rand(count // R.world)
     expected = C.gather_inputs(x).reshape(-1)
     out = torch.empty(count, dtype=R.dtype, device=R.device)
-    impls = [R.llcomm_impl("peer" if R.exact else "reference",
-                           lambda: R.comm.all_gather(x, out=out), out, expected)]
+    impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.all_gather(x, out=out), out, expected)]
     if R.cuda:
         o2 = torch.empty_like(out)
-        impls.append(Impl("nccl", "nccl", lambda: dist.all_gather_into_tensor(o2, x)))
+        impls.append(Impl("nccl", "nccl", lambda: _all_gather_flat(o2, x)))
     return impls
 
 
@@ -210,15 +214,15 @@ def _all_gather_2d(R: Rank, count: int) -> list[Impl]:
     x = R.rand(tokens, part)
     expected = C.gather_inputs(x).transpose(0, 1).reshape(tokens, R.world * part)
     out = torch.empty(tokens, R.world * part, dtype=R.dtype, device=R.device)
-    impls = [R.llcomm_impl("peer" if R.exact else "reference",
-                           lambda: R.comm.all_gather_2d(x, out=out), out, expected)]
+    impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.all_gather_2d(x, out=out), out,
+                           expected)]
     impls[0].extra = {"tokens": tokens, "part": part}
     if R.cuda:  # NCCL has no strided gather: gather rank-major, then permute (what engines do)
         stacked = torch.empty(R.world, tokens, part, dtype=R.dtype, device=R.device)
         o2 = torch.empty_like(out)
 
         def nccl_2d():
-            dist.all_gather_into_tensor(stacked, x)
+            _all_gather_flat(stacked.view(-1), x.view(-1))
             o2.view(tokens, R.world, part).copy_(stacked.transpose(0, 1))
         impls.append(Impl("nccl", "gather+permute", nccl_2d, extra={"tokens": tokens, "part": part}))
     return impls
@@ -230,11 +234,11 @@ def _reduce_scatter(R: Rank, count: int) -> list[Impl]:
     stack = C.gather_inputs(x)[:, R.rank * m:(R.rank + 1) * m]
     expected, bound = R.reduced(stack)
     out = torch.empty(m, dtype=R.dtype, device=R.device)
-    impls = [R.llcomm_impl("peer" if R.exact else "reference",
-                           lambda: R.comm.reduce_scatter(x, out=out), out, expected, bound)]
+    impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.reduce_scatter(x, out=out), out,
+                           expected, bound)]
     if R.cuda:
         o2 = torch.empty_like(out)
-        impls.append(Impl("nccl", "nccl", lambda: dist.reduce_scatter_tensor(o2, x)))
+        impls.append(Impl("nccl", "nccl", lambda: _reduce_scatter_flat(o2, x)))
     return impls
 
 
@@ -404,7 +408,7 @@ def config_from_args(a) -> Config:
 
 def run(a) -> int:
     """``llcomm bench tp``: returns the exit status (1 if any llcomm result was wrong or failed)."""
-    from . import report
+    from . import tp_report
 
     try:
         cfg = config_from_args(a)
@@ -412,7 +416,7 @@ def run(a) -> int:
         print(f"llcomm bench tp: {e}")
         return 2
     result = C.launch(rank_main, cfg, force_cpu=a.cpu)
-    report.print_result(result)
+    tp_report.print_result(result)
     if a.json:
         C.write_json(a.json, result)
         print(f"wrote {a.json}")
