@@ -1,0 +1,173 @@
+"""``llcomm check``: a correctness self-test of every TP op on this host, with the auto backend.
+
+Spawned like the benchmarks (one process per GPU, else two gloo processes). The oracle is
+independent of torch.distributed: every rank regenerates every rank's input from a seed and
+computes the expected result locally (sums in fp32 in rank order, rounded once). The peer
+backend must match bit for bit; the reference backend (NCCL's or gloo's own summation order)
+within a summation-error bound; movement ops byte for byte. On GPUs every op is also captured in a
+CUDA graph and replayed several times. Outputs are poisoned with NaN before every run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import common as C
+
+#: Elements per rank: a single element, an odd small count, an odd count of about 0.5 MiB (bf16).
+COUNTS = (1, 4099, 262147)
+DTYPES = ("bfloat16", "float16", "float32")
+EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
+LAMPORT_MAX_BYTES = 1 << 20
+#: all_gather_2d rows have this many elements (odd, so rows are not 16-byte aligned).
+PART_2D = 131
+#: Replays of each captured graph before its output is checked.
+REPLAYS = 3
+
+
+@dataclass
+class CheckConfig:
+    backend: str = "auto"
+    seed: int = 20261130
+    counts: tuple = COUNTS
+    dtypes: tuple = DTYPES
+
+
+def all_inputs(world: int, n: int, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
+    """``[world, n]``: rank r's input is drawn from seed (seed, r), so any rank can rebuild all."""
+    g = torch.Generator(device=device)
+    rows = []
+    for r in range(world):
+        g.manual_seed(seed * 64 + r)
+        rows.append(torch.randn(n, dtype=dtype, device=device, generator=g))
+    return torch.stack(rows)
+
+
+def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, exact: bool):
+    """(label, fn, out, expected, bound, reset) for every op at ``count`` elements per rank."""
+    def reduced(stack):
+        if exact:
+            return C.rank_order_sum(stack, dtype), None
+        return stack.double().sum(0), C.sum_bound(stack, dtype)
+
+    stack = all_inputs(world, count, dtype, device, seed)
+    x = stack[rank].clone()
+    nbytes = count * x.element_size()
+    algos = ["auto"]
+    if comm.backend == "peer":
+        algos += [a for a in EXPLICIT_ALGOS if a != "lamport" or nbytes <= LAMPORT_MAX_BYTES]
+    expected, bound = reduced(stack)
+    for algo in algos:
+        out = torch.empty_like(x)
+        yield (f"all_reduce[{algo}]", lambda out=out, algo=algo: comm.all_reduce(
+            x, out=out, algo=algo), out, expected, bound, None)
+    for src in sorted({0, world - 1}):
+        buf = torch.empty_like(x)
+
+        def reset(buf=buf, src=src):
+            if rank == src:
+                buf.copy_(x)
+            else:
+                C.poison_(buf)
+        yield (f"broadcast[src={src}]", lambda buf=buf, src=src: comm.broadcast(buf, src), buf,
+               stack[src], None, reset)
+    out = torch.empty(world * count, dtype=dtype, device=device)
+    yield "all_gather", lambda: comm.all_gather(x, out=out), out, stack.reshape(-1), None, None
+    tokens, part = (1, 1) if count < PART_2D else (count // PART_2D, PART_2D)
+    x2 = x[:tokens * part].view(tokens, part)
+    out2 = torch.empty(tokens, world * part, dtype=dtype, device=device)
+    exp2 = stack[:, :tokens * part].reshape(world, tokens, part).transpose(0, 1).reshape(
+        tokens, world * part)
+    yield ("all_gather_2d", lambda: comm.all_gather_2d(x2, out=out2), out2, exp2, None, None)
+    stack_rs = all_inputs(world, world * count, dtype, device, seed + 1)
+    xrs = stack_rs[rank].clone()
+    outrs = torch.empty(count, dtype=dtype, device=device)
+    exp_rs, bound_rs = reduced(stack_rs[:, rank * count:(rank + 1) * count])
+    yield ("reduce_scatter", lambda: comm.reduce_scatter(xrs, out=outrs), outrs, exp_rs,
+           bound_rs, None)
+
+
+def _run_case(comm, device, mode: str, fn, out, expected, bound, reset) -> tuple[int, str | None]:
+    """(wrong elements on this rank, error or None)."""
+    poison = reset or (lambda: C.poison_(out))
+    try:
+        poison()
+        if mode == "graph":
+            graph = C.capture(fn, 1)
+            poison()
+            for _ in range(REPLAYS):
+                graph.replay()
+        else:
+            fn()
+            poison()
+            fn()  # a repeat call: the seed's hazards showed up on the second call
+        comm.check()
+        return C.count_wrong(out, expected, bound), None
+    except Exception as e:  # noqa: BLE001 - reported as FAIL
+        return 0, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def rank_main(rank: int, world: int, cfg: CheckConfig):
+    import torch.distributed as dist
+
+    from llcomm import Communicator
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    largest = max(world * c for c in cfg.counts) * max(
+        torch.empty(0, dtype=C.parse_dtype(d)).element_size() for d in cfg.dtypes)
+    comm = Communicator(max_bytes=largest, backend=cfg.backend)
+    exact = comm.backend == "peer"
+    results = []
+    modes = ("eager", "graph") if cuda else ("eager",)
+    for di, dname in enumerate(cfg.dtypes):
+        dtype = C.parse_dtype(dname)
+        for ci, count in enumerate(cfg.counts):
+            seed = cfg.seed + 100 * di + 10 * ci
+            for label, fn, out, exp, bound, reset in _cases(comm, rank, world, dtype, count,
+                                                             device, seed, exact):
+                for mode in modes:
+                    wrong, err = _run_case(comm, device, mode, fn, out, exp, bound, reset)
+                    failed_somewhere = C.any_rank(err is not None, device)
+                    if failed_somewhere and err is None:
+                        err = "failed on another rank"
+                    results.append({"op": label, "count": count, "dtype": dname, "mode": mode,
+                                    "wrong": C.sum_over_ranks(wrong, device), "error": err,
+                                    "exact": bound is None})
+    backend, why = comm.backend, comm.backend_reason
+    comm.close()
+    return {"backend": backend, "reason": why, "world_size": world, "results": results,
+            "machine": C.machine_string(world, device)} if rank == 0 else None
+
+
+def summarize(res: dict) -> tuple[list[str], int]:
+    """Lines 'PASS/FAIL op count' (dtypes and modes folded in) and the number of failures."""
+    lines, failures = [], 0
+    groups: dict = {}
+    for r in res["results"]:
+        groups.setdefault((r["op"], r["count"]), []).append(r)
+    for (op, count), rs in groups.items():
+        bad = [r for r in rs if r["error"] or r["wrong"]]
+        failures += len(bad)
+        dtypes = "/".join(dict.fromkeys(r["dtype"] for r in rs))
+        modes = "+".join(dict.fromkeys(r["mode"] for r in rs))
+        lines.append(f"{'FAIL' if bad else 'PASS'}  {op:<22} {count:>8} elems/rank  "
+                     f"{dtypes}, {modes}")
+        for r in bad:
+            what = r["error"] or f"{r['wrong']} wrong elements (summed over ranks)"
+            lines.append(f"      {r['dtype']} {r['mode']}: {what}")
+    return lines, failures
+
+
+def run(args) -> int:
+    cfg = CheckConfig(backend=args.backend)
+    res = C.launch(rank_main, cfg, force_cpu=args.cpu)
+    print(f"# llcomm check: {res['machine']}, world size {res['world_size']}, backend "
+          f"{res['backend']} ({res['reason']})")
+    lines, failures = summarize(res)
+    print("\n".join(lines))
+    total = len(res["results"])
+    print(f"# {total - failures} of {total} checks passed" + ("" if not failures else
+                                                               f"; {failures} FAILED"))
+    return 1 if failures else 0

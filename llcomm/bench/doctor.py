@@ -1,0 +1,100 @@
+"""``llcomm doctor``: what this host offers llcomm. Works without GPUs; starts no process group.
+
+Reports GPUs, the peer-access matrix, NVLink topology (``nvidia-smi topo -m`` where present),
+versions, the multicast-off environment, and which backend ``Communicator(backend="auto")``
+would pick in a job of one process per visible GPU, and why.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from . import common as C
+
+GIB = 1 << 30
+
+
+def peer_matrix(n: int) -> list[list[bool]]:
+    """``m[i][j]``: GPU i can access GPU j as a peer (True on the diagonal)."""
+    return [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)]
+            for i in range(n)]
+
+
+def predict_backend(n_gpus: int, peers: list[list[bool]], triton_ok: bool) -> tuple[str, str]:
+    """The backend ``Communicator(backend="auto")`` would choose for a job of one process per
+    visible GPU on this host, and why. Pure: mirrors ``llcomm.tp.peer_support`` (which decides
+    for real, collectively, when a Communicator is created) without a process group."""
+    if n_gpus == 0:
+        return "reference", "no CUDA device is available: torch.distributed on gloo (CPU)"
+    if n_gpus == 1:
+        return "reference", ("one GPU: a job of two or more ranks would put two ranks on one GPU, "
+                             "where peer stores are undefined (a 1-rank job has nothing to join)")
+    for i in range(n_gpus):
+        for j in range(n_gpus):
+            if not peers[i][j]:
+                return "reference", (f"GPU {i} cannot access GPU {j} as a peer (no P2P/NVLink "
+                                     "path): torch.distributed on NCCL")
+    if not triton_ok:
+        return "peer", ("every GPU reaches every other as a peer, BUT Triton cannot be imported, "
+                        "so creating the Communicator would fail: install triton")
+    return "peer", "every rank gets its own GPU on this host and peer access works both ways"
+
+
+def _triton() -> tuple[bool, str]:
+    try:
+        import triton
+        return True, triton.__version__
+    except Exception as e:  # noqa: BLE001 - absent or broken install: reported, not fatal
+        return False, f"not importable ({type(e).__name__}: {e})"
+
+
+def report() -> list[str]:
+    import llcomm
+
+    out = []
+    v = C.versions()
+    triton_ok, triton_v = _triton()
+    out.append(f"llcomm {llcomm.__version__} (python {v['python']}, {sys.executable})")
+    out.append(f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl'] or 'n/a'}, "
+               f"triton {triton_v}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out.append("")
+    out.append(f"GPUs: {n}")
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        out.append(f"  GPU{i}  {p.name}  {p.total_memory / GIB:.1f} GiB  sm_{p.major}{p.minor}")
+    peers = peer_matrix(n) if n else []
+    if n >= 2:
+        out.append("peer access (row GPU can access column GPU):")
+        out.append("        " + "".join(f"GPU{j:<4}" for j in range(n)))
+        for i in range(n):
+            out.append(f"  GPU{i:<3} " + "".join(
+                f"{'-' if i == j else ('yes' if peers[i][j] else 'NO'):<7}" for j in range(n)))
+    topo = C.nvidia_topo()
+    out.append("")
+    if topo is None:
+        out.append("nvidia-smi topo -m: not available (no nvidia-smi, or it failed)")
+    else:
+        out.append("nvidia-smi topo -m:")
+        out.extend("  " + line for line in topo.rstrip().splitlines())
+    out.append("")
+    out.append("NVLink multicast must stay off (llcomm bench / check set these for the processes "
+               "they start; set them yourself in your own jobs):")
+    for name, off in C.MULTICAST_OFF_ENV.items():
+        val = os.environ.get(name)
+        state = "off" if val == off else f"NOT off: set {name}={off}"
+        out.append(f"  {name}={val if val is not None else '(unset)'}  {state}")
+    backend, why = predict_backend(n, peers, triton_ok)
+    out.append("")
+    out.append(f'backend: Communicator(backend="auto") with one process per GPU here would pick '
+               f'"{backend}": {why}')
+    out.append("  (a prediction: the Communicator decides collectively when it is created; a job "
+               "spanning hosts, or ranks sharing a GPU, gets \"reference\")")
+    return out
+
+
+def run(args) -> int:
+    print("\n".join(report()))
+    return 0

@@ -1,0 +1,87 @@
+"""The ``llcomm`` command line: ``llcomm bench``, ``llcomm doctor``, ``llcomm check``.
+
+    llcomm bench [tp] [--sizes 8,64K,1M] [--ops all] [--algos all] [--json F] [--plot F]
+    llcomm doctor
+    llcomm check
+
+The library never imports this module; the command bodies live in ``llcomm.bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: ``llcomm bench <name>``: a module with ``add_arguments(parser)`` and ``run(args) -> int``.
+BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gather, "
+                  "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory")}
+#: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
+#: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
+PLANNED_BENCHES = {"ep": "MoE dispatch / combine (EPBuffer) against NCCL all_to_all",
+                   "decode": "a whole decode step of a model"}
+#: What ``llcomm bench`` runs when no benchmark is named.
+DEFAULT_BENCH = "tp"
+
+
+def _not_implemented(name: str):
+    def run(args) -> int:
+        print(f"llcomm bench {name}: not implemented yet ({PLANNED_BENCHES[name]}). "
+              f"Available: {', '.join(BENCHES)}.", file=sys.stderr)
+        return 2
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from llcomm import __version__
+
+    p = argparse.ArgumentParser(prog="llcomm", description="Low-latency GPU communication for "
+                                "LLM inference: benchmarks, self-test and diagnostics.")
+    p.add_argument("--version", action="version", version=f"llcomm {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,doctor,check}")
+
+    bench = sub.add_parser("bench", help=f"benchmarks (default: {DEFAULT_BENCH})",
+                           description="Benchmarks. `llcomm bench` alone runs "
+                           f"`llcomm bench {DEFAULT_BENCH}`.")
+    bsub = bench.add_subparsers(dest="bench", metavar="{" + ",".join(
+        [*BENCHES, *PLANNED_BENCHES]) + "}")
+    for name, (module, what) in BENCHES.items():
+        mod = importlib.import_module(module)
+        q = bsub.add_parser(name, help=what, description=what)
+        mod.add_arguments(q)
+        q.set_defaults(func=mod.run)
+    for name, what in PLANNED_BENCHES.items():
+        q = bsub.add_parser(name, help=f"{what} (not implemented yet)")
+        q.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        q.set_defaults(func=_not_implemented(name))
+
+    doctor = sub.add_parser("doctor", help="GPUs, peer access, NVLink, versions, environment, "
+                            "and the backend llcomm would pick")
+    doctor.set_defaults(func=lambda a: importlib.import_module("llcomm.bench.doctor").run(a))
+
+    check = sub.add_parser("check", help="correctness self-test of every op on this host "
+                           "(exit status 1 on any failure)")
+    check.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
+                       help="Communicator backend to check (default auto)")
+    check.add_argument("--cpu", action="store_true",
+                       help="run on CPU (2 gloo processes) even where GPUs are present")
+    check.set_defaults(func=lambda a: importlib.import_module("llcomm.bench.check").run(a))
+    return p
+
+
+def _default_bench(argv: list[str]) -> list[str]:
+    """``llcomm bench [options]`` -> ``llcomm bench tp [options]``."""
+    if argv and argv[0] == "bench":
+        names = (*BENCHES, *PLANNED_BENCHES, "-h", "--help")
+        if len(argv) == 1 or argv[1] not in names:
+            return ["bench", DEFAULT_BENCH, *argv[1:]]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _default_bench(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
