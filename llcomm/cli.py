@@ -80,7 +80,12 @@ def _default_bench(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = _default_bench(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    from llcomm.bench.common import LaunchError
+    try:
+        return int(args.func(args) or 0)
+    except LaunchError as e:
+        print(f"llcomm {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

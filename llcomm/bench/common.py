@@ -131,11 +131,16 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, cfg, ou
         dist.destroy_process_group()
 
 
+class LaunchError(RuntimeError):
+    """A spawned rank raised or died; the message holds that rank's traceback."""
+
+
 def launch(fn: Callable, cfg, *, force_cpu: bool = False):
     """Run ``fn(rank, world_size, cfg)`` in every rank (see the module doc); return rank 0's value.
 
     ``fn`` and ``cfg`` must be picklable (a module-level function, plain data). A rank that
-    raises makes the whole launch raise (torch.multiprocessing terminates the others).
+    raises or dies makes the whole launch raise ``LaunchError`` (torch.multiprocessing terminates
+    the others).
     """
     import torch.multiprocessing as mp
 
@@ -148,6 +153,8 @@ def launch(fn: Callable, cfg, *, force_cpu: bool = False):
                  join=True)
         with open(out_path, "rb") as f:
             return pickle.load(f)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise LaunchError(f"a rank of the {world}-process {backend} job failed:\n{e}") from None
     finally:
         os.unlink(out_path)
 
@@ -366,9 +373,11 @@ def versions() -> dict:
 def result_header(world: int, device: torch.device) -> dict:
     """The keys of a result file (docs/DESIGN "Result files") other than ``rows``."""
     commit, dirty = git_state()
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith("LLCOMM_") or k in MULTICAST_OFF_ENV}
     return {"commit": commit, "dirty": dirty, "machine": machine_string(world, device),
             "date": datetime.date.today().isoformat(), "versions": versions(),
-            "world_size": world}
+            "world_size": world, "env": env}
 
 
 def write_json(path: str, result: dict) -> None:

@@ -1,0 +1,142 @@
+"""The command line: ``llcomm bench``, ``llcomm doctor``, ``llcomm check``.
+
+The CPU tests force two gloo processes (``--cpu``) so they behave the same on every host; the
+``gpu`` tests run the same commands on the GPUs (one process per GPU).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llcomm import cli
+from llcomm.bench import check, common, doctor
+
+REPO = Path(__file__).resolve().parents[1]
+#: Seconds one CLI run may take before the test fails instead of hanging.
+RUN_TIMEOUT_S = 120
+ROW_KEYS = {"op", "impl", "algo", "mode", "dtype", "world_size", "bytes", "median_us", "p10_us",
+            "p90_us", "wrong"}
+HEADER_KEYS = {"commit", "dirty", "machine", "date", "versions", "rows"}
+
+
+def llcomm(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "llcomm", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def _bench(tmp_path: Path, *extra: str) -> dict:
+    p = llcomm("bench", "tp", "--sizes", "8,1K", "--iters", "5", "--warmup", "2",
+               "--json", "tmp.json", "--plot", "tmp.png", *extra, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tmp_path / "tmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((tmp_path / "tmp.json").read_text())
+    assert HEADER_KEYS <= set(result)
+    assert {"torch", "triton", "nccl"} <= set(result["versions"])
+    assert result["rows"]
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row), row
+    assert {r["bytes"] for r in result["rows"]} == {8, 1024}
+    return result
+
+
+def test_bench_tp_cpu_writes_json_and_plot(tmp_path):
+    result = _bench(tmp_path, "--cpu")
+    assert result["machine"] == "2xCPU gloo" and result["world_size"] == 2
+    for row in result["rows"]:
+        assert row["impl"] == "reference" and row["mode"] == "eager", row
+        assert row["wrong"] == 0 and row["median_us"] > 0, row
+    assert "all_reduce" in (tmp_path / "tmp.json").read_text()
+    # The plot can be redrawn from the result file alone.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "llcomm.bench.plot", "tmp.json", "again.png"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=RUN_TIMEOUT_S)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "again.png").stat().st_size > 0
+
+
+def test_doctor_names_the_backend(tmp_path):
+    p = llcomm("doctor", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert 'Communicator(backend="auto")' in p.stdout
+    assert "NCCL_NVLS_ENABLE" in p.stdout
+    if not torch.cuda.is_available():
+        assert '"reference"' in p.stdout
+
+
+def test_check_passes_on_cpu(tmp_path):
+    p = llcomm("check", "--cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout and "FAIL" not in p.stdout
+    for op in ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter"):
+        assert op in p.stdout
+
+
+def test_bench_planned_benchmarks_say_so(capsys):
+    assert cli.main(["bench", "ep"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+    assert cli._default_bench(["bench", "--sizes", "8"]) == ["bench", "tp", "--sizes", "8"]
+    assert cli._default_bench(["bench"]) == ["bench", "tp"]
+    assert cli._default_bench(["bench", "-h"]) == ["bench", "-h"]
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    p = llcomm("bench", "--sizes", "8,x", "--ops", "nope", cwd=tmp_path)
+    assert p.returncode == 2
+    assert "--ops" in p.stdout and "size 'x'" in p.stdout
+
+
+def test_sizes_and_oracles():
+    assert common.parse_sizes("8,64K,1M") == [8, 65536, 1 << 20]
+    assert common.parse_sizes(None)[0] == 8 and common.parse_sizes(None)[-1] == 16 << 20
+    assert len(common.parse_sizes(None)) == 22
+    stack = torch.randn(3, 100, dtype=torch.bfloat16)
+    exp = common.rank_order_sum(stack, torch.bfloat16)
+    assert common.count_wrong(exp.clone(), exp) == 0
+    bad = exp.clone()
+    bad.view(torch.int16)[7] ^= 1                       # one flipped bit is wrong
+    assert common.count_wrong(bad, exp) == 1
+    bound = common.sum_bound(stack, torch.bfloat16)
+    exact = stack.double().sum(0)
+    assert common.count_wrong(exp, exact, bound) == 0  # rounding is within the bound
+    assert common.count_wrong(common.poison_(exp.clone()), exact, bound) == 100  # NaN is wrong
+
+
+def test_predict_backend():
+    assert doctor.predict_backend(0, [], True)[0] == "reference"
+    assert doctor.predict_backend(1, [[True]], True)[0] == "reference"
+    backend, why = doctor.predict_backend(2, [[True, False], [True, True]], True)
+    assert backend == "reference" and "GPU 0 cannot access GPU 1" in why
+    assert doctor.predict_backend(2, [[True, True], [True, True]], True)[0] == "peer"
+    assert "Triton" in doctor.predict_backend(2, [[True, True], [True, True]], False)[1]
+
+
+def test_check_summary_reports_failures():
+    res = {"results": [
+        {"op": "all_reduce[auto]", "count": 1, "dtype": "bfloat16", "mode": "eager", "wrong": 0,
+         "error": None},
+        {"op": "all_reduce[auto]", "count": 1, "dtype": "float16", "mode": "eager", "wrong": 3,
+         "error": None}]}
+    lines, failures = check.summarize(res)
+    assert failures == 1 and lines[0].startswith("FAIL") and "3 wrong" in lines[1]
+
+
+@pytest.mark.gpu
+def test_bench_tp_gpu(tmp_path):
+    result = _bench(tmp_path, "--ops", "all", "--algos", "all")
+    mine = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")]
+    assert {r["mode"] for r in mine} == {"graph", "eager"}
+    for row in mine:
+        assert not row.get("error") and row["wrong"] == 0, row
+    assert {"nccl", "torch_one_shot", "torch_two_shot"} <= {r["impl"] for r in result["rows"]}
+
+
+@pytest.mark.gpu
+def test_check_passes_on_gpu(tmp_path):
+    p = llcomm("check", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
