@@ -86,6 +86,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     """
     import torch.distributed as dist
 
+    __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this helper's frames
     if backend == "nccl":
         os.environ.update(GPU_ENV)
     # The parent hosts the rendezvous store on a port the OS picks now (port 0): a fresh free
@@ -135,8 +136,9 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
                 if failed_at is None:
                     failed_at = time.monotonic()
     finally:
-        for p in procs:
-            p.join(timeout=max(0.0, min(KILL_WAIT_S, deadline - time.monotonic())))
+        if len(reports) == world_size:  # all reported: let them exit on their own first
+            for p in procs:
+                p.join(timeout=KILL_WAIT_S)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -145,10 +147,13 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
         results.close()
         del store
 
-    errors = [(r, payload) for r, (status, payload) in sorted(reports.items()) if status == "error"]
+    # Reports in arrival order: the first rank to fail is usually the cause, the others often
+    # fail in a collective because of it.
+    errors = [(r, payload) for r, (status, payload) in reports.items() if status == "error"]
     missing = [r for r in range(world_size) if r not in reports]
     if errors or missing:
-        parts = [f"--- rank {r} of {world_size} raised ---\n{tb}" for r, tb in errors]
+        parts = [f"--- rank {r} of {world_size} raised{' first' if i == 0 and len(errors) > 1 else ''}"
+                 f" ---\n{tb}" for i, (r, tb) in enumerate(errors)]
         if missing:
             why = ("after another rank failed" if errors else f"within timeout={timeout}s")
             parts.append(f"--- ranks {missing} did not finish {why}; killed ---")
