@@ -104,9 +104,12 @@ def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, case: str, sources
         if len(hits):
             origin = f"came from rank {r}'s element {int(hits[0])}"
             break
+    if torch.isnan(got.reshape(-1)[i].float()):
+        origin = "NaN: the poison, never written"
+    mask = (1 << 8 * got.element_size()) - 1
     raise AssertionError(f"{case}: {len(bad)} of {g.numel()} elements differ; first at flat index "
-                         f"{i}: got word {int(g[i]) & 0xFFFFFFFF:#x} ({origin}), expected "
-                         f"{int(w[i]) & 0xFFFFFFFF:#x}")
+                         f"{i}: got word {int(g[i]) & mask:#x} ({origin}), expected "
+                         f"{int(w[i]) & mask:#x}")
 
 
 def assert_close_to_sum(got: torch.Tensor, inputs: list[torch.Tensor], case: str) -> None:
