@@ -19,7 +19,7 @@ from .workspace import SymmetricWorkspace
 
 #: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
 #: advances counter ctrl[b], so all counters stay equal to the number of ops run.
-NUM_BLOCKS = 64
+NUM_BLOCKS = 128
 #: Env override of NUM_BLOCKS (a tuning knob; every rank must use the same value).
 NUM_BLOCKS_ENV = "LLCOMM_NUM_BLOCKS"
 #: Largest slice one block moves per loop iteration, and its warps: 32 bytes in flight per thread

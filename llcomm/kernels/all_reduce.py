@@ -73,7 +73,8 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     """Reduce-scatter then all-gather, both by push. Rank s owns elements
     ``[s * shard, (s + 1) * shard)``. Phase 1: push shard s of x to rank s (slot ``rank``);
     barrier; sum own shard in rank order. Phase 2: push the reduced shard to every rank's gather
-    region; second barrier; copy the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
+    region of every other rank (and to ``out``); second barrier; copy the other ranks' shards
+    from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
@@ -102,9 +103,11 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                 for p in tl.static_range(W):
                     acc += tl.load(local + p * cap + rel, mask=m).to(tl.float32)
                 red = acc.to(DT)
+                tl.store(out + offs, red, mask=m)
                 for p in tl.static_range(W):
-                    dst = tl.multiple_of(ptr_from_table(gather_tab, p, DT), 16) + parity * cap
-                    tl.store(dst + offs, red, mask=m)
+                    if p != rank:
+                        dst = tl.multiple_of(ptr_from_table(gather_tab, p, DT), 16) + parity * cap
+                        tl.store(dst + offs, red, mask=m)
             tl.debug_barrier()
             signal_peers(flag_tab, NB + b, word, rank, W, WP)
             ok = wait_peers(flags, NB + b, word, timeout_ns, err, OP_TWO_SHOT, PHASE_EXIT, W, WP)
@@ -114,7 +117,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                     rel = start + lanes
                     for s in tl.static_range(W):
                         offs = s * shard + rel
-                        m = (rel < shard) & (offs < n)
+                        m = (rel < shard) & (offs < n) & (s != rank)
                         tl.store(out + offs, tl.load(gathered + offs, mask=m), mask=m)
     tl.store(ctrl + b, seq + 1)
 
