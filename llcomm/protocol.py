@@ -60,16 +60,23 @@ DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5
 
 
 def timeout_ms_from_env(timeout_ms: int | None) -> int:
-    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else 1000."""
+    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else 1000.
+
+    An argument that is given wins, and the environment is then not read at all. Raises
+    ValueError naming ``timeout_ms`` or ``LLCOMM_TIMEOUT_MS``, whichever is not a positive
+    integer (a bool is not an integer of milliseconds here)."""
     if timeout_ms is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None:
             return DEFAULT_TIMEOUT_MS
         try:
-            timeout_ms = int(raw)
+            value = int(raw)
         except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive integer of milliseconds") from None
-    if not isinstance(timeout_ms, int) or timeout_ms <= 0:
+            value = 0
+        if value <= 0:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive integer of milliseconds")
+        return value
+    if not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or timeout_ms <= 0:
         raise ValueError(f"timeout_ms={timeout_ms!r}: expected a positive integer of milliseconds")
     return timeout_ms
 
@@ -90,6 +97,12 @@ def decode_error(word: int, rank: int) -> LLCommError | None:
     phase = PHASES.get((word >> 32) & 0xFF, f"phase#{(word >> 32) & 0xFF}")
     mask = word & 0xFFFFFFFF
     ranks = [r for r in range(32) if mask >> r & 1]
+    if status not in (STATUS_TIMEOUT, STATUS_MISMATCH):
+        return LLCommError(
+            f"llcomm: rank {rank}: unrecognised error word {word:#x} (status {status}, {op}, "
+            f"{phase}, ranks {ranks}): the error memory was overwritten or the kernels and "
+            "llcomm/protocol.py disagree. The communicator is now broken: destroy it and create "
+            "a new one.")
     if status == STATUS_MISMATCH:
         return CommMismatchError(
             f"llcomm: rank {rank}: {op} {phase}: ranks {ranks} called a different op, size or dtype "
