@@ -1,0 +1,163 @@
+"""llcomm/protocol.py: size tags, error words and the timeout setting.
+
+Error words are built here from the bit layout documented in protocol.py (status at bit 48, op at
+bit 40, phase at bit 32, rank mask in bits 31..0), not with a helper of the module under test.
+"""
+import pytest
+
+from llcomm import protocol as P
+from llcomm.errors import CommMismatchError, CommTimeoutError, LLCommError
+
+DTYPES = ("bfloat16", "float16", "float32")
+#: Element counts the TP joins of a decode step see: tokens x hidden size.
+HIDDEN = (1024, 2048, 4096, 5120, 7168, 8192, 12288, 16384)
+TOKENS = range(1, 257)
+
+
+def word(status: int, op: int, phase: int, ranks=()) -> int:
+    mask = 0
+    for r in ranks:
+        mask |= 1 << r
+    return (status << 48) | (op << 40) | (phase << 32) | mask
+
+
+# -- size_tag ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("numel", [0, 1, 7, 1000, 4097, (1 << 20) + 3, 1 << 31, (1 << 40) + 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_size_tag_fits_24_bits_and_carries_the_op(numel, dtype):
+    for op in P.OPS:
+        tag = P.size_tag(op, numel, dtype)
+        assert 0 <= tag <= P.TAG_MASK, (op, numel, dtype, tag)
+        assert tag >> 16 == op  # bits 23..16: the op code
+        # a flag word keeps it intact under any epoch
+        assert ((12345 << P.EPOCH_SHIFT) | tag) & P.TAG_MASK == tag
+
+
+def test_size_tag_differs_by_op():
+    for numel in (1, 7, 4096, 8192 * 16, (1 << 20) + 3):
+        for dtype in DTYPES:
+            tags = [P.size_tag(op, numel, dtype) for op in P.OPS]
+            assert len(set(tags)) == len(tags), (numel, dtype)
+
+
+def test_size_tag_differs_by_dtype():
+    names = list(P.DTYPE_CODES)
+    for numel in range(1, 20_000):
+        tags = {P.size_tag(P.OP_ONE_SHOT, numel, d) for d in names}
+        assert len(tags) == len(names), numel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_size_tag_differs_by_numel_for_decode_sizes(dtype):
+    """A rank with a different batch (tokens) than its peers must be caught as a mismatch."""
+    for hidden in HIDDEN:
+        tags = [P.size_tag(P.OP_ONE_SHOT, t * hidden, dtype) for t in TOKENS]
+        assert len(set(tags)) == len(tags), hidden
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_size_tag_differs_by_numel_for_small_and_power_of_two_sizes(dtype):
+    small = [P.size_tag(P.OP_ALL_GATHER, n, dtype) for n in range(1, 60)]
+    assert len(set(small)) == len(small)
+    powers = [P.size_tag(P.OP_ALL_GATHER, 1 << k, dtype) for k in range(32)]
+    assert len(set(powers)) == len(powers)
+
+
+def test_size_tag_spreads_like_a_hash():
+    """16 bits cannot tell every pair of sizes apart, but they must not degenerate: 65,536
+    consecutive element counts should fill about 1 - 1/e of the 65,536 values, as a random
+    function would (a tag that ignored the low or the high bits of numel would not)."""
+    tags = {P.size_tag(P.OP_ONE_SHOT, n, "bfloat16") for n in range(1, 1 << 16)}
+    assert len(tags) > 0.6 * (1 << 16)
+
+
+def test_size_tag_is_deterministic():
+    assert P.size_tag(P.OP_TWO_SHOT, 4097, "float16") == P.size_tag(P.OP_TWO_SHOT, 4097, "float16")
+
+
+# -- decode_error ------------------------------------------------------------------------------
+def test_clear_word_is_no_error():
+    assert P.decode_error(0, rank=0) is None
+
+
+@pytest.mark.parametrize("op", sorted(P.OPS))
+@pytest.mark.parametrize("phase", sorted(P.PHASES))
+def test_timeout_word_round_trips(op, phase):
+    err = P.decode_error(word(P.STATUS_TIMEOUT, op, phase, ranks=[1, 3]), rank=2)
+    assert type(err) is CommTimeoutError
+    assert (err.op, err.phase, err.ranks) == (P.OPS[op], P.PHASES[phase], (1, 3))
+    msg = str(err)
+    assert "rank 2" in msg and P.OPS[op] in msg and P.PHASES[phase] in msg and "[1, 3]" in msg
+
+
+@pytest.mark.parametrize("op", sorted(P.OPS))
+@pytest.mark.parametrize("phase", sorted(P.PHASES))
+def test_mismatch_word_round_trips(op, phase):
+    err = P.decode_error(word(P.STATUS_MISMATCH, op, phase, ranks=[0]), rank=1)
+    assert type(err) is CommMismatchError
+    assert (err.op, err.phase, err.ranks) == (P.OPS[op], P.PHASES[phase], (0,))
+    assert "rank 1" in str(err) and "different op, size or dtype" in str(err)
+
+
+def test_entry_and_exit_barriers_are_told_apart():
+    entry = P.decode_error(word(P.STATUS_TIMEOUT, P.OP_ONE_SHOT, P.PHASE_ENTRY, [1]), rank=0)
+    exit_ = P.decode_error(word(P.STATUS_TIMEOUT, P.OP_ONE_SHOT, P.PHASE_EXIT, [1]), rank=0)
+    assert entry.phase != exit_.phase
+    assert "entry" in entry.phase and "exit" in exit_.phase
+
+
+def test_rank_mask_uses_all_32_bits():
+    ranks = (0, 5, 17, 31)
+    err = P.decode_error(word(P.STATUS_TIMEOUT, P.OP_BROADCAST, P.PHASE_DATA, ranks), rank=4)
+    assert err.ranks == ranks
+    every = P.decode_error(word(P.STATUS_MISMATCH, P.OP_COMBINE, P.PHASE_EXIT, range(32)), rank=0)
+    assert every.ranks == tuple(range(32))
+
+
+def test_unknown_codes_are_named_by_number():
+    err = P.decode_error(word(P.STATUS_TIMEOUT, 99, 77, [2]), rank=0)
+    assert type(err) is CommTimeoutError
+    assert (err.op, err.phase) == ("op#99", "phase#77")
+
+
+@pytest.mark.parametrize("status", [0, 3, 0xFF])
+def test_unknown_status_is_not_called_a_timeout(status):
+    err = P.decode_error(word(status, P.OP_ONE_SHOT, P.PHASE_ENTRY, [1]), rank=0)
+    assert isinstance(err, LLCommError)
+    assert not isinstance(err, (CommTimeoutError, CommMismatchError))
+    assert "unrecognised error word" in str(err)
+
+
+# -- timeout_ms_from_env -----------------------------------------------------------------------
+def test_timeout_default(monkeypatch):
+    monkeypatch.delenv(P.TIMEOUT_ENV, raising=False)
+    assert P.timeout_ms_from_env(None) == P.DEFAULT_TIMEOUT_MS == 1000
+
+
+def test_timeout_env_beats_default(monkeypatch):
+    monkeypatch.setenv(P.TIMEOUT_ENV, "250")
+    assert P.timeout_ms_from_env(None) == 250
+
+
+def test_timeout_argument_beats_env(monkeypatch):
+    monkeypatch.setenv(P.TIMEOUT_ENV, "250")
+    assert P.timeout_ms_from_env(40) == 40
+
+
+def test_timeout_argument_given_ignores_a_bad_env(monkeypatch):
+    monkeypatch.setenv(P.TIMEOUT_ENV, "not a number")
+    assert P.timeout_ms_from_env(40) == 40
+
+
+@pytest.mark.parametrize("raw", ["abc", "", "1.5", "0", "-5", "1e3"])
+def test_timeout_bad_env_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv(P.TIMEOUT_ENV, raw)
+    with pytest.raises(ValueError, match=P.TIMEOUT_ENV):
+        P.timeout_ms_from_env(None)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "100", True, False])
+def test_timeout_bad_argument_names_it(monkeypatch, bad):
+    monkeypatch.delenv(P.TIMEOUT_ENV, raising=False)
+    with pytest.raises(ValueError, match="timeout_ms="):
+        P.timeout_ms_from_env(bad)
