@@ -27,11 +27,15 @@ DEFAULT_MAX_BYTES = 16 << 20
 BACKENDS = ("auto", "peer", "reference")
 ALGOS = ("auto", "one_shot", "two_shot", "lamport")
 
-#: all_reduce(algo="auto") table, (world_size, largest bytes, algo), first match wins; from
-#: bench/results/h200x2-tp.json (see docs/performance.md). Beyond the last row: two_shot.
+#: all_reduce(algo="auto"): (world_size, largest bytes, algo) rows, first match wins, two_shot
+#: beyond. World size 2 is measured on 2xH200 (bench/results/h200x2-tp.json: Lamport fastest to
+#: 1 MiB, one-shot to 8 MiB, two-shot above). Other world sizes are a rule until measured: the
+#: one-shot's remote traffic grows as (W - 1) * bytes, so it gives way to two-shot earlier.
 AUTO_TABLE = (
-    (2, 512 << 10, "lamport"),
+    (2, 1 << 20, "lamport"),
+    (2, 8 << 20, "one_shot"),
     (None, 256 << 10, "lamport"),
+    (None, 1 << 20, "one_shot"),
 )
 
 
