@@ -48,8 +48,9 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
         m = offs < n
         v = tl.load(x + offs, mask=m)
         for p in tl.static_range(W):
-            dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (parity * W + rank) * cap
-            tl.store(dst + offs, v, mask=m)
+            if p != rank:  # this rank's own term is read from x below
+                dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (parity * W + rank) * cap
+                tl.store(dst + offs, v, mask=m)
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
@@ -60,7 +61,8 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                 m = offs < n
                 acc = tl.zeros([BLOCK], tl.float32)
                 for p in tl.static_range(W):
-                    acc += tl.load(local + p * cap + offs, mask=m).to(tl.float32)
+                    src = tl.where(p == rank, x + offs, local + p * cap + offs)
+                    acc += tl.load(src, mask=m).to(tl.float32)
                 tl.store(out + offs, acc.to(DT), mask=m)
     tl.store(ctrl + b, seq + 1)
 
@@ -86,9 +88,10 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
         for s in tl.static_range(W):
             offs = s * shard + rel
             m = (rel < shard) & (offs < n)
-            v = tl.load(x + offs, mask=m)
-            dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (parity * W + rank) * cap
-            tl.store(dst + rel, v, mask=m)
+            if s != rank:  # this rank's own shard is read from x below
+                v = tl.load(x + offs, mask=m)
+                dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (parity * W + rank) * cap
+                tl.store(dst + rel, v, mask=m)
     if b * BLOCK < shard:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
@@ -101,7 +104,8 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                 m = (rel < shard) & (offs < n)
                 acc = tl.zeros([BLOCK], tl.float32)
                 for p in tl.static_range(W):
-                    acc += tl.load(local + p * cap + rel, mask=m).to(tl.float32)
+                    src = tl.where(p == rank, x + offs, local + p * cap + rel)
+                    acc += tl.load(src, mask=m).to(tl.float32)
                 red = acc.to(DT)
                 tl.store(out + offs, red, mask=m)
                 for p in tl.static_range(W):

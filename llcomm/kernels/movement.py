@@ -71,8 +71,9 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
         m = offs < n
         v = tl.load(x + offs, mask=m)
         for p in tl.static_range(W):
-            dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (half * W + rank) * cap
-            tl.store(dst + offs, v, mask=m)
+            if p != rank:  # this rank's own part is copied from x below
+                dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (half * W + rank) * cap
+                tl.store(dst + offs, v, mask=m)
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
@@ -84,7 +85,7 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
                 row = offs // part
                 col = offs - row * part
                 for p in tl.static_range(W):
-                    v = tl.load(local + p * cap + offs, mask=m)
+                    v = tl.load(tl.where(p == rank, x + offs, local + p * cap + offs), mask=m)
                     tl.store(out + row * (W * part) + p * part + col, v, mask=m)
     tl.store(ctrl + b, seq + 1)
 
@@ -107,9 +108,10 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
         offs = start + lanes
         m = offs < m_out
         for s in tl.static_range(W):
-            v = tl.load(x + s * m_out + offs, mask=m)
-            dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (half * W + rank) * cap
-            tl.store(dst + offs, v, mask=m)
+            if s != rank:  # this rank's own part is read from x below
+                v = tl.load(x + s * m_out + offs, mask=m)
+                dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (half * W + rank) * cap
+                tl.store(dst + offs, v, mask=m)
     if b * BLOCK < m_out:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
@@ -120,6 +122,7 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
                 m = offs < m_out
                 acc = tl.zeros([BLOCK], tl.float32)
                 for p in tl.static_range(W):
-                    acc += tl.load(local + p * cap + offs, mask=m).to(tl.float32)
+                    src = tl.where(p == rank, x + rank * m_out + offs, local + p * cap + offs)
+                    acc += tl.load(src, mask=m).to(tl.float32)
                 tl.store(out + offs, acc.to(DT), mask=m)
     tl.store(ctrl + b, seq + 1)

@@ -1,0 +1,427 @@
+"""EP low-latency MoE dispatch and combine kernels (DeepEP low-latency shapes, deterministic).
+
+Two kernels, each one launch on a fixed grid of ``NB`` blocks, each fusing push, bounded wait and
+the local work that follows:
+
+``dispatch_kernel``
+    1. counts: block b counts, for experts ``e = b, b + NB, ...``, the tokens of this rank that
+       route to e and pushes the count to e's rank (region ``recv_count[src][local e]``).
+    2. tokens: block b takes tokens ``t = b, b + NB, ...``; one 16-byte-vector row push of x[t]
+       per destination *rank* that holds one of its experts (not one per expert), into slot
+       ``(src, t)``, plus one metadata word per top-k entry for every rank:
+       ``(local expert << 16) | prefix``, prefix = number of earlier tokens of this rank that
+       route to the same expert (computed here, on the source, by comparing top-k rows).
+    3. signal ``flag[dispatch][b][src]`` on every rank, then wait for every (block, rank) flag.
+    4. expand: block b takes pairs ``(s, t)`` with ``t = b, b + NB, ...``; the row of
+       ``(expert e, s, t)`` is ``sum(count[s'][e] for s' < s) + prefix``, so rows are source
+       rank major, then source token order, packed from 0, whatever the arrival order, and no
+       atomics are involved. Each row is copied from the receive slot into ``recv_x``.
+
+``combine_kernel``
+    A. weights: block b pushes ``topk_weights[t]`` of its tokens to every rank; signal; wait
+       for block b of every rank (block b of a receiver only needs tokens ``t = b mod NB``).
+    B. reduce: for each pair (s, t) of its tokens with a local expert, the expert outputs of
+       the pair's local top-k entries are weighted and summed **in k order in fp32**
+       (``acc = acc + w_k * y_k``, no FMA contraction), rounded once to the buffer dtype, and
+       pushed into slot ``(this rank, t)`` of rank s; signal; wait for block b of every rank.
+    C. sum: for each token t of its own, block b sums the partials of the ranks t was routed
+       to, **in rank order in fp32** starting from +0.0, and rounds once into ``out[t]``.
+
+Why two buffer sets suffice (set = op counter % 2, on the device, separately for dispatch and
+combine): every op waits for every rank. When rank r starts dispatch k it has finished dispatch
+k-1, which needed every peer to have signalled k-1, i.e. to have finished dispatch k-2 (kernels
+on one stream run in order). Dispatch k writes the set dispatch k-2 used, which nobody reads
+any more; no flag slot is rewritten before its waiter saw it. Combine: same argument per phase
+(weights of k are written after the writer finished k-1, which needed every rank's partials of
+k-1, sent after those ranks finished reading weights of k-2 ...). Combine reads nothing of the
+dispatch regions: what it needs of a dispatch (``row_of``, ``ntok``) is in the handle slot,
+which is local memory.
+
+Timeline of one dispatch between ranks A and B (block b of each)::
+
+    A: push rows/meta/counts -> B ... bar.sync; atom.release.sys B.flag[D][b][A] = word
+    B: poll all B.flag[D][*][*] == word (volatile), one acquire pass ... bar.sync; expand
+
+``STAGES`` (constexpr bit mask) runs a subset of the stages without any signal or wait: the
+CPU tests use it to run the stages of every virtual rank in turn under ``TRITON_INTERPRET=1``.
+The library always launches all stages (``DISPATCH_ALL`` / ``COMBINE_ALL``), which alone
+signals and waits.
+"""
+import triton
+import triton.language as tl
+
+from ._sync import EPOCH_SHIFT, global_time_ns, report_error
+from .. import protocol as P
+
+STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
+STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
+PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
+PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
+PHASE_DATA = tl.constexpr(P.PHASE_DATA)
+OP_DISPATCH = tl.constexpr(P.OP_DISPATCH)
+OP_COMBINE = tl.constexpr(P.OP_COMBINE)
+
+# Stage bits (python ints for the host, constexpr for the kernels).
+D_SEND, D_RECV = 1, 2
+DISPATCH_ALL = D_SEND | D_RECV
+C_WEIGHTS, C_REDUCE, C_SUM = 1, 2, 4
+COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM
+# Flag phases of a set (mirror llcomm/ep_layout.py).
+SIG_DISPATCH, SIG_WEIGHTS, SIG_PARTIALS = 0, 1, 2
+META_SHIFT = 16
+META_MASK = (1 << META_SHIFT) - 1
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _at(tab, r, byte_off, DTYPE: tl.constexpr):
+    """Pointer ``byte_off`` bytes into rank r's EP region, as DTYPE. Every region offset is a
+    multiple of 256 and every base is 256-aligned, so the 16-byte claim holds."""
+    base = tl.load(tab + r)
+    return tl.multiple_of((base + byte_off).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
+    """Store ``word`` at int64 index ``word_idx`` of every rank's EP region (release, system
+    scope). Caller issues ``tl.debug_barrier()`` first so the whole block's stores precede it."""
+    ps = tl.arange(0, WP)
+    live = ps < W
+    bases = tl.load(tab + ps, mask=live, other=0)
+    ptrs = bases.to(tl.pointer_type(tl.int64)) + word_idx
+    tl.atomic_xchg(ptrs, tl.full([WP], 0, tl.int64) + word, mask=live, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_flags(flags, word, timeout_ns, err, op, phase,
+                N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr):
+    """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
+    fastest) all equal ``word``; bounded by ``timeout_ns``. Polls with volatile loads, then one
+    acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
+    error word (its mask names the source ranks that were late or disagreed)."""
+    i = tl.arange(0, NP)
+    live = i < N
+    ptrs = flags + i
+    src = (i % W).to(tl.int64)
+    epoch = word >> EPOCH_SHIFT
+    t0 = global_time_ns()
+    status = 0
+    bad = tl.zeros([NP], tl.int64)
+    while status == 0:
+        got = tl.load(ptrs, mask=live, other=0, volatile=True)
+        arrived = (got == word) | (i >= N)
+        wrong = ((got >> EPOCH_SHIFT) >= epoch) & (got != word) & live
+        if tl.sum(wrong.to(tl.int32), axis=0) > 0:
+            status = STATUS_MISMATCH
+            bad = wrong.to(tl.int64)
+        elif tl.sum(arrived.to(tl.int32), axis=0) == NP:
+            status = -1
+        elif global_time_ns() - t0 > timeout_ns:
+            status = STATUS_TIMEOUT
+            bad = (arrived == 0).to(tl.int64)
+    ok = status == -1
+    if ok:
+        tl.atomic_add(ptrs, tl.zeros([NP], tl.int64), mask=live, sem="acquire", scope="sys")
+    else:
+        report_error(err, status, op, phase, tl.reduce(bad << src, 0, _bit_or))
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def _first_in_row(e, valid, KP: tl.constexpr):
+    """``[KP]`` mask: entry k is valid and no earlier valid entry of the row names its expert
+    (a token that lists an expert twice gets one row; combine still applies both weights)."""
+    ks = tl.arange(0, KP)
+    same = (e[:, None] == e[None, :]) & (ks[None, :] < ks[:, None]) & valid[None, :]
+    return valid & (tl.max(same.to(tl.int32), axis=1) == 0)
+
+
+@triton.jit
+def _first_in_tile(tile, valid, KP: tl.constexpr):
+    """``_first_in_row`` for every row of a ``[TT, KP]`` tile."""
+    ks = tl.arange(0, KP)
+    earlier = ks[None, None, :] < ks[None, :, None]
+    same = (tile[:, :, None] == tile[:, None, :]) & earlier & valid[:, None, :]
+    return valid & (tl.max(same.to(tl.int32), axis=2) == 0)
+
+
+@triton.jit
+def _send(x, topk, n_tok, tab, err, rank, set_off,
+          T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+          KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
+          WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
+          MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr, OFF_META: tl.constexpr,
+          OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr):
+    """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks."""
+    b = tl.program_id(0)
+    DT = x.dtype.element_ty
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    hs = tl.arange(0, HP)
+    hm = hs < H
+
+    # 1. per-expert token counts for experts e = b + NB * j, pushed to e's rank. Out-of-range
+    #    ids count as -1 and are reported (block 0 sees every token).
+    es = b + NB * tl.arange(0, EB)
+    emask = es < E
+    cnt = tl.zeros([EB], tl.int32)
+    nbad = tl.full([], 0, tl.int32)
+    for t0 in range(0, n_tok, TT):
+        ts = t0 + tl.arange(0, TT)
+        m2 = (ts < n_tok)[:, None] & kmask[None, :]
+        tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
+        nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1), axis=0)
+        first = _first_in_tile(tile, (tile >= 0) & (tile < E), KP)
+        hit = (tile[:, :, None] == es[None, None, :]) & first[:, :, None]
+        cnt += tl.sum(tl.sum(hit.to(tl.int32), axis=0), axis=0)
+    dst = es // L
+    cbase = tl.load(tab + dst, mask=emask, other=0)
+    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
+    tl.store(cptr, cnt, mask=emask)
+    if b == 0:
+        if nbad > 0:
+            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
+        ps = tl.arange(0, WP)
+        nbase = tl.load(tab + ps, mask=ps < W, other=0)
+        nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
+        tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
+
+    # 2. token rows (once per destination rank) and metadata (every rank, every token).
+    for t in range(b, n_tok, NB):
+        e = tl.load(topk + t * K + ks, mask=kmask, other=-1)
+        valid = (e >= 0) & (e < E)
+        ev = tl.where(valid, e, -1)
+        pre = tl.zeros([KP], tl.int32)
+        for t0 in range(0, t, TT):
+            ts = t0 + tl.arange(0, TT)
+            m2 = (ts < t)[:, None] & kmask[None, :]
+            tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
+            first = _first_in_tile(tile, (tile >= 0) & (tile < E), KP)
+            hit = (tile[:, :, None] == ev[None, None, :]) & first[:, :, None]
+            pre += tl.sum(tl.sum(hit.to(tl.int32), axis=0), axis=0)
+        dv = tl.where(valid, ev // L, -1)
+        meta = tl.where(valid, ((ev - dv * L) << META_SHIFT) | pre, -1).to(tl.int32)
+        v = tl.load(x + t * H + hs, mask=hm)
+        slot = rank * T + t
+        for d in tl.static_range(W):
+            mp = _at(tab, d, set_off + OFF_META, tl.int32) + slot * MAX_TOPK
+            tl.store(mp + ks, tl.where(dv == d, meta, -1), mask=kmask)
+            if tl.sum((dv == d).to(tl.int32), axis=0) > 0:
+                xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
+                tl.store(xp + hs, v, mask=hm)
+
+
+@triton.jit
+def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
+            T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+            KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
+            WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr):
+    """Dispatch stage 3: this rank's receive slots into the per-expert layout."""
+    b = tl.program_id(0)
+    DT = recv_x.dtype.element_ty
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    hs = tl.arange(0, HP)
+    hm = hs < H
+    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int32)
+    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
+    metap = _at(tab, rank, set_off + OFF_META, tl.int32)
+    xp = _at(tab, rank, set_off + OFF_X, DT)
+    if b == 0:
+        for l0 in range(0, L, LB):
+            ls = l0 + tl.arange(0, LB)
+            lm = ls < L
+            tot = tl.zeros([LB], tl.int32)
+            for s in range(W):
+                tot += tl.load(cntp + s * L + ls, mask=lm, other=0)
+            tl.store(recv_count + ls, tot, mask=lm)
+        ps = tl.arange(0, WP)
+        tl.store(ntok_out + ps, tl.load(ntp + ps, mask=ps < W, other=0), mask=ps < W)
+    for s in range(W):
+        n_s = tl.load(ntp + s)
+        for t in range(b, n_s, NB):
+            slot = s * T + t
+            meta = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
+            valid = meta >= 0
+            le = tl.where(valid, meta >> META_SHIFT, 0)
+            row = tl.where(valid, meta & META_MASK, 0)
+            for s2 in range(s):
+                row += tl.load(cntp + s2 * L + le, mask=valid, other=0)
+            flat = le * (W * T) + row
+            first = _first_in_row(meta, valid, KP)
+            tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
+            tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+            v = tl.load(xp + slot * H + hs, mask=hm)
+            for k in tl.static_range(K):
+                f_k = tl.sum(tl.where(ks == k, first.to(tl.int32), 0), axis=0)
+                r_k = tl.sum(tl.where(ks == k, flat, 0), axis=0)
+                if f_k > 0:
+                    tl.store(recv_x + r_k.to(tl.int64) * H + hs, v, mask=hm)
+
+
+@triton.jit
+def dispatch_kernel(
+        x,              # [n_tok, H] this rank's tokens (buffer dtype)
+        topk,           # [n_tok, K] int64 global expert ids, -1 = none
+        n_tok,          # tokens of this rank (<= T)
+        recv_x,         # [L, W * T, H] output
+        row_of,         # [W, T, K] int32 handle: flat row e * W * T + row of (s, t, k), or -1
+        src_info,       # [L, W * T] int32 handle: s * T + t of each row
+        recv_count,     # [L] int32 output
+        ntok_out,       # [W] int32 handle: tokens each source sent
+        tab,            # [W] int64: every rank's EP region base address
+        ctrl,           # [NB] int64: dispatch counter of each block
+        err,            # [3] int64: device error word, host error address, host input-error address
+        rank, tag, timeout_ns,
+        T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
+        K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
+        E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
+        W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,    # ranks, pow2(W), grid
+        EB: tl.constexpr,               # pow2(ceil(E / NB)): experts counted per block
+        TT: tl.constexpr,               # tokens per top-k tile in the count / prefix scans
+        FP: tl.constexpr,               # pow2(NB * W): flags polled by the dispatch wait
+        MAX_TOPK: tl.constexpr,         # metadata slot stride (ep_layout.MAX_TOPK)
+        SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_X: tl.constexpr,   # layout, bytes
+        OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+        STAGES: tl.constexpr):          # D_SEND | D_RECV; only DISPATCH_ALL signals and waits
+    b = tl.program_id(0)
+    seq = tl.load(ctrl + b)
+    set_off = (seq % 2) * SET_BYTES
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    if STAGES & 1:
+        _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
+              MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK)
+    ok = 1
+    if STAGES == 3:
+        tl.debug_barrier()
+        _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
+        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
+        ok = _wait_flags(flags, word, timeout_ns, err, OP_DISPATCH, PHASE_ENTRY, NB * W, FP, W)
+    if STAGES & 2:
+        if ok:
+            _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off, T, H, HP,
+                    K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK)
+        tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constexpr,
+                  KP: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
+                  OFF_CW: tl.constexpr):
+    """Combine stage A: this rank's top-k weights into slot (rank, t) of every rank."""
+    b = tl.program_id(0)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    for t in range(b, n_tok, NB):
+        w = tl.load(wts + t * K + ks, mask=kmask, other=0.0)
+        for d in tl.static_range(W):
+            wp = _at(tab, d, set_off + OFF_CW, tl.float32) + (rank * T + t) * MAX_TOPK
+            tl.store(wp + ks, w, mask=kmask)
+
+
+@triton.jit
+def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
+                     HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
+                     NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_CX: tl.constexpr,
+                     OFF_CW: tl.constexpr):
+    """Combine stage B: per received pair (s, t), its local experts' outputs weighted and summed
+    in k order in fp32, rounded once, pushed into slot (rank, t) of rank s."""
+    b = tl.program_id(0)
+    DT = eo.dtype.element_ty
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    hs = tl.arange(0, HP)
+    hm = hs < H
+    wl = _at(tab, rank, set_off + OFF_CW, tl.float32)
+    for s in range(W):
+        n_s = tl.load(ntok_in + s)
+        for t in range(b, n_s, NB):
+            rows = tl.load(row_of + (s * T + t) * K + ks, mask=kmask, other=-1)
+            if tl.max(rows, axis=0) >= 0:
+                w = tl.load(wl + (s * T + t) * MAX_TOPK + ks, mask=kmask, other=0.0)
+                acc = tl.zeros([HP], tl.float32)
+                for k in tl.static_range(K):
+                    r_k = tl.sum(tl.where(ks == k, rows, 0), axis=0)
+                    w_k = tl.sum(tl.where(ks == k, w, 0.0), axis=0)
+                    if r_k >= 0:
+                        y = tl.load(eo + r_k.to(tl.int64) * H + hs, mask=hm).to(tl.float32)
+                        acc = acc + w_k * y
+                pp = _at(tab, s, set_off + OFF_CX, DT) + (rank * T + t) * H
+                tl.store(pp + hs, acc.to(DT), mask=hm)
+
+
+@triton.jit
+def _sum_partials(topk, n_tok, out, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
+                  HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr,
+                  L: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, OFF_CX: tl.constexpr):
+    """Combine stage C: each own token's partials, from the ranks it went to, in rank order."""
+    b = tl.program_id(0)
+    DT = out.dtype.element_ty
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    hs = tl.arange(0, HP)
+    hm = hs < H
+    cl = _at(tab, rank, set_off + OFF_CX, DT)
+    for t in range(b, n_tok, NB):
+        e = tl.load(topk + t * K + ks, mask=kmask, other=-1)
+        dv = tl.where((e >= 0) & (e < E), e // L, -1)
+        acc = tl.zeros([HP], tl.float32)
+        for d in tl.static_range(W):
+            if tl.sum((dv == d).to(tl.int32), axis=0) > 0:
+                acc = acc + tl.load(cl + (d * T + t) * H + hs, mask=hm).to(tl.float32)
+        tl.store(out + t * H + hs, acc.to(DT), mask=hm)
+
+
+@triton.jit
+def combine_kernel(
+        eo,             # [L, W * T, H] expert outputs (buffer dtype)
+        topk,           # [n_tok, K] int64, as given to the dispatch
+        wts,            # [n_tok, K] fp32 top-k weights
+        n_tok,          # tokens of this rank (the dispatch's)
+        out,            # [n_tok, H] output
+        row_of,         # [W, T, K] int32 from the dispatch's handle
+        ntok_in,        # [W] int32 from the dispatch's handle
+        tab,            # [W] int64: every rank's EP region base address
+        ctrl,           # [NB] int64: combine counter of each block
+        err,            # [3] int64: see dispatch_kernel
+        rank, tag, timeout_ns,
+        T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+        KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+        W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
+        SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_CX: tl.constexpr,
+        OFF_CW: tl.constexpr,
+        STAGES: tl.constexpr):          # C_WEIGHTS | C_REDUCE | C_SUM; only COMBINE_ALL syncs
+    b = tl.program_id(0)
+    seq = tl.load(ctrl + b)
+    set_off = (seq % 2) * SET_BYTES
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    sig0 = (set_off + OFF_SIG) // 8
+    flags = _at(tab, rank, set_off + OFF_SIG, tl.int64)
+    if STAGES & 1:
+        _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
+    ok = 1
+    if STAGES == 7:
+        tl.debug_barrier()
+        _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
+        ok = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_ns, err, OP_COMBINE,
+                         PHASE_ENTRY, W, WP, W)
+    if STAGES & 2:
+        if ok:
+            _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T, H, HP, K, KP, W, NB,
+                             MAX_TOPK, OFF_CX, OFF_CW)
+            if STAGES == 7:
+                tl.debug_barrier()
+                _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
+                ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_ns, err,
+                                 OP_COMBINE, PHASE_EXIT, W, WP, W)
+    if STAGES & 4:
+        if ok:
+            _sum_partials(topk, n_tok, out, tab, rank, set_off, T, H, HP, K, KP, E, L, W, NB,
+                          OFF_CX)
+        tl.store(ctrl + b, seq + 1)
