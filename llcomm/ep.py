@@ -1,0 +1,454 @@
+"""``EPBuffer``: low-latency MoE dispatch and combine with DeepEP's low-latency shapes.
+
+    buf = llcomm.EPBuffer(group, num_experts=256, hidden=7168,
+                          num_max_dispatch_tokens_per_rank=128)       # once (a collective)
+    recv_x, recv_count, handle = buf.dispatch(x, topk_idx)           # every MoE layer
+    expert_out = experts(recv_x, recv_count)                         # [L, W * T, hidden]
+    y = buf.combine(expert_out, topk_idx, topk_weights, handle)       # [num_tokens, hidden]
+
+Backends: ``"peer"`` (Triton kernels over a symmetric NVLink region, one host), ``"reference"``
+(torch.distributed all-to-all: NCCL, or gloo on CPU), ``"auto"`` (peer where every rank has its
+own GPU and peer access works, reference otherwise). Both give the same ``recv_x`` bytes, the
+same ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from . import _validate as V
+from . import protocol as P
+from .ep_layout import MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
+from .ep_reference import ReferenceEP
+from .errors import CommBrokenError, UnsupportedConfigError
+
+log = logging.getLogger("llcomm")
+
+BACKENDS = ("auto", "peer", "reference")
+EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites.
+HANDLE_SLOTS = 2
+#: Tokens per top-k tile in the dispatch kernel's count and prefix scans.
+TOPK_TILE_TOKENS = 32
+#: Local experts summed per step when the dispatch kernel writes recv_count.
+COUNT_CHUNK = 1024
+#: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
+VECTORS_PER_THREAD = 4
+MAX_WARPS = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class EPHandle:
+    """What ``combine`` needs to know about one ``dispatch``; returned by ``dispatch``.
+
+    Attributes:
+        num_tokens, topk: the dispatch's ``x.shape[0]`` and ``topk_idx.shape[1]``.
+        recv_count: ``[num_local_experts]`` int32, rows of ``recv_x`` filled per local expert
+            (the same tensor ``dispatch`` returned).
+        src_info: ``[num_local_experts, num_ranks * max_tokens]`` int32; row ``j <
+            recv_count[e]`` of expert e came from rank ``src_info[e, j] // max_tokens``, token
+            ``src_info[e, j] % max_tokens``. Entries past ``recv_count[e]`` are unspecified.
+
+    Lifetime: valid until two more ``dispatch`` calls of the same buffer have been made (the
+    buffer keeps two handle slots and reuses the older); ``combine`` refuses an older handle.
+    On the peer backend ``recv_count`` and ``src_info`` live in that slot too.
+    """
+
+    __slots__ = ("_owner", "index", "num_tokens", "topk", "recv_count", "src_info", "_state")
+
+    def __init__(self, owner, index, num_tokens, topk, recv_count, src_info, state):
+        self._owner = owner
+        self.index = index
+        self.num_tokens = num_tokens
+        self.topk = topk
+        self.recv_count = recv_count
+        self.src_info = src_info
+        self._state = state
+
+    def src_rank(self) -> torch.Tensor:
+        """``[num_local_experts, num_ranks * max_tokens]`` source rank of every row (new tensor)."""
+        return torch.div(self.src_info, self._owner.max_tokens, rounding_mode="floor")
+
+    def src_token(self) -> torch.Tensor:
+        """``[num_local_experts, num_ranks * max_tokens]`` source token of every row (new tensor)."""
+        return torch.remainder(self.src_info, self._owner.max_tokens)
+
+    def __repr__(self):
+        return f"EPHandle(dispatch #{self.index}, num_tokens={self.num_tokens}, topk={self.topk})"
+
+
+class EPBuffer:
+    """Buffers and kernels for MoE dispatch / combine over one process group.
+
+    Creating an EPBuffer is a **collective** and **host-blocking**: every rank of ``group`` calls
+    it with the same arguments; it allocates ``size_hint(...)`` bytes of symmetric memory once
+    (peer backend), exchanges handles and synchronises. Create it at start-up, never inside a
+    CUDA graph capture.
+
+    Args:
+        group: the process group (default: the world), one process per GPU. Experts are split
+            evenly: rank r holds global experts ``[r * L, (r + 1) * L)``, ``L = num_experts //
+            num_ranks``.
+        num_experts: global number of experts, a multiple of the number of ranks.
+        hidden: token width; ``hidden * itemsize`` must be a multiple of 16 bytes.
+        num_max_dispatch_tokens_per_rank: the most tokens any rank dispatches in one call (the
+            worst-case decode micro-batch), at most 65536.
+        dtype: token dtype, bfloat16 (default), float16 or float32.
+        backend: ``"auto"``, ``"peer"`` or ``"reference"``.
+        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000).
+
+    Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
+    in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
+    rank must make the same sequence of calls with the same ``topk``; ``num_tokens`` may differ.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, num_experts: int, hidden: int,
+                 num_max_dispatch_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
+                 backend: str = "auto", timeout_ms: int | None = None):
+        pr = V.Problems("EPBuffer")
+        if backend not in BACKENDS:
+            pr.add(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
+        if dtype not in EP_DTYPES:
+            pr.add(f"dtype={dtype}; expected one of {', '.join(map(_name, EP_DTYPES))}",
+                   type_error=True)
+        if not dist.is_initialized():
+            raise RuntimeError("llcomm.EPBuffer: torch.distributed is not initialised; call "
+                               "torch.distributed.init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = W = dist.get_world_size(self.group)
+        itemsize = torch.tensor([], dtype=dtype).element_size() if dtype in EP_DTYPES else 2
+        for msg in check_shape_args(num_max_dispatch_tokens_per_rank, hidden, W, num_experts,
+                                    itemsize):
+            pr.add(msg)
+        pr.raise_if_any()
+        self.timeout_ms = P.timeout_ms_from_env(timeout_ms)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // W
+        self.hidden = hidden
+        self.max_tokens = num_max_dispatch_tokens_per_rank
+        self.dtype = dtype
+        self._dispatches = 0        # host count of dispatch calls (handle indices)
+        self.backend_reason = "requested"
+        if backend in ("auto", "peer"):
+            from .tp import peer_support
+            ok, why = peer_support(self.group)
+            if backend == "peer" and not ok:
+                raise UnsupportedConfigError(
+                    f"llcomm.EPBuffer(backend='peer'): {why}. Use backend='reference' "
+                    "(torch.distributed) for this configuration.")
+            backend = "peer" if ok else "reference"
+            self.backend_reason = why
+            if not ok:
+                log.info("llcomm: rank %d: EPBuffer uses the reference backend: %s", self.rank, why)
+        self.backend = backend
+        if backend == "peer":
+            self._impl = _PeerEP(self)
+            self.device = self._impl.device
+        else:
+            self.device = (torch.device("cuda", torch.cuda.current_device())
+                           if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
+                                     max_tokens=self.max_tokens, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                  num_experts: int, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of symmetric memory the peer backend allocates per rank for these arguments.
+
+        Computed by the same ``ep_layout`` the constructor uses. About ``4 * num_ranks *
+        max_tokens * hidden * itemsize`` (two sets of a dispatch and a combine receive region of
+        one slot per (rank, token)) plus small metadata; docs/ep.md has a table.
+        """
+        if dtype not in EP_DTYPES:
+            raise TypeError(f"llcomm.EPBuffer.size_hint: dtype={dtype}; expected one of "
+                            f"{', '.join(map(_name, EP_DTYPES))}")
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                         itemsize).total_bytes
+
+    # -- validation -----------------------------------------------------------------------------
+    def _recv_shape(self) -> tuple[int, int, int]:
+        return (self.num_local_experts, self.num_ranks * self.max_tokens, self.hidden)
+
+    def _check_topk(self, pr: V.Problems, topk_idx, num_tokens: int | None) -> bool:
+        if not V.check_tensor(pr, "topk_idx", topk_idx, self.device, dtypes=(torch.int64,)):
+            return False
+        if topk_idx.dim() != 2:
+            pr.add(f"topk_idx has shape {tuple(topk_idx.shape)}; expected 2-D [num_tokens, topk]")
+            return False
+        if num_tokens is not None and topk_idx.shape[0] != num_tokens:
+            pr.add(f"topk_idx has {topk_idx.shape[0]} rows; expected num_tokens={num_tokens}")
+            return False
+        if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
+            pr.add(f"topk_idx has topk={topk_idx.shape[1]}; expected 1 to {MAX_TOPK}")
+            return False
+        if topk_idx.device.type == "cpu" and topk_idx.numel():
+            # Host tensors are checked here; device tensors on the device (see check()).
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= self.num_experts:
+                pr.add(f"topk_idx holds values in [{lo}, {hi}]; expected -1 (no expert) or an "
+                       f"expert id in [0, {self.num_experts})")
+                return False
+        return True
+
+    def _check_out(self, pr: V.Problems, name: str, t, shape) -> None:
+        if t is None:
+            return
+        if not V.check_tensor(pr, name, t, self.device, dtypes=(self.dtype,)):
+            return
+        if tuple(t.shape) != tuple(shape):
+            pr.add(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+
+    # -- ops ------------------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *,
+                 out: torch.Tensor | None = None):
+        """Send every token to the experts ``topk_idx`` names; return ``(recv_x, recv_count,
+        handle)``.
+
+        Args:
+            x: ``[num_tokens, hidden]``, the buffer's dtype, contiguous, on its device;
+                ``num_tokens <= num_max_dispatch_tokens_per_rank`` (may differ per rank, may be
+                0).
+            topk_idx: ``[num_tokens, topk]`` int64 global expert ids; -1 means no expert.
+                ``topk`` (1 to 32) is the same on every rank. An expert listed twice for one
+                token gets one row (combine applies both weights). Values outside [-1,
+                num_experts) raise ValueError here for CPU tensors; on the GPU they are treated
+                as -1 and reported by the next call or ``check()``.
+            out: optional ``recv_x`` to fill (shape below); allocated when not given.
+        Returns:
+            recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
+                e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
+                then by source token index; the remaining rows are unspecified (not zeroed).
+            recv_count: ``[num_local_experts]`` int32 (lives in the handle's slot: see EPHandle).
+            handle: an ``EPHandle`` for ``combine``; valid for two dispatches.
+        """
+        pr = V.Problems("EPBuffer.dispatch")
+        if V.check_tensor(pr, "x", x, self.device, dtypes=(self.dtype,)):
+            if x.dim() != 2 or x.shape[1] != self.hidden:
+                pr.add(f"x has shape {tuple(x.shape)}; expected [num_tokens, {self.hidden}]")
+            elif x.shape[0] > self.max_tokens:
+                pr.add(f"x has {x.shape[0]} tokens; at most num_max_dispatch_tokens_per_rank="
+                       f"{self.max_tokens} (create the EPBuffer with a larger maximum)")
+            else:
+                self._check_topk(pr, topk_idx, x.shape[0])
+        else:
+            self._check_topk(pr, topk_idx, None)
+        self._check_out(pr, "out", out, self._recv_shape())
+        pr.raise_if_any()
+        self._precheck("dispatch")
+        recv_x = out if out is not None else torch.empty(self._recv_shape(), dtype=self.dtype,
+                                                         device=self.device)
+        index = self._dispatches
+        if self.backend == "peer":
+            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x,
+                                                              index % HANDLE_SLOTS)
+        else:
+            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x)
+        self._dispatches += 1
+        handle = EPHandle(self, index, x.shape[0], topk_idx.shape[1], recv_count, src_info, state)
+        return recv_x, recv_count, handle
+
+    def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor, handle: EPHandle, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted sum of the experts' outputs back at each token's rank.
+
+        Args:
+            expert_out: ``[num_local_experts, num_ranks * max_tokens, hidden]``, the buffer's
+                dtype: row j of expert e is the output for row j of ``recv_x`` (rows past
+                ``recv_count[e]`` are never read).
+            topk_idx: the same ``[num_tokens, topk]`` int64 tensor given to the dispatch.
+            topk_weights: ``[num_tokens, topk]`` float32.
+            handle: from one of this buffer's two latest dispatches.
+            out: optional ``[num_tokens, hidden]`` result, the buffer's dtype.
+        Returns:
+            ``out[t] = sum_k topk_weights[t, k] * expert_out[expert k of t, its row]`` over the
+            entries that are not -1 (zeros for a token with none), accumulated in fp32 in one
+            fixed order: on each expert rank, that rank's entries in k order (the partial,
+            rounded once to the buffer dtype); then at the source, the partials in rank order,
+            rounded once. Bitwise reproducible, identical on both backends up to the
+            multiply-add contraction noted in docs/ep.md.
+        """
+        pr = V.Problems("EPBuffer.combine")
+        n = None
+        if not isinstance(handle, EPHandle):
+            pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
+                   type_error=True)
+        elif handle._owner is not self:
+            pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
+                   "returned")
+        elif self._dispatches - handle.index > HANDLE_SLOTS:
+            pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
+                   f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
+                   f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
+        else:
+            n = handle.num_tokens
+        self._check_out(pr, "expert_out", expert_out, self._recv_shape())
+        if self._check_topk(pr, topk_idx, n) and n is not None \
+                and topk_idx.shape[1] != handle.topk:
+            pr.add(f"topk_idx has topk={topk_idx.shape[1]}; the dispatch had {handle.topk}")
+        if V.check_tensor(pr, "topk_weights", topk_weights, self.device, dtypes=(torch.float32,)) \
+                and isinstance(topk_idx, torch.Tensor) \
+                and tuple(topk_weights.shape) != tuple(topk_idx.shape):
+            pr.add(f"topk_weights has shape {tuple(topk_weights.shape)}; expected "
+                   f"{tuple(topk_idx.shape)} (that of topk_idx)")
+        if n is not None:
+            self._check_out(pr, "out", out, (n, self.hidden))
+        pr.raise_if_any()
+        self._precheck("combine")
+        if out is None:
+            out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
+        return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
+
+    # -- errors and lifetime --------------------------------------------------------------------
+    def _precheck(self, fn: str) -> None:
+        bad = self._impl.take_bad_count(sync=False) if self.backend == "peer" else 0
+        if bad:
+            raise ValueError(f"llcomm.EPBuffer.{fn}: an earlier dispatch got {bad} topk_idx "
+                             f"entries outside [-1, {self.num_experts}); they were treated as -1 "
+                             "(no expert). Fix the router output.")
+        if self.backend == "peer":
+            self._impl.precheck()
+
+    def check(self) -> None:
+        """Wait for this rank's queued work, then raise what the device reported: a timeout or
+        mismatch (``CommTimeoutError`` / ``CommMismatchError``; the buffer is broken after it)
+        or out-of-range ``topk_idx`` entries (ValueError). Call it after graph replays."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        bad = self._impl.take_bad_count(sync=True) if self.backend == "peer" \
+            else (self._impl.take_bad_count() if self.device.type == "cuda" else 0)
+        if bad:
+            raise ValueError(f"llcomm.EPBuffer.check: {bad} topk_idx entries outside [-1, "
+                             f"{self.num_experts}) were treated as -1 (no expert)")
+        if self.backend == "peer":
+            self._impl.precheck()
+
+    def close(self) -> None:
+        """Release the symmetric region. A collective: every rank drains its work first."""
+        if self.backend == "peer":
+            self._impl.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _PeerEP:
+    """The peer backend of EPBuffer: symmetric region, counters, handle slots, launches."""
+
+    def __init__(self, buf: EPBuffer):
+        from .kernels import ep as kernels
+        from .launch import Launcher
+        from .workspace import SymmetricWorkspace
+
+        self.k = kernels
+        self.rank, self.W = buf.rank, buf.num_ranks
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.nb = nb = default_num_blocks()
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if nb > sms:
+            raise UnsupportedConfigError(
+                f"llcomm.EPBuffer: LLCOMM_EP_NUM_BLOCKS={nb} exceeds this GPU's {sms} SMs; every "
+                "block of a dispatch waits for the others, so all must be resident")
+        itemsize = torch.tensor([], dtype=buf.dtype).element_size()
+        self.layout = lay = ep_layout(buf.max_tokens, buf.hidden, self.W, buf.num_experts,
+                                      itemsize, num_blocks=nb)
+        self.buf = buf
+        self.timeout_ns = buf.timeout_ms * P.NS_PER_MS
+        self.ws = SymmetricWorkspace(buf.group, {"ep": lay.total_bytes}, self.device)
+        self.tab = self.ws.table("ep")
+        self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
+        # err[0]: device error word; err[1]: host address of the error word; err[2]: host
+        # address of the out-of-range top-k count. Pinned host memory is mapped into the GPU's
+        # address space, so kernels store to it and the host reads it without a sync.
+        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self.err = torch.tensor([0, self._host.data_ptr(), self._host.data_ptr() + 8],
+                                dtype=torch.int64, device=self.device)
+        L, T = buf.num_local_experts, buf.max_tokens
+        self._slot_words = (self.W * T * MAX_TOPK, L * self.W * T, L, self.W)
+        self.slots = [torch.zeros(sum(self._slot_words), dtype=torch.int32, device=self.device)
+                      for _ in range(HANDLE_SLOTS)]
+        self.broken: Exception | None = None
+        self._launch = Launcher(self.device)
+        off = lay.offsets()
+        vec = 16 // itemsize
+        hp = _pow2(buf.hidden)
+        self.num_warps = max(1, min(MAX_WARPS, hp // (32 * vec * VECTORS_PER_THREAD)))
+        common = dict(T=T, H=buf.hidden, HP=hp, E=buf.num_experts, L=L, W=self.W,
+                      WP=_pow2(self.W), NB=nb, MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes,
+                      OFF_SIG=off["signal"])
+        self.d_consts = dict(common, LB=min(_pow2(L), COUNT_CHUNK),
+                             EB=_pow2(-(-buf.num_experts // nb)), TT=TOPK_TILE_TOKENS,
+                             FP=_pow2(nb * self.W), OFF_X=off["recv_x"], OFF_META=off["recv_meta"],
+                             OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
+                             STAGES=kernels.DISPATCH_ALL)
+        self.c_consts = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
+                             STAGES=kernels.COMBINE_ALL, enable_fp_fusion=False)
+        self._tags: dict = {}
+
+    def _views(self, slot: int, topk: int):
+        words = self.slots[slot]
+        a, b, c, _ = self._slot_words
+        W, T = self.W, self.buf.max_tokens
+        row_of = words[:W * T * topk].view(W, T, topk)
+        src_info = words[a:a + b].view(self.buf.num_local_experts, W * T)
+        recv_count = words[a + b:a + b + c]
+        ntok = words[a + b + c:]
+        return row_of, src_info, recv_count, ntok
+
+    def _tag(self, op: int, topk: int) -> int:
+        key = (op, topk)
+        if key not in self._tags:
+            self._tags[key] = P.size_tag(op, self.buf.hidden * 64 + topk, _name(self.buf.dtype))
+        return self._tags[key]
+
+    def dispatch(self, x, topk_idx, recv_x, slot: int):
+        K = topk_idx.shape[1]
+        row_of, src_info, recv_count, ntok = self._views(slot, K)
+        self._launch(self.k.dispatch_kernel, self.nb, (
+            x, topk_idx, x.shape[0], recv_x, row_of, src_info, recv_count, ntok, self.tab,
+            self.ctrl[0], self.err, self.rank, self._tag(P.OP_DISPATCH, K), self.timeout_ns),
+            self.num_warps, K=K, KP=_pow2(K), **self.d_consts)
+        return recv_count, src_info, (row_of, ntok)
+
+    def combine(self, expert_out, topk_idx, topk_weights, state, out):
+        row_of, ntok = state
+        K = topk_idx.shape[1]
+        self._launch(self.k.combine_kernel, self.nb, (
+            expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok, self.tab,
+            self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K), self.timeout_ns),
+            self.num_warps, K=K, KP=_pow2(K), **self.c_consts)
+        return out
+
+    def take_bad_count(self, sync: bool) -> int:
+        bad = int(self._host_np[1])
+        if bad:
+            self._host_np[1] = 0
+        return bad
+
+    def precheck(self) -> None:
+        if self.broken is None and self._host_np[0] != 0:
+            self.broken = P.decode_error(int(self._host_np[0]), self.rank)
+            raise self.broken
+        if self.broken is not None:
+            raise CommBrokenError(f"llcomm: rank {self.rank}: this EPBuffer failed earlier "
+                                  f"({self.broken}); destroy it and create a new one.")
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+            self.ws = None

@@ -1,0 +1,199 @@
+"""Byte layout of the EP (MoE dispatch / combine) symmetric region, and its size hint.
+
+Pure arithmetic, no torch.distributed and no Triton: ``EPBuffer.size_hint`` and the ``EPBuffer``
+constructor both call :func:`ep_layout`, so the bytes a caller reserves and the bytes the
+buffer carves up cannot disagree.
+
+Scheme (docs/ep.md): a token crosses NVLink once per destination *rank*, into the slot
+``(source rank, source token)`` of that rank's receive region, with one metadata word per top-k
+entry; the receiver expands it into the per-expert layout. Combine sends one partial per
+``(token, expert rank)`` back into the slot ``(expert rank, token)`` of the source. So every
+region is ``num_ranks * max_tokens`` rows, not ``num_experts * max_tokens`` as in a
+one-message-per-expert design (DeepEP, the rocSHMEM LL_MoE seed).
+
+One buffer set (two of them, used alternately by consecutive dispatches and, separately, by
+consecutive combines)::
+
+    signal          int64 [SIGNAL_PHASES, num_blocks, num_ranks]   flags, epoch | tag
+    dispatch recv   dtype [num_ranks, max_tokens, hidden]          token rows, slot (src, t)
+    dispatch meta   int32 [num_ranks, max_tokens, MAX_TOPK]        (local expert << 16) | prefix
+    dispatch count  int32 [num_ranks, num_local_experts]           tokens per local expert
+    dispatch ntok   int32 [num_ranks]                              tokens each source sent
+    combine recv    dtype [num_ranks, max_tokens, hidden]          partials, slot (expert rank, t)
+    combine weights fp32  [num_ranks, max_tokens, MAX_TOPK]        top-k weights, slot (src, t)
+
+There is no send region: every push goes straight from the caller's tensor (``x`` in dispatch,
+the reduced partial held in registers in combine) into the peer's receive region, so a send
+staging area would only add a copy. ``EPSetLayout.send_bytes`` is 0 to say so explicitly.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+#: Every sub-region starts on this boundary (16-byte vector access needs 16; 256 matches the
+#: workspace's region alignment so offsets stay aligned whatever the base).
+ALIGN = 256
+#: Largest top-k a buffer accepts. Metadata and weight slots are sized for it, since
+#: ``size_hint`` (DeepEP's signature) does not take top-k. 32 covers every released MoE model.
+MAX_TOPK = 32
+#: Blocks (CTAs) every EP kernel launches; the flag region has one flag per (block, rank).
+#: Must not exceed the number of SMs (every block of a dispatch waits for every other block).
+DEFAULT_NUM_BLOCKS = 64
+#: Env override of DEFAULT_NUM_BLOCKS (a tuning knob; every rank must use the same value). Both
+#: ``size_hint`` and the constructor read it, so they still agree.
+NUM_BLOCKS_ENV = "LLCOMM_EP_NUM_BLOCKS"
+#: Flag phases per set: dispatch arrival, combine weights arrival, combine partials arrival.
+SIGNAL_PHASES = 3
+PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
+#: Buffer sets used alternately (double buffering; kernels/ep.py says why two are enough).
+NUM_SETS = 2
+#: Metadata word: local expert index in the high half, within-source prefix in the low half.
+META_SHIFT = 16
+MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
+MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the word positive
+
+
+def default_num_blocks() -> int:
+    """DEFAULT_NUM_BLOCKS, or ``LLCOMM_EP_NUM_BLOCKS`` when set."""
+    raw = os.environ.get(NUM_BLOCKS_ENV)
+    if raw is None:
+        return DEFAULT_NUM_BLOCKS
+    try:
+        nb = int(raw)
+    except ValueError:
+        nb = 0
+    if nb <= 0:
+        raise ValueError(f"{NUM_BLOCKS_ENV}={raw!r}: expected a positive integer")
+    return nb
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class EPSetLayout:
+    """Byte offsets of one buffer set's regions, relative to the EP region's base."""
+
+    base: int
+    signal: int
+    recv_x: int
+    recv_meta: int
+    recv_count: int
+    recv_ntok: int
+    combine_x: int
+    combine_weights: int
+    end: int
+    send_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EPLayout:
+    """The whole EP region: ``sets[0]`` and ``sets[1]``, each ``set_bytes`` long."""
+
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    max_tokens: int
+    itemsize: int
+    num_blocks: int
+    max_topk: int
+    set_bytes: int
+    total_bytes: int
+    sets: tuple[EPSetLayout, ...] = field(repr=False)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    def offsets(self) -> dict[str, int]:
+        """Offsets of set 0's regions (set ``k`` is these plus ``k * set_bytes``)."""
+        s = self.sets[0]
+        return {"signal": s.signal, "recv_x": s.recv_x, "recv_meta": s.recv_meta,
+                "recv_count": s.recv_count, "recv_ntok": s.recv_ntok,
+                "combine_x": s.combine_x, "combine_weights": s.combine_weights}
+
+
+def check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                     itemsize) -> list[str]:
+    """Problems with the sizing arguments (an empty list when they are fine)."""
+    bad = []
+
+    def pos_int(name, v):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            bad.append(f"{name}={v!r}; expected a positive int")
+            return False
+        return True
+
+    ok = all([pos_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+              pos_int("hidden", hidden), pos_int("num_ranks", num_ranks),
+              pos_int("num_experts", num_experts)])
+    if not ok:
+        return bad
+    if num_max_dispatch_tokens_per_rank > MAX_TOKENS_LIMIT:
+        bad.append(f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}; at most "
+                   f"{MAX_TOKENS_LIMIT} (the per-source prefix travels in 16 bits)")
+    if num_experts % num_ranks:
+        bad.append(f"num_experts={num_experts} is not a multiple of the number of ranks "
+                   f"{num_ranks}: every rank must hold the same number of experts")
+    elif num_experts // num_ranks >= MAX_LOCAL_EXPERTS_LIMIT:
+        bad.append(f"num_experts // num_ranks = {num_experts // num_ranks}; at most "
+                   f"{MAX_LOCAL_EXPERTS_LIMIT - 1} local experts per rank")
+    if (hidden * itemsize) % 16:
+        bad.append(f"hidden={hidden}: a token row of hidden * {itemsize} bytes must be a multiple "
+                   "of 16 bytes (the kernels move 16-byte vectors)")
+    return bad
+
+
+def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+              num_experts: int, itemsize: int, *, num_blocks: int | None = None,
+              max_topk: int = MAX_TOPK) -> EPLayout:
+    """Compute the layout. Raises ValueError on arguments no layout can serve."""
+    if num_blocks is None:
+        num_blocks = default_num_blocks()
+    bad = check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                           itemsize)
+    if bad:
+        raise ValueError("llcomm.EPBuffer.size_hint: " + "; ".join(bad))
+    W, T, H = num_ranks, num_max_dispatch_tokens_per_rank, hidden
+    L = num_experts // W
+    sizes = (
+        ("signal", 8 * SIGNAL_PHASES * num_blocks * W),
+        ("recv_x", W * T * H * itemsize),
+        ("recv_meta", 4 * W * T * max_topk),
+        ("recv_count", 4 * W * L),
+        ("recv_ntok", 4 * W),
+        ("combine_x", W * T * H * itemsize),
+        ("combine_weights", 4 * W * T * max_topk),
+    )
+    rel, off = {}, 0
+    for name, n in sizes:
+        rel[name] = off
+        off += _align(n)
+    set_bytes = off
+    sets = tuple(EPSetLayout(base=k * set_bytes, end=(k + 1) * set_bytes,
+                             **{name: k * set_bytes + o for name, o in rel.items()})
+                 for k in range(NUM_SETS))
+    return EPLayout(num_ranks=W, num_experts=num_experts, hidden=H, max_tokens=T,
+                    itemsize=itemsize, num_blocks=num_blocks, max_topk=max_topk,
+                    set_bytes=set_bytes, total_bytes=NUM_SETS * set_bytes, sets=sets)
+
+
+def deepep_ll_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                        num_experts: int) -> int:
+    """What DeepEP's low-latency size hint asks for, for comparison (docs/ep.md).
+
+    DeepEP keeps one message per (expert, token) in each of two buffer sets: dispatch messages
+    of 16 bytes of header plus ``hidden`` bf16 values, combine messages of ``hidden`` bf16 values
+    plus one bf16 pair per 128 values, and send and receive areas sized for the larger of the
+    two. ``num_ranks`` does not enter. Our own estimate of its arithmetic, not its code.
+    """
+    T, H, E = num_max_dispatch_tokens_per_rank, hidden, num_experts
+    scales = H // 128
+    dispatch_msg = 16 + max(H * 2, H + scales * 4)
+    combine_msg = scales * 4 + H * 2
+    send = max(T * dispatch_msg, E * T * combine_msg)
+    recv = max(E * T * dispatch_msg, E * T * combine_msg)
+    signal = _align(E * 4, 128)
+    return 2 * (send + recv + signal)

@@ -1,0 +1,138 @@
+"""The reference EP backend: dispatch and combine on torch.distributed ``all_to_all_single``.
+
+The oracle of the peer kernels, the EP path on CPU (gloo) and the multi-host path (NCCL). It
+shares no code with ``llcomm/kernels/ep.py`` but produces the same bytes: the same ``recv_x`` rows
+(per local expert: source rank major, then source token order, packed from row 0), the same
+``recv_count`` and handle, and the same combine arithmetic (docs/ep.md):
+
+    partial[rank q, token t] = round_dtype( fold over k in order, k on rank q:
+                                            acc = acc + w[t, k] * y_k        (fp32, acc0 = +0.0) )
+    out[t]                  = round_dtype( fold over ranks q in order, t routed to q:
+                                            acc = acc + partial[q, t]       (fp32, acc0 = +0.0) )
+
+Exchanges have fixed sizes (every rank sends ``max_tokens`` slots to every rank), so nothing
+waits on the host and the whole thing can be captured in a CUDA graph on NCCL. Payloads travel
+as bytes (uint8 views): byte-exact, and gloo moves no 16-bit types. ``EPBuffer`` validates
+arguments before calling in here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _a2a_bytes(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """all_to_all_single of equal splits along dim 0, moving raw bytes."""
+    dist.all_to_all_single(out.view(torch.uint8), inp.view(torch.uint8), group=group)
+
+
+class ReferenceEP:
+    """Dispatch / combine for one group on torch.distributed collectives."""
+
+    name = "reference"
+
+    def __init__(self, group, *, num_experts: int, hidden: int, max_tokens: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.world_size
+        self.hidden = hidden
+        self.max_tokens = max_tokens
+        self.dtype = dtype
+        self.device = device
+        # Out-of-range top-k entries seen on the device (counted, never synchronised on the hot
+        # path; ``take_bad_count`` reads it).
+        self._bad = torch.zeros((), dtype=torch.int64, device=device)
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor):
+        """Fill ``recv_x``; return ``(recv_count, src_info, row_of)``.
+
+        ``row_of [W * T, K]`` int64: flat row ``e * W * T + j`` of expert_out that holds pair
+        ``(s, t)``'s entry k on this rank, or -1 (what combine needs).
+        """
+        W, T, H = self.world_size, self.max_tokens, self.hidden
+        L, E = self.num_local_experts, self.num_experts
+        n, K = topk_idx.shape
+        P = W * T
+        dev = self.device
+        if dev.type == "cuda":
+            self._bad += ((topk_idx < -1) | (topk_idx >= E)).sum()
+        valid = (topk_idx >= 0) & (topk_idx < E)
+        # Token rows: slot (dest, t) = x[t] for every dest (the exchange has fixed size).
+        send_x = torch.zeros((W, T, H), dtype=self.dtype, device=dev)
+        send_x[:, :n] = x
+        got_x = torch.empty_like(send_x)
+        _a2a_bytes(got_x, send_x, self.group)
+        # Metadata: slot (dest, t, k) = local expert id on dest, or -1.
+        dest = torch.where(valid, topk_idx // L, -1)
+        local = torch.where(valid, topk_idx - dest * L, -1)
+        send_m = torch.full((W, T, K), -1, dtype=torch.int64, device=dev)
+        ranks = torch.arange(W, device=dev).view(W, 1, 1)
+        send_m[:, :n] = torch.where(dest.unsqueeze(0) == ranks, local.unsqueeze(0), -1)
+        meta = torch.empty_like(send_m)
+        _a2a_bytes(meta, send_m, self.group)
+        meta = meta.view(P, K)                      # pair p = s * T + t
+        ok = meta >= 0
+        # Pair p uses local expert e (once, however often e repeats in its top-k).
+        onehot = ((meta.unsqueeze(-1) == torch.arange(L, device=dev)) & ok.unsqueeze(-1)).any(1)
+        hits = onehot.to(torch.int64)
+        rows = torch.cumsum(hits, 0) - hits          # [P, L]: row of pair p for expert e
+        count = hits.sum(0)                          # [L]
+        e_pk = meta.clamp(min=0)
+        flat = e_pk * P + rows.gather(1, e_pk)       # [P, K]
+        row_of = torch.where(ok, flat, -1)
+        # Scatter pair rows to their expert rows. Entries that are not a pair's first copy of an
+        # expert write the same bytes to the same row again; a pair with no local expert writes
+        # expert 0's first unused row (free: that pair does not route to expert 0).
+        has = ok.any(1, keepdim=True)
+        first_ok = torch.argmax(ok.to(torch.int8), 1, keepdim=True)
+        fallback = torch.where(has, flat.gather(1, first_ok), count[0].clamp(max=P - 1))
+        target = torch.where(ok, flat, fallback)
+        recv_flat = recv_x.view(L * P, H)
+        recv_flat[target] = got_x.view(P, 1, H)
+        src_flat = torch.empty(L * P, dtype=torch.int32, device=dev)
+        pair_id = torch.arange(P, dtype=torch.int32, device=dev).view(P, 1).expand(P, K)
+        src_flat[target.reshape(-1)] = pair_id.reshape(-1)
+        return count.to(torch.int32), src_flat.view(L, P), row_of
+
+    # -- combine --------------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor):
+        W, T, H = self.world_size, self.max_tokens, self.hidden
+        L, E = self.num_local_experts, self.num_experts
+        n, K = topk_idx.shape
+        P = W * T
+        dev = self.device
+        # Weights: slot (dest, t, k) = topk_weights[t, k] for every dest.
+        send_w = torch.zeros((W, T, K), dtype=torch.float32, device=dev)
+        send_w[:, :n] = topk_weights
+        got_w = torch.empty_like(send_w)
+        _a2a_bytes(got_w, send_w, self.group)
+        got_w = got_w.view(P, K)
+        y = expert_out.view(L * P, H)
+        acc = torch.zeros((P, H), dtype=torch.float32, device=dev)
+        for k in range(K):
+            r = row_of[:, k]
+            yk = y[r.clamp(min=0)].float()
+            acc = torch.where((r >= 0).unsqueeze(1), acc + got_w[:, k:k + 1] * yk, acc)
+        partial = acc.to(self.dtype).view(W, T, H)   # slot (source rank, t)
+        back = torch.empty_like(partial)             # slot (expert rank, t)
+        _a2a_bytes(back, partial, self.group)
+        valid = (topk_idx >= 0) & (topk_idx < E)
+        dest = torch.where(valid, topk_idx // L, -1)
+        total = torch.zeros((n, H), dtype=torch.float32, device=dev)
+        for q in range(W):
+            went = (dest == q).any(1, keepdim=True)
+            total = torch.where(went, total + back[q, :n].float(), total)
+        out.copy_(total)
+        return out
+
+    def take_bad_count(self) -> int:
+        """Out-of-range top-k entries seen since the last call (synchronises the device)."""
+        bad = int(self._bad.item())
+        if bad:
+            self._bad.zero_()
+        return bad

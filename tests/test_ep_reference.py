@@ -1,0 +1,231 @@
+"""EPBuffer on the reference backend (gloo, CPU) against the single-process oracle, and the
+validation of every argument. Each distributed body runs many cases in one process group, so
+the CPU suite stays fast."""
+import pytest
+import torch
+
+from _dist import run_distributed
+from test_ep_oracle import (KINDS, expert_fn, make_case, oracle_combine, oracle_combine_f64,
+                            oracle_dispatch)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _check_one(buf, rank, W, E, T, H, topk, seed, kind, dtype):
+    """Dispatch + experts + combine of one case; returns a list of failure strings."""
+    xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+    fails = []
+    tag = f"[W={W} E={E} T={T} H={H} topk={topk} seed={seed} kind={kind} {dtype}]"
+    out_poison = torch.full((E // W, W * T, H), float("nan"), dtype=dtype)
+    recv_x, recv_count, handle = buf.dispatch(xs[rank], topks[rank], out=out_poison)
+    if recv_x.data_ptr() != out_poison.data_ptr():
+        fails.append(f"{tag} dispatch did not fill out=")
+    exp_x, exp_count, exp_src = oracle_dispatch(xs, topks, W, E, T)[rank]
+    if not torch.equal(recv_count, exp_count):
+        fails.append(f"{tag} recv_count {recv_count.tolist()} != {exp_count.tolist()}")
+        return fails
+    for e in range(E // W):
+        c = int(exp_count[e])
+        if not torch.equal(_bits(recv_x[e, :c]), _bits(exp_x[e, :c])):
+            fails.append(f"{tag} recv_x rows of local expert {e} differ")
+        if not torch.equal(handle.src_info[e, :c], exp_src[e, :c]):
+            fails.append(f"{tag} src_info of local expert {e}: {handle.src_info[e, :c].tolist()} "
+                         f"!= {exp_src[e, :c].tolist()}")
+        # self-checking payload: column 0 = source rank + 1, column 1 = source token + 1
+        if c and not (torch.equal(recv_x[e, :c, 0].float() - 1, handle.src_rank()[e, :c].float())
+                      and torch.equal(recv_x[e, :c, 1].float() - 1,
+                                      handle.src_token()[e, :c].float())):
+            fails.append(f"{tag} payload of local expert {e} does not match its source")
+    # experts, then combine (every rank computes every rank's expert outputs for the oracle)
+    all_out = [expert_fn(*oracle_dispatch(xs, topks, W, E, T)[q][:2], q) for q in range(W)]
+    mine = expert_fn(recv_x, recv_count, rank)
+    y = buf.combine(mine, topks[rank], weights[rank], handle)
+    exp = oracle_combine(all_out, topks, weights, W, E, dtype)[rank]
+    if y.shape != exp.shape or not torch.equal(_bits(y), _bits(exp)):
+        fails.append(f"{tag} combine differs from the ordered oracle "
+                     f"(max abs diff {(y.float() - exp.float()).abs().max() if y.numel() else 0})")
+    ref = oracle_combine_f64(all_out, topks, weights, W, E)[rank]
+    tol = 2 ** -6 if dtype != torch.float32 else 1e-5
+    if y.numel() and not torch.allclose(y.double(), ref, rtol=tol, atol=tol):
+        fails.append(f"{tag} combine is not close to the exact sum")
+    y2 = buf.combine(mine, topks[rank], weights[rank], handle,
+                     out=torch.full_like(exp, float("nan")))
+    if not torch.equal(_bits(y2), _bits(y)):
+        fails.append(f"{tag} combine is not reproducible")
+    return fails
+
+
+def _reference_body(rank, W, configs):
+    import llcomm.ep as ep
+    fails = []
+    for (E, T, H, topk, dtype, seeds) in configs:
+        buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                          dtype=dtype, backend="reference")
+        assert buf.backend == "reference" and buf.device.type == "cpu"
+        for seed in seeds:
+            for kind in KINDS:
+                fails += _check_one(buf, rank, W, E, T, H, topk, seed, kind, dtype)
+    return fails
+
+
+CONFIGS_2 = [
+    (8, 6, 32, 3, torch.bfloat16, (1, 2, 3)),
+    (4, 9, 16, 1, torch.bfloat16, (4, 5)),
+    (16, 4, 8, 4, torch.float32, (6,)),
+    (2, 5, 24, 2, torch.float16, (7,)),
+]
+CONFIGS_4 = [
+    (8, 5, 32, 2, torch.bfloat16, (1, 2, 3)),
+    (12, 3, 16, 5, torch.float32, (4,)),
+]
+
+
+@pytest.mark.parametrize("W,configs", [(2, CONFIGS_2), (4, CONFIGS_4)], ids=["w2", "w4"])
+def test_reference_matches_oracle(W, configs):
+    results = run_distributed(_reference_body, W, configs)
+    fails = [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _lifetime_body(rank, W):
+    import llcomm.ep as ep
+    E, T, H, K = 8, 4, 16, 2
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference")
+    cases = [make_case(W, E, T, H, K, seed, "random") for seed in (11, 12, 13)]
+    got = []
+    # two outstanding dispatches, combined in reverse order
+    h = []
+    for xs, topks, _ in cases[:2]:
+        rx, rc, hd = buf.dispatch(xs[rank], topks[rank])
+        h.append((rx.clone(), rc.clone(), hd))
+    for i in (1, 0):
+        xs, topks, ws = cases[i]
+        rx, rc, hd = h[i]
+        got.append(buf.combine(expert_fn(rx, rc, rank), topks[rank], ws[rank], hd))
+    # a third dispatch reuses the first handle's slot: the first handle is refused
+    xs, topks, ws = cases[2]
+    buf.dispatch(xs[rank], topks[rank])
+    try:
+        buf.combine(expert_fn(*h[0][:2], rank), cases[0][1][rank], cases[0][2][rank], h[0][2])
+        stale = None
+    except ValueError as e:
+        stale = str(e)
+    other = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                        backend="reference")
+    try:
+        other.combine(expert_fn(*h[1][:2], rank), cases[1][1][rank], cases[1][2][rank], h[1][2])
+        foreign = None
+    except ValueError as e:
+        foreign = str(e)
+    return stale, foreign, [g.shape for g in got]
+
+
+def test_handle_lifetime():
+    for stale, foreign, shapes in run_distributed(_lifetime_body, 2):
+        assert stale is not None and "reused its buffer slot" in stale
+        assert foreign is not None and "another EPBuffer" in foreign
+
+
+def _validation_body(rank, W):
+    import llcomm.ep as ep
+    E, T, H, K = 8, 4, 16, 2
+    L = E // W
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference")
+    x = torch.randn(3, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, 5], [7, -1], [-1, -1]])
+    w = torch.rand(3, K)
+    good_out = torch.empty(L, W * T, H, dtype=torch.bfloat16)
+    _, _, handle = buf.dispatch(x, idx)   # collective: both ranks, same sequence
+    eo = torch.zeros(L, W * T, H, dtype=torch.bfloat16)
+
+    results = []
+
+    def expect(what, exc, words, fn):
+        try:
+            fn()
+        except exc as e:
+            msg = str(e)
+            missing = [wd for wd in words if wd not in msg]
+            results.append((what, None if not missing else f"message lacks {missing}: {msg}"))
+            return
+        except Exception as e:  # noqa: BLE001
+            results.append((what, f"raised {type(e).__name__}: {e}"))
+            return
+        results.append((what, "did not raise"))
+
+    d = buf.dispatch
+    expect("x not a tensor", TypeError, ["x must be a torch.Tensor"], lambda: d([[1.0]], idx))
+    expect("x dtype", TypeError, ["x has dtype float32"], lambda: d(x.float(), idx))
+    expect("x shape", ValueError, ["x has shape (3, 8)"], lambda: d(x[:, :8].contiguous(), idx))
+    expect("x 1-D", ValueError, ["x has shape"], lambda: d(x[0], idx))
+    expect("x too many tokens", ValueError, ["num_max_dispatch_tokens_per_rank=4"],
+           lambda: d(torch.zeros(5, H, dtype=torch.bfloat16), torch.zeros(5, K, dtype=torch.int64)))
+    expect("x not contiguous", ValueError, ["x is not contiguous"],
+           lambda: d(torch.zeros(H, 3, dtype=torch.bfloat16).t(), idx))
+    expect("topk dtype", TypeError, ["topk_idx has dtype int32"], lambda: d(x, idx.int()))
+    expect("topk rows", ValueError, ["topk_idx has 2 rows"], lambda: d(x, idx[:2]))
+    expect("topk 1-D", ValueError, ["topk_idx has shape"], lambda: d(x, idx[:, 0].contiguous()))
+    expect("topk too wide", ValueError, ["topk=33"],
+           lambda: d(x, torch.zeros(3, 33, dtype=torch.int64)))
+    expect("topk values high", ValueError, ["[0, 8)"], lambda: d(x, idx.clamp(max=6) + 2))
+    expect("topk values low", ValueError, ["-1 (no expert)"], lambda: d(x, idx - 1))
+    expect("dispatch out shape", ValueError, ["out has shape"],
+           lambda: d(x, idx, out=torch.empty(L, W * T - 1, H, dtype=torch.bfloat16)))
+    expect("dispatch out not contiguous", ValueError, ["out is not contiguous"],
+           lambda: d(x, idx, out=good_out.transpose(1, 2).contiguous().transpose(1, 2)))
+    expect("dispatch out dtype", TypeError, ["out has dtype"],
+           lambda: d(x, idx, out=good_out.float()))
+    expect("two problems at once", TypeError, ["x has dtype", "topk_idx has dtype"],
+           lambda: d(x.float(), idx.int()))
+
+    c = buf.combine
+    expect("handle type", TypeError, ["handle must be the EPHandle"], lambda: c(eo, idx, w, None))
+    expect("expert_out shape", ValueError, ["expert_out has shape"],
+           lambda: c(eo[:, :4].contiguous(), idx, w, handle))
+    expect("expert_out dtype", TypeError, ["expert_out has dtype"],
+           lambda: c(eo.float(), idx, w, handle))
+    expect("combine topk rows", ValueError, ["expected num_tokens=3"],
+           lambda: c(eo, idx[:2], w[:2], handle))
+    expect("combine topk width", ValueError, ["the dispatch had 2"],
+           lambda: c(eo, idx[:, :1].contiguous(), w[:, :1].contiguous(), handle))
+    expect("weights dtype", TypeError, ["topk_weights has dtype bfloat16"],
+           lambda: c(eo, idx, w.to(torch.bfloat16), handle))
+    expect("weights shape", ValueError, ["topk_weights has shape (3, 1)"],
+           lambda: c(eo, idx, w[:, :1].contiguous(), handle))
+    expect("combine out shape", ValueError, ["out has shape (2, 16)"],
+           lambda: c(eo, idx, w, handle, out=torch.empty(2, H, dtype=torch.bfloat16)))
+
+    mk = ep.EPBuffer
+    expect("experts not divisible", ValueError, ["not a multiple of the number of ranks"],
+           lambda: mk(num_experts=E + 1, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference"))
+    expect("hidden alignment", ValueError, ["multiple of 16 bytes"],
+           lambda: mk(num_experts=E, hidden=12, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference"))
+    expect("tokens zero", ValueError, ["num_max_dispatch_tokens_per_rank=0"],
+           lambda: mk(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=0,
+                      backend="reference"))
+    expect("backend name", ValueError, ["backend='nvshmem'", "auto, peer, reference"],
+           lambda: mk(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="nvshmem"))
+    expect("dtype", TypeError, ["dtype=torch.int8"],
+           lambda: mk(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      dtype=torch.int8, backend="reference"))
+    expect("peer without GPUs", Exception, ["backend='reference'"],
+           lambda: mk(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="peer"))
+    # after all those refusals the buffer still works (nothing was touched)
+    rx, rc, h2 = buf.dispatch(x, idx)
+    y = buf.combine(expert_fn(rx, rc, rank), idx, w, h2)
+    results.append(("still works", None if y.shape == (3, H) else f"shape {y.shape}"))
+    return results
+
+
+def test_validation():
+    results = run_distributed(_validation_body, 2)
+    bad = [f"rank {r}: {what}: {why}" for r, res in enumerate(results) for what, why in res if why]
+    assert not bad, "\n".join(bad)
