@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create (once) and fill the project's virtual environment in .venv, then print nothing more.
+#
+#   scripts/venv.sh            # used by scripts/test.sh, scripts/bench.sh and .ci/run
+#
+# Installs torch first, pinned (LLCOMM_TORCH, default torch==2.13.0: on the project's CPU
+# machines pip takes the CPU build that lies on disk instead of downloading a CUDA build), then
+# llcomm itself, editable, with the test, bench and gpu extras. A stamp in .venv records what
+# was installed, so later calls return at once until pyproject.toml or LLCOMM_TORCH changes.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${LLCOMM_TORCH:-torch==2.13.0}
+VENV=.venv
+STAMP=$VENV/.llcomm-installed
+want="$TORCH_SPEC $(sha256sum pyproject.toml | cut -d' ' -f1)"
+
+if [[ ! -x $VENV/bin/python ]]; then
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+        || { echo "scripts/venv.sh: llcomm needs Python >= 3.10 ($PYTHON is older)" >&2; exit 1; }
+    echo "scripts/venv.sh: creating $VENV with $("$PYTHON" --version)" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]] \
+        && "$VENV/bin/python" -c 'import torch, llcomm' 2>/dev/null; then
+    exit 0
+fi
+echo "scripts/venv.sh: installing $TORCH_SPEC and llcomm[test,bench,gpu] into $VENV" >&2
+"$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+"$VENV/bin/python" -m pip install -q -e ".[test,bench,gpu]"
+echo "$want" > "$STAMP"
