@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ._sync import EPOCH_SHIFT, global_time_ns, report_error
+from .. import ep_layout as EL
 from .. import protocol as P
 
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
@@ -66,10 +67,12 @@ D_SEND, D_RECV = 1, 2
 DISPATCH_ALL = D_SEND | D_RECV
 C_WEIGHTS, C_REDUCE, C_SUM = 1, 2, 4
 COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM
-# Flag phases of a set (mirror llcomm/ep_layout.py).
-SIG_DISPATCH, SIG_WEIGHTS, SIG_PARTIALS = 0, 1, 2
-META_SHIFT = 16
-META_MASK = (1 << META_SHIFT) - 1
+# Flag phases of a set and the metadata word, from the layout.
+SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
+SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
+SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
+META_SHIFT = tl.constexpr(EL.META_SHIFT)
+META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
 
 
 @triton.jit

@@ -1,0 +1,178 @@
+"""The EP Triton kernels' logic on the CPU, under ``TRITON_INTERPRET=1``, in one process.
+
+Symmetric memory needs GPUs, but everything except the signals and waits can run here: every
+virtual rank gets a plain CPU region laid out by ``ep_layout``, the table of region addresses
+plays the peer table, and each stage (``STAGES`` bits) runs for every rank in turn, which is the
+order the flags enforce on the GPU. Checked against the oracle: recv_x bytes, recv_count,
+src_info, and combine bit for bit in fp32 and fp16 (the interpreter does no multiply-add
+contraction either); in bf16 within two bf16 ulps, since the interpreter's fp32 -> bf16 cast
+truncates where the GPU rounds to nearest even (the GPU tests compare bf16 bit for bit).
+Consecutive calls alternate buffer sets through the kernels' own counters, as on the GPU.
+
+The interpreter is chosen when Triton is imported, so the simulation runs in a subprocess.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _pow2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _same_up_to_interpreter_rounding(got, want):
+    """Bitwise for fp32 and fp16. For bf16 the interpreter rounds fp32 -> bf16 by truncation
+    (the GPU rounds to nearest even), so allow the two roundings of combine (partial, total) to
+    differ by a couple of bf16 ulps; a wrong row or weight is off by far more."""
+    if got.dtype != torch.bfloat16:
+        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if got.numel() == 0:
+        return True
+    scale = 1 + float(want.float().abs().max())
+    return torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale)
+
+
+def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
+    """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures."""
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from llcomm.ep_layout import MAX_TOPK, ep_layout
+    from llcomm.kernels import ep as K
+    from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch)
+
+    dtype = getattr(torch, dtype_name)
+    L = E // W
+    isz = torch.tensor([], dtype=dtype).element_size()
+    lay = ep_layout(T, H, W, E, isz, num_blocks=NB)
+    regions = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64)
+    host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64) for h in host]
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    off = lay.offsets()
+    common = dict(T=T, H=H, HP=_pow2(H), K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W),
+                  NB=NB, MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"])
+    dc = dict(common, LB=min(_pow2(L), 1024), EB=_pow2(-(-E // NB)), TT=4, FP=_pow2(NB * W),
+              OFF_X=off["recv_x"], OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
+              OFF_NTOK=off["recv_ntok"])
+    cc = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"])
+    fails = []
+    for seed in seeds:
+        for kind in kinds:
+            tag = f"[W={W} E={E} T={T} H={H} topk={topk} NB={NB} {dtype_name} seed={seed} {kind}]"
+            xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+            recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+            row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
+            src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
+            cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
+            ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+            for stage in (K.D_SEND, K.D_RECV):
+                for r in range(W):
+                    K.dispatch_kernel[(NB,)](
+                        xs[r], topks[r], xs[r].shape[0], recv[r], row_of[r], src[r], cnt[r],
+                        ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, STAGES=stage, **dc)
+            exp = oracle_dispatch(xs, topks, W, E, T)
+            for r in range(W):
+                ex, ec, es = exp[r]
+                if not torch.equal(cnt[r], ec):
+                    fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}")
+                    continue
+                if ntok[r].tolist() != [x.shape[0] for x in xs]:
+                    fails.append(f"{tag} rank {r} ntok {ntok[r].tolist()}")
+                for e in range(L):
+                    c = int(ec[e])
+                    if not torch.equal(recv[r][e, :c].view(torch.uint8),
+                                       ex[e, :c].view(torch.uint8)):
+                        fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
+                    if not torch.equal(src[r][e, :c], es[e, :c]):
+                        fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+            outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
+            outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+            for stage in (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM):
+                for r in range(W):
+                    K.combine_kernel[(NB,)](
+                        outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
+                        ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, STAGES=stage, **cc)
+            want = oracle_combine(outs_e, topks, weights, W, E, dtype)
+            for r in range(W):
+                if not _same_up_to_interpreter_rounding(outs[r], want[r]):
+                    d = (outs[r].float() - want[r].float()).abs()
+                    fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
+    calls = len(seeds) * len(kinds)
+    for r in range(W):
+        if ctrl[r].tolist() != [[calls] * NB, [calls] * NB]:
+            fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls} everywhere")
+        if int(host[r][1]):
+            fails.append(f"rank {r}: out-of-range top-k reported without cause")
+    return fails
+
+
+def _bad_topk():
+    """Out-of-range entries are counted into the host word and routed nowhere."""
+    from llcomm.ep_layout import MAX_TOPK, ep_layout
+    from llcomm.kernels import ep as K
+    W, E, T, H, NB, topk = 1, 4, 4, 16, 2, 2
+    lay = ep_layout(T, H, W, E, 2, num_blocks=NB)
+    region = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    tab = torch.tensor([region.data_ptr()], dtype=torch.int64)
+    host = torch.zeros(2, dtype=torch.int64)
+    err = torch.tensor([0, host.data_ptr(), host.data_ptr() + 8], dtype=torch.int64)
+    ctrl = torch.zeros(NB, dtype=torch.int64)
+    x = torch.randn(3, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, 4], [-2, 1], [1, 99]])
+    recv = torch.zeros(E, T, H, dtype=torch.bfloat16)
+    row_of = torch.zeros(W, T, topk, dtype=torch.int32)
+    src = torch.zeros(E, T, dtype=torch.int32)
+    cnt = torch.zeros(E, dtype=torch.int32)
+    ntok = torch.zeros(W, dtype=torch.int32)
+    off = lay.offsets()
+    for stage in (K.D_SEND, K.D_RECV):
+        K.dispatch_kernel[(NB,)](
+            x, idx, 3, recv, row_of, src, cnt, ntok, tab, ctrl, err, 0, 0, 0,
+            T=T, H=H, HP=H, K=topk, KP=topk, E=E, L=E, LB=E, W=1, WP=1, NB=NB, EB=2, TT=4, FP=2,
+            MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
+            OFF_X=off["recv_x"], OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
+            OFF_NTOK=off["recv_ntok"], STAGES=stage)
+    fails = []
+    if int(host[1]) != 3:
+        fails.append(f"reported {int(host[1])} bad entries, expected 3")
+    if cnt.tolist() != [1, 2, 0, 0]:
+        fails.append(f"counts {cnt.tolist()}, expected [1, 2, 0, 0] (bad entries ignored)")
+    return fails
+
+
+def _run_in_interpreter(fn_name, *args):
+    code = ("import json, sys; sys.path.insert(0, {here!r}); import test_ep_kernels_cpu as m; "
+            "print('RESULT' + json.dumps(m.{fn}(*json.loads(sys.argv[1]))))").format(
+                here=HERE, fn=fn_name)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+    assert p.returncode == 0 and line, f"interpreter run failed:\n{p.stdout}\n{p.stderr}"
+    return json.loads(line[0][len("RESULT"):])
+
+
+CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
+    (2, 8, 6, 32, 3, 4, "bfloat16", [1, 2], ["random", "dups", "zero_and_max"]),
+    (2, 4, 5, 16, 1, 3, "float32", [3], ["random", "one_expert", "none"]),
+    (4, 8, 4, 16, 2, 2, "bfloat16", [4], ["random", "sparse", "zero_and_max"]),
+    (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}" for c in CASES])
+def test_kernels_match_oracle_in_interpreter(case):
+    fails = _run_in_interpreter("simulate", *case)
+    assert not fails, "\n".join(fails[:20])
+
+
+def test_out_of_range_topk_is_reported_and_ignored():
+    fails = _run_in_interpreter("_bad_topk")
+    assert not fails, "\n".join(fails)

@@ -1,0 +1,128 @@
+"""Compile the EP kernels for sm_90 on any machine (no GPU needed) and report what matters.
+
+    python tools/ptx_ep.py [--dump DIR] [--hidden 7168] [--experts 256] [--ranks 2] [--tokens 128]
+
+Compiles ``dispatch_kernel`` and ``combine_kernel`` exactly as ``EPBuffer`` launches them (same
+constexprs, all stages, fp fusion off for combine) and prints per kernel: 16-byte vector
+loads/stores (ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope
+atomics (signals and acquire polls), fused multiply-adds (should be none in combine: the
+documented order rounds the product and the sum separately), registers and spills.
+"""
+import argparse
+import os
+import warnings
+import re
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llcomm.ep import COUNT_CHUNK, MAX_WARPS, TOPK_TILE_TOKENS, VECTORS_PER_THREAD, _pow2  # noqa: E402
+from llcomm.ep_layout import MAX_TOPK, ep_layout  # noqa: E402
+from llcomm.kernels import ep as K  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def compile_one(fn, sig, consts, num_warps, options=None):
+    names = list(fn.arg_names)          # the kernel's parameter order
+    full = {k: sig.get(k, "constexpr") for k in names}
+    missing = [k for k in names if k not in sig and k not in consts]
+    if missing:
+        raise SystemExit(f"{fn.__name__}: no value for {missing}")
+    # pointers are 16-byte aligned at run time (Triton specialises on it); so is every int
+    # argument that is a multiple of 16, but none of ours is assumed to be
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if full[k].startswith("*")}
+    src = ASTSource(fn, signature=full, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    opts = {"num_warps": num_warps}
+    opts.update(options or {})
+    return triton.compile(src, target=TARGET, options=opts)
+
+
+def _ptxas_usage(ptx: str) -> str:
+    """Registers and spills as ptxas reports them (Triton's bundled ptxas; '' if none runs)."""
+    import glob
+    import subprocess
+    import tempfile
+    here = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for exe in sorted(glob.glob(os.path.join(here, "ptxas*")), reverse=True):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            p = subprocess.run([exe, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                               capture_output=True, text=True)
+        if p.returncode == 0:
+            regs = re.search(r"Used (\d+) registers", p.stderr)
+            spill = re.search(r"(\d+) bytes spill stores", p.stderr)
+            return f"regs {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B"
+    return "regs ?"
+
+
+def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
+    lay = ep_layout(tokens, hidden, ranks, experts, ITEMSIZE[dt], num_blocks=nb)
+    off = lay.offsets()
+    L = experts // ranks
+    hp = _pow2(hidden)
+    warps = max(1, min(MAX_WARPS, hp // (32 * (16 // ITEMSIZE[dt]) * VECTORS_PER_THREAD)))
+    common = dict(T=tokens, H=hidden, HP=hp, K=topk, KP=_pow2(topk), E=experts, L=L, W=ranks,
+                  WP=_pow2(ranks), NB=nb, MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes,
+                  OFF_SIG=off["signal"])
+    d_consts = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-experts // nb)),
+                    TT=TOPK_TILE_TOKENS, FP=_pow2(nb * ranks), OFF_X=off["recv_x"],
+                    OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
+                    OFF_NTOK=off["recv_ntok"], STAGES=K.DISPATCH_ALL)
+    c_consts = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
+                    STAGES=K.COMBINE_ALL)
+    p = "*" + dt
+    d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "row_of": "*i32",
+             "src_info": "*i32", "recv_count": "*i32", "ntok_out": "*i32", "tab": "*i64",
+             "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64", "timeout_ns": "i64"}
+    c_sig = {"eo": p, "topk": "*i64", "wts": "*fp32", "n_tok": "i32", "out": p,
+             "row_of": "*i32", "ntok_in": "*i32", "tab": "*i64", "ctrl": "*i64", "err": "*i64",
+             "rank": "i32", "tag": "i64", "timeout_ns": "i64"}
+    return {
+        f"dispatch_{dt}": (K.dispatch_kernel, d_sig, d_consts, warps, None),
+        f"combine_{dt}": (K.combine_kernel, c_sig, c_consts, warps, {"enable_fp_fusion": False}),
+    }
+
+
+def main():
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dump", default=None)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--warps", type=int, default=None, help="override EPBuffer's num_warps")
+    args = ap.parse_args()
+    for dt in args.dtypes.split(","):
+        for name, (fn, sig, consts, warps, opts) in kernels(
+                args.hidden, args.experts, args.ranks, args.tokens, args.topk, dt,
+                args.blocks).items():
+            warps = args.warps or warps
+            k = compile_one(fn, sig, consts, warps, opts)
+            ptx = k.asm["ptx"]
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                open(os.path.join(args.dump, name + ".ptx"), "w").write(ptx)
+            v4 = len(re.findall(r"(ld|st)\.global[^\n]*\.v4", ptx))
+            narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
+            sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
+            fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
+            print(f"{name:16s} warps {warps:2d}  v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  "
+                  f"sys atomics {sys_atom:2d}  fma.f32 {fma:3d}  {_ptxas_usage(ptx)}")
+
+
+if __name__ == "__main__":
+    main()
