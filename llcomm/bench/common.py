@@ -339,7 +339,9 @@ def topo_link(topo: str | None, i: int, j: int) -> str | None:
         return None
     for line in topo.splitlines():
         cells = line.split()
-        if cells and re.sub(r"\x1b\[[0-9;]*m", "", cells[0]) == f"GPU{i}" and len(cells) > j + 1:
+        # the row of GPU i has "X" on its own column (the underlined header row does not)
+        if (cells and re.sub(r"\x1b\[[0-9;]*m", "", cells[0]) == f"GPU{i}"
+                and len(cells) > max(i, j) + 1 and cells[i + 1] == "X"):
             return cells[j + 1]
     return None
 
