@@ -30,8 +30,11 @@ BACKENDS = ("auto", "peer", "reference")
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites.
 HANDLE_SLOTS = 2
-#: Tokens per top-k tile in the dispatch kernel's count and prefix scans.
+#: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
+#: block owns many tokens, so the scan's compare tile (tokens x top-k x the block's entries)
+#: stays within SCAN_TILE_ELEMS.
 TOPK_TILE_TOKENS = 32
+SCAN_TILE_ELEMS = 4096
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -45,6 +48,28 @@ def _pow2(n: int) -> int:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
+    """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
+    but STAGES), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
+    W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
+    L = E // W
+    off = lay.offsets()
+    hp = _pow2(H)
+    num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
+    common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
+                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"])
+    jp = _pow2(-(-T // nb))
+    if tile_tokens is None:
+        per_token = _pow2(topk) * jp * _pow2(topk)     # top-k x this block's entries
+        tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
+        tile_tokens = 1 << (tile_tokens.bit_length() - 1)
+    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens,
+             JP=jp, FP=_pow2(nb * W), OFF_X=off["recv_x"],
+             OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"])
+    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"])
+    return d, c, num_warps
 
 
 class EPHandle:
@@ -379,25 +404,15 @@ class _PeerEP:
         self.err = torch.tensor([0, self._host.data_ptr(), self._host.data_ptr() + 8],
                                 dtype=torch.int64, device=self.device)
         L, T = buf.num_local_experts, buf.max_tokens
+        # handle slot (int32 words): row_of [W, T, K <= MAX_TOPK] | src_info [L, W T] |
+        # recv_count [L] | ntok [W]
         self._slot_words = (self.W * T * MAX_TOPK, L * self.W * T, L, self.W)
         self.slots = [torch.zeros(sum(self._slot_words), dtype=torch.int32, device=self.device)
                       for _ in range(HANDLE_SLOTS)]
         self.broken: Exception | None = None
         self._launch = Launcher(self.device)
-        off = lay.offsets()
-        vec = 16 // itemsize
-        hp = _pow2(buf.hidden)
-        self.num_warps = max(1, min(MAX_WARPS, hp // (32 * vec * VECTORS_PER_THREAD)))
-        common = dict(T=T, H=buf.hidden, HP=hp, E=buf.num_experts, L=L, W=self.W,
-                      WP=_pow2(self.W), NB=nb, MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes,
-                      OFF_SIG=off["signal"])
-        self.d_consts = dict(common, LB=min(_pow2(L), COUNT_CHUNK),
-                             EB=_pow2(-(-buf.num_experts // nb)), TT=TOPK_TILE_TOKENS,
-                             FP=_pow2(nb * self.W), OFF_X=off["recv_x"], OFF_META=off["recv_meta"],
-                             OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
-                             STAGES=kernels.DISPATCH_ALL)
-        self.c_consts = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
-                             STAGES=kernels.COMBINE_ALL, enable_fp_fusion=False)
+        self._consts: dict = {}             # top-k -> (dispatch consts, combine consts)
+        self.num_warps = kernel_consts(lay, 1)[2]
         self._tags: dict = {}
 
     def _views(self, slot: int, topk: int):
@@ -409,6 +424,14 @@ class _PeerEP:
         recv_count = words[a + b:a + b + c]
         ntok = words[a + b + c:]
         return row_of, src_info, recv_count, ntok
+
+    def _kconsts(self, topk: int):
+        hit = self._consts.get(topk)
+        if hit is None:
+            d, c, _ = kernel_consts(self.layout, topk)
+            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL),
+                                        dict(c, STAGES=self.k.COMBINE_ALL, enable_fp_fusion=False))
+        return hit
 
     def _tag(self, op: int, topk: int) -> int:
         key = (op, topk)
@@ -422,7 +445,7 @@ class _PeerEP:
         self._launch(self.k.dispatch_kernel, self.nb, (
             x, topk_idx, x.shape[0], recv_x, row_of, src_info, recv_count, ntok, self.tab,
             self.ctrl[0], self.err, self.rank, self._tag(P.OP_DISPATCH, K), self.timeout_ns),
-            self.num_warps, K=K, KP=_pow2(K), **self.d_consts)
+            self.num_warps, **self._kconsts(K)[0])
         return recv_count, src_info, (row_of, ntok)
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out):
@@ -431,7 +454,7 @@ class _PeerEP:
         self._launch(self.k.combine_kernel, self.nb, (
             expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok, self.tab,
             self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K), self.timeout_ns),
-            self.num_warps, K=K, KP=_pow2(K), **self.c_consts)
+            self.num_warps, **self._kconsts(K)[1])
         return out
 
     def take_bad_count(self, sync: bool) -> int:

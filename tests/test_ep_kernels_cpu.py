@@ -41,7 +41,8 @@ def _same_up_to_interpreter_rounding(got, want):
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep_layout import MAX_TOPK, ep_layout
+    from llcomm.ep import kernel_consts
+    from llcomm.ep_layout import ep_layout
     from llcomm.kernels import ep as K
     from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch)
 
@@ -54,13 +55,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
     host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64) for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    off = lay.offsets()
-    common = dict(T=T, H=H, HP=_pow2(H), K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W),
-                  NB=NB, MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"])
-    dc = dict(common, LB=min(_pow2(L), 1024), EB=_pow2(-(-E // NB)), TT=4, FP=_pow2(NB * W),
-              OFF_X=off["recv_x"], OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
-              OFF_NTOK=off["recv_ntok"])
-    cc = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"])
+    # TT=4: several top-k tiles even at these small token counts
+    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4)
     fails = []
     for seed in seeds:
         for kind in kinds:
@@ -114,7 +110,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
 
 def _bad_topk():
     """Out-of-range entries are counted into the host word and routed nowhere."""
-    from llcomm.ep_layout import MAX_TOPK, ep_layout
+    from llcomm.ep import kernel_consts
+    from llcomm.ep_layout import ep_layout
     from llcomm.kernels import ep as K
     W, E, T, H, NB, topk = 1, 4, 4, 16, 2, 2
     lay = ep_layout(T, H, W, E, 2, num_blocks=NB)
@@ -130,14 +127,10 @@ def _bad_topk():
     src = torch.zeros(E, T, dtype=torch.int32)
     cnt = torch.zeros(E, dtype=torch.int32)
     ntok = torch.zeros(W, dtype=torch.int32)
-    off = lay.offsets()
+    dc, _, _ = kernel_consts(lay, topk, tile_tokens=2)
     for stage in (K.D_SEND, K.D_RECV):
-        K.dispatch_kernel[(NB,)](
-            x, idx, 3, recv, row_of, src, cnt, ntok, tab, ctrl, err, 0, 0, 0,
-            T=T, H=H, HP=H, K=topk, KP=topk, E=E, L=E, LB=E, W=1, WP=1, NB=NB, EB=2, TT=4, FP=2,
-            MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
-            OFF_X=off["recv_x"], OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
-            OFF_NTOK=off["recv_ntok"], STAGES=stage)
+        K.dispatch_kernel[(NB,)](x, idx, 3, recv, row_of, src, cnt, ntok, tab, ctrl, err, 0, 0, 0,
+                                 STAGES=stage, **dc)
     fails = []
     if int(host[1]) != 3:
         fails.append(f"reported {int(host[1])} bad entries, expected 3")

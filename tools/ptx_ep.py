@@ -21,12 +21,11 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llcomm.ep import COUNT_CHUNK, MAX_WARPS, TOPK_TILE_TOKENS, VECTORS_PER_THREAD, _pow2  # noqa: E402
-from llcomm.ep_layout import MAX_TOPK, ep_layout  # noqa: E402
+from llcomm.ep import kernel_consts  # noqa: E402
+from llcomm.ep_layout import ep_layout  # noqa: E402
 from llcomm.kernels import ep as K  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -67,19 +66,7 @@ def _ptxas_usage(ptx: str) -> str:
 
 def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     lay = ep_layout(tokens, hidden, ranks, experts, ITEMSIZE[dt], num_blocks=nb)
-    off = lay.offsets()
-    L = experts // ranks
-    hp = _pow2(hidden)
-    warps = max(1, min(MAX_WARPS, hp // (32 * (16 // ITEMSIZE[dt]) * VECTORS_PER_THREAD)))
-    common = dict(T=tokens, H=hidden, HP=hp, K=topk, KP=_pow2(topk), E=experts, L=L, W=ranks,
-                  WP=_pow2(ranks), NB=nb, MAX_TOPK=MAX_TOPK, SET_BYTES=lay.set_bytes,
-                  OFF_SIG=off["signal"])
-    d_consts = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-experts // nb)),
-                    TT=TOPK_TILE_TOKENS, FP=_pow2(nb * ranks), OFF_X=off["recv_x"],
-                    OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
-                    OFF_NTOK=off["recv_ntok"], STAGES=K.DISPATCH_ALL)
-    c_consts = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
-                    STAGES=K.COMBINE_ALL)
+    d_consts, c_consts, warps = kernel_consts(lay, topk)
     p = "*" + dt
     d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "row_of": "*i32",
              "src_info": "*i32", "recv_count": "*i32", "ntok_out": "*i32", "tab": "*i64",
@@ -88,8 +75,10 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
              "row_of": "*i32", "ntok_in": "*i32", "tab": "*i64", "ctrl": "*i64", "err": "*i64",
              "rank": "i32", "tag": "i64", "timeout_ns": "i64"}
     return {
-        f"dispatch_{dt}": (K.dispatch_kernel, d_sig, d_consts, warps, None),
-        f"combine_{dt}": (K.combine_kernel, c_sig, c_consts, warps, {"enable_fp_fusion": False}),
+        f"dispatch_{dt}": (K.dispatch_kernel, d_sig,
+                           dict(d_consts, STAGES=K.DISPATCH_ALL), warps, None),
+        f"combine_{dt}": (K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
+                          warps, {"enable_fp_fusion": False}),
     }
 
 

@@ -154,25 +154,43 @@ def _first_in_tile(tile, valid, KP: tl.constexpr):
 
 
 @triton.jit
+def _row(m2d, j, JP: tl.constexpr):
+    """Row ``j`` of a ``[JP, KP]`` integer tensor, as ``[KP]``."""
+    js = tl.arange(0, JP)
+    return tl.sum(tl.where(js[:, None] == j, m2d, 0), axis=0)
+
+
+@triton.jit
 def _send(x, topk, n_tok, tab, err, rank, set_off,
           T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
           KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
           WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
-          MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr, OFF_META: tl.constexpr,
-          OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr):
-    """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks."""
+          JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+          OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr):
+    """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
+
+    Block b owns experts ``b + NB * i`` (counts) and tokens ``b + NB * j`` (rows). One scan over
+    this rank's top-k rows, a tile of TT tokens at a time, yields both the counts of its experts
+    and, for each top-k entry of its tokens, the number of earlier tokens routed to the same
+    expert (the prefix that fixes the row on the receiver).
+    """
     b = tl.program_id(0)
     DT = x.dtype.element_ty
     ks = tl.arange(0, KP)
     kmask = ks < K
     hs = tl.arange(0, HP)
     hm = hs < H
-
-    # 1. per-expert token counts for experts e = b + NB * j, pushed to e's rank. Out-of-range
-    #    ids count as -1 and are reported (block 0 sees every token).
     es = b + NB * tl.arange(0, EB)
     emask = es < E
+    # this block's tokens and their entries, [JP, KP] and flattened [JP * KP]
+    mt = b + NB * tl.arange(0, JP)
+    mine = tl.load(topk + mt[:, None] * K + ks[None, :],
+                   mask=(mt < n_tok)[:, None] & kmask[None, :], other=-1)
+    mine = tl.where((mine >= 0) & (mine < E), mine, -1)
+    flat_e = tl.reshape(mine, (JP * KP,))
+    flat_t = tl.reshape(mt[:, None] + 0 * ks[None, :], (JP * KP,))
     cnt = tl.zeros([EB], tl.int32)
+    pre = tl.zeros([JP * KP], tl.int32)
     nbad = tl.full([], 0, tl.int32)
     for t0 in range(0, n_tok, TT):
         ts = t0 + tl.arange(0, TT)
@@ -182,6 +200,13 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         first = _first_in_tile(tile, (tile >= 0) & (tile < E), KP)
         hit = (tile[:, :, None] == es[None, None, :]) & first[:, :, None]
         cnt += tl.sum(tl.sum(hit.to(tl.int32), axis=0), axis=0)
+        before = (tile[:, :, None] == flat_e[None, None, :]) & first[:, :, None] \
+            & (ts[:, None, None] < flat_t[None, None, :])
+        pre += tl.sum(tl.sum(before.to(tl.int32), axis=0), axis=0)
+    pre2 = tl.reshape(pre, (JP, KP))
+
+    # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
+    #    out-of-range ids count as -1 and are reported (block 0 saw every token).
     dst = es // L
     cbase = tl.load(tab + dst, mask=emask, other=0)
     cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
@@ -195,28 +220,22 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
 
     # 2. token rows (once per destination rank) and metadata (every rank, every token).
-    for t in range(b, n_tok, NB):
-        e = tl.load(topk + t * K + ks, mask=kmask, other=-1)
-        valid = (e >= 0) & (e < E)
-        ev = tl.where(valid, e, -1)
-        pre = tl.zeros([KP], tl.int32)
-        for t0 in range(0, t, TT):
-            ts = t0 + tl.arange(0, TT)
-            m2 = (ts < t)[:, None] & kmask[None, :]
-            tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
-            first = _first_in_tile(tile, (tile >= 0) & (tile < E), KP)
-            hit = (tile[:, :, None] == ev[None, None, :]) & first[:, :, None]
-            pre += tl.sum(tl.sum(hit.to(tl.int32), axis=0), axis=0)
-        dv = tl.where(valid, ev // L, -1)
-        meta = tl.where(valid, ((ev - dv * L) << META_SHIFT) | pre, -1).to(tl.int32)
-        v = tl.load(x + t * H + hs, mask=hm)
-        slot = rank * T + t
-        for d in tl.static_range(W):
-            mp = _at(tab, d, set_off + OFF_META, tl.int32) + slot * MAX_TOPK
-            tl.store(mp + ks, tl.where(dv == d, meta, -1), mask=kmask)
-            if tl.sum((dv == d).to(tl.int32), axis=0) > 0:
-                xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
-                tl.store(xp + hs, v, mask=hm)
+    for j in range(0, JP):
+        t = b + NB * j
+        if t < n_tok:
+            ev = _row(mine, j, JP)
+            valid = ev >= 0
+            dv = tl.where(valid, ev // L, -1)
+            meta = tl.where(valid, ((ev - dv * L) << META_SHIFT) | _row(pre2, j, JP), -1)
+            meta = meta.to(tl.int32)
+            v = tl.load(x + t * H + hs, mask=hm)
+            slot = rank * T + t
+            for d in tl.static_range(W):
+                mp = _at(tab, d, set_off + OFF_META, tl.int32) + slot * MAX_TOPK
+                tl.store(mp + ks, tl.where(dv == d, meta, -1), mask=kmask)
+                if tl.sum((dv == d).to(tl.int32), axis=0) > 0:
+                    xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
+                    tl.store(xp + hs, v, mask=hm)
 
 
 @triton.jit
@@ -287,7 +306,8 @@ def dispatch_kernel(
         E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,    # ranks, pow2(W), grid
         EB: tl.constexpr,               # pow2(ceil(E / NB)): experts counted per block
-        TT: tl.constexpr,               # tokens per top-k tile in the count / prefix scans
+        TT: tl.constexpr,               # tokens per top-k tile in the count / prefix scan
+        JP: tl.constexpr,               # pow2(ceil(T / NB)): tokens per block at most
         FP: tl.constexpr,               # pow2(NB * W): flags polled by the dispatch wait
         MAX_TOPK: tl.constexpr,         # metadata slot stride (ep_layout.MAX_TOPK)
         SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_X: tl.constexpr,   # layout, bytes
@@ -299,7 +319,7 @@ def dispatch_kernel(
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     if STAGES & 1:
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
-              MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK)
+              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK)
     ok = 1
     if STAGES == 3:
         tl.debug_barrier()
