@@ -1,7 +1,9 @@
-"""Benchmarks behind ``llcomm bench`` (see bench/README.md). Not imported by the library.
+"""The bodies of the ``llcomm`` command line (see bench/README.md). The library never imports
+this package.
 
-- ``tp``: the TP joins (all_reduce, broadcast, all_gather, all_gather_2d, reduce_scatter) against
-  NCCL and torch symmetric memory.
+- ``tp``: ``llcomm bench tp``, the TP joins against NCCL and torch symmetric memory;
+  ``tp_report`` prints its nccl-tests style table.
+- ``check``: ``llcomm check``, the correctness self-test; ``doctor``: ``llcomm doctor``.
 - ``common``: spawning, timing, correctness oracles, result files, tables and plots, shared by
-  every benchmark.
+  every benchmark; ``plot``: ``python -m llcomm.bench.plot results.json out.png``.
 """

@@ -291,7 +291,8 @@ def sum_bound(stack: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (stack.shape[0] + 1) * eps * stack.double().abs().sum(0) + tiny
 
 
-def count_wrong(out: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor | None = None) -> int:
+def count_wrong(out: torch.Tensor, expected: torch.Tensor,
+                bound: torch.Tensor | None = None) -> int:
     """Elements of ``out`` that differ from ``expected``: bit for bit when ``bound`` is None,
     else by more than ``bound`` from ``expected`` (the exact sum, any float dtype). NaN (the
     poison) is always wrong."""
@@ -484,7 +485,7 @@ def plot_results(result: dict, path: str) -> None:
         for label, pts in series.items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                    label=label)
+                    linestyle="--" if label.endswith(" eager") else "-", label=label)
         dtypes = sorted({r["dtype"] for r in rows if r["op"] == op})
         ax.set_title(f"{op}  ({result.get('machine', '?')}, {result.get('world_size', '?')} "
                      f"ranks, {'/'.join(dtypes)}, commit {str(result.get('commit'))[:10]})")

@@ -224,7 +224,8 @@ def _all_gather_2d(R: Rank, count: int) -> list[Impl]:
         def nccl_2d():
             _all_gather_flat(stacked.view(-1), x.view(-1))
             o2.view(tokens, R.world, part).copy_(stacked.transpose(0, 1))
-        impls.append(Impl("nccl", "gather+permute", nccl_2d, extra={"tokens": tokens, "part": part}))
+        impls.append(Impl("nccl", "gather+permute", nccl_2d,
+                          extra={"tokens": tokens, "part": part}))
     return impls
 
 
@@ -368,7 +369,8 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
                    help="llcomm Communicator backend (default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--json", metavar="PATH", help="write the run as a result file (bench/README.md)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the run as a result file (bench/README.md)")
     p.add_argument("--plot", metavar="PATH", help="write a latency-vs-size PNG")
     p.add_argument("--cpu", action="store_true",
                    help="run on CPU (2 gloo processes) even where GPUs are present")
