@@ -136,17 +136,10 @@ def _wait_flags(flags, word, timeout_ns, err, op, phase,
 
 
 @triton.jit
-def _first_in_row(e, valid, KP: tl.constexpr):
-    """``[KP]`` mask: entry k is valid and no earlier valid entry of the row names its expert
-    (a token that lists an expert twice gets one row; combine still applies both weights)."""
-    ks = tl.arange(0, KP)
-    same = (e[:, None] == e[None, :]) & (ks[None, :] < ks[:, None]) & valid[None, :]
-    return valid & (tl.max(same.to(tl.int32), axis=1) == 0)
-
-
-@triton.jit
 def _first_in_tile(tile, valid, KP: tl.constexpr):
-    """``_first_in_row`` for every row of a ``[TT, KP]`` tile."""
+    """``[TT, KP]`` mask: entry k of a row is valid and no earlier valid entry of the row names
+    its expert (a token that lists an expert twice gets one row; combine still applies both
+    weights)."""
     ks = tl.arange(0, KP)
     earlier = ks[None, None, :] < ks[None, :, None]
     same = (tile[:, :, None] == tile[:, None, :]) & earlier & valid[:, None, :]
@@ -154,10 +147,14 @@ def _first_in_tile(tile, valid, KP: tl.constexpr):
 
 
 @triton.jit
-def _row(m2d, j, JP: tl.constexpr):
-    """Row ``j`` of a ``[JP, KP]`` integer tensor, as ``[KP]``."""
-    js = tl.arange(0, JP)
-    return tl.sum(tl.where(js[:, None] == j, m2d, 0), axis=0)
+def _rank_bits(row, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr):
+    """Bit d set when one of the K expert ids at ``row`` lives on rank d (scalar loads: every
+    thread computes the same mask, no reduction across threads)."""
+    bits = tl.full([], 0, tl.int64)
+    for k in tl.static_range(K):
+        e = tl.load(row + k)
+        bits = bits | tl.where((e >= 0) & (e < E), tl.full([], 1, tl.int64) << (e // L), 0)
+    return bits
 
 
 @triton.jit
@@ -219,21 +216,23 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
         tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
 
-    # 2. token rows (once per destination rank) and metadata (every rank, every token).
+    # 2. metadata of this block's tokens to every rank (one [JP, KP] store per rank), then each
+    #    token row once per destination rank (which ranks: a bit mask from scalar loads).
+    valid2 = mine >= 0
+    dv2 = tl.where(valid2, mine // L, -1)
+    meta2 = tl.where(valid2, ((mine - dv2 * L) << META_SHIFT) | pre2, -1).to(tl.int32)
+    live2 = (mt < n_tok)[:, None] & kmask[None, :]
+    for d in tl.static_range(W):
+        mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + mt[:, None]) * MAX_TOPK
+        tl.store(mp + ks[None, :], tl.where(dv2 == d, meta2, -1), mask=live2)
     for j in range(0, JP):
         t = b + NB * j
         if t < n_tok:
-            ev = _row(mine, j, JP)
-            valid = ev >= 0
-            dv = tl.where(valid, ev // L, -1)
-            meta = tl.where(valid, ((ev - dv * L) << META_SHIFT) | _row(pre2, j, JP), -1)
-            meta = meta.to(tl.int32)
+            bits = _rank_bits(topk + t * K, K, E, L)
             v = tl.load(x + t * H + hs, mask=hm)
             slot = rank * T + t
             for d in tl.static_range(W):
-                mp = _at(tab, d, set_off + OFF_META, tl.int32) + slot * MAX_TOPK
-                tl.store(mp + ks, tl.where(dv == d, meta, -1), mask=kmask)
-                if tl.sum((dv == d).to(tl.int32), axis=0) > 0:
+                if (bits >> d) & 1:
                     xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
                     tl.store(xp + hs, v, mask=hm)
 
@@ -247,8 +246,6 @@ def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
     """Dispatch stage 3: this rank's receive slots into the per-expert layout."""
     b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
-    ks = tl.arange(0, KP)
-    kmask = ks < K
     hs = tl.arange(0, HP)
     hm = hs < H
     cntp = _at(tab, rank, set_off + OFF_CNT, tl.int32)
@@ -269,22 +266,29 @@ def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
         n_s = tl.load(ntp + s)
         for t in range(b, n_s, NB):
             slot = s * T + t
-            meta = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
-            valid = meta >= 0
-            le = tl.where(valid, meta >> META_SHIFT, 0)
-            row = tl.where(valid, meta & META_MASK, 0)
-            for s2 in range(s):
-                row += tl.load(cntp + s2 * L + le, mask=valid, other=0)
-            flat = le * (W * T) + row
-            first = _first_in_row(meta, valid, KP)
-            tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
-            tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
-            v = tl.load(xp + slot * H + hs, mask=hm)
+            mrow = metap + slot * MAX_TOPK
+            here = tl.full([], -1, tl.int32)
             for k in tl.static_range(K):
-                f_k = tl.sum(tl.where(ks == k, first.to(tl.int32), 0), axis=0)
-                r_k = tl.sum(tl.where(ks == k, flat, 0), axis=0)
-                if f_k > 0:
-                    tl.store(recv_x + r_k.to(tl.int64) * H + hs, v, mask=hm)
+                here = tl.maximum(here, tl.load(mrow + k))
+            if here >= 0:
+                v = tl.load(xp + slot * H + hs, mask=hm)
+                for k in tl.static_range(K):
+                    m_k = tl.load(mrow + k)
+                    first = m_k >= 0
+                    for i in tl.static_range(k):
+                        first = first & (tl.load(mrow + i) != m_k)
+                    le = tl.maximum(m_k, 0) >> META_SHIFT
+                    row = m_k & META_MASK
+                    for s2 in range(s):
+                        row += tl.load(cntp + s2 * L + le)
+                    flat = le * (W * T) + row
+                    tl.store(row_of + slot * K + k, tl.where(m_k >= 0, flat, -1))
+                    if first:
+                        tl.store(src_info + flat, slot)
+                        tl.store(recv_x + flat.to(tl.int64) * H + hs, v, mask=hm)
+            else:
+                for k in tl.static_range(K):
+                    tl.store(row_of + slot * K + k, -1)
 
 
 @triton.jit
@@ -365,16 +369,19 @@ def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T: tl.constexpr, H
     for s in range(W):
         n_s = tl.load(ntok_in + s)
         for t in range(b, n_s, NB):
-            rows = tl.load(row_of + (s * T + t) * K + ks, mask=kmask, other=-1)
-            if tl.max(rows, axis=0) >= 0:
-                w = tl.load(wl + (s * T + t) * MAX_TOPK + ks, mask=kmask, other=0.0)
+            rrow = row_of + (s * T + t) * K
+            wrow = wl + (s * T + t) * MAX_TOPK
+            here = tl.full([], -1, tl.int32)
+            for k in tl.static_range(K):
+                here = tl.maximum(here, tl.load(rrow + k))
+            if here >= 0:
                 acc = tl.zeros([HP], tl.float32)
                 for k in tl.static_range(K):
-                    r_k = tl.sum(tl.where(ks == k, rows, 0), axis=0)
-                    w_k = tl.sum(tl.where(ks == k, w, 0.0), axis=0)
-                    if r_k >= 0:
-                        y = tl.load(eo + r_k.to(tl.int64) * H + hs, mask=hm).to(tl.float32)
-                        acc = acc + w_k * y
+                    # no branch around the load: every entry's row is requested at once
+                    r_k = tl.load(rrow + k)
+                    y = tl.load(eo + tl.maximum(r_k, 0).to(tl.int64) * H + hs,
+                                mask=hm & ((hs * 0 + r_k) >= 0), other=0.0).to(tl.float32)
+                    acc = tl.where(r_k >= 0, acc + tl.load(wrow + k) * y, acc)
                 pp = _at(tab, s, set_off + OFF_CX, DT) + (rank * T + t) * H
                 tl.store(pp + hs, acc.to(DT), mask=hm)
 
@@ -392,12 +399,13 @@ def _sum_partials(topk, n_tok, out, tab, rank, set_off, T: tl.constexpr, H: tl.c
     hm = hs < H
     cl = _at(tab, rank, set_off + OFF_CX, DT)
     for t in range(b, n_tok, NB):
-        e = tl.load(topk + t * K + ks, mask=kmask, other=-1)
-        dv = tl.where((e >= 0) & (e < E), e // L, -1)
+        bits = _rank_bits(topk + t * K, K, E, L)
         acc = tl.zeros([HP], tl.float32)
         for d in tl.static_range(W):
-            if tl.sum((dv == d).to(tl.int32), axis=0) > 0:
-                acc = acc + tl.load(cl + (d * T + t) * H + hs, mask=hm).to(tl.float32)
+            went = ((bits >> d) & 1) != 0
+            p = tl.load(cl + (d * T + t) * H + hs, mask=hm & ((hs * 0 + ((bits >> d) & 1)) != 0),
+                        other=0.0).to(tl.float32)
+            acc = tl.where(went, acc + p, acc)
         tl.store(out + t * H + hs, acc.to(DT), mask=hm)
 
 
