@@ -10,3 +10,5 @@ from .tp import Communicator
 __version__ = "0.1.0"
 __all__ = ["Communicator", "CommTimeoutError", "CommMismatchError", "CommBrokenError",
            "LLCommError", "UnsupportedConfigError", "__version__"]
+from .ep import EPBuffer, EPHandle  # noqa: E402  (EP dispatch / combine, docs/ep.md)
+__all__ += ["EPBuffer", "EPHandle"]
