@@ -55,6 +55,7 @@ from .. import ep_layout as EL
 from .. import protocol as P
 
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
+WAIT_SKIPPED = tl.constexpr(-2)         # _wait_flags status: not waited (an earlier wait failed)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
@@ -100,19 +101,24 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
 
 
 @triton.jit
-def _wait_flags(flags, word, timeout_ns, err, op, phase,
+def _wait_flags(flags, word, timeout_ns, err, op, phase, go,
                 N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
     fastest) all equal ``word``; bounded by ``timeout_ns``. Polls with volatile loads, then one
     acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
-    error word (its mask names the source ranks that were late or disagreed)."""
+    error word (its mask names the source ranks that were late or disagreed).
+
+    ``go == 0`` (an earlier wait of this op failed) skips the wait and returns 0. Every thread
+    reaches the closing barrier either way, so callers keep their barriers outside ``if ok``:
+    threads can disagree about a timeout that expires just as the last flag lands (each reads
+    the clock itself), and a barrier inside a divergent branch would hang the block."""
     i = tl.arange(0, NP)
     live = i < N
     ptrs = flags + i
     src = (i % W).to(tl.int64)
     epoch = word >> EPOCH_SHIFT
     t0 = global_time_ns()
-    status = 0
+    status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
     bad = tl.zeros([NP], tl.int64)
     while status == 0:
         got = tl.load(ptrs, mask=live, other=0, volatile=True)
@@ -129,7 +135,7 @@ def _wait_flags(flags, word, timeout_ns, err, op, phase,
     ok = status == -1
     if ok:
         tl.atomic_add(ptrs, tl.zeros([NP], tl.int64), mask=live, sem="acquire", scope="sys")
-    else:
+    elif status != WAIT_SKIPPED:
         report_error(err, status, op, phase, tl.reduce(bad << src, 0, _bit_or))
     tl.debug_barrier()
     return ok
@@ -329,7 +335,7 @@ def dispatch_kernel(
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
         flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
-        ok = _wait_flags(flags, word, timeout_ns, err, OP_DISPATCH, PHASE_ENTRY, NB * W, FP, W)
+        ok = _wait_flags(flags, word, timeout_ns, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W, FP, W)
     if STAGES & 2:
         if ok:
             _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off, T, H, HP,
@@ -441,16 +447,17 @@ def combine_kernel(
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_ns, err, OP_COMBINE,
-                         PHASE_ENTRY, W, WP, W)
+                         PHASE_ENTRY, 1, W, WP, W)
     if STAGES & 2:
         if ok:
             _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T, H, HP, K, KP, W, NB,
                              MAX_TOPK, OFF_CX, OFF_CW)
-            if STAGES == 7:
-                tl.debug_barrier()
+        if STAGES == 7:
+            tl.debug_barrier()          # outside ``if ok``: see _wait_flags
+            if ok:
                 _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
-                ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_ns, err,
-                                 OP_COMBINE, PHASE_EXIT, W, WP, W)
+            ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_ns, err,
+                             OP_COMBINE, PHASE_EXIT, ok, W, WP, W)
     if STAGES & 4:
         if ok:
             _sum_partials(topk, n_tok, out, tab, rank, set_off, T, H, HP, K, KP, E, L, W, NB,
