@@ -14,6 +14,7 @@ same ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,8 @@ COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
+#: Env override of the EP kernels' num_warps (a tuning knob).
+NUM_WARPS_ENV = "LLCOMM_EP_NUM_WARPS"
 
 
 def _pow2(n: int) -> int:
@@ -58,6 +61,11 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     off = lay.offsets()
     hp = _pow2(H)
     num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
+    raw = os.environ.get(NUM_WARPS_ENV)
+    if raw:
+        if raw not in ("1", "2", "4", "8", "16", "32"):
+            raise ValueError(f"{NUM_WARPS_ENV}={raw!r}: expected 1, 2, 4, 8, 16 or 32")
+        num_warps = int(raw)
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
                   MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"])
     jp = _pow2(-(-T // nb))
