@@ -35,6 +35,9 @@ SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words s
 SHARD_ALIGN = 16
 #: Staging halves used alternately by consecutive ops (see kernels/all_reduce.py for why 2).
 HALVES = 2
+#: Mixes the row length into an all-gather's size tag, so [2, 8] on one rank and [4, 4] on
+#: another are reported as a mismatch.
+GATHER_TAG_MIX = 65599
 #: int64 words after the op counters in the ctrl region: device error word, host word address.
 CTRL_ERR_WORDS = 2
 #: Flag slots per block: entry barrier and exit barrier.
@@ -183,7 +186,7 @@ class PeerBackend:
         block, warps = _launch_shape(n, xb.element_size(), self.nb)
         self._launch(self._k_mv.all_gather_kernel, self.nb, (
             xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err, self.rank, self._tag(P.OP_ALL_GATHER, n, x.dtype),
+            self.err, self.rank, self._tag(P.OP_ALL_GATHER, n * GATHER_TAG_MIX + n // rows, x.dtype),
             self.timeout_ns, self.cap_bytes // xb.element_size()), warps,
             W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return out

@@ -98,7 +98,7 @@ class Communicator:
         pr = V.Problems("Communicator")
         if backend not in BACKENDS:
             pr.add(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
-        if not isinstance(max_bytes, int) or max_bytes <= 0:
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
             pr.add(f"max_bytes={max_bytes!r}; expected a positive int")
         pr.raise_if_any()
         self.timeout_ms = P.timeout_ms_from_env(timeout_ms)

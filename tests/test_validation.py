@@ -219,8 +219,6 @@ def test_bad_max_bytes(world1, max_bytes):
         llcomm.Communicator(backend="reference", max_bytes=max_bytes)
 
 
-@pytest.mark.xfail(strict=True, reason="tp.py accepts max_bytes=True (a bool is an int) and "
-                                       "bounds every input at 1 byte; see the report")
 def test_bool_max_bytes_rejected(world1):
     with pytest.raises(ValueError, match="max_bytes="):
         llcomm.Communicator(backend="reference", max_bytes=True)

@@ -21,10 +21,16 @@ STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
 
 
 @triton.jit
-def global_time_ns():
-    """The GPU's global timer in ns (same clock on every SM)."""
-    return tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+def global_time_ns(WIDTH: tl.constexpr = 2):
+    """The GPU's global timer in ns (same clock on every SM), as ONE value for the whole block.
+
+    Every thread reads the clock and the block takes the maximum, so all threads agree on
+    whether a deadline has passed; a per-thread reading could let threads leave a wait loop at
+    different iterations, and the block-wide reductions inside the loop would then hang.
+    """
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [tl.zeros([WIDTH], tl.int64)],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(t, axis=0)
 
 
 @triton.jit
@@ -67,7 +73,8 @@ def signal_peers(flag_tab, slot, word, rank, W: tl.constexpr, WP: tl.constexpr):
 @triton.jit
 def wait_peers(flags, slot, word, timeout_ns, err_ptr, op, phase,
                W: tl.constexpr, WP: tl.constexpr):
-    """Spin until ``flags[slot][p] == word`` for every rank p; bounded by ``timeout_ns``.
+    """Spin until every rank p has arrived: ``flags[slot][p] == word`` (or a later epoch);
+    bounded by ``timeout_ns``.
 
     Returns 1 on success, 0 on timeout or mismatch (after writing the error word).
     ``flags`` is this rank's own flags region (int64 pointer).
@@ -82,8 +89,10 @@ def wait_peers(flags, slot, word, timeout_ns, err_ptr, op, phase,
     bad = zero
     while status == 0:
         got = tl.atomic_add(ptrs, zero, mask=live, sem="acquire", scope="sys")
-        arrived = (got == word) | (ps >= W)
-        wrong = ((got >> EPOCH_SHIFT) >= epoch) & (got != word) & live
+        # A later epoch means the peer already finished this op and signalled its next one
+        # over the same slot: it arrived. Only the same epoch with another tag is a mismatch.
+        arrived = (got == word) | ((got >> EPOCH_SHIFT) > epoch) | (ps >= W)
+        wrong = ((got >> EPOCH_SHIFT) == epoch) & (got != word) & live
         if tl.sum(wrong.to(tl.int32), axis=0) > 0:
             status = STATUS_MISMATCH
             bad = wrong.to(tl.int64)
