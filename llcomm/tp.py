@@ -43,8 +43,6 @@ def peer_support(group: dist.ProcessGroup) -> tuple[bool, str]:
     """Can the peer backend run on ``group``? Returns (ok, reason). A collective."""
     if not torch.cuda.is_available():
         return False, "no CUDA device is available"
-    if dist.get_backend(group) == "gloo":
-        pass  # symmetric memory only needs the group's store; gloo groups are fine
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     me = (socket.gethostname(), str(getattr(props, "uuid", dev)), dev)
