@@ -23,7 +23,7 @@ from . import _validate as V
 from . import protocol as P
 from .ep_layout import MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
 from .ep_reference import ReferenceEP
-from .errors import CommBrokenError, UnsupportedConfigError
+from .errors import UnsupportedConfigError
 
 log = logging.getLogger("llcomm")
 
@@ -417,7 +417,7 @@ class _PeerEP:
         self._slot_words = (self.W * T * MAX_TOPK, L * self.W * T, L, self.W)
         self.slots = [torch.zeros(sum(self._slot_words), dtype=torch.int32, device=self.device)
                       for _ in range(HANDLE_SLOTS)]
-        self.broken: Exception | None = None
+        self._failure = P.FailureLatch(self.rank, "EPBuffer")
         self._launch = Launcher(self.device)
         self._consts: dict = {}             # top-k -> (dispatch consts, combine consts)
         self.num_warps = kernel_consts(lay, 1)[2]
@@ -472,12 +472,7 @@ class _PeerEP:
         return bad
 
     def precheck(self) -> None:
-        if self.broken is None and self._host_np[0] != 0:
-            self.broken = P.decode_error(int(self._host_np[0]), self.rank)
-            raise self.broken
-        if self.broken is not None:
-            raise CommBrokenError(f"llcomm: rank {self.rank}: this EPBuffer failed earlier "
-                                  f"({self.broken}); destroy it and create a new one.")
+        self._failure.check(self._host_np[0])
 
     def close(self) -> None:
         if self.ws is not None:

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from . import protocol as P
-from .errors import CommBrokenError
 from .launch import Launcher
 from .workspace import SymmetricWorkspace
 
@@ -98,17 +97,12 @@ class PeerBackend:
         self._err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._err_np = self._err.numpy()
         self.err[1].fill_(self._err.data_ptr())
-        self.broken: Exception | None = None
+        self._failure = P.FailureLatch(self.rank, "communicator")
         self.WP = 1 << (W - 1).bit_length()
 
     # -- errors ---------------------------------------------------------------------------------
     def _precheck(self) -> None:
-        if self.broken is None and self._err_np[0] != 0:
-            self.broken = P.decode_error(int(self._err_np[0]), self.rank)
-            raise self.broken
-        if self.broken is not None:
-            raise CommBrokenError(f"llcomm: rank {self.rank}: this communicator failed earlier "
-                                  f"({self.broken}); destroy it and create a new one.")
+        self._failure.check(self._err_np[0])
 
     def check(self) -> None:
         """Wait for this rank's queued work, then raise any error a kernel reported."""

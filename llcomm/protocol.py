@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import CommMismatchError, CommTimeoutError, LLCommError
+from .errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError
 
 #: Default bound of every device-side wait, milliseconds (env ``LLCOMM_TIMEOUT_MS`` overrides).
 DEFAULT_TIMEOUT_MS = 1000
@@ -113,3 +113,21 @@ def decode_error(word: int, rank: int) -> LLCommError | None:
         f"llcomm: rank {rank}: {op} {phase}: ranks {ranks} did not arrive within the timeout. "
         "The communicator is now broken: destroy it and create a new one (after the missing "
         "ranks are back).", op=op, phase=phase, ranks=ranks)
+
+
+class FailureLatch:
+    """The first device error of a communicator (or EP buffer): raised once, then every later
+    call raises CommBrokenError. ``what`` names the object in messages."""
+
+    def __init__(self, rank: int, what: str):
+        self.rank, self.what = rank, what
+        self.error: LLCommError | None = None
+
+    def check(self, word: int) -> None:
+        """Raise if ``word`` (the host copy of the error word) is set or an error came earlier."""
+        if self.error is None and word != 0:
+            self.error = decode_error(int(word), self.rank)
+            raise self.error
+        if self.error is not None:
+            raise CommBrokenError(f"llcomm: rank {self.rank}: this {self.what} failed earlier "
+                                  f"({self.error}); destroy it and create a new one.")

@@ -161,3 +161,14 @@ def test_timeout_bad_argument_names_it(monkeypatch, bad):
     monkeypatch.delenv(P.TIMEOUT_ENV, raising=False)
     with pytest.raises(ValueError, match="timeout_ms="):
         P.timeout_ms_from_env(bad)
+
+
+def test_failure_latch_raises_first_error_then_broken():
+    from llcomm.errors import CommBrokenError, CommTimeoutError
+    latch = P.FailureLatch(0, "communicator")
+    latch.check(0)  # clear word: nothing to raise
+    word = (P.STATUS_TIMEOUT << 48) | (P.OP_BROADCAST << 40) | (P.PHASE_ENTRY << 32) | 0b10
+    with pytest.raises(CommTimeoutError):
+        latch.check(word)
+    with pytest.raises(CommBrokenError, match="communicator failed earlier"):
+        latch.check(0)  # broken for good, even if the word were cleared
