@@ -400,7 +400,7 @@ class _PeerEP:
         self.layout = lay = ep_layout(buf.max_tokens, buf.hidden, self.W, buf.num_experts,
                                       itemsize, num_blocks=nb)
         self.buf = buf
-        self.timeout_ns = buf.timeout_ms * P.NS_PER_MS
+        self.timeout_us = buf.timeout_ms * P.US_PER_MS
         self.ws = SymmetricWorkspace(buf.group, {"ep": lay.total_bytes}, self.device)
         self.tab = self.ws.table("ep")
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
@@ -452,7 +452,7 @@ class _PeerEP:
         row_of, src_info, recv_count, ntok = self._views(slot, K)
         self._launch(self.k.dispatch_kernel, self.nb, (
             x, topk_idx, x.shape[0], recv_x, row_of, src_info, recv_count, ntok, self.tab,
-            self.ctrl[0], self.err, self.rank, self._tag(P.OP_DISPATCH, K), self.timeout_ns),
+            self.ctrl[0], self.err, self.rank, self._tag(P.OP_DISPATCH, K), self.timeout_us),
             self.num_warps, **self._kconsts(K)[0])
         return recv_count, src_info, (row_of, ntok)
 
@@ -461,7 +461,7 @@ class _PeerEP:
         K = topk_idx.shape[1]
         self._launch(self.k.combine_kernel, self.nb, (
             expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok, self.tab,
-            self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K), self.timeout_ns),
+            self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K), self.timeout_us),
             self.num_warps, **self._kconsts(K)[1])
         return out
 

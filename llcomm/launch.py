@@ -6,6 +6,13 @@ compiled kernel is cached per specialisation key (what Triton specialises on: dt
 alignment of pointers, ints equal to 1 / divisible by 16 / their width, and the constexprs) and
 its C launcher is called directly. The first call of each key goes through Triton's normal path;
 if the direct call ever fails (another Triton version), the normal path is used from then on.
+
+The first launch of a key compiles, which takes seconds, while the peers' kernels may already
+be spinning in a bounded wait. Keys are made equal on every rank (kernels do not specialise on
+arguments that differ between ranks, such as ``rank`` and EP's token count), so every rank
+compiles at the same call; that one launch runs with its ``timeout_us`` raised to
+``FIRST_LAUNCH_TIMEOUT_US`` so a peer's compile is not mistaken for a missing peer. Inside a
+CUDA graph capture the timeout is left alone (the graph would keep the long one).
 """
 from __future__ import annotations
 
@@ -16,6 +23,11 @@ import torch
 log = logging.getLogger("llcomm")
 
 _I32 = 1 << 31
+#: Bound, in microseconds, of the device waits of a key's first (compiling) launch: a peer's
+#: compile takes seconds.
+FIRST_LAUNCH_TIMEOUT_US = 120 * 10**6
+#: Name of the kernels' wait-bound argument (the launcher raises it on a first launch).
+TIMEOUT_ARG = "timeout_us"
 
 
 def _spec(a):
@@ -49,6 +61,10 @@ class Launcher:
             except Exception as e:  # noqa: BLE001  (fall back for good, and say why once)
                 log.warning("llcomm: direct kernel launch failed (%s); using Triton's launcher", e)
                 self.direct = False
+        if TIMEOUT_ARG in fn.arg_names and not torch.cuda.is_current_stream_capturing():
+            i = fn.arg_names.index(TIMEOUT_ARG)
+            if i < len(args):
+                args = (*args[:i], max(args[i], FIRST_LAUNCH_TIMEOUT_US), *args[i + 1:])
         kernel = fn[(grid,)](*args, num_warps=num_warps, **consts)
         if self.direct:
             names = fn.arg_names[len(args):]

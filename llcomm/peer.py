@@ -73,7 +73,7 @@ class PeerBackend:
         self.nb = nb = int(os.environ.get(NUM_BLOCKS_ENV, NUM_BLOCKS))
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_bytes = max_bytes
-        self.timeout_ns = timeout_ms * P.NS_PER_MS
+        self.timeout_us = timeout_ms * P.US_PER_MS
         self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         self.ws = SymmetricWorkspace(group, {
@@ -128,13 +128,13 @@ class PeerBackend:
                 xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
             self._launch(self._k_ar.lamport_kernel, self.nb, (
                 xi, oi, n, self.tabs["lamport"], self.ctrl, self.err, self.rank,
-                self.timeout_ns, self.lamport_bytes // x.element_size()), warps,
+                self.timeout_us, self.lamport_bytes // x.element_size()), warps,
                 SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, NB=self.nb,
                 BLOCK=block)
         elif algo == "one_shot":
             self._launch(self._k_ar.one_shot_kernel, self.nb, (
                 x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-                self.err, self.rank, self._tag(P.OP_ONE_SHOT, n, x.dtype), self.timeout_ns,
+                self.err, self.rank, self._tag(P.OP_ONE_SHOT, n, x.dtype), self.timeout_us,
                 cap), warps,
                 W=W, WP=self.WP, NB=self.nb, BLOCK=block)
         else:
@@ -144,7 +144,7 @@ class PeerBackend:
             self._launch(self._k_ar.two_shot_kernel, self.nb, (
                 x, out, n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
                 self.flags, self.ctrl, self.err, self.rank,
-                self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_ns, cap), warps,
+                self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_us, cap), warps,
                 W=W, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
 
@@ -166,7 +166,7 @@ class PeerBackend:
         block, warps = _launch_shape(n, xb.element_size(), self.nb)
         self._launch(self._k_mv.broadcast_kernel, self.nb, (
             xb, n, src, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err, self.rank, self._tag(P.OP_BROADCAST, n, x.dtype), self.timeout_ns,
+            self.err, self.rank, self._tag(P.OP_BROADCAST, n, x.dtype), self.timeout_us,
             self.cap_bytes // xb.element_size()), warps,
             W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return x
@@ -181,7 +181,7 @@ class PeerBackend:
         self._launch(self._k_mv.all_gather_kernel, self.nb, (
             xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_ALL_GATHER, n * GATHER_TAG_MIX + n // rows, x.dtype),
-            self.timeout_ns, self.cap_bytes // xb.element_size()), warps,
+            self.timeout_us, self.cap_bytes // xb.element_size()), warps,
             W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
 
@@ -200,7 +200,7 @@ class PeerBackend:
         self._launch(self._k_mv.reduce_scatter_kernel, self.nb, (
             x, out, m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_REDUCE_SCATTER, m, x.dtype),
-            self.timeout_ns, self.cap_bytes // x.element_size()), warps,
+            self.timeout_us, self.cap_bytes // x.element_size()), warps,
             W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
 

@@ -30,6 +30,9 @@ from .errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLComm
 DEFAULT_TIMEOUT_MS = 1000
 TIMEOUT_ENV = "LLCOMM_TIMEOUT_MS"
 NS_PER_MS = 1_000_000
+US_PER_MS = 1_000
+#: Largest timeout: kernels take the bound in microseconds as a 32-bit int (about 35 minutes).
+MAX_TIMEOUT_MS = (2**31 - 1) // US_PER_MS
 
 EPOCH_SHIFT = 24
 TAG_BITS = 24
@@ -73,11 +76,14 @@ def timeout_ms_from_env(timeout_ms: int | None) -> int:
             value = int(raw)
         except ValueError:
             value = 0
-        if value <= 0:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive integer of milliseconds")
+        if not 0 < value <= MAX_TIMEOUT_MS:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive integer of milliseconds, "
+                             f"at most {MAX_TIMEOUT_MS}")
         return value
-    if not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or timeout_ms <= 0:
-        raise ValueError(f"timeout_ms={timeout_ms!r}: expected a positive integer of milliseconds")
+    if not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) \
+            or not 0 < timeout_ms <= MAX_TIMEOUT_MS:
+        raise ValueError(f"timeout_ms={timeout_ms!r}: expected a positive integer of milliseconds, "
+                         f"at most {MAX_TIMEOUT_MS}")
     return timeout_ms
 
 

@@ -56,20 +56,21 @@ def _worker(fn, rank, world_size, port, backend, timeout, args, results) -> None
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=td)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=td)
-        try:
-            payload = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        payload = fn(rank, world_size, *args)
     except BaseException as e:  # noqa: BLE001  (report everything, pytest's skip included)
         if type(e).__name__ == "Skipped":  # pytest.skip() inside a rank
             status, payload = "skip", str(e)
         else:
             status, payload = "error", "".join(traceback.format_exception(e))
+    # Report before tearing the group down: a rank that raised while its peers wait in an NCCL
+    # collective would otherwise block in destroy_process_group and never say why.
     try:
         results.put((rank, status, payload))
     except Exception:  # an unpicklable return value: say so instead of vanishing
         results.put((rank, "error", f"rank {rank}: could not send its return value back:\n"
                                     + traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120):

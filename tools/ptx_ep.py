@@ -70,10 +70,10 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     p = "*" + dt
     d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "row_of": "*i32",
              "src_info": "*i32", "recv_count": "*i32", "ntok_out": "*i32", "tab": "*i64",
-             "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64", "timeout_ns": "i64"}
+             "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64", "timeout_us": "i32"}
     c_sig = {"eo": p, "topk": "*i64", "wts": "*fp32", "n_tok": "i32", "out": p,
              "row_of": "*i32", "ntok_in": "*i32", "tab": "*i64", "ctrl": "*i64", "err": "*i64",
-             "rank": "i32", "tag": "i64", "timeout_ns": "i64"}
+             "rank": "i32", "tag": "i64", "timeout_us": "i32"}
     return {
         f"dispatch_{dt}": (K.dispatch_kernel, d_sig,
                            dict(d_consts, STAGES=K.DISPATCH_ALL), warps, None),

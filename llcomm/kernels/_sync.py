@@ -1,6 +1,6 @@
 """Device-side protocol helpers shared by every kernel: clock, bounded waits, signals.
 
-Numbers mirror ``llcomm/protocol.py``. Every wait here is bounded by ``timeout_ns`` (read from
+Numbers mirror ``llcomm/protocol.py``. Every wait here is bounded by ``timeout_us`` (read from
 the GPU's global nanosecond timer); on expiry it writes an error word to host-visible memory and
 reports failure, so a missing peer becomes an exception on the host, never a hung GPU.
 
@@ -18,6 +18,10 @@ EPOCH_SHIFT = tl.constexpr(P.EPOCH_SHIFT)
 TAG_MASK = tl.constexpr(P.TAG_MASK)
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
+#: Arguments the kernels must not be specialised on: their values differ between ranks (or
+#: between a first launch and the rest), and a specialisation would make one rank compile at
+#: a call where its peers do not, while they wait on it (llcomm/launch.py).
+RANK_VARYING = ["rank", "timeout_us"]
 
 
 @triton.jit
@@ -71,10 +75,10 @@ def signal_peers(flag_tab, slot, word, rank, W: tl.constexpr, WP: tl.constexpr):
 
 
 @triton.jit
-def wait_peers(flags, slot, word, timeout_ns, err_ptr, op, phase,
+def wait_peers(flags, slot, word, timeout_us, err_ptr, op, phase,
                W: tl.constexpr, WP: tl.constexpr):
     """Spin until every rank p has arrived: ``flags[slot][p] == word`` (or a later epoch);
-    bounded by ``timeout_ns``.
+    bounded by ``timeout_us``.
 
     Returns 1 on success, 0 on timeout or mismatch (after writing the error word).
     ``flags`` is this rank's own flags region (int64 pointer).
@@ -84,6 +88,7 @@ def wait_peers(flags, slot, word, timeout_ns, err_ptr, op, phase,
     ptrs = flags + slot * W + ps
     zero = tl.full([WP], 0, tl.int64)
     epoch = word >> EPOCH_SHIFT
+    limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
     t0 = global_time_ns()
     status = 0
     bad = zero
@@ -98,7 +103,7 @@ def wait_peers(flags, slot, word, timeout_ns, err_ptr, op, phase,
             bad = wrong.to(tl.int64)
         elif tl.sum(arrived.to(tl.int32), axis=0) == WP:
             status = -1
-        elif global_time_ns() - t0 > timeout_ns:
+        elif global_time_ns() - t0 > limit_ns:
             status = STATUS_TIMEOUT
             bad = (arrived == 0).to(tl.int64)
     ok = status == -1

@@ -19,7 +19,8 @@ ranks and all algorithms produce the same bits for the same inputs.
 import triton
 import triton.language as tl
 
-from ._sync import EPOCH_SHIFT, ptr_from_table, report_error, signal_peers, wait_peers, global_time_ns
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_ns, ptr_from_table, report_error,
+                    signal_peers, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -31,8 +32,8 @@ OP_LAMPORT = tl.constexpr(P.OP_LAMPORT)
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 
 
-@triton.jit
-def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_ns,
+@triton.jit(do_not_specialize=RANK_VARYING)
+def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_us,
                     cap,                    # elements per staging slot
                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
@@ -54,7 +55,7 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_ns, err, OP_ONE_SHOT, PHASE_ENTRY, W, WP):
+        if wait_peers(flags, b, word, timeout_us, err, OP_ONE_SHOT, PHASE_ENTRY, W, WP):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
@@ -67,9 +68,9 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
     tl.store(ctrl + b, seq + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RANK_VARYING)
 def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ctrl, err,
-                    rank, tag, timeout_ns,
+                    rank, tag, timeout_us,
                     cap,                    # elements per staging slot
                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """Reduce-scatter then all-gather, both by push. Rank s owns elements
@@ -95,7 +96,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     if b * BLOCK < shard:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_ns, err, OP_TWO_SHOT, PHASE_ENTRY, W, WP)
+        ok = wait_peers(flags, b, word, timeout_us, err, OP_TWO_SHOT, PHASE_ENTRY, W, WP)
         if ok:
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
             for start in range(b * BLOCK, shard, NB * BLOCK):
@@ -114,7 +115,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                         tl.store(dst + offs, red, mask=m)
             tl.debug_barrier()
             signal_peers(flag_tab, NB + b, word, rank, W, WP)
-            ok = wait_peers(flags, NB + b, word, timeout_ns, err, OP_TWO_SHOT, PHASE_EXIT, W, WP)
+            ok = wait_peers(flags, NB + b, word, timeout_us, err, OP_TWO_SHOT, PHASE_EXIT, W, WP)
             if ok:
                 gathered = tl.multiple_of(ptr_from_table(gather_tab, rank, DT), 16) + parity * cap
                 for start in range(b * BLOCK, shard, NB * BLOCK):
@@ -126,8 +127,8 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     tl.store(ctrl + b, seq + 1)
 
 
-@triton.jit
-def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_ns,
+@triton.jit(do_not_specialize=RANK_VARYING)
+def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_us,
                    cap,                     # elements per Lamport slot
                    SENTINEL: tl.constexpr,  # bit pattern of "not yet written" in the int view
                    FT: tl.constexpr,        # the float dtype the int view holds
@@ -156,6 +157,7 @@ def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_ns,
             dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
             tl.store(dst + offs, v, mask=m)
     local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
+    limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
     failed = 0
     for start in range(b * BLOCK, n, NB * BLOCK):
         offs = start + lanes
@@ -167,7 +169,7 @@ def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_ns,
             t0 = global_time_ns()
             while (tl.sum((v == SENTINEL).to(tl.int32), axis=0) > 0) & (failed == 0):
                 v = tl.load(src, mask=m, other=0, volatile=True)
-                if global_time_ns() - t0 > timeout_ns:
+                if global_time_ns() - t0 > limit_ns:
                     failed = 1
                     report_error(err, STATUS_TIMEOUT, OP_LAMPORT, PHASE_DATA,
                                  tl.full([], 1 << p, tl.int64))

@@ -50,11 +50,13 @@ signals and waits.
 import triton
 import triton.language as tl
 
-from ._sync import EPOCH_SHIFT, global_time_ns, report_error
+from ._sync import EPOCH_SHIFT, RANK_VARYING, global_time_ns, report_error
 from .. import ep_layout as EL
 from .. import protocol as P
 
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
+#: Token counts differ between ranks too (see _sync.RANK_VARYING).
+EP_RANK_VARYING = RANK_VARYING + ["n_tok"]
 WAIT_SKIPPED = tl.constexpr(-2)         # _wait_flags status: not waited (an earlier wait failed)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -101,10 +103,10 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
 
 
 @triton.jit
-def _wait_flags(flags, word, timeout_ns, err, op, phase, go,
+def _wait_flags(flags, word, timeout_us, err, op, phase, go,
                 N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
-    fastest) all equal ``word``; bounded by ``timeout_ns``. Polls with volatile loads, then one
+    fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads, then one
     acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
     error word (its mask names the source ranks that were late or disagreed).
 
@@ -117,6 +119,7 @@ def _wait_flags(flags, word, timeout_ns, err, op, phase, go,
     ptrs = flags + i
     src = (i % W).to(tl.int64)
     epoch = word >> EPOCH_SHIFT
+    limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
     t0 = global_time_ns()
     status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
     bad = tl.zeros([NP], tl.int64)
@@ -129,7 +132,7 @@ def _wait_flags(flags, word, timeout_ns, err, op, phase, go,
             bad = wrong.to(tl.int64)
         elif tl.sum(arrived.to(tl.int32), axis=0) == NP:
             status = -1
-        elif global_time_ns() - t0 > timeout_ns:
+        elif global_time_ns() - t0 > limit_ns:
             status = STATUS_TIMEOUT
             bad = (arrived == 0).to(tl.int64)
     ok = status == -1
@@ -297,7 +300,7 @@ def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
                     tl.store(row_of + slot * K + k, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=EP_RANK_VARYING)
 def dispatch_kernel(
         x,              # [n_tok, H] this rank's tokens (buffer dtype)
         topk,           # [n_tok, K] int64 global expert ids, -1 = none
@@ -310,7 +313,7 @@ def dispatch_kernel(
         tab,            # [W] int64: every rank's EP region base address
         ctrl,           # [NB] int64: dispatch counter of each block
         err,            # [3] int64: device error word, host error address, host input-error address
-        rank, tag, timeout_ns,
+        rank, tag, timeout_us,
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
         K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
         E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
@@ -335,7 +338,7 @@ def dispatch_kernel(
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
         flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
-        ok = _wait_flags(flags, word, timeout_ns, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W, FP, W)
+        ok = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W, FP, W)
     if STAGES & 2:
         if ok:
             _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off, T, H, HP,
@@ -415,7 +418,7 @@ def _sum_partials(topk, n_tok, out, tab, rank, set_off, T: tl.constexpr, H: tl.c
         tl.store(out + t * H + hs, acc.to(DT), mask=hm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=EP_RANK_VARYING)
 def combine_kernel(
         eo,             # [L, W * T, H] expert outputs (buffer dtype)
         topk,           # [n_tok, K] int64, as given to the dispatch
@@ -427,7 +430,7 @@ def combine_kernel(
         tab,            # [W] int64: every rank's EP region base address
         ctrl,           # [NB] int64: combine counter of each block
         err,            # [3] int64: see dispatch_kernel
-        rank, tag, timeout_ns,
+        rank, tag, timeout_us,
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
         KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
@@ -446,7 +449,7 @@ def combine_kernel(
     if STAGES == 7:
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
-        ok = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_ns, err, OP_COMBINE,
+        ok = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err, OP_COMBINE,
                          PHASE_ENTRY, 1, W, WP, W)
     if STAGES & 2:
         if ok:
@@ -456,7 +459,7 @@ def combine_kernel(
             tl.debug_barrier()          # outside ``if ok``: see _wait_flags
             if ok:
                 _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
-            ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_ns, err,
+            ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
                              OP_COMBINE, PHASE_EXIT, ok, W, WP, W)
     if STAGES & 4:
         if ok:

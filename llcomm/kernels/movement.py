@@ -8,7 +8,7 @@ words (int32 or uint8 views), so they are byte-exact by construction.
 import triton
 import triton.language as tl
 
-from ._sync import EPOCH_SHIFT, ptr_from_table, signal_peers, wait_peers
+from ._sync import EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_peers
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -17,8 +17,8 @@ OP_ALL_GATHER = tl.constexpr(P.OP_ALL_GATHER)
 OP_REDUCE_SCATTER = tl.constexpr(P.OP_REDUCE_SCATTER)
 
 
-@triton.jit
-def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_ns,
+@triton.jit(do_not_specialize=RANK_VARYING)
+def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_us,
                      cap,                   # words per staging slot
                      W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """``src`` pushes x into slot 0 of every other rank's staging; one barrier (``src`` also
@@ -41,7 +41,7 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_ns, err, OP_BROADCAST, PHASE_ENTRY, W, WP)
+        ok = wait_peers(flags, b, word, timeout_us, err, OP_BROADCAST, PHASE_ENTRY, W, WP)
         if ok & (rank != src):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
@@ -51,9 +51,9 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag
     tl.store(ctrl + b, seq + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RANK_VARYING)
 def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
-                      timeout_ns,
+                      timeout_us,
                       cap,                  # words per staging slot
                       W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """Every rank pushes its ``n`` words into slot ``rank`` of every rank's staging; one
@@ -77,7 +77,7 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_ns, err, OP_ALL_GATHER, PHASE_ENTRY, W, WP):
+        if wait_peers(flags, b, word, timeout_us, err, OP_ALL_GATHER, PHASE_ENTRY, W, WP):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
@@ -90,9 +90,9 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
     tl.store(ctrl + b, seq + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RANK_VARYING)
 def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
-                          timeout_ns,
+                          timeout_us,
                           cap,              # elements per staging slot
                           W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -115,7 +115,7 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
     if b * BLOCK < m_out:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_ns, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
+        if wait_peers(flags, b, word, timeout_us, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, m_out, NB * BLOCK):
                 offs = start + lanes
