@@ -11,7 +11,8 @@ The first launch of a key compiles, which takes seconds, while the peers' kernel
 be spinning in a bounded wait. Keys are made equal on every rank (kernels do not specialise on
 arguments that differ between ranks, such as ``rank`` and EP's token count), so every rank
 compiles at the same call; that one launch runs with its ``timeout_us`` raised to
-``FIRST_LAUNCH_TIMEOUT_US`` so a peer's compile is not mistaken for a missing peer. Inside a
+``FIRST_LAUNCH_TIMEOUT_US`` (60 s) so a peer's compile is not mistaken for a missing peer:
+a peer missing at a kernel's very first call is reported after 60 s, not ``timeout_ms``. Inside a
 CUDA graph capture the timeout is left alone (the graph would keep the long one).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ log = logging.getLogger("llcomm")
 _I32 = 1 << 31
 #: Bound, in microseconds, of the device waits of a key's first (compiling) launch: a peer's
 #: compile takes seconds.
-FIRST_LAUNCH_TIMEOUT_US = 120 * 10**6
+FIRST_LAUNCH_TIMEOUT_US = 60 * 10**6
 #: Name of the kernels' wait-bound argument (the launcher raises it on a first launch).
 TIMEOUT_ARG = "timeout_us"
 
