@@ -67,7 +67,7 @@ KERNELS = {
                                   "timeout_ns": "i64", "cap": "i64"},
                                  {"FT": "bf16", "W": 2, "WP": 2, "NB": 128, "BLOCK": 8192,
                                   "STAGES": fused_norm.ALL_STAGES}, 16),
-    "lamport_norm_fp32_h4100": (fused_norm.lamport_norm_kernel,
+    "lamport_norm_fp32_w4": (fused_norm.lamport_norm_kernel,
                                 {"x": "*i32", "residual": "*fp32", "weight": "*fp32", "out": "*fp32",
                                  "res_out": "*fp32", "tokens": "i32", "hidden": "i32", "eps": "fp32",
                                  "lam_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
