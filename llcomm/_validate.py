@@ -52,13 +52,15 @@ def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=SUP
     return ok
 
 
-def check_out(pr: Problems, out, x: torch.Tensor, shape: tuple, device: torch.device) -> None:
-    """``out`` (when given) must match the expected shape, x's dtype, and be contiguous."""
+def check_out(pr: Problems, out, x: torch.Tensor, shape: tuple, device: torch.device, *,
+              name: str = "out") -> None:
+    """``out`` (when given) must match the expected shape, x's dtype, and be contiguous.
+    ``name`` is the argument's name in messages."""
     if out is None:
         return
-    if not check_tensor(pr, "out", out, device, dtypes=None):
+    if not check_tensor(pr, name, out, device, dtypes=None):
         return
     if tuple(out.shape) != tuple(shape):
-        pr.add(f"out has shape {tuple(out.shape)}; expected {tuple(shape)}")
+        pr.add(f"{name} has shape {tuple(out.shape)}; expected {tuple(shape)}")
     if out.dtype != x.dtype:
-        pr.add(f"out has dtype {out.dtype}; expected {x.dtype} (the dtype of x)", type_error=True)
+        pr.add(f"{name} has dtype {out.dtype}; expected {x.dtype} (the dtype of x)", type_error=True)

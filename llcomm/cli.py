@@ -1,6 +1,7 @@
 """The ``llcomm`` command line: ``llcomm bench``, ``llcomm doctor``, ``llcomm check``.
 
     llcomm bench [tp] [--sizes 8,64K,1M] [--ops all] [--algos all] [--json F] [--plot F]
+    llcomm bench fused [--tokens 1,8,32,64,128] [--hidden 8192] [--json F]
     llcomm doctor
     llcomm check
 
@@ -14,7 +15,9 @@ import sys
 
 #: ``llcomm bench <name>``: a module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gather, "
-                  "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory")}
+                  "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory"),
+           "fused": ("llcomm.bench.fused", "all_reduce_residual_rmsnorm against llcomm "
+                     "all_reduce + torch add + torch RMSNorm")}
 #: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
 #: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
 PLANNED_BENCHES = {"ep": "MoE dispatch / combine (EPBuffer) against NCCL all_to_all",

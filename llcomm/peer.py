@@ -34,13 +34,20 @@ SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words s
 SHARD_ALIGN = 16
 #: Staging halves used alternately by consecutive ops (see kernels/all_reduce.py for why 2).
 HALVES = 2
-#: Mixes the row length into an all-gather's size tag, so [2, 8] on one rank and [4, 4] on
+#: Mixes the row length into an all-gather's (and the fused norm's) size tag, so [2, 8] on one rank and [4, 4] on
 #: another are reported as a mismatch.
 GATHER_TAG_MIX = 65599
 #: int64 words after the op counters in the ctrl region: device error word, host word address.
 CTRL_ERR_WORDS = 2
 #: Flag slots per block: entry barrier and exit barrier.
 FLAG_PHASES = 2
+
+#: Fused all-reduce + RMSNorm: a block holds one whole row in registers, 16 elements per thread
+#: (32 bytes of bf16) up to FUSED_MAX_WARPS warps; hidden 8192 -> 16 warps.
+FUSED_ELEMS_PER_WARP = 32 * 16
+FUSED_MAX_WARPS = 16
+#: Smallest row tile (a Triton block is a power of two of at least this many elements).
+FUSED_MIN_BLOCK = 16
 
 _TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -55,6 +62,12 @@ def _launch_shape(n: int, itemsize: int, nb: int) -> tuple[int, int]:
     return block, max(1, min(MAX_WARPS, block // (32 * per_thread)))
 
 
+def _row_shape(hidden: int) -> tuple[int, int]:
+    """(BLOCK elements, num_warps) of the fused kernels: one whole row per block-iteration."""
+    block = max(1 << (hidden - 1).bit_length(), FUSED_MIN_BLOCK)
+    return block, max(1, min(FUSED_MAX_WARPS, block // FUSED_ELEMS_PER_WARP))
+
+
 class PeerBackend:
     """Symmetric workspace plus the kernels. Created by ``Communicator``; a collective."""
 
@@ -62,11 +75,12 @@ class PeerBackend:
 
     def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int):
         import triton.language as tl  # kernels need Triton: fail here, not mid-op
-        from .kernels import all_reduce, movement
+        from .kernels import all_reduce, fused_norm, movement
 
         self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
         self._k_mv = movement
+        self._k_fn = fused_norm
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = W = dist.get_world_size(group)
@@ -147,6 +161,37 @@ class PeerBackend:
                 self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_us, cap), warps,
                 W=W, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
+
+    # -- fused all-reduce + residual + RMSNorm -------------------------------------------------
+    def fused_algo(self, nbytes: int) -> str:
+        """Lamport while the operand fits a Lamport slot, the flag one-shot beyond."""
+        return "lamport" if nbytes <= self.lamport_bytes else "one_shot"
+
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
+        tokens, hidden = x.shape
+        if tokens == 0:
+            return out, res_out
+        self._precheck()
+        block, warps = _row_shape(hidden)
+        W = self.world_size
+        xi, sent = (x.view(torch.int16), SENTINEL16) if x.element_size() == 2 \
+            else (x.view(torch.int32), SENTINEL32)
+        ft = self._tl_float[x.dtype]
+        if algo == "lamport":
+            self._launch(self._k_fn.lamport_norm_kernel, self.nb, (
+                xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["lamport"],
+                self.ctrl, self.err, self.rank, self.timeout_ns,
+                self.lamport_bytes // x.element_size()), warps,
+                SENTINEL=sent, FT=ft, W=W, NB=self.nb, BLOCK=block,
+                STAGES=self._k_fn.ALL_STAGES)
+        else:
+            tag = self._tag(P.OP_FUSED_ONE_SHOT, tokens * hidden * GATHER_TAG_MIX + hidden, x.dtype)
+            self._launch(self._k_fn.one_shot_norm_kernel, self.nb, (
+                xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["stage"],
+                self.tabs["flags"], self.flags, self.ctrl, self.err, self.rank, tag,
+                self.timeout_ns, self.cap_bytes // x.element_size()), warps,
+                FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES)
+        return out, res_out
 
     # -- movement -------------------------------------------------------------------------------
     @staticmethod

@@ -31,6 +31,18 @@ class ReferenceBackend:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
+        # Same arithmetic as the peer kernel (round the sum, add in fp32, round, normalise the
+        # rounded h in fp32, round once); only the all-reduce itself is the library's.
+        s = x.clone()
+        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
+        h = (s.float() + residual.float()).to(x.dtype)
+        hf = h.float()
+        inv = torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        out.copy_(hf * inv * weight.float())
+        res_out.copy_(h)
+        return out, res_out
+
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
         return x

@@ -10,6 +10,7 @@ GPU and peer access works both ways, reference otherwise, with the reason logged
 from __future__ import annotations
 
 import logging
+import math
 import socket
 
 import torch
@@ -26,6 +27,12 @@ log = logging.getLogger("llcomm")
 DEFAULT_MAX_BYTES = 16 << 20
 BACKENDS = ("auto", "peer", "reference")
 ALGOS = ("auto", "one_shot", "two_shot", "lamport")
+#: all_reduce_residual_rmsnorm algorithms (auto: lamport while x fits a Lamport slot).
+FUSED_ALGOS = ("auto", "one_shot", "lamport")
+#: all_reduce_residual_rmsnorm: longest row. The peer kernel keeps a whole row in one block's
+#: registers (32 fp32 per thread at 16 warps); the reference backend enforces the same bound so
+#: code that runs on one backend runs on the other.
+FUSED_MAX_HIDDEN = 16384
 
 #: all_reduce(algo="auto"): (world_size, largest bytes, algo) rows, first match wins, two_shot
 #: beyond. World size 2 is measured on 2xH200 (bench/results/h200x2-tp.json: Lamport fastest to
@@ -168,6 +175,96 @@ class Communicator:
                     continue
                 return algo
         return "two_shot"
+
+    def all_reduce_residual_rmsnorm(
+            self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+            eps: float = 1e-6, *, out: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None,
+            algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """The join after a row-parallel projection: all-reduce, residual add, RMSNorm, fused.
+
+        Per token row, with ``round`` the conversion to x's dtype::
+
+            s = all_reduce(x)                                # fp32, rank order, rounded once
+            h = round(float(s) + float(residual))            # -> residual_out
+            y = round(h * rsqrt(mean(h * h) + eps) * weight) # fp32 -> out
+
+        The norm reads the *rounded* ``h`` (what TensorRT-LLM / FlashInfer's allreduce fusion
+        and vLLM's fused_add_rms_norm do), so ``out`` is the norm of exactly the residual stream
+        the next layer reads; ``residual_out`` equals the unfused ``all_reduce(x) + residual``
+        bit for bit on the peer backend.
+
+        Args:
+            x: ``[tokens, hidden]``, contiguous, bf16 / fp16 / fp32, at most ``max_bytes``,
+               ``hidden <= FUSED_MAX_HIDDEN`` (16384). This rank's partial sums; not modified
+               (unless ``out is x``).
+            residual: ``[tokens, hidden]``, x's dtype. Must be the same on every rank for the
+               results to be the same on every rank (it is, in tensor parallelism).
+            weight: ``[hidden]``, bf16 / fp16 / fp32 (read in fp32).
+            eps: positive finite float added to the mean square.
+            out: optional ``[tokens, hidden]`` of x's dtype for the normalised rows (may be x).
+            residual_out: optional ``[tokens, hidden]`` of x's dtype for ``h`` (may be
+               ``residual``: in-place update of the residual stream). Must not be ``out``.
+            algo: ``"lamport"`` (barrier-free, x up to 1 MiB), ``"one_shot"`` (one flag
+               barrier, up to ``max_bytes``) or ``"auto"`` (lamport where it fits).
+        Returns:
+            ``(out, residual_out)``, allocated where not given. Stream, graph capture and error
+            semantics as ``all_reduce``. The peer backend runs one kernel and gives every rank
+            the same bits; the reference backend runs NCCL's / gloo's all_reduce and then the
+            same fp32 arithmetic in torch (equal to the peer result within rounding).
+        """
+        pr = V.Problems("all_reduce_residual_rmsnorm")
+        shape = None
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+            if x.dim() != 2 or x.shape[1] == 0:
+                pr.add(f"x has shape {tuple(x.shape)}; expected 2-D [tokens, hidden], hidden >= 1")
+            elif x.shape[1] > FUSED_MAX_HIDDEN:
+                pr.add(f"x has hidden={x.shape[1]}; at most {FUSED_MAX_HIDDEN} is supported (a "
+                       "row is held in one block's registers); use all_reduce and a separate norm")
+            else:
+                shape = tuple(x.shape)
+        if shape is not None:
+            if V.check_tensor(pr, "residual", residual, self.device):
+                if tuple(residual.shape) != shape:
+                    pr.add(f"residual has shape {tuple(residual.shape)}; expected {shape} "
+                           "(the shape of x)")
+                if residual.dtype != x.dtype:
+                    pr.add(f"residual has dtype {residual.dtype}; expected {x.dtype} (the dtype "
+                           "of x)", type_error=True)
+            if V.check_tensor(pr, "weight", weight, self.device):
+                if tuple(weight.shape) != (shape[1],):
+                    pr.add(f"weight has shape {tuple(weight.shape)}; expected ({shape[1]},) "
+                           "(hidden of x)")
+            V.check_out(pr, out, x, shape, self.device)
+            V.check_out(pr, residual_out, x, shape, self.device, name="residual_out")
+            if isinstance(out, torch.Tensor) and isinstance(residual_out, torch.Tensor) \
+                    and out.numel() and out.data_ptr() == residual_out.data_ptr():
+                pr.add("out and residual_out are the same memory; they must be distinct")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) \
+                or not math.isfinite(eps) or eps <= 0:
+            pr.add(f"eps={eps!r}; expected a positive finite float", type_error=not isinstance(
+                eps, (int, float)) or isinstance(eps, bool))
+        if algo not in FUSED_ALGOS:
+            pr.add(f"algo={algo!r}; expected one of {', '.join(FUSED_ALGOS)}")
+        elif algo == "lamport" and shape is not None and self.backend == "peer" \
+                and x.numel() * x.element_size() > self._impl.lamport_bytes:
+            pr.add(f"algo='lamport' takes at most {self._impl.lamport_bytes} bytes; x has "
+                   f"{x.numel() * x.element_size()}")
+        pr.raise_if_any()
+        if out is None:
+            out = torch.empty_like(x)
+        if residual_out is None:
+            residual_out = torch.empty_like(x)
+        if algo == "auto":
+            algo = self.choose_fused_algo(x.numel() * x.element_size())
+        return self._impl.all_reduce_residual_rmsnorm(x, residual, weight, float(eps), out,
+                                                      residual_out, algo)
+
+    def choose_fused_algo(self, nbytes: int) -> str:
+        """The algorithm ``all_reduce_residual_rmsnorm(algo="auto")`` runs for ``nbytes`` of x."""
+        if self.backend != "peer":
+            return "reference"
+        return self._impl.fused_algo(nbytes)
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy ``x`` of rank ``src`` (a rank of this group) into ``x`` on every rank, in place.

@@ -60,6 +60,28 @@ def test_bench_tp_cpu_writes_json_and_plot(tmp_path):
     assert (tmp_path / "again.png").stat().st_size > 0
 
 
+def test_bench_fused_cpu_writes_json(tmp_path):
+    p = llcomm("bench", "fused", "--cpu", "--tokens", "1,3", "--hidden", "72", "--iters", "3",
+               "--warmup", "1", "--json", "fused.json", "--no-progress", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "all_reduce_residual_rmsnorm" in p.stdout
+    result = json.loads((tmp_path / "fused.json").read_text())
+    assert HEADER_KEYS <= set(result) and result["bench"] == "fused"
+    assert {(r["impl"], r["tokens"]) for r in result["rows"]} == {
+        (impl, t) for impl in ("reference", "unfused") for t in (1, 3)}
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row), row
+        assert row["mode"] == "eager" and row["hidden"] == 72, row
+        assert row["wrong"] == 0 and row["median_us"] > 0, row
+        assert row["bytes"] == row["tokens"] * 72 * 2, row
+
+
+def test_bench_fused_bad_arguments(tmp_path):
+    p = llcomm("bench", "fused", "--tokens", "0,x", "--hidden", "0", cwd=tmp_path)
+    assert p.returncode == 2
+    assert "--tokens" in p.stdout and "--hidden" in p.stdout
+
+
 def test_doctor_names_the_backend(tmp_path):
     p = llcomm("doctor", cwd=tmp_path)
     assert p.returncode == 0, p.stderr

@@ -118,6 +118,64 @@ CASES = [
      ValueError, r"llcomm\.all_reduce: algo='ring'; expected one of auto, one_shot, two_shot, lamport"),
     ("all_reduce-algo-none", lambda c, ws: c.all_reduce(f32(8), algo=None),
      ValueError, r"llcomm\.all_reduce: algo=None"),
+    # all_reduce_residual_rmsnorm: every argument
+    *[(f"fused-{name}", call, exc, r"llcomm\.all_reduce_residual_rmsnorm: " + pattern)
+      for name, call, exc, pattern in [
+          ("x-1d", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(8), f32(8), f32(8)),
+           ValueError, r"x has shape \(8,\); expected 2-D \[tokens, hidden\]"),
+          ("x-int32", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              torch.ones(2, 8, dtype=torch.int32), f32(2, 8), f32(8)),
+           TypeError, r"x has dtype int32"),
+          ("x-hidden-too-long", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(1, 16385), f32(1, 16385), f32(16385)),
+           ValueError, r"x has hidden=16385; at most 16384"),
+          ("x-hidden-0", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 0), f32(2, 0), f32(0)),
+           ValueError, r"x has shape \(2, 0\); expected 2-D \[tokens, hidden\], hidden >= 1"),
+          ("residual-shape", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(3, 8), f32(8)),
+           ValueError, r"residual has shape \(3, 8\); expected \(2, 8\)"),
+          ("residual-dtype", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), torch.ones(2, 8, dtype=torch.bfloat16), f32(8)),
+           TypeError, r"residual has dtype torch\.bfloat16; expected torch\.float32"),
+          ("residual-strided", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 16)[:, ::2], f32(8)),
+           ValueError, r"residual is not contiguous"),
+          ("weight-length", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(7)),
+           ValueError, r"weight has shape \(7,\); expected \(8,\)"),
+          ("weight-2d", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(1, 8)),
+           ValueError, r"weight has shape \(1, 8\); expected \(8,\)"),
+          ("weight-float64", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), torch.ones(8, dtype=torch.float64)),
+           TypeError, r"weight has dtype float64"),
+          ("weight-meta", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), torch.empty(8, device="meta")),
+           ValueError, r"weight is on meta"),
+          ("eps-zero", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), 0.0),
+           ValueError, r"eps=0\.0; expected a positive finite float"),
+          ("eps-negative", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), -1e-6),
+           ValueError, r"eps=-1e-06"),
+          ("eps-nan", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), float("nan")),
+           ValueError, r"eps=nan"),
+          ("eps-str", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), "1e-6"),
+           TypeError, r"eps='1e-6'"),
+          ("eps-bool", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), True),
+           TypeError, r"eps=True"),
+          ("out-shape", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), out=f32(2, 9)),
+           ValueError, r"out has shape \(2, 9\); expected \(2, 8\)"),
+          ("residual_out-dtype", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), residual_out=torch.ones(2, 8, dtype=torch.float16)),
+           TypeError, r"residual_out has dtype torch\.float16; expected torch\.float32"),
+          ("out-is-residual_out", lambda c, ws: (lambda o: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), out=o, residual_out=o))(f32(2, 8)),
+           ValueError, r"out and residual_out are the same memory"),
+          ("algo", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), algo="two_shot"),
+           ValueError, r"algo='two_shot'; expected one of auto, one_shot, lamport"),
+          ("several", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 7), f32(9), eps=-1.0),
+           ValueError, r"residual has shape .*weight has shape .*eps=-1\.0"),
+      ]],
     # every problem of one call is reported at once
     ("all_reduce-three-problems",
      lambda c, ws: c.all_reduce(torch.ones(4, 8, dtype=torch.int32)[:, ::2], algo="ring"),
@@ -141,6 +199,8 @@ CASES_MAX_BYTES = [
         ("all_gather", lambda c, ws: c.all_gather(f32(257))),
         ("all_gather_2d", lambda c, ws: c.all_gather_2d(f32(1, 257))),
         ("reduce_scatter", lambda c, ws: c.reduce_scatter(f32(ws, 257))),
+        ("all_reduce_residual_rmsnorm",
+         lambda c, ws: c.all_reduce_residual_rmsnorm(f32(1, 257), f32(1, 257), f32(257))),
     ]
 ]
 
@@ -199,6 +259,16 @@ def test_rejected_call_touches_no_buffer(world1):
             comm.all_reduce(x, out=bad.get("out", out), algo=bad.get("algo", "auto"))
         assert torch.equal(x, torch.arange(8, dtype=torch.float32))
         assert torch.isnan(out).all()
+    res, w = torch.full((2, 4), 3.0), torch.ones(4)
+    y, h = torch.full((2, 4), float("nan")), torch.full((2, 4), float("nan"))
+    for bad in (dict(eps=0.0), dict(weight=torch.ones(5)), dict(algo="ring")):
+        with pytest.raises(ValueError):
+            comm.all_reduce_residual_rmsnorm(x.view(2, 4), res, bad.get("weight", w),
+                                             bad.get("eps", 1e-6), out=y, residual_out=h,
+                                             algo=bad.get("algo", "auto"))
+        assert torch.equal(x, torch.arange(8, dtype=torch.float32))
+        assert torch.equal(res, torch.full((2, 4), 3.0))
+        assert torch.isnan(y).all() and torch.isnan(h).all()
     big = torch.full((5,), 7.0)
     with pytest.raises(ValueError):
         comm.broadcast(big, src=1)

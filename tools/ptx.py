@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llcomm.kernels import all_reduce, movement
+from llcomm.kernels import all_reduce, fused_norm, movement
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -52,10 +52,32 @@ KERNELS = {
                              "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",
                              "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
                             {"W": 2, "WP": 2, "NB": 64, "BLOCK": 1024}),
+    "lamport_norm_bf16_h8192": (fused_norm.lamport_norm_kernel,
+                                {"x": "*i16", "residual": "*bf16", "weight": "*bf16", "out": "*bf16",
+                                 "res_out": "*bf16", "tokens": "i32", "hidden": "i32", "eps": "fp32",
+                                 "lam_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
+                                 "timeout_ns": "i64", "cap": "i64"},
+                                {"SENTINEL": -32768, "FT": "bf16", "W": 2, "NB": 128, "BLOCK": 8192,
+                                 "STAGES": fused_norm.ALL_STAGES}, 16),
+    "one_shot_norm_bf16_h8192": (fused_norm.one_shot_norm_kernel,
+                                 {"x": "*i16", "residual": "*bf16", "weight": "*bf16", "out": "*bf16",
+                                  "res_out": "*bf16", "tokens": "i32", "hidden": "i32", "eps": "fp32",
+                                  "stage_tab": "*i64", "flag_tab": "*i64", "flags": "*i64",
+                                  "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
+                                  "timeout_ns": "i64", "cap": "i64"},
+                                 {"FT": "bf16", "W": 2, "WP": 2, "NB": 128, "BLOCK": 8192,
+                                  "STAGES": fused_norm.ALL_STAGES}, 16),
+    "lamport_norm_fp32_w4": (fused_norm.lamport_norm_kernel,
+                                {"x": "*i32", "residual": "*fp32", "weight": "*fp32", "out": "*fp32",
+                                 "res_out": "*fp32", "tokens": "i32", "hidden": "i32", "eps": "fp32",
+                                 "lam_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
+                                 "timeout_ns": "i64", "cap": "i64"},
+                                {"SENTINEL": -2147450880, "FT": "fp32", "W": 4, "NB": 128,
+                                 "BLOCK": 8192, "STAGES": fused_norm.ALL_STAGES}, 16),
 }
 
 
-def compile_one(fn, sig, consts):
+def compile_one(fn, sig, consts, num_warps=4):
     import triton.language as tl
     cs = {k: (getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[v])
               if isinstance(v, str) else v) for k, v in consts.items()}
@@ -64,18 +86,18 @@ def compile_one(fn, sig, consts):
         full[k] = "constexpr"
     # pointer args and ints are assumed 16-divisible as Triton specialises them at run time
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(full.items())
-             if v.startswith("*") or k in ("n", "cap", "shard", "m_out", "part")}
+             if v.startswith("*") or k in ("n", "cap", "shard", "m_out", "part", "hidden")}
     src = ASTSource(fn, signature=full, constexprs={(list(full).index(k),): v for k, v in cs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=TARGET)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default=None)
     args = ap.parse_args()
-    for name, (fn, sig, consts) in KERNELS.items():
-        k = compile_one(fn, sig, consts)
+    for name, (fn, sig, consts, *warps) in KERNELS.items():
+        k = compile_one(fn, sig, consts, *warps)
         ptx = k.asm["ptx"]
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)

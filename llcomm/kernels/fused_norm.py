@@ -1,0 +1,153 @@
+"""Fused all-reduce + residual add + RMSNorm: the join after a row-parallel projection.
+
+For every token row, in one kernel::
+
+    s = round(sum over ranks of x, fp32, rank 0 first)   # what all_reduce would return
+    h = round(s + residual)                               # residual_out
+    y = round(h * rsqrt(mean(h * h) + eps) * weight)      # out; h, mean, weight in fp32
+
+``round`` is the conversion to the dtype of ``x``. ``h`` is rounded before it is normalised,
+as TensorRT-LLM's / FlashInfer's allreduce fusion and vLLM's fused_add_rms_norm do, so ``out``
+is the norm of exactly the residual stream that the next layer reads back.
+
+Block ``b`` owns rows ``b, b + NB, b + 2 NB, ...`` whole, on every rank, so it can finish a row's
+sum of squares without talking to another block. Both kernels reuse the all-reduce protocols and
+the communicator's device-side op counters (``ctrl[b]``) of ``all_reduce.py``; the argument why
+two alternating halves suffice is the one given there, and they interleave freely with every
+other op of the communicator:
+
+- ``lamport_norm_kernel``: barrier-free; the pushed data is its own flag (SENTINEL = idle).
+  Push row -> poll own slots until no SENTINEL -> sum -> re-arm the slots with SENTINEL.
+- ``one_shot_norm_kernel``: for rows past the Lamport region; push into staging, one flag
+  barrier per block (block b waits for block b of every peer, which pushed the same rows), sum.
+
+``x`` arrives as an integer view (int16 / int32) of the float data so the Lamport kernel can
+compare bit patterns; ``FT`` names the float type. ``STAGES`` runs only the push or only the
+reduce half, without waiting: the CPU tests use it to run virtual ranks in turn under
+``TRITON_INTERPRET=1``. The library always launches ``ALL_STAGES``.
+"""
+import triton
+import triton.language as tl
+
+from ._sync import EPOCH_SHIFT, global_time_ns, ptr_from_table, report_error, signal_peers, wait_peers
+from .. import protocol as P
+
+PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
+PHASE_DATA = tl.constexpr(P.PHASE_DATA)
+OP_FUSED_LAMPORT = tl.constexpr(P.OP_FUSED_LAMPORT)
+OP_FUSED_ONE_SHOT = tl.constexpr(P.OP_FUSED_ONE_SHOT)
+STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
+
+# Stage bits (python ints for the host and tests; compared against the STAGES constexpr).
+PUSH, REDUCE = 1, 2
+ALL_STAGES = PUSH | REDUCE
+
+
+@triton.jit
+def _add_norm_row(acc, residual, weight, out, res_out, row, cols, m, hidden, eps,
+                  FT: tl.constexpr):
+    """Finish one row from its fp32 rank-order sum ``acc`` (0 in masked lanes)."""
+    s = acc.to(FT).to(tl.float32)  # rounded as all_reduce returns it
+    r = tl.load(residual + row + cols, mask=m, other=0.0).to(tl.float32)
+    h = (s + r).to(FT)
+    tl.store(res_out + row + cols, h, mask=m)
+    hf = h.to(tl.float32)          # masked lanes are 0 and add nothing to the sum of squares
+    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+    w = tl.load(weight + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
+
+
+@triton.jit
+def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, lam_tab, ctrl,
+                        err, rank, timeout_ns,
+                        cap,                     # elements per Lamport slot
+                        SENTINEL: tl.constexpr,  # bit pattern of "not yet written" (int view)
+                        FT: tl.constexpr,        # the float dtype the int view holds
+                        W: tl.constexpr, NB: tl.constexpr,
+                        BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
+                        STAGES: tl.constexpr):   # PUSH | REDUCE; only ALL_STAGES polls
+    """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
+
+    Slot layout as ``all_reduce.lamport_kernel`` (element i of rank r's operand at
+    ``(half * W + r) * cap + i`` of every rank's Lamport region), so both kernels share halves.
+    """
+    b = tl.program_id(0)
+    IT = x.dtype.element_ty
+    seq = tl.load(ctrl + b)
+    half = seq % 2
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    if STAGES & 1:
+        for t in range(b, tokens, NB):
+            v = tl.load(x + t * hidden + cols, mask=m)
+            v = tl.where(v == SENTINEL, 0, v)  # -0.0 -> +0.0: same sum, never looks idle
+            for p in tl.static_range(W):
+                dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
+                tl.store(dst + t * hidden + cols, v, mask=m)
+    if STAGES & 2:
+        local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
+        failed = 0
+        for t in range(b, tokens, NB):
+            acc = tl.zeros([BLOCK], tl.float32)
+            for p in tl.static_range(W):
+                src = local + p * cap + t * hidden + cols
+                v = tl.load(src, mask=m, other=0, volatile=True)
+                if STAGES == 3:
+                    t0 = global_time_ns()
+                    while (tl.sum((v == SENTINEL).to(tl.int32), axis=0) > 0) & (failed == 0):
+                        v = tl.load(src, mask=m, other=0, volatile=True)
+                        if global_time_ns() - t0 > timeout_ns:
+                            failed = 1
+                            report_error(err, STATUS_TIMEOUT, OP_FUSED_LAMPORT, PHASE_DATA,
+                                         tl.full([], 1 << p, tl.int64))
+                acc += v.to(FT, bitcast=True).to(tl.float32)
+                tl.store(src, tl.full([BLOCK], SENTINEL, IT), mask=m)  # idle again
+            _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, m, hidden, eps, FT)
+        tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, stage_tab,
+                         flag_tab, flags, ctrl, err, rank, tag, timeout_ns,
+                         cap,                    # elements per staging slot
+                         FT: tl.constexpr,       # the float dtype the int view of x holds
+                         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
+                         BLOCK: tl.constexpr,    # pow2 >= hidden: one row per iteration
+                         STAGES: tl.constexpr):  # PUSH | REDUCE; only ALL_STAGES signals, waits
+    """Push one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
+
+    Staging as ``all_reduce.one_shot_kernel``: rank r's rows go to slot r of half
+    ``seq % 2`` of every other rank; this rank's own term is read from ``x``.
+    """
+    b = tl.program_id(0)
+    IT = x.dtype.element_ty
+    seq = tl.load(ctrl + b)
+    parity = seq % 2
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    if STAGES & 1:
+        for t in range(b, tokens, NB):
+            v = tl.load(x + t * hidden + cols, mask=m)
+            for p in tl.static_range(W):
+                if p != rank:
+                    dst = tl.multiple_of(ptr_from_table(stage_tab, p, IT), 16) + (parity * W + rank) * cap
+                    tl.store(dst + t * hidden + cols, v, mask=m)
+    ok = 1
+    if STAGES == 3:
+        if b < tokens:  # a block without rows has nothing to wait for
+            tl.debug_barrier()
+            signal_peers(flag_tab, b, word, rank, W, WP)
+            ok = wait_peers(flags, b, word, timeout_ns, err, OP_FUSED_ONE_SHOT, PHASE_ENTRY,
+                            W, WP).to(tl.int32)
+    if STAGES & 2:
+        if ok:
+            local = tl.multiple_of(ptr_from_table(stage_tab, rank, IT), 16) + parity * W * cap
+            for t in range(b, tokens, NB):
+                acc = tl.zeros([BLOCK], tl.float32)
+                for p in tl.static_range(W):
+                    src = tl.where(p == rank, x + t * hidden + cols, local + p * cap + t * hidden + cols)
+                    acc += tl.load(src, mask=m, other=0).to(FT, bitcast=True).to(tl.float32)
+                _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, m, hidden,
+                              eps, FT)
+        tl.store(ctrl + b, seq + 1)
