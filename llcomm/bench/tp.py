@@ -44,8 +44,6 @@ DEFAULT_WARMUP = 10
 GATHER_2D_MAX_PART = 1024
 #: Rank whose buffer broadcast sends.
 BROADCAST_SRC = 0
-#: Characters of an error message kept in a result row.
-ERROR_CHARS = 200
 # torch >= 2.12 renamed the single-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -107,24 +105,10 @@ class Rank:
                                cfg.graph_ops if self.cuda else 1)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
-        self.symm, self.symm_error = None, None
+        self.symm, self.group_name, self.symm_error = None, None, None
         if self.cuda and "all_reduce" in cfg.ops:
-            self._torch_symm(max(cfg.sizes) // self.itemsize)
-
-    def _torch_symm(self, count: int) -> None:
-        """One symmetric buffer for torch's all-reduce ops, rendezvoused once (a collective)."""
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-            self.group_name = dist.group.WORLD.group_name
-            self.symm = symm_mem.empty(count, dtype=self.dtype, device=self.device)
-            symm_mem.rendezvous(self.symm, self.group_name)
-            for op in ("one_shot_all_reduce", "two_shot_all_reduce_"):
-                getattr(torch.ops.symm_mem, op)  # raises where this torch lacks the op
-        except Exception as e:  # noqa: BLE001 - reported as a row note, not fatal
-            self.symm, self.symm_error = None, _short(e)
-        if C.any_rank(self.symm is None, self.device):
-            self.symm_error = self.symm_error or "failed on another rank"
-            self.symm = None
+            self.symm, self.group_name, self.symm_error = C.torch_symm_buffer(
+                max(cfg.sizes) // self.itemsize, self.dtype, self.device)
 
     def rand(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=self.dtype, device=self.device, generator=self.gen)
@@ -140,11 +124,6 @@ class Rank:
         return Impl(self.llcomm_name, algo, fn, requested=requested,
                     reset=reset or (lambda: C.poison_(out)),
                     check=lambda: C.count_wrong(out, expected, bound), is_llcomm=True)
-
-
-def _short(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:ERROR_CHARS]
 
 
 # -- one builder per op: inputs, expected result, and the impls to time ------------------------
@@ -256,18 +235,6 @@ def skip_reason(op: str, nbytes: int, itemsize: int, world: int) -> str | None:
 
 
 # -- running one impl ---------------------------------------------------------------------------
-def _attempt(R: Rank, step: Callable[[], object], what: list) -> bool:
-    """Run ``step``; agree with every rank whether all succeeded. ``what[0]`` gets the error."""
-    try:
-        step()
-    except Exception as e:  # noqa: BLE001 - becomes the row's error note
-        what[0] = _short(e)
-    failed = C.any_rank(what[0] is not None, R.device)
-    if failed and what[0] is None:
-        what[0] = "failed on another rank"
-    return not failed
-
-
 def run_impl(R: Rank, op: str, nbytes: int, impl: Impl) -> list[dict]:
     """Time ``impl`` in each of its modes (graph only on GPUs); one result row per mode."""
     rows = []
@@ -310,11 +277,11 @@ def run_impl(R: Rank, op: str, nbytes: int, impl: Impl) -> list[dict]:
             if impl.check:
                 wrong[0] += impl.check()
 
-        ok = _attempt(R, first_call, err)
+        ok = C.attempt(first_call, err, R.device)
         if ok and mode == "graph":
-            ok = _attempt(R, capture, err)
+            ok = C.attempt(capture, err, R.device)
         if ok:
-            ok = _attempt(R, timed, err)
+            ok = C.attempt(timed, err, R.device)
         state.pop("graph", None)
         if impl.check:
             row["wrong"] = C.sum_over_ranks(wrong[0], R.device)
@@ -356,10 +323,6 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", help="comma list of byte sizes with K/M suffixes "
                    "(default: every power of two from 8 B to 16 MiB)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
-    p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
-                   help=f"timed iterations per case (graph replays; default {DEFAULT_ITERS})")
-    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
-                   help=f"untimed iterations first (default {DEFAULT_WARMUP})")
     p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
                    help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
     p.add_argument("--algos", choices=("auto", "all"), default="auto",
@@ -368,13 +331,7 @@ def add_arguments(p) -> None:
                    help=f"comma list of {', '.join(OPS)}, or 'all' (default all_reduce)")
     p.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
                    help="llcomm Communicator backend (default auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--json", metavar="PATH",
-                   help="write the run as a result file (bench/README.md)")
-    p.add_argument("--plot", metavar="PATH", help="write a latency-vs-size PNG")
-    p.add_argument("--cpu", action="store_true",
-                   help="run on CPU (2 gloo processes) even where GPUs are present")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    C.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
 
 
 def config_from_args(a) -> Config:
@@ -396,11 +353,9 @@ def config_from_args(a) -> Config:
         bad = [o for o in ops if o not in OPS]
         if bad or not ops:
             problems.append(f"--ops {a.ops!r}: expected 'all' or a comma list of {', '.join(OPS)}")
-    for name in ("iters", "graph_ops"):
-        if getattr(a, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be at least 1")
-    if a.warmup < 0:
-        problems.append("--warmup must not be negative")
+    if a.graph_ops < 1:
+        problems.append("--graph-ops must be at least 1")
+    C.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
     return Config(sizes=sizes, dtype=C.dtype_name(C.parse_dtype(a.dtype)), iters=a.iters,
@@ -419,12 +374,7 @@ def run(a) -> int:
         return 2
     result = C.launch(rank_main, cfg, force_cpu=a.cpu)
     tp_report.print_result(result)
-    if a.json:
-        C.write_json(a.json, result)
-        print(f"wrote {a.json}")
-    if a.plot:
-        C.plot_results(result, a.plot)
-        print(f"wrote {a.plot}")
+    C.write_outputs(result, a)
     bad = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")
            and (r.get("error") or (r["wrong"] or 0) > 0)]
     if bad:
