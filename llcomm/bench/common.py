@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -351,6 +351,80 @@ def time_graph(graph: "torch.cuda.CUDAGraph", t: Timing) -> Stats:
         end.record()
     torch.cuda.synchronize(t.device)
     return slowest_rank_stats([s.elapsed_time(e) * 1e3 / t.ops for s, e in events], t.device)
+
+
+# -- one thing to time, in each of its modes -----------------------------------------------------
+@dataclass
+class Impl:
+    """One implementation to time in one case. ``fn`` runs it once (a collective: every rank
+    calls it; one op, or one whole decode step)."""
+    impl: str                                    # llcomm, reference, nccl, torch_one_shot, ...
+    algo: str                                    # the algorithm that runs
+    fn: Callable[[], object] | None
+    reset: Callable[[], object] | None = None    # restore inputs, poison outputs
+    check: Callable[[], int] | None = None       # wrong elements in the current result
+    raise_errors: Callable[[], object] | None = None  # raise what the device reported (.check())
+    modes: tuple = ("graph", "eager")
+    error: str | None = None                     # set: not runnable here, report why
+    extra: dict = field(default_factory=dict)    # keys added to every row of this impl
+
+
+def time_impl(impl: Impl, row: dict, t: Timing) -> list[dict]:
+    """Time ``impl`` in each of its modes (graph only on GPUs); one result row per mode: ``row``
+    plus impl, algo, mode, median_us / p10_us / p90_us, ``wrong`` (summed over ranks; None
+    without a check) and ``error`` where it failed. A collective.
+
+    Per mode: reset, one call, check -> (graph: capture ``t.ops`` calls) -> reset, timed loop,
+    check. Every step is agreed between ranks, so one rank's failure ends the mode on all.
+    """
+    rows = []
+    for mode in impl.modes:
+        if mode == "graph" and t.device.type != "cuda":
+            continue
+        r = {**row, "impl": impl.impl, "algo": impl.algo, "mode": mode, "median_us": None,
+             "p10_us": None, "p90_us": None, "wrong": None, **impl.extra}
+        rows.append(r)
+        if impl.fn is None:
+            r["error"] = impl.error
+            continue
+        err, wrong, state = [None], [0], {}
+
+        def checked():
+            if impl.raise_errors:
+                impl.raise_errors()
+            if impl.check:
+                wrong[0] += impl.check()
+
+        def first_call():
+            if impl.reset:
+                impl.reset()
+            impl.fn()
+            checked()
+
+        def capture_it():
+            state["graph"] = capture(impl.fn, t.ops)
+
+        def timed():
+            if impl.reset:
+                impl.reset()
+            state["stats"] = (time_graph(state["graph"], t) if mode == "graph"
+                              else time_eager(impl.fn, t))
+            checked()
+
+        ok = attempt(first_call, err, t.device)
+        if ok and mode == "graph":
+            ok = attempt(capture_it, err, t.device)
+        if ok:
+            ok = attempt(timed, err, t.device)
+        state.pop("graph", None)
+        if impl.check:
+            r["wrong"] = sum_over_ranks(wrong[0], t.device)
+        if ok:
+            s = state["stats"]
+            r.update(median_us=s.median_us, p10_us=s.p10_us, p90_us=s.p90_us)
+        else:
+            r["error"] = err[0]
+    return rows
 
 
 # -- correctness oracles --------------------------------------------------------------------------

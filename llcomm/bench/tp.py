@@ -26,13 +26,13 @@ first call and before the timed loop, and checked after both (after the replays 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import common as C
+from .common import Impl
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter")
 EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
@@ -72,21 +72,6 @@ class Config:
     progress: bool = True
 
 
-@dataclass
-class Impl:
-    """One thing to time at one size. ``fn`` runs one op (a collective: every rank calls it)."""
-    impl: str                                    # llcomm, reference, nccl, torch_one_shot, ...
-    algo: str                                    # the algorithm that runs
-    fn: Callable[[], object] | None
-    requested: str | None = None                 # llcomm: the ``algo=`` argument
-    reset: Callable[[], object] | None = None    # restore inputs, poison outputs
-    check: Callable[[], int] | None = None       # wrong elements in the current result
-    modes: tuple = ("graph", "eager")
-    is_llcomm: bool = False
-    error: str | None = None                     # set: not runnable here, report why
-    extra: dict = field(default_factory=dict)
-
-
 class Rank:
     """Per-rank state of a run: device, communicator, generator, torch's symmetric buffer."""
 
@@ -121,9 +106,10 @@ class Rank:
 
     def llcomm_impl(self, algo: str, fn, out: torch.Tensor, expected, bound=None,
                     requested: str | None = None, reset=None) -> Impl:
-        return Impl(self.llcomm_name, algo, fn, requested=requested,
-                    reset=reset or (lambda: C.poison_(out)),
-                    check=lambda: C.count_wrong(out, expected, bound), is_llcomm=True)
+        return Impl(self.llcomm_name, algo, fn, reset=reset or (lambda: C.poison_(out)),
+                    check=lambda: C.count_wrong(out, expected, bound),
+                    raise_errors=self.comm.check,
+                    extra={"requested_algo": requested or "auto", "backend": self.comm.backend})
 
 
 # -- one builder per op: inputs, expected result, and the impls to time ------------------------
@@ -195,7 +181,7 @@ def _all_gather_2d(R: Rank, count: int) -> list[Impl]:
     out = torch.empty(tokens, R.world * part, dtype=R.dtype, device=R.device)
     impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.all_gather_2d(x, out=out), out,
                            expected)]
-    impls[0].extra = {"tokens": tokens, "part": part}
+    impls[0].extra.update(tokens=tokens, part=part)
     if R.cuda:  # NCCL has no strided gather: gather rank-major, then permute (what engines do)
         stacked = torch.empty(R.world, tokens, part, dtype=R.dtype, device=R.device)
         o2 = torch.empty_like(out)
@@ -237,60 +223,8 @@ def skip_reason(op: str, nbytes: int, itemsize: int, world: int) -> str | None:
 # -- running one impl ---------------------------------------------------------------------------
 def run_impl(R: Rank, op: str, nbytes: int, impl: Impl) -> list[dict]:
     """Time ``impl`` in each of its modes (graph only on GPUs); one result row per mode."""
-    rows = []
-    for mode in impl.modes:
-        if mode == "graph" and not R.cuda:
-            continue
-        row = {"op": op, "impl": impl.impl, "algo": impl.algo, "mode": mode,
-               "dtype": C.dtype_name(R.dtype), "world_size": R.world, "bytes": nbytes,
-               "median_us": None, "p10_us": None, "p90_us": None, "wrong": None,
-               "count": nbytes // R.itemsize, **impl.extra}
-        if impl.is_llcomm:
-            row.update(requested_algo=impl.requested or "auto", backend=R.comm.backend)
-        rows.append(row)
-        if impl.fn is None:
-            row["error"] = impl.error
-            continue
-        err, wrong, state = [None], [0], {}
-
-        def first_call():
-            if impl.reset:
-                impl.reset()
-            impl.fn()
-            if impl.is_llcomm:
-                R.comm.check()
-            if impl.check:
-                wrong[0] += impl.check()
-
-        def capture():
-            state["graph"] = C.capture(impl.fn, R.timing.ops)
-
-        def timed():
-            if impl.reset:
-                impl.reset()
-            if mode == "graph":
-                state["stats"] = C.time_graph(state["graph"], R.timing)
-            else:
-                state["stats"] = C.time_eager(impl.fn, R.timing)
-            if impl.is_llcomm:
-                R.comm.check()
-            if impl.check:
-                wrong[0] += impl.check()
-
-        ok = C.attempt(first_call, err, R.device)
-        if ok and mode == "graph":
-            ok = C.attempt(capture, err, R.device)
-        if ok:
-            ok = C.attempt(timed, err, R.device)
-        state.pop("graph", None)
-        if impl.check:
-            row["wrong"] = C.sum_over_ranks(wrong[0], R.device)
-        if ok:
-            s = state["stats"]
-            row.update(median_us=s.median_us, p10_us=s.p10_us, p90_us=s.p90_us)
-        else:
-            row["error"] = err[0]
-    return rows
+    return C.time_impl(impl, {"op": op, "dtype": C.dtype_name(R.dtype), "world_size": R.world,
+                              "bytes": nbytes, "count": nbytes // R.itemsize}, R.timing)
 
 
 def rank_main(rank: int, world: int, cfg: Config):
