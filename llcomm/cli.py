@@ -1,6 +1,7 @@
 """The ``llcomm`` command line: ``llcomm bench``, ``llcomm doctor``, ``llcomm check``.
 
     llcomm bench [tp] [--sizes 8,64K,1M] [--ops all] [--algos all] [--json F] [--plot F]
+    llcomm bench ep [--tokens 1,32,128,256,512] [--json F] [--plot F]
     llcomm doctor
     llcomm check
 
@@ -14,11 +15,12 @@ import sys
 
 #: ``llcomm bench <name>``: a module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gather, "
-                  "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory")}
+                  "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory"),
+           "ep": ("llcomm.bench.ep", "MoE dispatch / combine (EPBuffer): the peer backend "
+                  "against the reference backend on NCCL")}
 #: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
 #: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
-PLANNED_BENCHES = {"ep": "MoE dispatch / combine (EPBuffer) against NCCL all_to_all",
-                   "decode": "a whole decode step of a model"}
+PLANNED_BENCHES = {"decode": "a whole decode step of a model"}
 #: What ``llcomm bench`` runs when no benchmark is named.
 DEFAULT_BENCH = "tp"
 
