@@ -125,9 +125,31 @@ def test_check_passes_on_cpu(tmp_path):
         assert op in p.stdout
 
 
-def test_bench_planned_benchmarks_say_so(capsys):
-    assert cli.main(["bench", "decode"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
+    p = llcomm("bench", "decode", "--cpu", "--batches", "1,2", "--iters", "2", "--warmup", "1",
+               "--json", "d.json", "--plot", "d.png", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "tp: dense-70b" in p.stdout and "ep: deepseek-v3-moe" in p.stdout
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert HEADER_KEYS <= set(result) and result["bench"] == "decode"
+    rows = result["rows"]
+    assert {(r["part"], r["impl"], r["batch"]) for r in rows} == {
+        *(("tp", i, b) for i in ("none", "reference") for b in (1, 2)),
+        ("ep", "none", 4), ("ep", "reference", 4)}
+    for row in rows:
+        assert ROW_KEYS | {"model", "batch", "ms_per_step"} <= set(row), row
+        assert row["op"] == "decode_step" and row["mode"] == "eager" and not row.get("error")
+        assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0
+        if row["impl"] != "none":
+            assert row["comm_ms"] is not None
+    for row in rows:                # the TP all-reduce left both ranks the same bits
+        if row["part"] == "tp" and row["impl"] == "reference":
+            assert row["wrong"] == 0, row
+
+
+def test_bench_subcommands_and_default(capsys):
+    assert set(cli.BENCHES) == {"tp", "ep", "decode"}
     assert cli._default_bench(["bench", "--sizes", "8"]) == ["bench", "tp", "--sizes", "8"]
     assert cli._default_bench(["bench"]) == ["bench", "tp"]
     assert cli._default_bench(["bench", "-h"]) == ["bench", "-h"]
@@ -195,6 +217,18 @@ def test_bench_ep_gpu(tmp_path):
     for row in rows:
         assert row["wrong"] == 0, row
         assert row["impl"] != "llcomm" or not row.get("error"), row
+
+
+@pytest.mark.gpu
+def test_bench_decode_gpu(tmp_path):
+    p = llcomm("bench", "decode", "--layers", "2", "--batches", "1,8", "--moe-layers", "1",
+               "--iters", "3", "--warmup", "1", "--json", "d.json", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert {"none", "llcomm", "nccl", "reference"} <= {r["impl"] for r in rows}
+    for row in rows:
+        if row["impl"] == "llcomm":
+            assert row["wrong"] == 0 and not row.get("error"), row
 
 
 @pytest.mark.gpu

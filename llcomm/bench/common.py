@@ -436,6 +436,11 @@ def gather_inputs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def gather_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``gather_inputs`` moving raw bytes (gloo moves no 16-bit types). A collective."""
+    return gather_inputs(t.contiguous().view(torch.uint8)).view(t.dtype)
+
+
 def rank_order_sum(stack: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Sum over dim 0 in fp32, rank 0 first, rounded once to ``dtype``: the peer backend's
     reduction, so its results must match this bit for bit."""

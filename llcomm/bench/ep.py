@@ -86,11 +86,6 @@ def run_experts(recv_x, recv_count, scale, bias, rank: int) -> torch.Tensor:
     return out
 
 
-def _gather_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``[W, *t.shape]`` of every rank's ``t``, moved as bytes (gloo moves no 16-bit types)."""
-    return C.gather_inputs(t.view(torch.uint8)).view(t.dtype)
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
@@ -101,7 +96,7 @@ class Expected:
     def __init__(self, x, idx, w, rank: int, world: int, max_tokens: int, scale, bias):
         L = scale.shape[0] // world
         n, K = idx.shape
-        xs = _gather_bytes(x).reshape(world * n, -1)                 # pair p = s * n + t
+        xs = C.gather_bytes(x).reshape(world * n, -1)                 # pair p = s * n + t
         ids = C.gather_inputs(idx).reshape(world * n, K)
         mine = torch.arange(rank * L, (rank + 1) * L, device=idx.device)
         hit = (ids.unsqueeze(-1) == mine).any(1).T                   # [L, W * n]
