@@ -2,6 +2,8 @@
 
     llcomm bench [tp] [--sizes 8,64K,1M] [--ops all] [--algos all] [--json F] [--plot F]
     llcomm bench fused [--tokens 1,8,32,64,128] [--hidden 8192] [--json F]
+    llcomm bench ep [--tokens 1,32,128,256,512] [--json F] [--plot F]
+    llcomm bench decode [--parts tp,ep] [--batches 1,8,32,64] [--json F] [--plot F]
     llcomm doctor
     llcomm check
 
@@ -17,11 +19,14 @@ import sys
 BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gather, "
                   "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory"),
            "fused": ("llcomm.bench.fused", "all_reduce_residual_rmsnorm against llcomm "
-                     "all_reduce + torch add + torch RMSNorm")}
+                     "all_reduce + torch add + torch RMSNorm"),
+           "ep": ("llcomm.bench.ep", "MoE dispatch / combine (EPBuffer): the peer backend "
+                  "against the reference backend on NCCL"),
+           "decode": ("llcomm.bench.decode", "whole synthetic decode steps (dense TP, MoE EP) "
+                      "with each communication implementation and with none")}
 #: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
 #: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
-PLANNED_BENCHES = {"ep": "MoE dispatch / combine (EPBuffer) against NCCL all_to_all",
-                   "decode": "a whole decode step of a model"}
+PLANNED_BENCHES: dict[str, str] = {}
 #: What ``llcomm bench`` runs when no benchmark is named.
 DEFAULT_BENCH = "tp"
 

@@ -80,6 +80,52 @@ def test_bench_fused_bad_arguments(tmp_path):
     p = llcomm("bench", "fused", "--tokens", "0,x", "--hidden", "0", cwd=tmp_path)
     assert p.returncode == 2
     assert "--tokens" in p.stdout and "--hidden" in p.stdout
+EP_ROW_KEYS = ROW_KEYS | {"tokens_per_rank", "hidden", "num_experts", "topk", "fp8"}
+
+
+def test_bench_ep_cpu_writes_json_and_plot(tmp_path):
+    p = llcomm("bench", "ep", "--cpu", "--tokens", "1,8", "--hidden", "64", "--experts", "8",
+               "--topk", "3", "--iters", "3", "--warmup", "1", "--json", "ep.json", "--plot",
+               "ep.png", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# dispatch" in p.stdout and "# combine" in p.stdout
+    assert (tmp_path / "ep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((tmp_path / "ep.json").read_text())
+    assert HEADER_KEYS <= set(result) and result["bench"] == "ep"
+    rows = result["rows"]
+    assert {(r["op"], r["tokens_per_rank"]) for r in rows} == {
+        (op, n) for op in ("dispatch", "combine") for n in (1, 8)}
+    for row in rows:
+        assert EP_ROW_KEYS <= set(row), row
+        assert row["impl"] == "reference" and row["mode"] == "eager", row
+        assert row["wrong"] == 0 and row["median_us"] > 0 and not row.get("error"), row
+        assert (row["hidden"], row["num_experts"], row["topk"]) == (64, 8, 3)
+        assert 0 < row["bytes"] <= 8 * 2 * 64 * 2   # at most every token to both ranks
+
+
+def test_bench_ep_oracle_catches_a_wrong_byte():
+    from llcomm.bench import ep
+    W, T, H, E = 2, 4, 16, 4
+    x = torch.randn(T, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
+    scale, bias = ep.expert_affine(E, "cpu")
+    # a single-process stand-in for the gather: both ranks sent the same tokens
+    orig = common.gather_inputs
+    common.gather_inputs = lambda t: torch.stack([t, t])
+    try:
+        exp = ep.Expected(x, idx, torch.full((T, 2), 0.5), 0, W, T, scale, bias)
+    finally:
+        common.gather_inputs = orig
+    assert exp.count.tolist() == [4, 4]          # experts 0 and 1, two tokens each per rank
+    recv = torch.zeros(E // W, W * T, H, dtype=torch.bfloat16)
+    recv[exp.e, exp.row] = exp.rows
+
+    class Handle:
+        src_info = torch.zeros(E // W, W * T, dtype=torch.int32)
+    Handle.src_info[exp.e, exp.row] = exp.src
+    assert exp.dispatch_wrong(recv, exp.count, Handle) == 0
+    recv.view(torch.int16)[1, 0, 3] ^= 1
+    assert exp.dispatch_wrong(recv, exp.count, Handle) == 1
 
 
 def test_doctor_names_the_backend(tmp_path):
@@ -99,9 +145,31 @@ def test_check_passes_on_cpu(tmp_path):
         assert op in p.stdout
 
 
-def test_bench_planned_benchmarks_say_so(capsys):
-    assert cli.main(["bench", "ep"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
+    p = llcomm("bench", "decode", "--cpu", "--batches", "1,2", "--iters", "2", "--warmup", "1",
+               "--json", "d.json", "--plot", "d.png", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "tp: dense-70b" in p.stdout and "ep: deepseek-v3-moe" in p.stdout
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert HEADER_KEYS <= set(result) and result["bench"] == "decode"
+    rows = result["rows"]
+    assert {(r["part"], r["impl"], r["batch"]) for r in rows} == {
+        *(("tp", i, b) for i in ("none", "reference") for b in (1, 2)),
+        ("ep", "none", 4), ("ep", "reference", 4)}
+    for row in rows:
+        assert ROW_KEYS | {"model", "batch", "ms_per_step"} <= set(row), row
+        assert row["op"] == "decode_step" and row["mode"] == "eager" and not row.get("error")
+        assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0
+        if row["impl"] != "none":
+            assert row["comm_ms"] is not None
+    for row in rows:                # the TP all-reduce left both ranks the same bits
+        if row["part"] == "tp" and row["impl"] == "reference":
+            assert row["wrong"] == 0, row
+
+
+def test_bench_subcommands_and_default(capsys):
+    assert set(cli.BENCHES) == {"tp", "ep", "decode"}
     assert cli._default_bench(["bench", "--sizes", "8"]) == ["bench", "tp", "--sizes", "8"]
     assert cli._default_bench(["bench"]) == ["bench", "tp"]
     assert cli._default_bench(["bench", "-h"]) == ["bench", "-h"]
@@ -156,6 +224,31 @@ def test_bench_tp_gpu(tmp_path):
     for row in mine:
         assert not row.get("error") and row["wrong"] == 0, row
     assert {"nccl", "torch_one_shot", "torch_two_shot"} <= {r["impl"] for r in result["rows"]}
+
+
+@pytest.mark.gpu
+def test_bench_ep_gpu(tmp_path):
+    p = llcomm("bench", "ep", "--tokens", "1,128", "--iters", "5", "--warmup", "1",
+               "--json", "ep.json", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    assert {(r["impl"], r["mode"]) for r in rows} == {
+        (i, m) for i in ("llcomm", "reference") for m in ("graph", "eager")}
+    for row in rows:
+        assert row["wrong"] == 0, row
+        assert row["impl"] != "llcomm" or not row.get("error"), row
+
+
+@pytest.mark.gpu
+def test_bench_decode_gpu(tmp_path):
+    p = llcomm("bench", "decode", "--layers", "2", "--batches", "1,8", "--moe-layers", "1",
+               "--iters", "3", "--warmup", "1", "--json", "d.json", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert {"none", "llcomm", "nccl", "reference"} <= {r["impl"] for r in rows}
+    for row in rows:
+        if row["impl"] == "llcomm":
+            assert row["wrong"] == 0 and not row.get("error"), row
 
 
 @pytest.mark.gpu

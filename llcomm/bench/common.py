@@ -1,5 +1,5 @@
-"""What every llcomm benchmark shares: spawning ranks, timing, correctness oracles, result files,
-tables and plots.
+"""What every llcomm benchmark shares: arguments, spawning ranks, timing, correctness oracles,
+result files and tables (plots: ``llcomm.bench.plot``).
 
 Process layout (``launch``): one process per visible GPU when there are two or more CUDA GPUs
 (NCCL, ``torch.cuda.set_device(rank)``), otherwise two CPU processes on gloo (the Communicator
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -52,6 +52,8 @@ DIST_TIMEOUT_S = 300
 TOOL_TIMEOUT_S = 10
 #: Environment variable that overrides the commit recorded in result files (for copied trees).
 COMMIT_ENV = "LLCOMM_COMMIT"
+#: Characters of an error message kept in a result row.
+ERROR_CHARS = 200
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -78,6 +80,17 @@ def parse_sizes(text: str | None, lo: int = 8, hi: int = 16 << 20) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t.strip()]
 
 
+def parse_ints(text: str, what: str) -> list[int]:
+    """'1,32,128' -> [1, 32, 128]; every entry a positive integer (``what`` names the option)."""
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{what} {text!r}: expected a comma list of positive integers")
+    return vals
+
+
 def parse_dtype(text: str) -> torch.dtype:
     if text.lower() not in DTYPES:
         raise ValueError(f"dtype {text!r}: expected one of bfloat16, float16, float32")
@@ -86,6 +99,40 @@ def parse_dtype(text: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def add_run_arguments(p, *, iters: int, warmup: int) -> None:
+    """The options every benchmark has: iterations, seed, output files, CPU, progress bar."""
+    p.add_argument("--iters", type=int, default=iters,
+                   help=f"timed iterations per case (default {iters})")
+    p.add_argument("--warmup", type=int, default=warmup,
+                   help=f"untimed iterations first (default {warmup})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the run as a result file (bench/README.md)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of the results")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on CPU (2 gloo processes) even where GPUs are present")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def check_run_arguments(a, problems: list[str]) -> None:
+    """Append a message to ``problems`` for each bad option of ``add_run_arguments``."""
+    if a.iters < 1:
+        problems.append("--iters must be at least 1")
+    if a.warmup < 0:
+        problems.append("--warmup must not be negative")
+
+
+def write_outputs(result: dict, a) -> None:
+    """Write ``--json`` and ``--plot`` where they were asked for, saying so."""
+    if a.json:
+        write_json(a.json, result)
+        print(f"wrote {a.json}")
+    if a.plot:
+        from .plot import plot_results
+        plot_results(result, a.plot)
+        print(f"wrote {a.plot}")
 
 
 def fmt_bytes(n: int) -> str:
@@ -160,6 +207,25 @@ def launch(fn: Callable, cfg, *, force_cpu: bool = False):
 
 
 # -- agreement between ranks --------------------------------------------------------------------
+def short_error(e: BaseException) -> str:
+    """'TypeName: first line of the message', cut to ERROR_CHARS (for a result row)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:ERROR_CHARS]
+
+
+def attempt(step: Callable[[], object], what: list, device: torch.device) -> bool:
+    """Run ``step``; agree with every rank whether all succeeded (a collective). On failure
+    ``what[0]`` holds this rank's error, or says another rank failed."""
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - becomes the row's error note
+        what[0] = short_error(e)
+    failed = any_rank(what[0] is not None, device)
+    if failed and what[0] is None:
+        what[0] = "failed on another rank"
+    return not failed
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if ``flag`` is true on any rank. A collective."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
@@ -179,6 +245,28 @@ def barrier(device: torch.device) -> None:
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
+
+
+def torch_symm_buffer(count: int, dtype: torch.dtype, device: torch.device):
+    """A torch symmetric-memory buffer of ``count`` elements for torch's all-reduce ops
+    (``symm_mem.empty`` + ``rendezvous`` on the world group; a collective).
+
+    Returns ``(buffer, group_name, None)``, or ``(None, None, why)`` where this torch or any rank
+    cannot make one (the caller reports it in place of the torch rows).
+    """
+    buf, name, why = None, None, None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        name = dist.group.WORLD.group_name
+        buf = symm_mem.empty(count, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, name)
+        for op in ("one_shot_all_reduce", "two_shot_all_reduce_"):
+            getattr(torch.ops.symm_mem, op)  # raises where this torch lacks the op
+    except Exception as e:  # noqa: BLE001 - reported as a row note, not fatal
+        buf, why = None, short_error(e)
+    if any_rank(buf is None, device):
+        return None, None, why or "failed on another rank"
+    return buf, name, None
 
 
 # -- timing -------------------------------------------------------------------------------------
@@ -265,6 +353,80 @@ def time_graph(graph: "torch.cuda.CUDAGraph", t: Timing) -> Stats:
     return slowest_rank_stats([s.elapsed_time(e) * 1e3 / t.ops for s, e in events], t.device)
 
 
+# -- one thing to time, in each of its modes -----------------------------------------------------
+@dataclass
+class Impl:
+    """One implementation to time in one case. ``fn`` runs it once (a collective: every rank
+    calls it; one op, or one whole decode step)."""
+    impl: str                                    # llcomm, reference, nccl, torch_one_shot, ...
+    algo: str                                    # the algorithm that runs
+    fn: Callable[[], object] | None
+    reset: Callable[[], object] | None = None    # restore inputs, poison outputs
+    check: Callable[[], int] | None = None       # wrong elements in the current result
+    raise_errors: Callable[[], object] | None = None  # raise what the device reported (.check())
+    modes: tuple = ("graph", "eager")
+    error: str | None = None                     # set: not runnable here, report why
+    extra: dict = field(default_factory=dict)    # keys added to every row of this impl
+
+
+def time_impl(impl: Impl, row: dict, t: Timing) -> list[dict]:
+    """Time ``impl`` in each of its modes (graph only on GPUs); one result row per mode: ``row``
+    plus impl, algo, mode, median_us / p10_us / p90_us, ``wrong`` (summed over ranks; None
+    without a check) and ``error`` where it failed. A collective.
+
+    Per mode: reset, one call, check -> (graph: capture ``t.ops`` calls) -> reset, timed loop,
+    check. Every step is agreed between ranks, so one rank's failure ends the mode on all.
+    """
+    rows = []
+    for mode in impl.modes:
+        if mode == "graph" and t.device.type != "cuda":
+            continue
+        r = {**row, "impl": impl.impl, "algo": impl.algo, "mode": mode, "median_us": None,
+             "p10_us": None, "p90_us": None, "wrong": None, **impl.extra}
+        rows.append(r)
+        if impl.fn is None:
+            r["error"] = impl.error
+            continue
+        err, wrong, state = [None], [0], {}
+
+        def checked():
+            if impl.raise_errors:
+                impl.raise_errors()
+            if impl.check:
+                wrong[0] += impl.check()
+
+        def first_call():
+            if impl.reset:
+                impl.reset()
+            impl.fn()
+            checked()
+
+        def capture_it():
+            state["graph"] = capture(impl.fn, t.ops)
+
+        def timed():
+            if impl.reset:
+                impl.reset()
+            state["stats"] = (time_graph(state["graph"], t) if mode == "graph"
+                              else time_eager(impl.fn, t))
+            checked()
+
+        ok = attempt(first_call, err, t.device)
+        if ok and mode == "graph":
+            ok = attempt(capture_it, err, t.device)
+        if ok:
+            ok = attempt(timed, err, t.device)
+        state.pop("graph", None)
+        if impl.check:
+            r["wrong"] = sum_over_ranks(wrong[0], t.device)
+        if ok:
+            s = state["stats"]
+            r.update(median_us=s.median_us, p10_us=s.p10_us, p90_us=s.p90_us)
+        else:
+            r["error"] = err[0]
+    return rows
+
+
 # -- correctness oracles --------------------------------------------------------------------------
 def gather_inputs(x: torch.Tensor) -> torch.Tensor:
     """``[world_size, *x.shape]``: every rank's ``x``, by torch.distributed all_gather (a list
@@ -272,6 +434,11 @@ def gather_inputs(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x)
     return torch.stack(parts)
+
+
+def gather_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``gather_inputs`` moving raw bytes (gloo moves no 16-bit types). A collective."""
+    return gather_inputs(t.contiguous().view(torch.uint8)).view(t.dtype)
 
 
 def rank_order_sum(stack: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -456,62 +623,3 @@ def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
 
 def fmt_us(v: float | None) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
-
-
-# -- plots ----------------------------------------------------------------------------------------
-def series_label(row: dict) -> str:
-    """One plotted line per impl + mode (+ the requested algorithm of explicit llcomm runs)."""
-    impl = row["impl"]
-    req = row.get("requested_algo")
-    if req and req != "auto":
-        impl = f"{impl}[{req}]"
-    return f"{impl} {row['mode']}"
-
-
-def plot_results(result: dict, path: str) -> None:
-    """Latency vs size, log-log, one line per impl + mode, one panel per op; PNG at ``path``."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if r.get("median_us") is not None]
-    ops = list(dict.fromkeys(r["op"] for r in rows)) or ["(no data)"]
-    fig, axes = plt.subplots(len(ops), 1, figsize=(9, 4.8 * len(ops)), squeeze=False)
-    for ax, op in zip(axes[:, 0], ops):
-        series: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            if r["op"] == op:
-                series.setdefault(series_label(r), []).append((r["bytes"], r["median_us"]))
-        for label, pts in series.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                    linestyle="--" if label.endswith(" eager") else "-", label=label)
-        dtypes = sorted({r["dtype"] for r in rows if r["op"] == op})
-        ax.set_title(f"{op}  ({result.get('machine', '?')}, {result.get('world_size', '?')} "
-                     f"ranks, {'/'.join(dtypes)}, commit {str(result.get('commit'))[:10]})")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("median µs per op")
-        ax.grid(True, which="both", alpha=0.3)
-        if series:
-            ax.legend(fontsize="small")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_main(argv: list[str] | None = None) -> int:
-    """``python -m llcomm.bench.plot results.json out.png``: redraw a plot from a result file."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m llcomm.bench.plot",
-                                description="Plot latency vs size from an llcomm result JSON.")
-    p.add_argument("results", help="result file written by `llcomm bench ... --json`")
-    p.add_argument("out", help="PNG to write")
-    a = p.parse_args(argv)
-    with open(a.results) as f:
-        plot_results(json.load(f), a.out)
-    print(f"wrote {a.out}")
-    return 0

@@ -26,13 +26,13 @@ first call and before the timed loop, and checked after both (after the replays 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import common as C
+from .common import Impl
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter")
 EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
@@ -44,8 +44,6 @@ DEFAULT_WARMUP = 10
 GATHER_2D_MAX_PART = 1024
 #: Rank whose buffer broadcast sends.
 BROADCAST_SRC = 0
-#: Characters of an error message kept in a result row.
-ERROR_CHARS = 200
 # torch >= 2.12 renamed the single-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -74,21 +72,6 @@ class Config:
     progress: bool = True
 
 
-@dataclass
-class Impl:
-    """One thing to time at one size. ``fn`` runs one op (a collective: every rank calls it)."""
-    impl: str                                    # llcomm, reference, nccl, torch_one_shot, ...
-    algo: str                                    # the algorithm that runs
-    fn: Callable[[], object] | None
-    requested: str | None = None                 # llcomm: the ``algo=`` argument
-    reset: Callable[[], object] | None = None    # restore inputs, poison outputs
-    check: Callable[[], int] | None = None       # wrong elements in the current result
-    modes: tuple = ("graph", "eager")
-    is_llcomm: bool = False
-    error: str | None = None                     # set: not runnable here, report why
-    extra: dict = field(default_factory=dict)
-
-
 class Rank:
     """Per-rank state of a run: device, communicator, generator, torch's symmetric buffer."""
 
@@ -107,24 +90,10 @@ class Rank:
                                cfg.graph_ops if self.cuda else 1)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
-        self.symm, self.symm_error = None, None
+        self.symm, self.group_name, self.symm_error = None, None, None
         if self.cuda and "all_reduce" in cfg.ops:
-            self._torch_symm(max(cfg.sizes) // self.itemsize)
-
-    def _torch_symm(self, count: int) -> None:
-        """One symmetric buffer for torch's all-reduce ops, rendezvoused once (a collective)."""
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-            self.group_name = dist.group.WORLD.group_name
-            self.symm = symm_mem.empty(count, dtype=self.dtype, device=self.device)
-            symm_mem.rendezvous(self.symm, self.group_name)
-            for op in ("one_shot_all_reduce", "two_shot_all_reduce_"):
-                getattr(torch.ops.symm_mem, op)  # raises where this torch lacks the op
-        except Exception as e:  # noqa: BLE001 - reported as a row note, not fatal
-            self.symm, self.symm_error = None, _short(e)
-        if C.any_rank(self.symm is None, self.device):
-            self.symm_error = self.symm_error or "failed on another rank"
-            self.symm = None
+            self.symm, self.group_name, self.symm_error = C.torch_symm_buffer(
+                max(cfg.sizes) // self.itemsize, self.dtype, self.device)
 
     def rand(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=self.dtype, device=self.device, generator=self.gen)
@@ -137,14 +106,10 @@ class Rank:
 
     def llcomm_impl(self, algo: str, fn, out: torch.Tensor, expected, bound=None,
                     requested: str | None = None, reset=None) -> Impl:
-        return Impl(self.llcomm_name, algo, fn, requested=requested,
-                    reset=reset or (lambda: C.poison_(out)),
-                    check=lambda: C.count_wrong(out, expected, bound), is_llcomm=True)
-
-
-def _short(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:ERROR_CHARS]
+        return Impl(self.llcomm_name, algo, fn, reset=reset or (lambda: C.poison_(out)),
+                    check=lambda: C.count_wrong(out, expected, bound),
+                    raise_errors=self.comm.check,
+                    extra={"requested_algo": requested or "auto", "backend": self.comm.backend})
 
 
 # -- one builder per op: inputs, expected result, and the impls to time ------------------------
@@ -216,7 +181,7 @@ def _all_gather_2d(R: Rank, count: int) -> list[Impl]:
     out = torch.empty(tokens, R.world * part, dtype=R.dtype, device=R.device)
     impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.all_gather_2d(x, out=out), out,
                            expected)]
-    impls[0].extra = {"tokens": tokens, "part": part}
+    impls[0].extra.update(tokens=tokens, part=part)
     if R.cuda:  # NCCL has no strided gather: gather rank-major, then permute (what engines do)
         stacked = torch.empty(R.world, tokens, part, dtype=R.dtype, device=R.device)
         o2 = torch.empty_like(out)
@@ -256,74 +221,10 @@ def skip_reason(op: str, nbytes: int, itemsize: int, world: int) -> str | None:
 
 
 # -- running one impl ---------------------------------------------------------------------------
-def _attempt(R: Rank, step: Callable[[], object], what: list) -> bool:
-    """Run ``step``; agree with every rank whether all succeeded. ``what[0]`` gets the error."""
-    try:
-        step()
-    except Exception as e:  # noqa: BLE001 - becomes the row's error note
-        what[0] = _short(e)
-    failed = C.any_rank(what[0] is not None, R.device)
-    if failed and what[0] is None:
-        what[0] = "failed on another rank"
-    return not failed
-
-
 def run_impl(R: Rank, op: str, nbytes: int, impl: Impl) -> list[dict]:
     """Time ``impl`` in each of its modes (graph only on GPUs); one result row per mode."""
-    rows = []
-    for mode in impl.modes:
-        if mode == "graph" and not R.cuda:
-            continue
-        row = {"op": op, "impl": impl.impl, "algo": impl.algo, "mode": mode,
-               "dtype": C.dtype_name(R.dtype), "world_size": R.world, "bytes": nbytes,
-               "median_us": None, "p10_us": None, "p90_us": None, "wrong": None,
-               "count": nbytes // R.itemsize, **impl.extra}
-        if impl.is_llcomm:
-            row.update(requested_algo=impl.requested or "auto", backend=R.comm.backend)
-        rows.append(row)
-        if impl.fn is None:
-            row["error"] = impl.error
-            continue
-        err, wrong, state = [None], [0], {}
-
-        def first_call():
-            if impl.reset:
-                impl.reset()
-            impl.fn()
-            if impl.is_llcomm:
-                R.comm.check()
-            if impl.check:
-                wrong[0] += impl.check()
-
-        def capture():
-            state["graph"] = C.capture(impl.fn, R.timing.ops)
-
-        def timed():
-            if impl.reset:
-                impl.reset()
-            if mode == "graph":
-                state["stats"] = C.time_graph(state["graph"], R.timing)
-            else:
-                state["stats"] = C.time_eager(impl.fn, R.timing)
-            if impl.is_llcomm:
-                R.comm.check()
-            if impl.check:
-                wrong[0] += impl.check()
-
-        ok = _attempt(R, first_call, err)
-        if ok and mode == "graph":
-            ok = _attempt(R, capture, err)
-        if ok:
-            ok = _attempt(R, timed, err)
-        state.pop("graph", None)
-        if impl.check:
-            row["wrong"] = C.sum_over_ranks(wrong[0], R.device)
-        if ok:
-            s = state["stats"]
-            row.update(median_us=s.median_us, p10_us=s.p10_us, p90_us=s.p90_us)
-        else:
-            row["error"] = err[0]
-    return rows
+    return C.time_impl(impl, {"op": op, "dtype": C.dtype_name(R.dtype), "world_size": R.world,
+                              "bytes": nbytes, "count": nbytes // R.itemsize}, R.timing)
 
 
 def rank_main(rank: int, world: int, cfg: Config):
@@ -356,10 +257,6 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", help="comma list of byte sizes with K/M suffixes "
                    "(default: every power of two from 8 B to 16 MiB)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
-    p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
-                   help=f"timed iterations per case (graph replays; default {DEFAULT_ITERS})")
-    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
-                   help=f"untimed iterations first (default {DEFAULT_WARMUP})")
     p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
                    help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
     p.add_argument("--algos", choices=("auto", "all"), default="auto",
@@ -368,13 +265,7 @@ def add_arguments(p) -> None:
                    help=f"comma list of {', '.join(OPS)}, or 'all' (default all_reduce)")
     p.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
                    help="llcomm Communicator backend (default auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--json", metavar="PATH",
-                   help="write the run as a result file (bench/README.md)")
-    p.add_argument("--plot", metavar="PATH", help="write a latency-vs-size PNG")
-    p.add_argument("--cpu", action="store_true",
-                   help="run on CPU (2 gloo processes) even where GPUs are present")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    C.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
 
 
 def config_from_args(a) -> Config:
@@ -396,11 +287,9 @@ def config_from_args(a) -> Config:
         bad = [o for o in ops if o not in OPS]
         if bad or not ops:
             problems.append(f"--ops {a.ops!r}: expected 'all' or a comma list of {', '.join(OPS)}")
-    for name in ("iters", "graph_ops"):
-        if getattr(a, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be at least 1")
-    if a.warmup < 0:
-        problems.append("--warmup must not be negative")
+    if a.graph_ops < 1:
+        problems.append("--graph-ops must be at least 1")
+    C.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
     return Config(sizes=sizes, dtype=C.dtype_name(C.parse_dtype(a.dtype)), iters=a.iters,
@@ -419,12 +308,7 @@ def run(a) -> int:
         return 2
     result = C.launch(rank_main, cfg, force_cpu=a.cpu)
     tp_report.print_result(result)
-    if a.json:
-        C.write_json(a.json, result)
-        print(f"wrote {a.json}")
-    if a.plot:
-        C.plot_results(result, a.plot)
-        print(f"wrote {a.plot}")
+    C.write_outputs(result, a)
     bad = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")
            and (r.get("error") or (r["wrong"] or 0) > 0)]
     if bad:

@@ -1,0 +1,368 @@
+"""``llcomm bench decode``: whole synthetic decode steps (llcomm/bench/decode_models.py says what
+is in them) timed with each communication implementation, and with none, in the same run.
+
+- ``tp`` part: the dense 70B-class step at TP = world size, batches 1, 8, 32, 64, with the joins
+  done by llcomm (``Communicator.all_reduce``, algo auto), NCCL (``dist.all_reduce``), torch
+  symmetric memory (``one_shot_all_reduce`` / ``two_shot_all_reduce_``, the projection written
+  straight into the symmetric buffer), and ``none``. The whole step is one CUDA graph.
+- ``ep`` part: the DeepSeek-V3 MoE stack at EP = world size, 128 tokens per rank, with
+  ``EPBuffer(backend="peer")`` (llcomm), ``EPBuffer(backend="reference")`` (all_to_all_single on
+  NCCL) and ``none``; graph mode and eager mode (a reference graph that cannot be captured gives
+  an ``error`` row, and the table then shows the eager time, marked).
+
+Every number is the median over ``--iters`` replays of one step, slowest rank per iteration.
+``comm_ms`` = step - the ``none`` step of the same part, batch and mode; ``comm_ratio`` = llcomm's
+comm_ms / NCCL's (TP) or / the reference's (EP); the goal is <= 0.5. tokens/s: batch / step
+(TP: every rank holds the same tokens), W x tokens per rank / step (EP).
+
+``wrong``: TP: elements of the step output that are not finite or differ from rank 0's (an
+all-reduce leaves every rank the same bits); EP (llcomm only): elements of the output that
+differ from the reference backend's step on the same inputs (dispatch is byte-exact and combine
+bitwise, so the whole stack must match). On CPU (two gloo processes) tiny shapes run with the
+reference backends, eagerly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from . import common as C
+from . import decode_models as M
+from .common import Impl
+
+DEFAULT_ITERS = 30
+DEFAULT_WARMUP = 3
+PARTS = ("tp", "ep")
+DTYPE = torch.bfloat16
+GPU_BATCHES, CPU_BATCHES = "1,8,32,64", "1,4"
+GPU_EP_TOKENS, CPU_EP_TOKENS = "128", "4"
+DEFAULT_WEIGHT_SETS = 8
+MODELS = {"tp": "dense-70b", "ep": "deepseek-v3-moe"}
+#: The implementation whose comm share llcomm's is divided by, per part.
+BASELINE = {"tp": "nccl", "ep": "reference"}
+
+
+@dataclass
+class Config:
+    parts: tuple
+    batches: list[int]
+    ep_tokens: list[int]
+    dense: M.DenseShape
+    moe: M.MoEShape
+    weight_sets: int = DEFAULT_WEIGHT_SETS
+    iters: int = DEFAULT_ITERS
+    warmup: int = DEFAULT_WARMUP
+    seed: int = 0
+    progress: bool = True
+
+
+class Rank:
+    def __init__(self, rank: int, world: int, cfg: Config):
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.cuda = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self.timing = C.Timing(self.device, cfg.iters, cfg.warmup, 1)
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
+        self.modes = ("graph",) if self.cuda else ("eager",)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, device=self.device).to(DTYPE)
+
+
+def _cross_rank_wrong(out: torch.Tensor) -> int:
+    all_out = C.gather_bytes(out)
+    same = all_out[0].view(torch.int16) == out.view(torch.int16)
+    return int((~same | ~torch.isfinite(out)).sum())
+
+
+# -- TP ------------------------------------------------------------------------------------------
+def tp_impls(R: Rank, model: M.DenseTP, comm, symm, batch: int) -> list[Impl]:
+    H = model.shape.hidden
+    # The same starting state on every rank (TP: every rank holds the whole batch).
+    g = torch.Generator(device=R.device)
+    g.manual_seed(R.cfg.seed + batch)
+    x = torch.randn(batch, H, generator=g, device=R.device).to(DTYPE)
+    out = torch.empty_like(x)
+
+    def nccl(a, w):
+        y = a @ w
+        dist.all_reduce(y)
+        return y
+
+    projs = {"none": ("none", lambda a, w: a @ w),
+             comm_name(comm): (comm.choose_algo(batch * H * 2) if comm.backend == "peer"
+                               else "reference", lambda a, w: comm.all_reduce(a @ w))}
+    if R.cuda:
+        projs["nccl"] = ("nccl", nccl)
+        buf, gname, why = symm
+        if buf is not None:
+            view = buf[:batch * H].view(batch, H)
+
+            def one_shot(a, w):
+                torch.matmul(a, w, out=view)
+                return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", gname)
+
+            def two_shot(a, w):
+                torch.matmul(a, w, out=view)
+                torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", gname)
+                return view
+            projs["torch_one_shot"] = ("one_shot", one_shot)
+            projs["torch_two_shot"] = ("two_shot", two_shot)
+    impls = []
+    for name, (algo, proj) in projs.items():
+        def fn(proj=proj):
+            out.copy_(model.step(x, proj))
+        impls.append(Impl(name, algo, fn, reset=lambda: C.poison_(out), modes=R.modes,
+                          check=None if name == "none" else (lambda: _cross_rank_wrong(out)),
+                          raise_errors=comm.check if name == comm_name(comm) else None))
+    if R.cuda and symm[0] is None:
+        impls += [Impl(n, n[6:], None, modes=R.modes, error=symm[2])
+                  for n in ("torch_one_shot", "torch_two_shot")]
+    return impls
+
+
+def comm_name(comm) -> str:
+    return "llcomm" if comm.backend == "peer" else "reference"
+
+
+def run_tp(R: Rank, bar) -> list[dict]:
+    from llcomm import Communicator
+
+    cfg = R.cfg
+    model = M.DenseTP(cfg.dense, R.world, cfg.weight_sets, R.gen, R.device, DTYPE)
+    max_bytes = max(cfg.batches) * cfg.dense.hidden * 2
+    comm = Communicator(max_bytes=max_bytes)
+    symm = (C.torch_symm_buffer(max_bytes // 2, DTYPE, R.device) if R.cuda
+            else (None, None, "CPU"))
+    rows = []
+    for batch in cfg.batches:
+        base = {"op": "decode_step", "part": "tp", "model": MODELS["tp"], "batch": batch,
+                "dtype": C.dtype_name(DTYPE), "world_size": R.world,
+                "bytes": batch * cfg.dense.hidden * 2, "layers": cfg.dense.layers,
+                "joins_per_step": 2 * cfg.dense.layers}
+        for impl in tp_impls(R, model, comm, symm, batch):
+            rows += C.time_impl(impl, base, R.timing)
+        bar.advance(f"tp batch {batch}")
+    comm.close()
+    return rows
+
+
+# -- EP ------------------------------------------------------------------------------------------
+def run_ep(R: Rank, bar) -> list[dict]:
+    from llcomm import EPBuffer
+
+    cfg = R.cfg
+    rows = []
+    for tokens in cfg.ep_tokens:
+        model = M.MoEEP(cfg.moe, R.world, tokens, R.gen, R.device, DTYPE)
+        x = R.rand(tokens, cfg.moe.hidden)
+        kw = dict(num_experts=cfg.moe.experts, hidden=cfg.moe.hidden,
+                  num_max_dispatch_tokens_per_rank=tokens, dtype=DTYPE)
+        bufs = {"reference": EPBuffer(backend="reference", **kw)}
+        if R.cuda:
+            bufs["llcomm"] = EPBuffer(backend="peer", **kw)
+        ref = bufs["reference"]
+        expected = model.step(x, ref, *model.buffers())     # the reference's step: the oracle
+        dests = torch.zeros(tokens, R.world, dtype=torch.bool, device=R.device)
+        dests.scatter_(1, model.routing[0][0] // (cfg.moe.experts // R.world), True)
+        base = {"op": "decode_step", "part": "ep", "model": MODELS["ep"], "batch": tokens,
+                "tokens_per_rank": tokens, "dtype": C.dtype_name(DTYPE), "world_size": R.world,
+                "bytes": int(dests.sum()) * cfg.moe.hidden * 2, "hidden": cfg.moe.hidden,
+                "num_experts": cfg.moe.experts, "topk": cfg.moe.topk, "fp8": False,
+                "layers": cfg.moe.layers, "expert_rows": model.rows,
+                "expert_intermediate": cfg.moe.intermediate}
+        modes = ("graph", "eager")
+        for name, buf in (("none", None), *((n, bufs[n]) for n in ("llcomm", "reference")
+                                             if n in bufs)):
+            out = torch.empty_like(x)
+            recv, y = model.buffers()
+
+            def fn(buf=buf, recv=recv, y=y, out=out):
+                out.copy_(model.step(x, buf, recv, y))
+
+            check = (lambda out=out: C.count_wrong(out, expected)) if name == "llcomm" else None
+            impl = Impl(name, "ll" if buf is not None else "none", fn, modes=modes,
+                        reset=lambda out=out: C.poison_(out), check=check,
+                        raise_errors=buf.check if buf is not None else None)
+            rows += C.time_impl(impl, base, R.timing)
+        for buf in bufs.values():
+            buf.close()
+        bar.advance(f"ep {tokens} tokens")
+    return rows
+
+
+# -- results -------------------------------------------------------------------------------------
+def add_shares(rows: list[dict]) -> None:
+    """Per row: ms_per_step, tokens_per_s, comm_ms (vs ``none``) and, for llcomm, comm_ratio."""
+    for r in rows:
+        med = r["median_us"]
+        r["ms_per_step"] = med / 1e3 if med is not None else None
+        toks = r["batch"] * (r["world_size"] if r["part"] == "ep" else 1)
+        r["tokens_per_s"] = toks / (med * 1e-6) if med else None
+    key = lambda r: (r["part"], r["batch"], r["mode"])  # noqa: E731
+    by = {}
+    for r in rows:
+        by.setdefault(key(r), {})[r["impl"]] = r
+    for r in rows:
+        none = by[key(r)].get("none")
+        r["comm_ms"] = (r["ms_per_step"] - none["ms_per_step"]
+                        if r["impl"] != "none" and r["ms_per_step"] is not None and none
+                        and none["ms_per_step"] is not None else None)
+    for r in rows:
+        base = by[key(r)].get(BASELINE[r["part"]])
+        if r["impl"] == "llcomm" and base and r["comm_ms"] is not None and base["comm_ms"]:
+            r["comm_ratio"] = r["comm_ms"] / base["comm_ms"]
+
+
+def rank_main(rank: int, world: int, cfg: Config):
+    R = Rank(rank, world, cfg)
+    rows = []
+    total = len(cfg.batches) * ("tp" in cfg.parts) + len(cfg.ep_tokens) * ("ep" in cfg.parts)
+    with C.progress(total, "bench decode", enabled=rank == 0 and cfg.progress) as bar:
+        if "tp" in cfg.parts:
+            rows += run_tp(R, bar)
+        if "ep" in cfg.parts:
+            rows += run_ep(R, bar)
+    if rank != 0:
+        return None
+    add_shares(rows)
+    return {**C.result_header(world, R.device), "bench": "decode", "iters": cfg.iters,
+            "warmup": cfg.warmup, "dense": cfg.dense.__dict__, "moe": cfg.moe.__dict__,
+            "weight_sets": cfg.weight_sets, "rows": rows}
+
+
+# -- table ---------------------------------------------------------------------------------------
+def _ms(r: dict | None, key: str = "ms_per_step") -> str:
+    if r is None:
+        return "-"
+    if r.get("error") or r.get(key) is None:
+        return "err" if r.get("error") else "-"
+    return f"{r[key]:.3f}"
+
+
+def table(rows: list[dict], part: str) -> tuple[list[str], list[list[str]]]:
+    impls = list(dict.fromkeys(r["impl"] for r in rows if r["part"] == part))
+    headers = ["batch", *[f"{i} ms" for i in impls],
+               *[f"{i} comm ms" for i in impls if i != "none"],
+               f"llcomm/{BASELINE[part]} comm", "llcomm tok/s", "#wrong"]
+    lines: dict = {}
+    for r in rows:
+        if r["part"] == part:
+            lines.setdefault(r["batch"], {}).setdefault(r["impl"], {})[r["mode"]] = r
+    out = []
+    for batch, cells in lines.items():
+        def pick(impl):  # graph where it ran, else the eager row, marked
+            m = cells.get(impl, {})
+            g = m.get("graph")
+            if g is not None and g.get("median_us") is not None:
+                return g, ""
+            e = m.get("eager")
+            if e is not None and e.get("median_us") is not None:
+                return e, " (eager)" if g is not None else ""
+            return g or e, ""
+        picked = {i: pick(i) for i in impls}
+        ll = picked.get("llcomm", (None, ""))[0]
+        wrongs = [r["wrong"] for m in cells.values() for r in m.values()
+                  if r.get("wrong") is not None]
+        out.append([str(batch), *[_ms(picked[i][0]) + picked[i][1] for i in impls],
+                    *[_ms(picked[i][0], "comm_ms") for i in impls if i != "none"],
+                    f"{ll['comm_ratio']:.2f}" if ll and ll.get("comm_ratio") else "-",
+                    f"{ll['tokens_per_s']:.0f}" if ll and ll.get("tokens_per_s") else "-",
+                    str(sum(wrongs)) if wrongs else "-"])
+    return headers, out
+
+
+def print_result(result: dict) -> None:
+    v = result["versions"]
+    print(f"# llcomm bench decode: {result['machine']}, world size {result['world_size']}; torch "
+          f"{v.get('torch')}, triton {v.get('triton')}, nccl {v.get('nccl')}; commit "
+          f"{result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; median of "
+          f"{result['iters']} steps after {result['warmup']} warm-up, slowest rank")
+    d, m = result["dense"], result["moe"]
+    titles = {"tp": f"tp: {MODELS['tp']} (hidden {d['hidden']}, {d['layers']} layers, "
+                    f"{2 * d['layers']} all-reduces per step); graph mode: one CUDA graph per step",
+              "ep": f"ep: {MODELS['ep']} (hidden {m['hidden']}, {m['experts']} experts, "
+                    f"top-{m['topk']}, {m['layers']} MoE layers, expert intermediate "
+                    f"{m['intermediate']}); batch = tokens per rank"}
+    for part in PARTS:
+        if any(r["part"] == part for r in result["rows"]):
+            headers, lines = table(result["rows"], part)
+            C.print_table(titles[part], headers, lines)
+    for r in result["rows"]:
+        if r.get("error"):
+            print(f"# note: {r['part']} {r['impl']} {r['mode']} at batch {r['batch']}: "
+                  f"{r['error']}")
+
+
+# -- command line --------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--parts", default="tp,ep", help="tp, ep or tp,ep (default)")
+    p.add_argument("--batches", help=f"TP batches (default {GPU_BATCHES}; CPU {CPU_BATCHES})")
+    p.add_argument("--layers", type=int, help=f"dense layers (default {M.DenseShape.layers}; "
+                   f"CPU {M.DENSE_CPU.layers})")
+    p.add_argument("--weight-sets", type=int, default=DEFAULT_WEIGHT_SETS,
+                   help="distinct dense weight sets, used by layers in turn (default "
+                   f"{DEFAULT_WEIGHT_SETS})")
+    p.add_argument("--ep-tokens", help=f"EP tokens per rank (default {GPU_EP_TOKENS}; CPU "
+                   f"{CPU_EP_TOKENS})")
+    p.add_argument("--moe-layers", type=int, help=f"MoE layers (default {M.MoEShape.layers}; "
+                   f"CPU {M.MOE_CPU.layers})")
+    p.add_argument("--moe-intermediate", type=int, help="expert intermediate width (default "
+                   f"{M.MoEShape.intermediate}; CPU {M.MOE_CPU.intermediate})")
+    C.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
+
+
+def config_from_args(a, on_cpu: bool) -> Config:
+    problems: list[str] = []
+    parts = tuple(p.strip() for p in a.parts.split(",") if p.strip())
+    if not parts or set(parts) - set(PARTS):
+        problems.append(f"--parts {a.parts!r}: expected tp, ep or tp,ep")
+    batches, ep_tokens = [], []
+    try:
+        batches = C.parse_ints(a.batches or (CPU_BATCHES if on_cpu else GPU_BATCHES),
+                               "--batches")
+        ep_tokens = C.parse_ints(a.ep_tokens or (CPU_EP_TOKENS if on_cpu else GPU_EP_TOKENS),
+                                 "--ep-tokens")
+    except ValueError as e:
+        problems.append(str(e))
+    dense = M.DENSE_CPU if on_cpu else M.DenseShape()
+    moe = M.MOE_CPU if on_cpu else M.MoEShape()
+    for flag, v in (("--layers", a.layers), ("--moe-layers", a.moe_layers),
+                    ("--moe-intermediate", a.moe_intermediate),
+                    ("--weight-sets", a.weight_sets)):
+        if v is not None and v < 1:
+            problems.append(f"{flag} must be at least 1")
+    C.check_run_arguments(a, problems)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if a.layers:
+        dense = replace(dense, layers=a.layers)
+    if a.moe_layers:
+        moe = replace(moe, layers=a.moe_layers)
+    if a.moe_intermediate:
+        moe = replace(moe, intermediate=a.moe_intermediate)
+    return Config(parts=parts, batches=batches, ep_tokens=ep_tokens, dense=dense, moe=moe,
+                  weight_sets=a.weight_sets, iters=a.iters, warmup=a.warmup, seed=a.seed,
+                  progress=not a.no_progress)
+
+
+def run(a) -> int:
+    """``llcomm bench decode``: exit status 1 if an llcomm row was wrong or failed."""
+    world, backend = C.plan(a.cpu)
+    try:
+        cfg = config_from_args(a, backend == "gloo")
+    except ValueError as e:
+        print(f"llcomm bench decode: {e}")
+        return 2
+    result = C.launch(rank_main, cfg, force_cpu=a.cpu)
+    print_result(result)
+    C.write_outputs(result, a)
+    bad = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")
+           and (r.get("wrong") or r.get("error"))
+           and not (r["part"] == "ep" and r["impl"] == "reference" and r["mode"] == "graph")]
+    if bad:
+        print(f"llcomm bench decode: {len(bad)} llcomm result rows are wrong or failed")
+    return 1 if bad else 0
