@@ -191,7 +191,8 @@ class EPBuffer:
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
-                                     max_tokens=self.max_tokens, dtype=dtype, device=self.device)
+                                     max_tokens=self.max_tokens, dtype=dtype, device=self.device,
+                                     timeout_ms=self.timeout_ms)
 
     @staticmethod
     def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -350,8 +351,7 @@ class EPBuffer:
             raise ValueError(f"llcomm.EPBuffer.{fn}: an earlier dispatch got {bad} topk_idx "
                              f"entries outside [-1, {self.num_experts}); they were treated as -1 "
                              "(no expert). Fix the router output.")
-        if self.backend == "peer":
-            self._impl.precheck()
+        self._impl.precheck()
 
     def check(self) -> None:
         """Wait for this rank's queued work, then raise what the device reported: a timeout or
@@ -364,8 +364,7 @@ class EPBuffer:
         if bad:
             raise ValueError(f"llcomm.EPBuffer.check: {bad} topk_idx entries outside [-1, "
                              f"{self.num_experts}) were treated as -1 (no expert)")
-        if self.backend == "peer":
-            self._impl.precheck()
+        self._impl.precheck()
 
     def close(self) -> None:
         """Release the symmetric region. A collective: every rank drains its work first."""

@@ -123,11 +123,22 @@ class FailureLatch:
         self.rank, self.what = rank, what
         self.error: LLCommError | None = None
 
+    def fail(self, error: LLCommError) -> LLCommError:
+        """Record ``error`` as the first failure (host-detected, e.g. the reference backend's
+        bounded wait) unless one came earlier; returns what to raise now."""
+        if self.error is None:
+            self.error = error
+            return error
+        return self._broken()
+
+    def _broken(self) -> CommBrokenError:
+        return CommBrokenError(f"llcomm: rank {self.rank}: this {self.what} failed earlier "
+                               f"({self.error}); destroy it and create a new one.")
+
     def check(self, word: int) -> None:
         """Raise if ``word`` (the host copy of the error word) is set or an error came earlier."""
         if self.error is None and word != 0:
             self.error = decode_error(int(word), self.rank)
             raise self.error
         if self.error is not None:
-            raise CommBrokenError(f"llcomm: rank {self.rank}: this {self.what} failed earlier "
-                                  f"({self.error}); destroy it and create a new one.")
+            raise self._broken()

@@ -123,7 +123,7 @@ class Communicator:
             self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms)
             self.device = self._impl.device
         else:
-            self._impl = ReferenceBackend(self.group)
+            self._impl = ReferenceBackend(self.group, self.timeout_ms)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
         self.backend = backend
