@@ -14,7 +14,9 @@ import sys
 
 #: ``llcomm bench <name>``: a module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gather, "
-                  "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory")}
+                  "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory"),
+           "soak": ("llcomm.bench.soak", "soak test: many random ops of every kind, each result "
+                    "checked, then a replayed CUDA graph; counts of ops, wrong, timeouts")}
 #: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
 #: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
 PLANNED_BENCHES = {"ep": "MoE dispatch / combine (EPBuffer) against NCCL all_to_all",
