@@ -137,7 +137,9 @@ class EPBuffer:
             worst-case decode micro-batch), at most 65536.
         dtype: token dtype, bfloat16 (default), float16 or float32.
         backend: ``"auto"``, ``"peer"`` or ``"reference"``.
-        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000).
+        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
+            on the reference backend over gloo, of every host-side wait (default
+            ``LLCOMM_TIMEOUT_MS`` or 30000; docs/failures.md).
 
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
@@ -188,6 +190,7 @@ class EPBuffer:
             self._impl = _PeerEP(self)
             self.device = self._impl.device
         else:
+            self.timeout_ms = P.timeout_ms_from_env(timeout_ms, P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,

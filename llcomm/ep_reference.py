@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .protocol import timeout_ms_from_env
 from .reference import BoundedCalls
 
 
@@ -31,9 +30,9 @@ class ReferenceEP:
     name = "reference"
 
     def __init__(self, group, *, num_experts: int, hidden: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device, timeout_ms: int | None = None):
+                 dtype: torch.dtype, device: torch.device, timeout_ms: int):
         self.group = group
-        self.calls = BoundedCalls(group, timeout_ms_from_env(timeout_ms), "EPBuffer")
+        self.calls = BoundedCalls(group, timeout_ms, "EPBuffer")
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.num_experts = num_experts

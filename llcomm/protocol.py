@@ -28,6 +28,10 @@ from .errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLComm
 
 #: Default bound of every device-side wait, milliseconds (env ``LLCOMM_TIMEOUT_MS`` overrides).
 DEFAULT_TIMEOUT_MS = 1000
+#: Default bound of the reference backend's host-side waits on gloo (ms) when neither
+#: ``timeout_ms`` nor ``LLCOMM_TIMEOUT_MS`` is given: CPU processes are scheduled by the OS and
+#: do their own work between calls, so a loaded host can hold a healthy rank back well past 1 s.
+REFERENCE_DEFAULT_TIMEOUT_MS = 30_000
 TIMEOUT_ENV = "LLCOMM_TIMEOUT_MS"
 NS_PER_MS = 1_000_000
 
@@ -59,8 +63,9 @@ STATUS_TIMEOUT, STATUS_MISMATCH = 1, 2
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5, "int64": 6}
 
 
-def timeout_ms_from_env(timeout_ms: int | None) -> int:
-    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else 1000.
+def timeout_ms_from_env(timeout_ms: int | None, default: int = DEFAULT_TIMEOUT_MS) -> int:
+    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else ``default``
+    (1000; ``REFERENCE_DEFAULT_TIMEOUT_MS`` for the reference backend).
 
     An argument that is given wins, and the environment is then not read at all. Raises
     ValueError naming ``timeout_ms`` or ``LLCOMM_TIMEOUT_MS``, whichever is not a positive
@@ -68,7 +73,7 @@ def timeout_ms_from_env(timeout_ms: int | None) -> int:
     if timeout_ms is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None:
-            return DEFAULT_TIMEOUT_MS
+            return default
         try:
             value = int(raw)
         except ValueError:

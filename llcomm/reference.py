@@ -6,7 +6,7 @@ CPU) and the multi-host path (NCCL). It shares no code with the peer kernels it 
 module only moves data.
 
 Bounded waits (docs/failures.md): on gloo every collective is issued ``async_op=True`` and waited
-for at most ``timeout_ms`` on the host; a wait that runs out, or a transport error (a peer
+for at most ``timeout_ms`` on the host (default 30 s, ``protocol.REFERENCE_DEFAULT_TIMEOUT_MS``); a wait that runs out, or a transport error (a peer
 process died: "Connection reset by peer"), raises ``CommTimeoutError`` naming the op, and every
 later call raises ``CommBrokenError``, as on the peer backend. On NCCL the calls stay
 asynchronous (no host wait, so they can be captured in a CUDA graph) and the process group's own
@@ -73,11 +73,11 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, group: dist.ProcessGroup, timeout_ms: int | None = None):
+    def __init__(self, group: dist.ProcessGroup, timeout_ms: int):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.calls = BoundedCalls(group, P.timeout_ms_from_env(timeout_ms), "communicator")
+        self.calls = BoundedCalls(group, timeout_ms, "communicator")
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
         if out.data_ptr() != x.data_ptr():
