@@ -23,7 +23,9 @@ BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gathe
            "ep": ("llcomm.bench.ep", "MoE dispatch / combine (EPBuffer): the peer backend "
                   "against the reference backend on NCCL"),
            "decode": ("llcomm.bench.decode", "whole synthetic decode steps (dense TP, MoE EP) "
-                      "with each communication implementation and with none")}
+                      "with each communication implementation and with none"),
+           "soak": ("llcomm.bench.soak", "soak test: many random ops of every kind, each result "
+                    "checked, then a replayed CUDA graph; counts of ops, wrong, timeouts")}
 #: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
 #: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
 PLANNED_BENCHES: dict[str, str] = {}

@@ -137,7 +137,9 @@ class EPBuffer:
             worst-case decode micro-batch), at most 65536.
         dtype: token dtype, bfloat16 (default), float16 or float32.
         backend: ``"auto"``, ``"peer"`` or ``"reference"``.
-        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000).
+        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
+            on the reference backend over gloo, of every host-side wait (default
+            ``LLCOMM_TIMEOUT_MS`` or 30000; docs/failures.md).
 
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
@@ -188,10 +190,12 @@ class EPBuffer:
             self._impl = _PeerEP(self)
             self.device = self._impl.device
         else:
+            self.timeout_ms = P.timeout_ms_from_env(timeout_ms, P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
-                                     max_tokens=self.max_tokens, dtype=dtype, device=self.device)
+                                     max_tokens=self.max_tokens, dtype=dtype, device=self.device,
+                                     timeout_ms=self.timeout_ms)
 
     @staticmethod
     def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -350,8 +354,7 @@ class EPBuffer:
             raise ValueError(f"llcomm.EPBuffer.{fn}: an earlier dispatch got {bad} topk_idx "
                              f"entries outside [-1, {self.num_experts}); they were treated as -1 "
                              "(no expert). Fix the router output.")
-        if self.backend == "peer":
-            self._impl.precheck()
+        self._impl.precheck()
 
     def check(self) -> None:
         """Wait for this rank's queued work, then raise what the device reported: a timeout or
@@ -364,8 +367,7 @@ class EPBuffer:
         if bad:
             raise ValueError(f"llcomm.EPBuffer.check: {bad} topk_idx entries outside [-1, "
                              f"{self.num_experts}) were treated as -1 (no expert)")
-        if self.backend == "peer":
-            self._impl.precheck()
+        self._impl.precheck()
 
     def close(self) -> None:
         """Release the symmetric region. A collective: every rank drains its work first."""

@@ -13,17 +13,15 @@ shares no code with ``llcomm/kernels/ep.py`` but produces the same bytes: the sa
 Exchanges have fixed sizes (every rank sends ``max_tokens`` slots to every rank), so nothing
 waits on the host and the whole thing can be captured in a CUDA graph on NCCL. Payloads travel
 as bytes (uint8 views): byte-exact, and gloo moves no 16-bit types. ``EPBuffer`` validates
-arguments before calling in here.
+arguments before calling in here. On gloo every exchange is bounded by ``timeout_ms`` on the host
+(``reference.BoundedCalls``): a peer that is gone or late raises ``CommTimeoutError``.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-
-def _a2a_bytes(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """all_to_all_single of equal splits along dim 0, moving raw bytes."""
-    dist.all_to_all_single(out.view(torch.uint8), inp.view(torch.uint8), group=group)
+from .reference import BoundedCalls
 
 
 class ReferenceEP:
@@ -32,8 +30,9 @@ class ReferenceEP:
     name = "reference"
 
     def __init__(self, group, *, num_experts: int, hidden: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, timeout_ms: int):
         self.group = group
+        self.calls = BoundedCalls(group, timeout_ms, "EPBuffer")
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.num_experts = num_experts
@@ -45,6 +44,11 @@ class ReferenceEP:
         # Out-of-range top-k entries seen on the device (counted, never synchronised on the hot
         # path; ``take_bad_count`` reads it).
         self._bad = torch.zeros((), dtype=torch.int64, device=device)
+
+    def _a2a_bytes(self, op: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """all_to_all_single of equal splits along dim 0, moving raw bytes (bounded on gloo)."""
+        o, i = out.view(torch.uint8), inp.view(torch.uint8)
+        self.calls.run(op, lambda a: dist.all_to_all_single(o, i, group=self.group, async_op=a))
 
     # -- dispatch -------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor):
@@ -65,7 +69,7 @@ class ReferenceEP:
         send_x = torch.zeros((W, T, H), dtype=self.dtype, device=dev)
         send_x[:, :n] = x
         got_x = torch.empty_like(send_x)
-        _a2a_bytes(got_x, send_x, self.group)
+        self._a2a_bytes("dispatch", got_x, send_x)
         # Metadata: slot (dest, t, k) = local expert id on dest, or -1.
         dest = torch.where(valid, topk_idx // L, -1)
         local = torch.where(valid, topk_idx - dest * L, -1)
@@ -73,7 +77,7 @@ class ReferenceEP:
         ranks = torch.arange(W, device=dev).view(W, 1, 1)
         send_m[:, :n] = torch.where(dest.unsqueeze(0) == ranks, local.unsqueeze(0), -1)
         meta = torch.empty_like(send_m)
-        _a2a_bytes(meta, send_m, self.group)
+        self._a2a_bytes("dispatch", meta, send_m)
         meta = meta.view(P, K)                      # pair p = s * T + t
         ok = meta >= 0
         # Pair p uses local expert e (once, however often e repeats in its top-k).
@@ -110,7 +114,7 @@ class ReferenceEP:
         send_w = torch.zeros((W, T, K), dtype=torch.float32, device=dev)
         send_w[:, :n] = topk_weights
         got_w = torch.empty_like(send_w)
-        _a2a_bytes(got_w, send_w, self.group)
+        self._a2a_bytes("combine", got_w, send_w)
         got_w = got_w.view(P, K)
         y = expert_out.view(L * P, H)
         acc = torch.zeros((P, H), dtype=torch.float32, device=dev)
@@ -120,7 +124,7 @@ class ReferenceEP:
             acc = torch.where((r >= 0).unsqueeze(1), acc + got_w[:, k:k + 1] * yk, acc)
         partial = acc.to(self.dtype).view(W, T, H)   # slot (source rank, t)
         back = torch.empty_like(partial)             # slot (expert rank, t)
-        _a2a_bytes(back, partial, self.group)
+        self._a2a_bytes("combine", back, partial)
         valid = (topk_idx >= 0) & (topk_idx < E)
         dest = torch.where(valid, topk_idx // L, -1)
         total = torch.zeros((n, H), dtype=torch.float32, device=dev)
@@ -129,6 +133,10 @@ class ReferenceEP:
             total = torch.where(went, total + back[q, :n].float(), total)
         out.copy_(total)
         return out
+
+    def precheck(self) -> None:
+        """Raise CommBrokenError if an earlier exchange failed (timeout or lost peer)."""
+        self.calls.check()
 
     def take_bad_count(self) -> int:
         """Out-of-range top-k entries seen since the last call (synchronises the device)."""

@@ -28,6 +28,10 @@ from .errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLComm
 
 #: Default bound of every device-side wait, milliseconds (env ``LLCOMM_TIMEOUT_MS`` overrides).
 DEFAULT_TIMEOUT_MS = 1000
+#: Default bound of the reference backend's host-side waits on gloo (ms) when neither
+#: ``timeout_ms`` nor ``LLCOMM_TIMEOUT_MS`` is given: CPU processes are scheduled by the OS and
+#: do their own work between calls, so a loaded host can hold a healthy rank back well past 1 s.
+REFERENCE_DEFAULT_TIMEOUT_MS = 30_000
 TIMEOUT_ENV = "LLCOMM_TIMEOUT_MS"
 NS_PER_MS = 1_000_000
 US_PER_MS = 1_000
@@ -65,8 +69,9 @@ STATUS_TIMEOUT, STATUS_MISMATCH = 1, 2
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5, "int64": 6}
 
 
-def timeout_ms_from_env(timeout_ms: int | None) -> int:
-    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else 1000.
+def timeout_ms_from_env(timeout_ms: int | None, default: int = DEFAULT_TIMEOUT_MS) -> int:
+    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else ``default``
+    (1000; ``REFERENCE_DEFAULT_TIMEOUT_MS`` for the reference backend).
 
     An argument that is given wins, and the environment is then not read at all. Raises
     ValueError naming ``timeout_ms`` or ``LLCOMM_TIMEOUT_MS``, whichever is not a positive
@@ -74,7 +79,7 @@ def timeout_ms_from_env(timeout_ms: int | None) -> int:
     if timeout_ms is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None:
-            return DEFAULT_TIMEOUT_MS
+            return default
         try:
             value = int(raw)
         except ValueError:
@@ -132,11 +137,22 @@ class FailureLatch:
         self.rank, self.what = rank, what
         self.error: LLCommError | None = None
 
+    def fail(self, error: LLCommError) -> LLCommError:
+        """Record ``error`` as the first failure (host-detected, e.g. the reference backend's
+        bounded wait) unless one came earlier; returns what to raise now."""
+        if self.error is None:
+            self.error = error
+            return error
+        return self._broken()
+
+    def _broken(self) -> CommBrokenError:
+        return CommBrokenError(f"llcomm: rank {self.rank}: this {self.what} failed earlier "
+                               f"({self.error}); destroy it and create a new one.")
+
     def check(self, word: int) -> None:
         """Raise if ``word`` (the host copy of the error word) is set or an error came earlier."""
         if self.error is None and word != 0:
             self.error = decode_error(int(word), self.rank)
             raise self.error
         if self.error is not None:
-            raise CommBrokenError(f"llcomm: rank {self.rank}: this {self.what} failed earlier "
-                                  f"({self.error}); destroy it and create a new one.")
+            raise self._broken()

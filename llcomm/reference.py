@@ -4,15 +4,68 @@ It is the oracle of every test, the backend on machines without peer-reachable G
 CPU) and the multi-host path (NCCL). It shares no code with the peer kernels it checks. The
 ``Communicator`` validates arguments and allocates outputs before calling in here, so this
 module only moves data.
+
+Bounded waits (docs/failures.md): on gloo every collective is issued ``async_op=True`` and waited
+for at most ``timeout_ms`` on the host (default 30 s, ``protocol.REFERENCE_DEFAULT_TIMEOUT_MS``); a wait that runs out, or a transport error (a peer
+process died: "Connection reset by peer"), raises ``CommTimeoutError`` naming the op, and every
+later call raises ``CommBrokenError``, as on the peer backend. On NCCL the calls stay
+asynchronous (no host wait, so they can be captured in a CUDA graph) and the process group's own
+timeout and NCCL's watchdog bound them instead.
 """
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
 
+from . import protocol as P
+from .errors import CommTimeoutError
+
 # torch 2.13 renamed the single-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class BoundedCalls:
+    """Runs the torch.distributed calls of one communicator (or EP buffer) with a host-side bound
+    on gloo, and latches the first failure. ``what`` names the object in messages.
+
+    ``run(op, call)``: ``call(async_op)`` issues one collective and returns its Work when
+    ``async_op`` is true. On gloo it is waited for ``timeout_ms`` at most; any error of the
+    collective (timeout, lost connection) becomes ``CommTimeoutError`` naming ``op``. On other
+    backends it is issued synchronously as before (NCCL: enqueued on the current stream)."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_ms: int, what: str):
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout_ms = timeout_ms
+        self.bounded = dist.get_backend(group) == "gloo"
+        self._timeout = datetime.timedelta(milliseconds=timeout_ms)
+        self.failure = P.FailureLatch(self.rank, what)
+
+    def check(self) -> None:
+        """Raise CommBrokenError if an earlier call failed."""
+        self.failure.check(0)
+
+    def run(self, op: str, call) -> None:
+        self.check()
+        if not self.bounded:
+            call(False)
+            return
+        try:
+            work = call(True)
+            work.wait(timeout=self._timeout)
+        except RuntimeError as e:  # gloo: "Operation timed out!", "Connection reset by peer"
+            others = [r for r in range(self.world_size) if r != self.rank]
+            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+            err = CommTimeoutError(
+                f"llcomm: rank {self.rank}: {op} (reference backend, gloo): the collective did "
+                f"not complete within timeout_ms={self.timeout_ms} ({cause}); a peer of ranks "
+                f"{others} did not arrive or its process is gone. The {self.failure.what} is now "
+                "broken: destroy it and create a new one (after the missing ranks are back).",
+                op=op, phase="collective", ranks=())
+            raise self.failure.fail(err) from e
 
 
 class ReferenceBackend:
@@ -20,15 +73,17 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, timeout_ms: int):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.calls = BoundedCalls(group, timeout_ms, "communicator")
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        self.calls.run("all_reduce", lambda a: dist.all_reduce(
+            out, op=dist.ReduceOp.SUM, group=self.group, async_op=a))
         return out
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
@@ -44,19 +99,23 @@ class ReferenceBackend:
         return out, res_out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
+        src = dist.get_global_rank(self.group, src)
+        self.calls.run("broadcast", lambda a: dist.broadcast(x, src=src, group=self.group,
+                                                             async_op=a))
         return x
 
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Flat views: gloo wants the output to be world_size chunks shaped exactly like the
         # input, which a 0-d x (out [world_size]) or a stacked output would not be.
-        _all_gather_flat(out.view(-1), x.reshape(-1), group=self.group)
+        self.calls.run("all_gather", lambda a: _all_gather_flat(
+            out.view(-1), x.reshape(-1), group=self.group, async_op=a))
         return out
 
     def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         tokens, part = x.shape
         stacked = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
-        _all_gather_flat(stacked, x.reshape(-1), group=self.group)
+        self.calls.run("all_gather_2d", lambda a: _all_gather_flat(
+            stacked, x.reshape(-1), group=self.group, async_op=a))
         out.view(tokens, self.world_size, part).copy_(
             stacked.view(self.world_size, tokens, part).transpose(0, 1))
         return out
@@ -64,14 +123,17 @@ class ReferenceBackend:
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":  # gloo has no reduce_scatter_tensor
             full = x.clone()
-            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+            self.calls.run("reduce_scatter", lambda a: dist.all_reduce(
+                full, op=dist.ReduceOp.SUM, group=self.group, async_op=a))
             out.copy_(full.view(self.world_size, *out.shape)[self.rank])
             return out
-        _reduce_scatter_flat(out.view(-1), x.view(-1), op=dist.ReduceOp.SUM, group=self.group)
+        self.calls.run("reduce_scatter", lambda a: _reduce_scatter_flat(
+            out.view(-1), x.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=a))
         return out
 
     def check(self) -> None:
-        """Nothing to surface: torch.distributed raises its own errors."""
+        """Raise CommBrokenError if an earlier call failed (the calls raise their own errors)."""
+        self.calls.check()
 
     def close(self) -> None:
         pass

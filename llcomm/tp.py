@@ -86,7 +86,9 @@ class Communicator:
             ``2 * (world_size + 1) * max_bytes`` of symmetric memory once; larger inputs are
             refused with ValueError. The reference backend enforces the same bound.
         backend: ``"auto"``, ``"peer"`` or ``"reference"``.
-        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000).
+        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
+            on the reference backend over gloo, of every host-side wait (default
+            ``LLCOMM_TIMEOUT_MS`` or 30000). docs/failures.md has what happens when it runs out.
 
     Every op runs on the caller's current CUDA stream, allocates nothing but its output (pass
     ``out=`` to avoid even that), does not synchronise the host, and can be captured in a CUDA
@@ -130,7 +132,8 @@ class Communicator:
             self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms)
             self.device = self._impl.device
         else:
-            self._impl = ReferenceBackend(self.group)
+            self.timeout_ms = P.timeout_ms_from_env(timeout_ms, P.REFERENCE_DEFAULT_TIMEOUT_MS)
+            self._impl = ReferenceBackend(self.group, self.timeout_ms)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
         self.backend = backend

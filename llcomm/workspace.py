@@ -2,7 +2,7 @@
 
 Made with PyTorch symmetric memory (``empty`` + ``rendezvous``), which maps every rank's
 allocation into every other rank's address space over NVLink. Only the ranks of the given process
-group take part; the handles travel over that group's store (see docs/trust.md).
+group take part; the handles travel over that group's store (docs/design.md, "Trust model").
 """
 from __future__ import annotations
 

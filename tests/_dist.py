@@ -15,6 +15,11 @@ a queue: its return value, or its exception with the rank's traceback, which is 
 the pytest process. Nothing can hang: once any rank fails, the others get a short grace period;
 past ``timeout`` seconds every remaining process is killed and the test fails, naming the ranks
 that never finished.
+
+Fault tests name the ranks that are meant to die: ``run_distributed(fn, 2, expect_exit={1: 17})``
+accepts rank 1 leaving with exit code 17 (``os._exit(17)``; ``-9`` for SIGKILL) without a report
+(its result is None), does not start the failure grace period for it, and then requires every
+other rank to report and to exit on its own (exit code 0) within ``KILL_WAIT_S``.
 """
 from __future__ import annotations
 
@@ -73,7 +78,8 @@ def _worker(fn, rank, world_size, port, backend, timeout, args, results) -> None
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120):
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120,
+                    expect_exit: dict[int, int] | None = None):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
     ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Returns the list of
@@ -84,6 +90,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
 
     backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r uses GPU r; multicast is switched off
     through the environment before the processes start, see ``GPU_ENV``).
+    expect_exit: ``{rank: exit code}`` of ranks that are meant to die (see the module doc).
     """
     import torch.distributed as dist
 
@@ -103,7 +110,9 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     for p in procs:
         p.start()
 
+    expect_exit = dict(expect_exit or {})
     reports: dict[int, tuple[str, object]] = {}
+    not_exited: dict[int, int | None] = {}  # rank -> exit code (None: still running)
     deadline = time.monotonic() + timeout
     failed_at = None
     try:
@@ -113,6 +122,10 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
                 break
             try:
                 rank, status, payload = results.get(timeout=POLL_S)
+                if rank in expect_exit:
+                    status, payload = "error", (f"rank {rank} was expected to die with exit code "
+                                                f"{expect_exit[rank]} but reported {status}:\n"
+                                                f"{payload}")
                 reports[rank] = (status, payload)
                 if status == "error" and failed_at is None:
                     failed_at = time.monotonic()
@@ -130,16 +143,27 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
                     except queue_mod.Empty:
                         break
                     reports[rank] = (status, payload)
+                unexpected = False
                 for r in dead:
-                    if r not in reports:
-                        reports[r] = ("error", f"rank {r} died with exit code "
-                                               f"{procs[r].exitcode} and reported nothing")
-                if failed_at is None:
+                    if r in reports:
+                        continue
+                    if expect_exit.get(r) == procs[r].exitcode:
+                        reports[r] = ("died", None)  # as planned: not a failure
+                        continue
+                    unexpected = True
+                    reports[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode} "
+                                           "and reported nothing" + (
+                                               f" (expected exit code {expect_exit[r]})"
+                                               if r in expect_exit else ""))
+                if unexpected and failed_at is None:
                     failed_at = time.monotonic()
     finally:
         if len(reports) == world_size:  # all reported: let them exit on their own first
             for p in procs:
                 p.join(timeout=KILL_WAIT_S)
+            if expect_exit:  # fault tests: the survivors must also exit cleanly
+                not_exited = {r: p.exitcode for r, p in enumerate(procs)
+                              if r not in expect_exit and p.exitcode != 0}
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -152,6 +176,10 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     # fail in a collective because of it.
     errors = [(r, payload) for r, (status, payload) in reports.items() if status == "error"]
     missing = [r for r in range(world_size) if r not in reports]
+    if not errors and not missing and not_exited:
+        errors = [(r, f"rank {r} reported but did not exit cleanly within {KILL_WAIT_S}s "
+                      f"({'still running, killed' if code is None else f'exit code {code}'})")
+                  for r, code in not_exited.items()]
     if errors or missing:
         parts = [f"--- rank {r} of {world_size} raised{' first' if i == 0 and len(errors) > 1 else ''}"
                  f" ---\n{tb}" for i, (r, tb) in enumerate(errors)]
