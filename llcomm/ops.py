@@ -40,8 +40,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .ep import EPBuffer
+    from .tp import Communicator
 
 #: Dispatch handles kept per EPBuffer for ``ep_combine``; the buffer itself refuses a handle
 #: older than its two slots, so one more than that is enough to give its message.
@@ -197,7 +202,7 @@ def _(buf, ticket):
 
 
 # -- the API compiled code calls ----------------------------------------------------------------
-def all_reduce(comm, x: torch.Tensor, *, algo: str = "auto") -> torch.Tensor:
+def all_reduce(comm: "Communicator", x: torch.Tensor, *, algo: str = "auto") -> torch.Tensor:
     """``comm.all_reduce(x, algo=algo)`` as a custom op: a new tensor, the sum over ranks.
 
     x: any shape, bf16 / fp16 / fp32 on ``comm.device``, at most ``comm.max_bytes``; not
@@ -206,7 +211,7 @@ def all_reduce(comm, x: torch.Tensor, *, algo: str = "auto") -> torch.Tensor:
     return torch.ops.llcomm.all_reduce(_handle_of(comm), x, algo)
 
 
-def broadcast(comm, x: torch.Tensor, src: int) -> torch.Tensor:
+def broadcast(comm: "Communicator", x: torch.Tensor, src: int) -> torch.Tensor:
     """``comm.broadcast(x, src)``: rank ``src``'s ``x`` into ``x`` on every rank, in place.
 
     Declared as mutating ``x`` (``torch.ops.llcomm.broadcast_``), so compiled code sees the
@@ -216,22 +221,22 @@ def broadcast(comm, x: torch.Tensor, src: int) -> torch.Tensor:
     return x
 
 
-def all_gather(comm, x: torch.Tensor) -> torch.Tensor:
+def all_gather(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
     """``comm.all_gather(x)``: x ``[d0, ...]`` -> new ``[world_size * d0, ...]``, rank order."""
     return torch.ops.llcomm.all_gather(_handle_of(comm), x)
 
 
-def all_gather_2d(comm, x: torch.Tensor) -> torch.Tensor:
+def all_gather_2d(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
     """``comm.all_gather_2d(x)``: x ``[tokens, part]`` -> new ``[tokens, world_size * part]``."""
     return torch.ops.llcomm.all_gather_2d(_handle_of(comm), x)
 
 
-def reduce_scatter(comm, x: torch.Tensor) -> torch.Tensor:
+def reduce_scatter(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
     """``comm.reduce_scatter(x)``: x ``[world_size * d0, ...]`` -> new ``[d0, ...]``."""
     return torch.ops.llcomm.reduce_scatter(_handle_of(comm), x)
 
 
-def ep_dispatch(buf, x: torch.Tensor, topk_idx: torch.Tensor
+def ep_dispatch(buf: "EPBuffer", x: torch.Tensor, topk_idx: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``buf.dispatch(x, topk_idx)`` with a ticket in place of the handle.
 
@@ -248,7 +253,7 @@ def ep_dispatch(buf, x: torch.Tensor, topk_idx: torch.Tensor
     return torch.ops.llcomm.ep_dispatch(_handle_of(buf), x, topk_idx)
 
 
-def ep_combine(buf, expert_out: torch.Tensor, topk_idx: torch.Tensor,
+def ep_combine(buf: "EPBuffer", expert_out: torch.Tensor, topk_idx: torch.Tensor,
                topk_weights: torch.Tensor, ticket: torch.Tensor) -> torch.Tensor:
     """``buf.combine(expert_out, topk_idx, topk_weights, handle)`` for the ticket's dispatch.
 
@@ -260,7 +265,7 @@ def ep_combine(buf, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                                        ticket)
 
 
-def ep_src_info(buf, ticket: torch.Tensor) -> torch.Tensor:
+def ep_src_info(buf: "EPBuffer", ticket: torch.Tensor) -> torch.Tensor:
     """A copy of the ticket's ``EPHandle.src_info``: ``[num_local_experts, num_ranks *
     max_tokens]`` int32, ``source_rank * max_tokens + source_token`` per filled row."""
     return torch.ops.llcomm.ep_src_info(_handle_of(buf), ticket)

@@ -141,10 +141,10 @@ class Communicator:
 
         Args:
             x: any shape, contiguous, bf16 / fp16 / fp32, on this communicator's device,
-               at most ``max_bytes``. Not modified (unless ``out is x``).
+                at most ``max_bytes``. Not modified (unless ``out is x``).
             out: optional result tensor, same shape and dtype as x (may be x itself).
             algo: ``"one_shot"`` (push + one barrier), ``"lamport"`` (one-shot, barrier-free,
-               inputs up to 1 MiB), ``"two_shot"`` (reduce-scatter + all-gather) or ``"auto"``.
+                inputs up to 1 MiB), ``"two_shot"`` (reduce-scatter + all-gather) or ``"auto"``.
         Returns:
             ``out`` (a new tensor if not given). The peer backend accumulates in fp32 in global
             rank order and rounds once, so every rank gets the same bits whichever algorithm
