@@ -6,6 +6,7 @@ reference backend on torch.distributed (NCCL or gloo) with the same API.
 from .errors import (CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError,
                      UnsupportedConfigError)
 from .tp import Communicator
+from . import ops  # noqa: E402,F401  (torch.library custom ops: llcomm.ops, docs/compile.md)
 
 __version__ = "0.1.0"
 __all__ = ["Communicator", "CommTimeoutError", "CommMismatchError", "CommBrokenError",

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validate as V
+from . import ops
 from . import protocol as P
 from .ep_layout import MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
 from .ep_reference import ReferenceEP
@@ -144,6 +145,9 @@ class EPBuffer:
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
     rank must make the same sequence of calls with the same ``topk``; ``num_tokens`` may differ.
+
+    Under ``torch.compile(fullgraph=True)`` use ``llcomm.ops.ep_dispatch`` / ``ep_combine``:
+    custom ops that return a ticket tensor in place of the handle (docs/compile.md).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, num_experts: int, hidden: int,
@@ -196,6 +200,7 @@ class EPBuffer:
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
                                      max_tokens=self.max_tokens, dtype=dtype, device=self.device,
                                      timeout_ms=self.timeout_ms)
+        ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     @staticmethod
     def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

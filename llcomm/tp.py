@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validate as V
+from . import ops
 from . import protocol as P
 from .errors import UnsupportedConfigError
 from .reference import ReferenceBackend
@@ -98,6 +99,10 @@ class Communicator:
     Errors: a peer that never arrives, or that called a different op or size in the same round,
     is written by the kernel to a host-visible word; the next call (or ``check()``) raises
     ``CommTimeoutError`` / ``CommMismatchError`` and the communicator is broken from then on.
+
+    Under ``torch.compile(fullgraph=True)`` call the ops through ``llcomm.ops`` (e.g.
+    ``llcomm.ops.all_reduce(comm, x)``): they are ``torch.library`` custom ops that find this
+    object by ``op_handle``, an int given at construction (docs/compile.md).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -137,6 +142,7 @@ class Communicator:
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
         self.backend = backend
+        ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     # -- ops ------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -145,10 +151,10 @@ class Communicator:
 
         Args:
             x: any shape, contiguous, bf16 / fp16 / fp32, on this communicator's device,
-               at most ``max_bytes``. Not modified (unless ``out is x``).
+                at most ``max_bytes``. Not modified (unless ``out is x``).
             out: optional result tensor, same shape and dtype as x (may be x itself).
             algo: ``"one_shot"`` (push + one barrier), ``"lamport"`` (one-shot, barrier-free,
-               inputs up to 1 MiB), ``"two_shot"`` (reduce-scatter + all-gather) or ``"auto"``.
+                inputs up to 1 MiB), ``"two_shot"`` (reduce-scatter + all-gather) or ``"auto"``.
         Returns:
             ``out`` (a new tensor if not given). The peer backend accumulates in fp32 in global
             rank order and rounds once, so every rank gets the same bits whichever algorithm

@@ -1,0 +1,275 @@
+"""llcomm's ops as ``torch.library`` custom ops, for ``torch.compile(fullgraph=True)``.
+
+    import llcomm.ops as ops
+
+    comm = llcomm.Communicator(group)                    # once; gets comm.op_handle
+    y = ops.all_reduce(comm, x)                          # = comm.all_reduce(x), traceable
+    recv_x, recv_count, ticket = ops.ep_dispatch(buf, x, topk_idx)
+    out = ops.ep_combine(buf, expert_out, topk_idx, topk_weights, ticket)
+
+A ``Communicator`` or ``EPBuffer`` cannot be an op argument, so each one registers itself at
+construction under a small int, ``op_handle``, valid in this process only; the ops take that int
+and look the object up. The functions below take the object and pass its handle, so they are what
+compiled code should call; ``torch.ops.llcomm.<name>(handle, ...)`` is the same thing, raw.
+
+| op | schema (``torch.ops.llcomm``) | method it runs |
+|---|---|---|
+| ``all_reduce`` | ``(int comm, Tensor x, str algo) -> Tensor`` | ``Communicator.all_reduce`` |
+| ``broadcast_`` | ``(int comm, Tensor(a!) x, int src) -> ()`` | ``Communicator.broadcast`` (in place) |
+| ``all_gather`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.all_gather`` |
+| ``all_gather_2d`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.all_gather_2d`` |
+| ``reduce_scatter`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.reduce_scatter`` |
+| ``ep_dispatch`` | ``(int buf, Tensor x, Tensor topk_idx) -> (Tensor, Tensor, Tensor)`` | ``EPBuffer.dispatch`` |
+| ``ep_combine`` | ``(int buf, Tensor y, Tensor topk_idx, Tensor w, Tensor ticket) -> Tensor`` | ``EPBuffer.combine`` |
+| ``ep_src_info`` | ``(int buf, Tensor ticket) -> Tensor`` | ``EPHandle.src_info`` (a copy) |
+
+EP under compile: ``EPBuffer.dispatch`` returns an ``EPHandle``, a Python object a graph cannot
+carry. ``ep_dispatch`` keeps the handle here and returns a **ticket** in its place: a 0-d int64
+CPU tensor holding the dispatch's index. ``ep_combine`` looks the handle up by the ticket (a host
+read of a CPU tensor: no device synchronisation). The ticket also makes combine depend on its
+dispatch in the graph, so the compiler cannot reorder them. A ticket lives as long as its handle
+(two dispatches of the same buffer); an older one is refused with ValueError.
+
+Outputs are fresh tensors (custom ops may not return views of their inputs or of each other), so
+``ep_dispatch`` copies ``recv_count`` out of the handle slot (``[num_local_experts]`` int32) and
+``out=`` arguments are not offered. The ops have no autograd formula: call them on tensors that
+do not require grad (inference). Fake (meta) implementations give every output's shape, dtype and
+device, so the ops trace with dynamic shapes too. Validation and errors are the methods' own.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .ep import EPBuffer
+    from .tp import Communicator
+
+#: Dispatch handles kept per EPBuffer for ``ep_combine``; the buffer itself refuses a handle
+#: older than its two slots, so one more than that is enough to give its message.
+KEPT_HANDLES = 3
+
+_objects: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+_ep_handles: dict[int, dict[int, object]] = {}      # buffer handle -> {dispatch index: EPHandle}
+
+
+def register(obj) -> int:
+    """Give ``obj`` (a Communicator or EPBuffer) its ``op_handle`` and return it.
+
+    Called by the constructors; calling it again returns the same int. The registry holds a weak
+    reference, so registering keeps nothing alive. Handles are per process and never reused.
+    """
+    h = getattr(obj, "op_handle", None)
+    if h is None:
+        h = next(_next_handle)
+        _objects[h] = obj
+        obj.op_handle = h
+    return h
+
+
+def _lookup(h: int, fn: str):
+    obj = _objects.get(h)
+    if obj is None:
+        raise ValueError(f"llcomm.ops.{fn}: no live Communicator or EPBuffer has op_handle={h} "
+                         "in this process (pass obj.op_handle of an object that is still alive)")
+    return obj
+
+
+def _handle_of(obj) -> int:
+    h = getattr(obj, "op_handle", None)
+    return h if h is not None else register(obj)
+
+
+# -- TP ops -------------------------------------------------------------------------------------
+@torch.library.custom_op("llcomm::all_reduce", mutates_args=())
+def _all_reduce(comm: int, x: torch.Tensor, algo: str) -> torch.Tensor:
+    return _lookup(comm, "all_reduce").all_reduce(x, algo=algo)
+
+
+@_all_reduce.register_fake
+def _(comm, x, algo):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("llcomm::broadcast_", mutates_args=("x",))
+def _broadcast_(comm: int, x: torch.Tensor, src: int) -> None:
+    _lookup(comm, "broadcast").broadcast(x, src)
+
+
+@_broadcast_.register_fake
+def _(comm, x, src):
+    return None
+
+
+@torch.library.custom_op("llcomm::all_gather", mutates_args=())
+def _all_gather(comm: int, x: torch.Tensor) -> torch.Tensor:
+    return _lookup(comm, "all_gather").all_gather(x)
+
+
+@_all_gather.register_fake
+def _(comm, x):
+    ws = _lookup(comm, "all_gather").world_size
+    shape = (ws * x.shape[0], *x.shape[1:]) if x.dim() else (ws,)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("llcomm::all_gather_2d", mutates_args=())
+def _all_gather_2d(comm: int, x: torch.Tensor) -> torch.Tensor:
+    return _lookup(comm, "all_gather_2d").all_gather_2d(x)
+
+
+@_all_gather_2d.register_fake
+def _(comm, x):
+    ws = _lookup(comm, "all_gather_2d").world_size
+    torch._check(x.dim() == 2, lambda: "llcomm.ops.all_gather_2d: x must be 2-D [tokens, part]")
+    return x.new_empty((x.shape[0], ws * x.shape[1]))
+
+
+@torch.library.custom_op("llcomm::reduce_scatter", mutates_args=())
+def _reduce_scatter(comm: int, x: torch.Tensor) -> torch.Tensor:
+    return _lookup(comm, "reduce_scatter").reduce_scatter(x)
+
+
+@_reduce_scatter.register_fake
+def _(comm, x):
+    ws = _lookup(comm, "reduce_scatter").world_size
+    return x.new_empty((x.shape[0] // ws, *x.shape[1:]))
+
+
+# -- EP ops -------------------------------------------------------------------------------------
+@torch.library.custom_op("llcomm::ep_dispatch", mutates_args=())
+def _ep_dispatch(buf: int, x: torch.Tensor, topk_idx: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b = _lookup(buf, "ep_dispatch")
+    recv_x, recv_count, handle = b.dispatch(x, topk_idx)
+    kept = _ep_handles.setdefault(buf, {})
+    kept[handle.index] = handle
+    for old in [i for i in kept if i <= handle.index - KEPT_HANDLES]:
+        del kept[old]
+    return recv_x, recv_count.clone(), torch.tensor(handle.index, dtype=torch.int64)
+
+
+@_ep_dispatch.register_fake
+def _(buf, x, topk_idx):
+    b = _lookup(buf, "ep_dispatch")
+    recv_x = x.new_empty((b.num_local_experts, b.num_ranks * b.max_tokens, b.hidden),
+                         dtype=b.dtype)
+    recv_count = x.new_empty((b.num_local_experts,), dtype=torch.int32)
+    return recv_x, recv_count, torch.empty((), dtype=torch.int64, device="cpu")
+
+
+def _ticket_handle(buf: int, ticket: torch.Tensor, fn: str):
+    if not isinstance(ticket, torch.Tensor) or ticket.numel() != 1 or ticket.device.type != "cpu" \
+            or ticket.dtype != torch.int64:
+        raise TypeError(f"llcomm.ops.{fn}: ticket must be the 0-d int64 CPU tensor ep_dispatch "
+                        "returned")
+    index = int(ticket)
+    handle = _ep_handles.get(buf, {}).get(index)
+    if handle is None:
+        raise ValueError(f"llcomm.ops.{fn}: ticket {index} names no recent ep_dispatch of this "
+                         f"EPBuffer (op_handle={buf}); a ticket lives as long as its handle, two "
+                         "dispatches: combine before dispatching again")
+    return handle
+
+
+@torch.library.custom_op("llcomm::ep_combine", mutates_args=())
+def _ep_combine(buf: int, expert_out: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor, ticket: torch.Tensor) -> torch.Tensor:
+    b = _lookup(buf, "ep_combine")
+    return b.combine(expert_out, topk_idx, topk_weights, _ticket_handle(buf, ticket, "ep_combine"))
+
+
+@_ep_combine.register_fake
+def _(buf, expert_out, topk_idx, topk_weights, ticket):
+    b = _lookup(buf, "ep_combine")
+    return expert_out.new_empty((topk_idx.shape[0], b.hidden), dtype=b.dtype)
+
+
+@torch.library.custom_op("llcomm::ep_src_info", mutates_args=())
+def _ep_src_info(buf: int, ticket: torch.Tensor) -> torch.Tensor:
+    return _ticket_handle(buf, ticket, "ep_src_info").src_info.clone()
+
+
+@_ep_src_info.register_fake
+def _(buf, ticket):
+    b = _lookup(buf, "ep_src_info")
+    return torch.empty((b.num_local_experts, b.num_ranks * b.max_tokens), dtype=torch.int32,
+                       device=b.device)
+
+
+# -- the API compiled code calls ----------------------------------------------------------------
+def all_reduce(comm: "Communicator", x: torch.Tensor, *, algo: str = "auto") -> torch.Tensor:
+    """``comm.all_reduce(x, algo=algo)`` as a custom op: a new tensor, the sum over ranks.
+
+    x: any shape, bf16 / fp16 / fp32 on ``comm.device``, at most ``comm.max_bytes``; not
+    modified. Runs on the current stream; the result is bitwise the method's.
+    """
+    return torch.ops.llcomm.all_reduce(_handle_of(comm), x, algo)
+
+
+def broadcast(comm: "Communicator", x: torch.Tensor, src: int) -> torch.Tensor:
+    """``comm.broadcast(x, src)``: rank ``src``'s ``x`` into ``x`` on every rank, in place.
+
+    Declared as mutating ``x`` (``torch.ops.llcomm.broadcast_``), so compiled code sees the
+    write. Returns ``x``.
+    """
+    torch.ops.llcomm.broadcast_(_handle_of(comm), x, src)
+    return x
+
+
+def all_gather(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
+    """``comm.all_gather(x)``: x ``[d0, ...]`` -> new ``[world_size * d0, ...]``, rank order."""
+    return torch.ops.llcomm.all_gather(_handle_of(comm), x)
+
+
+def all_gather_2d(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
+    """``comm.all_gather_2d(x)``: x ``[tokens, part]`` -> new ``[tokens, world_size * part]``."""
+    return torch.ops.llcomm.all_gather_2d(_handle_of(comm), x)
+
+
+def reduce_scatter(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
+    """``comm.reduce_scatter(x)``: x ``[world_size * d0, ...]`` -> new ``[d0, ...]``."""
+    return torch.ops.llcomm.reduce_scatter(_handle_of(comm), x)
+
+
+def ep_dispatch(buf: "EPBuffer", x: torch.Tensor, topk_idx: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``buf.dispatch(x, topk_idx)`` with a ticket in place of the handle.
+
+    Args:
+        buf: an ``EPBuffer``.
+        x: ``[num_tokens, hidden]`` in the buffer's dtype, on its device.
+        topk_idx: ``[num_tokens, topk]`` int64 global expert ids, -1 for none.
+    Returns:
+        recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``, as ``dispatch``.
+        recv_count: ``[num_local_experts]`` int32 (a copy, on the buffer's device).
+        ticket: 0-d int64 CPU tensor for ``ep_combine`` / ``ep_src_info``; valid for two
+            dispatches of ``buf``, like the handle it stands for.
+    """
+    return torch.ops.llcomm.ep_dispatch(_handle_of(buf), x, topk_idx)
+
+
+def ep_combine(buf: "EPBuffer", expert_out: torch.Tensor, topk_idx: torch.Tensor,
+               topk_weights: torch.Tensor, ticket: torch.Tensor) -> torch.Tensor:
+    """``buf.combine(expert_out, topk_idx, topk_weights, handle)`` for the ticket's dispatch.
+
+    expert_out ``[num_local_experts, num_ranks * max_tokens, hidden]``, topk_idx and
+    topk_weights ``[num_tokens, topk]`` (int64, float32) as given to the dispatch. Returns a new
+    ``[num_tokens, hidden]`` tensor, bitwise the method's result.
+    """
+    return torch.ops.llcomm.ep_combine(_handle_of(buf), expert_out, topk_idx, topk_weights,
+                                       ticket)
+
+
+def ep_src_info(buf: "EPBuffer", ticket: torch.Tensor) -> torch.Tensor:
+    """A copy of the ticket's ``EPHandle.src_info``: ``[num_local_experts, num_ranks *
+    max_tokens]`` int32, ``source_rank * max_tokens + source_token`` per filled row."""
+    return torch.ops.llcomm.ep_src_info(_handle_of(buf), ticket)
+
+
+__all__ = ["register", "all_reduce", "broadcast", "all_gather", "all_gather_2d",
+           "reduce_scatter", "ep_dispatch", "ep_combine", "ep_src_info"]

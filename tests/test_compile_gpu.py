@@ -1,0 +1,64 @@
+"""``torch.compile(fullgraph=True)`` with the default backend (Inductor) of a step that calls the
+llcomm custom ops on the peer backend (2 GPUs, NCCL group), against the same step run eagerly and
+against the methods. Run on a 2-GPU host: ``python -m pytest tests/test_compile_gpu.py -m gpu``."""
+import pytest
+import torch
+
+from _dist import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+E, H, T, TOPK = 8, 512, 16, 4       # experts, hidden, max tokens per rank, top-k
+
+
+def _bits(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _case(rank, seed, n):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed * 131 + rank)
+    x = torch.randn(n, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    xe = torch.randn(n, H, generator=g, device="cuda").to(torch.bfloat16)
+    topk_idx = torch.randint(-1, E, (n, TOPK), generator=g, device="cuda")
+    w = torch.rand(n, TOPK, generator=g, device="cuda")
+    return x, xe, topk_idx, w
+
+
+def _compile_body(rank, ws):
+    import llcomm
+    import llcomm.ops as ops
+    comm = llcomm.Communicator(max_bytes=1 << 20, backend="peer")
+    buf = llcomm.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                          backend="peer")
+
+    def step(x, xe, topk_idx, w):
+        h = ops.all_reduce(comm, x * 0.5)
+        g = ops.all_gather_2d(comm, h[:, :256].contiguous())
+        recv_x, recv_count, ticket = ops.ep_dispatch(buf, xe, topk_idx)
+        expert_out = recv_x * 2                        # exact in bf16: same bits either way
+        y = ops.ep_combine(buf, expert_out, topk_idx, w, ticket)
+        return h, g, recv_count, y
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in range(4):
+        args = _case(rank, seed, n=T - rank - seed)    # token counts differ per rank and call
+        want = step(*args)
+        got = compiled(*args)
+        torch.cuda.synchronize()
+        for name, a, b in zip(("all_reduce", "all_gather_2d", "recv_count", "combine"), got, want):
+            assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), (seed, name)
+        # and the methods, for the same inputs
+        x, xe, topk_idx, w = args
+        assert torch.equal(_bits(comm.all_reduce(x * 0.5)), _bits(got[0]))
+        rx, cnt, handle = buf.dispatch(xe, topk_idx)
+        assert torch.equal(cnt, got[2])
+        assert torch.equal(_bits(buf.combine(rx * 2, topk_idx, w, handle)), _bits(got[3]))
+    comm.check()
+    buf.check()
+    buf.close()
+    comm.close()
+
+
+def test_compiled_step_matches_eager():
+    run_distributed(_compile_body, 2, backend="nccl", timeout=300)

@@ -1,0 +1,142 @@
+"""The torch.library custom ops (``llcomm.ops``) on the reference backend (gloo, CPU): the same
+bits as the methods, ``torch.library.opcheck`` (schema, fake implementation, aot dispatch), and
+``torch.compile(fullgraph=True)`` of a step with every op against the same step run eagerly."""
+import pytest
+import torch
+
+from _dist import run_distributed
+
+E, H, T, TOPK = 4, 8, 4, 2        # experts, hidden, max tokens per rank, top-k (fp32: 32-byte rows)
+
+
+def _objects():
+    import llcomm
+    comm = llcomm.Communicator(backend="reference")
+    buf = llcomm.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                          dtype=torch.float32, backend="reference")
+    return comm, buf
+
+
+def _ep_case(rank, seed, n=3):
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    x = torch.randn(n, H, generator=g)
+    topk_idx = torch.randint(-1, E, (n, TOPK), generator=g)
+    topk_weights = torch.rand(n, TOPK, generator=g)
+    return x, topk_idx, topk_weights
+
+
+def _filled_rows_equal(a, b, count):
+    return all(torch.equal(a[e, :int(c)], b[e, :int(c)]) for e, c in enumerate(count))
+
+
+def _match_body(rank, ws):
+    import llcomm.ops as ops
+    comm, buf = _objects()
+    assert isinstance(comm.op_handle, int) and comm.op_handle != buf.op_handle
+    assert ops.register(comm) == comm.op_handle      # idempotent
+    x = torch.randn(2 * ws, 5) * (rank + 1)
+    for algo in ("auto", "one_shot", "two_shot"):
+        assert torch.equal(ops.all_reduce(comm, x, algo=algo), comm.all_reduce(x, algo=algo))
+    assert torch.equal(torch.ops.llcomm.all_reduce(comm.op_handle, x, "auto"), comm.all_reduce(x))
+    assert torch.equal(ops.all_gather(comm, x), comm.all_gather(x))
+    assert torch.equal(ops.all_gather_2d(comm, x), comm.all_gather_2d(x))
+    assert torch.equal(ops.reduce_scatter(comm, x), comm.reduce_scatter(x))
+    mine = torch.full((3, 4), float(rank + 7))
+    assert ops.broadcast(comm, mine, 1) is mine and torch.equal(mine, torch.full((3, 4), 8.0))
+
+    for seed in range(3):
+        xe, topk_idx, w = _ep_case(rank, seed)
+        rx, cnt, handle = buf.dispatch(xe, topk_idx)
+        y = buf.combine(rx * 3 - 1, topk_idx, w, handle)
+        orx, ocnt, ticket = ops.ep_dispatch(buf, xe, topk_idx)
+        assert ticket.dtype == torch.int64 and ticket.dim() == 0 and ticket.device.type == "cpu"
+        assert int(ticket) == handle.index + 1
+        assert torch.equal(ocnt, cnt) and _filled_rows_equal(orx, rx, cnt)
+        src = ops.ep_src_info(buf, ticket)
+        assert _filled_rows_equal(src, handle.src_info, cnt)
+        oy = ops.ep_combine(buf, orx * 3 - 1, topk_idx, w, ticket)
+        assert torch.equal(oy, y)
+
+    # A ticket lives for two dispatches, like its handle.
+    xe, topk_idx, w = _ep_case(rank, 9)
+    _, _, t0 = ops.ep_dispatch(buf, xe, topk_idx)
+    for _ in range(3):
+        rx, _, t = ops.ep_dispatch(buf, xe, topk_idx)
+    ops.ep_combine(buf, rx, topk_idx, w, t)
+    with pytest.raises(ValueError, match="combine before dispatching again"):
+        ops.ep_combine(buf, rx, topk_idx, w, t0)
+    with pytest.raises(TypeError, match="ticket must be"):
+        ops.ep_combine(buf, rx, topk_idx, w, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="no live Communicator or EPBuffer"):
+        torch.ops.llcomm.all_reduce(10 ** 9, x, "auto")
+    # The methods' own validation runs behind the ops.
+    with pytest.raises(ValueError, match="algo="):
+        ops.all_reduce(comm, x, algo="nope")
+
+
+def test_ops_match_methods():
+    run_distributed(_match_body, 2)
+
+
+def _opcheck_body(rank, ws):
+    from torch.library import opcheck
+    comm, buf = _objects()
+    c, b = comm.op_handle, buf.op_handle
+    x = torch.randn(2 * ws, 6) + rank
+    L = torch.ops.llcomm
+    opcheck(L.all_reduce.default, (c, x, "auto"))
+    opcheck(L.broadcast_.default, (c, x.clone(), 0))
+    opcheck(L.all_gather.default, (c, x))
+    opcheck(L.all_gather_2d.default, (c, x))
+    opcheck(L.reduce_scatter.default, (c, x))
+    xe, topk_idx, w = _ep_case(rank, 5)
+    # Each run of ep_dispatch is a new dispatch with a new ticket, so the test that compares two
+    # runs' outputs (aot dispatch) cannot apply; combine and src_info are pure given a ticket.
+    opcheck(L.ep_dispatch.default, (b, xe, topk_idx),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    recv_x, _, ticket = L.ep_dispatch(b, xe, topk_idx)
+    opcheck(L.ep_combine.default, (b, recv_x * 2, topk_idx, w, ticket))
+    opcheck(L.ep_src_info.default, (b, ticket))
+
+
+def test_opcheck():
+    run_distributed(_opcheck_body, 2)
+
+
+def _compile_body(rank, ws, compilers):
+    import llcomm.ops as ops
+    comm, buf = _objects()
+    for compiler in compilers:
+        torch._dynamo.reset()
+        _compile_one(comm, buf, rank, ws, compiler)
+
+
+def _compile_one(comm, buf, rank, ws, compiler):
+    import llcomm.ops as ops
+
+    def step(x, xe, topk_idx, w):
+        h = ops.all_reduce(comm, x)
+        ops.broadcast(comm, h, 0)
+        g = ops.all_gather(comm, h)
+        g2 = ops.all_gather_2d(comm, h)
+        s = ops.reduce_scatter(comm, g)
+        recv_x, recv_count, ticket = ops.ep_dispatch(buf, xe, topk_idx)
+        expert_out = torch.tanh(recv_x) * 2      # stands in for the experts
+        y = ops.ep_combine(buf, expert_out, topk_idx, w, ticket)
+        return h, g, g2, s, recv_count, y
+
+    compiled = torch.compile(step, fullgraph=True, backend=compiler)
+    for seed in range(3):   # repeat: new tickets, no recompilation needed
+        x = torch.randn(2 * ws, 4) * (rank + 1)
+        args = (x, *_ep_case(rank, seed, n=rank + 2))
+        want = step(*args)
+        got = compiled(*args)
+        for name, a, b in zip(("all_reduce", "all_gather", "all_gather_2d", "reduce_scatter",
+                               "recv_count", "combine"), got, want):
+            assert a.shape == b.shape and torch.equal(a, b), (compiler, seed, name)
+
+
+def test_compile_fullgraph():
+    # Inductor on CPU needs a C++ compiler and half a minute per rank; the GPU test
+    # (tests/test_compile_gpu.py) runs the default backend.
+    run_distributed(_compile_body, 2, ("eager", "aot_eager"), timeout=300)
