@@ -180,7 +180,7 @@ class PeerBackend:
         if algo == "lamport":
             self._launch(self._k_fn.lamport_norm_kernel, self.nb, (
                 xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["lamport"],
-                self.ctrl, self.err, self.rank, self.timeout_ns,
+                self.ctrl, self.err, self.rank, self.timeout_us,
                 self.lamport_bytes // x.element_size()), warps,
                 SENTINEL=sent, FT=ft, W=W, NB=self.nb, BLOCK=block,
                 STAGES=self._k_fn.ALL_STAGES)
@@ -189,7 +189,7 @@ class PeerBackend:
             self._launch(self._k_fn.one_shot_norm_kernel, self.nb, (
                 xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["stage"],
                 self.tabs["flags"], self.flags, self.ctrl, self.err, self.rank, tag,
-                self.timeout_ns, self.cap_bytes // x.element_size()), warps,
+                self.timeout_us, self.cap_bytes // x.element_size()), warps,
                 FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES)
         return out, res_out
 

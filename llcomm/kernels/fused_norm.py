@@ -29,7 +29,8 @@ reduce half, without waiting: the CPU tests use it to run virtual ranks in turn 
 import triton
 import triton.language as tl
 
-from ._sync import EPOCH_SHIFT, global_time_ns, ptr_from_table, report_error, signal_peers, wait_peers
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_ns, ptr_from_table, report_error,
+                    signal_peers, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -57,9 +58,9 @@ def _add_norm_row(acc, residual, weight, out, res_out, row, cols, m, hidden, eps
     tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RANK_VARYING)
 def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, lam_tab, ctrl,
-                        err, rank, timeout_ns,
+                        err, rank, timeout_us,
                         cap,                     # elements per Lamport slot
                         SENTINEL: tl.constexpr,  # bit pattern of "not yet written" (int view)
                         FT: tl.constexpr,        # the float dtype the int view holds
@@ -86,6 +87,7 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
                 tl.store(dst + t * hidden + cols, v, mask=m)
     if STAGES & 2:
         local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
+        limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
         failed = 0
         for t in range(b, tokens, NB):
             acc = tl.zeros([BLOCK], tl.float32)
@@ -96,7 +98,7 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
                     t0 = global_time_ns()
                     while (tl.sum((v == SENTINEL).to(tl.int32), axis=0) > 0) & (failed == 0):
                         v = tl.load(src, mask=m, other=0, volatile=True)
-                        if global_time_ns() - t0 > timeout_ns:
+                        if global_time_ns() - t0 > limit_ns:
                             failed = 1
                             report_error(err, STATUS_TIMEOUT, OP_FUSED_LAMPORT, PHASE_DATA,
                                          tl.full([], 1 << p, tl.int64))
@@ -106,9 +108,9 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
         tl.store(ctrl + b, seq + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RANK_VARYING)
 def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, stage_tab,
-                         flag_tab, flags, ctrl, err, rank, tag, timeout_ns,
+                         flag_tab, flags, ctrl, err, rank, tag, timeout_us,
                          cap,                    # elements per staging slot
                          FT: tl.constexpr,       # the float dtype the int view of x holds
                          W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
@@ -138,7 +140,7 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps,
         if b < tokens:  # a block without rows has nothing to wait for
             tl.debug_barrier()
             signal_peers(flag_tab, b, word, rank, W, WP)
-            ok = wait_peers(flags, b, word, timeout_ns, err, OP_FUSED_ONE_SHOT, PHASE_ENTRY,
+            ok = wait_peers(flags, b, word, timeout_us, err, OP_FUSED_ONE_SHOT, PHASE_ENTRY,
                             W, WP).to(tl.int32)
     if STAGES & 2:
         if ok:
