@@ -102,8 +102,10 @@ def _impls(R: TP.Rank, tokens: int, hidden: int) -> list[TP.Impl]:
 
         def check(y=y, h=h):
             return C.count_wrong(h, h_want, h_bound) + _wrong_norm(y, h, w)
-        impls.append(TP.Impl(impl, algo, fn, requested="auto", reset=reset, check=check,
-                             is_llcomm=True, extra=dict(extra)))
+        impls.append(C.Impl(impl, algo, fn, reset=reset, check=check,
+                            raise_errors=R.comm.check,
+                            extra={**extra, "requested_algo": "auto",
+                                   "backend": R.comm.backend}))
     return impls
 
 
