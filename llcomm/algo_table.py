@@ -138,7 +138,7 @@ def parse(doc, path: str = "<memory>") -> Table:
             parsed.append((mb, algo))
     if problems:
         raise AlgoTableError(f"llcomm algorithm table {path}: " + "; ".join(problems)
-                             + ". Fix or delete the file (or rerun `llcomm tune`).")
+                             + ". Fix or delete the file.")
     return Table(device=device.strip(), world_size=ws, rows=tuple(parsed), path=path)
 
 
@@ -150,7 +150,7 @@ def load(path) -> Table:
             doc = json.load(f)
     except json.JSONDecodeError as e:
         raise AlgoTableError(f"llcomm algorithm table {path}: not valid JSON ({e}). Fix or "
-                             "delete the file (or rerun `llcomm tune`).") from None
+                             "delete the file.") from None
     except OSError as e:
         raise AlgoTableError(f"llcomm algorithm table {path}: cannot be read ({e})") from None
     return parse(doc, path)

@@ -205,6 +205,15 @@ def run(a) -> int:
               "the tables shipped in llcomm/tables or the built-in rule. (--from-bench derives "
               "a table from a result file without GPUs.)")
         return 2
+    import torch
+    user = T.user_table_path(torch.cuda.get_device_name(0), world)
+    if user.exists():  # every Communicator reads it, the ones tune times with included
+        try:
+            T.load(user)
+        except T.AlgoTableError as e:
+            print(f"llcomm tune: {e} (Communicator reads it at construction, so tuning cannot "
+                  "start until it is fixed or deleted)")
+            return 2
     res = C.launch(rank_main, cfg)
     for line in res["failures"]:
         print(f"llcomm tune: {line}")
