@@ -1,4 +1,5 @@
-"""The ``llcomm`` command line: ``llcomm bench``, ``llcomm doctor``, ``llcomm check``.
+"""The ``llcomm`` command line: ``llcomm bench``, ``llcomm doctor``, ``llcomm check``,
+``llcomm tune``.
 
     llcomm bench [tp] [--sizes 8,64K,1M] [--ops all] [--algos all] [--json F] [--plot F]
     llcomm bench fused [--tokens 1,8,32,64,128] [--hidden 8192] [--json F]
@@ -6,6 +7,7 @@
     llcomm bench decode [--parts tp,ep] [--batches 1,8,32,64] [--json F] [--plot F]
     llcomm doctor
     llcomm check
+    llcomm tune [--sizes 8,64K,1M] [--out F] | llcomm tune --from-bench RESULT.json
 
 The library never imports this module; the command bodies live in ``llcomm.bench``.
 """
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llcomm", description="Low-latency GPU communication for "
                                 "LLM inference: benchmarks, self-test and diagnostics.")
     p.add_argument("--version", action="version", version=f"llcomm {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,doctor,check}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,doctor,check,tune}")
 
     bench = sub.add_parser("bench", help=f"benchmarks (default: {DEFAULT_BENCH})",
                            description="Benchmarks. `llcomm bench` alone runs "
@@ -75,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--cpu", action="store_true",
                        help="run on CPU (2 gloo processes) even where GPUs are present")
     check.set_defaults(func=lambda a: importlib.import_module("llcomm.bench.check").run(a))
+
+    tune_mod = importlib.import_module("llcomm.bench.tune")
+    tune = sub.add_parser("tune", help="measure the fastest all_reduce algorithm per size on "
+                          "this host and write the table all_reduce(algo='auto') uses",
+                          description=tune_mod.SUMMARY)
+    tune_mod.add_arguments(tune)
+    tune.set_defaults(func=tune_mod.run)
     return p
 
 

@@ -33,5 +33,10 @@ class CommBrokenError(LLCommError):
     """The communicator failed earlier (timeout or mismatch) and can no longer be used."""
 
 
+class AlgoTableError(LLCommError, ValueError):
+    """An all_reduce algorithm table (``llcomm tune``'s file) is unreadable or malformed. The
+    message names the file and every problem."""
+
+
 class UnsupportedConfigError(LLCommError):
     """The requested backend cannot run on this configuration (e.g. no peer access)."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import _validate as V
 from . import ops
+from . import algo_table as T
 from . import protocol as P
 from .errors import UnsupportedConfigError
 from .reference import ReferenceBackend
@@ -35,10 +36,12 @@ FUSED_ALGOS = ("auto", "one_shot", "lamport")
 #: code that runs on one backend runs on the other.
 FUSED_MAX_HIDDEN = 16384
 
-#: all_reduce(algo="auto"): (world_size, largest bytes, algo) rows, first match wins, two_shot
-#: beyond. World size 2 is measured on 2xH200 (bench/results/h200x2-tp.json: Lamport fastest to
-#: 1 MiB, one-shot to 8 MiB, two-shot above). Other world sizes are a rule until measured: the
-#: one-shot's remote traffic grows as (W - 1) * bytes, so it gives way to two-shot earlier.
+#: all_reduce(algo="auto") where no measured table applies (llcomm/algo_table.py: the user's
+#: `llcomm tune` table, then llcomm/tables/*.json, then this rule): (world_size, largest bytes,
+#: algo) rows, first match wins, two_shot beyond. World size 2 is measured on 2xH200
+#: (bench/results/h200x2-tp.json: Lamport fastest to 1 MiB, one-shot to 8 MiB, two-shot above).
+#: Other world sizes are a rule until measured: the one-shot's remote traffic grows as
+#: (W - 1) * bytes, so it gives way to two-shot earlier.
 AUTO_TABLE = (
     (2, 1 << 20, "lamport"),
     (2, 8 << 20, "one_shot"),
@@ -90,6 +93,14 @@ class Communicator:
         timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
             on the reference backend over gloo, of every host-side wait (default
             ``LLCOMM_TIMEOUT_MS`` or 30000). docs/failures.md has what happens when it runs out.
+        deterministic: make all_reduce's bits independent of the algorithm ``"auto"`` picks
+            (and so of the tuned table). Only float32 Lamport differs at all (see all_reduce),
+            so this keeps float32 off Lamport and costs bf16 / fp16 nothing.
+
+    ``all_reduce(algo="auto")`` looks its algorithm up in a table chosen here, once (see
+    ``llcomm/algo_table.py``): the user's ``llcomm tune`` table for this GPU and world size,
+    else a table shipped in the package, else the rule ``AUTO_TABLE``. Every rank uses rank 0's
+    choice. ``algo_source`` says which.
 
     Every op runs on the caller's current CUDA stream, allocates nothing but its output (pass
     ``out=`` to avoid even that), does not synchronise the host, and can be captured in a CUDA
@@ -106,7 +117,8 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 backend: str = "auto", timeout_ms: int | None = None):
+                 backend: str = "auto", timeout_ms: int | None = None,
+                 deterministic: bool = False):
         pr = V.Problems("Communicator")
         if backend not in BACKENDS:
             pr.add(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
@@ -142,7 +154,39 @@ class Communicator:
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
         self.backend = backend
+        self.deterministic = bool(deterministic)
+        self._auto = self._auto_selection()
+        self.algo_source = self._auto.source
         ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
+
+    def _auto_selection(self) -> T.Selection:
+        """Resolve all_reduce's "auto" table (a collective on the peer backend)."""
+        W = self.world_size
+        rule = [(limit, algo) for ws, limit, algo in AUTO_TABLE if ws in (None, W)]
+        if self.backend != "peer":  # the reference backend runs its own algorithm anyway
+            return T.compile_rows(rule, "two_shot", "rule llcomm.tp.AUTO_TABLE")
+        cap = self._impl.lamport_bytes
+        sel, err = None, None
+        try:
+            table = T.find_table(torch.cuda.get_device_name(self.device), W)
+            sel = (T.table_selection(table, cap) if table is not None else
+                   T.compile_rows(rule, "two_shot", "rule llcomm.tp.AUTO_TABLE", cap))
+        except T.AlgoTableError as e:
+            err = str(e)
+        # Different algorithms never meet (one waits on flags, Lamport on data), so every
+        # rank must pick the same one for the same size: take rank 0's choice.
+        everyone = [None] * W
+        dist.all_gather_object(everyone, (sel, err), group=self.group)
+        bad = [(r, e) for r, (_, e) in enumerate(everyone) if e]
+        if bad:
+            self._impl.close()
+            raise T.AlgoTableError(f"llcomm.Communicator (rank {bad[0][0]}): {bad[0][1]}")
+        if any(s != everyone[0][0] for s, _ in everyone):
+            log.warning("llcomm: ranks resolved different all_reduce tables; all use rank 0's "
+                        "(%s)", everyone[0][0].source)
+        sel = everyone[0][0]
+        log.info("llcomm: all_reduce(algo='auto') follows %s", sel.source)
+        return sel
 
     # -- ops ------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -157,8 +201,12 @@ class Communicator:
                 inputs up to 1 MiB), ``"two_shot"`` (reduce-scatter + all-gather) or ``"auto"``.
         Returns:
             ``out`` (a new tensor if not given). The peer backend accumulates in fp32 in global
-            rank order and rounds once, so every rank gets the same bits whichever algorithm
-            ran (the reference backend is NCCL's or gloo's own order).
+            rank order and rounds once, so every rank gets the same bits, and bf16 / fp16 give
+            the same bits whichever algorithm ran. One exception in float32: Lamport marks
+            unwritten words with the bit pattern 0x80008000 (the subnormal -2**-134) and sends
+            an input element with exactly that pattern as +0.0, so such an element can change
+            the result by 2**-134 against one_shot / two_shot. ``deterministic=True`` rules it
+            out. (The reference backend is NCCL's or gloo's own order.)
         """
         pr = V.Problems("all_reduce")
         if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
@@ -169,21 +217,24 @@ class Communicator:
                 and x.numel() * x.element_size() > self._impl.lamport_bytes:
             pr.add(f"algo='lamport' takes at most {self._impl.lamport_bytes} bytes; x has "
                    f"{x.numel() * x.element_size()}")
+        elif algo == "lamport" and self.deterministic and isinstance(x, torch.Tensor) \
+                and x.dtype == torch.float32:
+            pr.add("algo='lamport' with float32 is not bit-identical to the other algorithms "
+                   "(see all_reduce) and this communicator was created with deterministic=True")
         pr.raise_if_any()
         if out is None:
             out = torch.empty_like(x)
         if algo == "auto":
             algo = self.choose_algo(x.numel() * x.element_size())
+            if algo == "lamport" and self.deterministic and x.dtype == torch.float32:
+                algo = "one_shot"
         return self._impl.all_reduce(x, out, algo)
 
     def choose_algo(self, nbytes: int) -> str:
-        """The algorithm ``all_reduce(algo="auto")`` runs for ``nbytes`` (see AUTO_TABLE)."""
-        for ws, limit, algo in AUTO_TABLE:
-            if ws in (None, self.world_size) and nbytes <= limit:
-                if algo == "lamport" and self.backend == "peer" and nbytes > self._impl.lamport_bytes:
-                    continue
-                return algo
-        return "two_shot"
+        """The algorithm ``all_reduce(algo="auto")`` runs for ``nbytes`` (from the table
+        resolved at construction, ``algo_source``; float32 with ``deterministic=True`` runs
+        one_shot where this says lamport)."""
+        return self._auto.choose(nbytes)
 
     def all_reduce_residual_rmsnorm(
             self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

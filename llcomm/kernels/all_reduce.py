@@ -14,7 +14,10 @@ that op k-2 used, which nobody reads any more. Write-after-write and read-after-
 covered without an exit barrier.
 
 Accumulation is fp32 in global rank order (rank 0 first) in every algorithm, rounded once, so all
-ranks and all algorithms produce the same bits for the same inputs.
+ranks and all algorithms produce the same bits for the same inputs, with one exception: Lamport
+sends an input word equal to its SENTINEL as +0.0. For 16-bit floats the sentinel is -0.0 and
+the sum starts at +0.0, so nothing changes; for float32 it is the subnormal -2**-134 (0x80008000),
+which Lamport drops and the others add (Triton keeps fp32 subnormals in adds).
 """
 import triton
 import triton.language as tl
