@@ -169,7 +169,7 @@ def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
 
 
 def test_bench_subcommands_and_default(capsys):
-    assert set(cli.BENCHES) == {"tp", "ep", "decode"}
+    assert set(cli.BENCHES) == {"tp", "fused", "ep", "decode", "soak"}
     assert cli._default_bench(["bench", "--sizes", "8"]) == ["bench", "tp", "--sizes", "8"]
     assert cli._default_bench(["bench"]) == ["bench", "tp"]
     assert cli._default_bench(["bench", "-h"]) == ["bench", "-h"]

@@ -490,7 +490,10 @@ def git_state() -> tuple[str | None, bool | None]:
     repo = str(Path(__file__).resolve().parents[2])
     sha = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
-    commit = os.environ.get(COMMIT_ENV) or (sha.strip() if sha else None)
+    given = os.environ.get(COMMIT_ENV)
+    if given and not (sha and sha.strip().startswith(given)):
+        return given, None          # a copied tree: its state is not known here
+    commit = sha.strip() if sha else None
     return commit, (bool(status.strip()) if status is not None else None)
 
 

@@ -188,6 +188,7 @@ def add_arguments(p) -> None:
                    help="llcomm Communicator backend (default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="PATH", help="write the run as a result file")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of the results")
     p.add_argument("--cpu", action="store_true",
                    help="run on CPU (2 gloo processes) even where GPUs are present")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -229,9 +230,7 @@ def run(a) -> int:
         return 2
     result = C.launch(rank_main, cfg, force_cpu=a.cpu)
     print_result(result)
-    if a.json:
-        C.write_json(a.json, result)
-        print(f"wrote {a.json}")
+    C.write_outputs(result, a)
     bad = [r for r in result["rows"] if r.get("error") or (r["wrong"] or 0) > 0]
     if bad:
         print(f"llcomm bench fused: {len(bad)} result rows are wrong or failed")

@@ -43,6 +43,8 @@ LAYOUTS = {
                  lambda r: r["op"], series_label),
     "ep": Layout("tokens_per_rank", "tokens per rank", "median_us", "median µs per op",
                  lambda r: "dispatch / combine", lambda r: f"{r['op']} {series_label(r)}"),
+    "fused": Layout("tokens", "tokens (rows of the hidden size in the title)", "median_us", "median µs per op",
+                    lambda r: "all_reduce + residual add + RMSNorm", series_label),
     "decode": Layout("batch", "tokens per rank (batch)", "ms_per_step", "median ms per step",
                      lambda r: f"{r['part']}: {r['model']}", series_label),
 }
