@@ -37,7 +37,8 @@ HALVES = 2
 #: Mixes the row length into an all-gather's (and the fused norm's) size tag, so [2, 8] on one rank and [4, 4] on
 #: another are reported as a mismatch.
 GATHER_TAG_MIX = 65599
-#: int64 words after the op counters in the ctrl region: device error word, host word address.
+#: int64 words after the op counters in the (private) ctrl tensor: device error word, host word
+#: address.
 CTRL_ERR_WORDS = 2
 #: Flag slots per block: entry barrier and exit barrier.
 FLAG_PHASES = 2
@@ -91,7 +92,6 @@ class PeerBackend:
         self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         self.ws = SymmetricWorkspace(group, {
-            "ctrl": 8 * (nb + CTRL_ERR_WORDS),
             "flags": 8 * FLAG_PHASES * nb * W,
             "stage": HALVES * W * self.cap_bytes,
             "gather": HALVES * self.cap_bytes,
@@ -100,7 +100,9 @@ class PeerBackend:
         self.ws.local("lamport", torch.int16).fill_(SENTINEL16)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
-        ctrl = self.ws.local("ctrl", torch.int64)
+        # Op counters and error words live in private device memory, not in the workspace: no
+        # peer can rewrite this rank's round index or the address its error word is stored to.
+        ctrl = torch.zeros(nb + CTRL_ERR_WORDS, dtype=torch.int64, device=self.device)
         self.ctrl = ctrl[:nb]
         self.err = ctrl[nb:]
         self.flags = self.ws.local("flags", torch.int64)
