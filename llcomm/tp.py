@@ -256,17 +256,17 @@ class Communicator:
 
         Args:
             x: ``[tokens, hidden]``, contiguous, bf16 / fp16 / fp32, at most ``max_bytes``,
-               ``hidden <= FUSED_MAX_HIDDEN`` (16384). This rank's partial sums; not modified
-               (unless ``out is x``).
+                ``hidden <= FUSED_MAX_HIDDEN`` (16384). This rank's partial sums; not modified
+                (unless ``out is x``).
             residual: ``[tokens, hidden]``, x's dtype. Must be the same on every rank for the
-               results to be the same on every rank (it is, in tensor parallelism).
+                results to be the same on every rank (it is, in tensor parallelism).
             weight: ``[hidden]``, bf16 / fp16 / fp32 (read in fp32).
             eps: positive finite float added to the mean square.
             out: optional ``[tokens, hidden]`` of x's dtype for the normalised rows (may be x).
             residual_out: optional ``[tokens, hidden]`` of x's dtype for ``h`` (may be
-               ``residual``: in-place update of the residual stream). Must not be ``out``.
+                ``residual``: in-place update of the residual stream). Must not be ``out``.
             algo: ``"lamport"`` (barrier-free, x up to 1 MiB), ``"one_shot"`` (one flag
-               barrier, up to ``max_bytes``) or ``"auto"`` (lamport where it fits).
+                barrier, up to ``max_bytes``) or ``"auto"`` (lamport where it fits).
         Returns:
             ``(out, residual_out)``, allocated where not given. Stream, graph capture and error
             semantics as ``all_reduce``. The peer backend runs one kernel and gives every rank
