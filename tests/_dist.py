@@ -193,3 +193,35 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
         import pytest
         pytest.skip(skips[0])
     return [reports[r][1] for r in range(world_size)]
+
+
+def absent_peer_error(rank: int, call, check, timeout_ms: int, *, absent: int = 1):
+    """Inside a distributed test body: every rank runs ``call()`` once and ``check()`` (a
+    kernel's first, compiling launch waits up to ``launch.FIRST_LAUNCH_TIMEOUT_US`` for its
+    peers, as an engine's warm-up would), then rank ``absent`` skips the next ``call()``.
+
+    Returns None on ``absent``; on the other ranks ``check()`` must raise CommTimeoutError within
+    ``timeout_ms`` + 1 s of the call, and the error is returned for the caller's own asserts.
+    """
+    import time
+
+    import pytest
+    import torch.distributed as dist
+
+    import llcomm
+
+    call()
+    check()
+    dist.barrier()
+    if rank == absent:
+        dist.barrier()
+        return None
+    t0 = time.monotonic()
+    call()
+    with pytest.raises(llcomm.CommTimeoutError) as info:
+        check()
+    elapsed = time.monotonic() - t0
+    dist.barrier()
+    assert elapsed < timeout_ms / 1000 + 1.0, elapsed
+    assert info.value.ranks == (absent,), info.value
+    return info.value
