@@ -6,9 +6,10 @@ CPU) and the multi-host path (NCCL). It shares no code with the peer kernels it 
 module only moves data.
 
 Bounded waits (docs/failures.md): on gloo every collective is issued ``async_op=True`` and waited
-for at most ``timeout_ms`` on the host (default 30 s, ``protocol.REFERENCE_DEFAULT_TIMEOUT_MS``); a wait that runs out, or a transport error (a peer
-process died: "Connection reset by peer"), raises ``CommTimeoutError`` naming the op, and every
-later call raises ``CommBrokenError``, as on the peer backend. On NCCL the calls stay
+for at most ``timeout_ms`` on the host (default 30 s, ``protocol.REFERENCE_DEFAULT_TIMEOUT_MS``);
+a wait that runs out, or a transport error (a peer process died: "Connection reset by peer"),
+raises ``CommTimeoutError`` naming the op, and every later call raises ``CommBrokenError``, as
+on the peer backend. On NCCL the calls stay
 asynchronous (no host wait, so they can be captured in a CUDA graph) and the process group's own
 timeout and NCCL's watchdog bound them instead.
 """
@@ -90,7 +91,8 @@ class ReferenceBackend:
         # Same arithmetic as the peer kernel (round the sum, add in fp32, round, normalise the
         # rounded h in fp32, round once); only the all-reduce itself is the library's.
         s = x.clone()
-        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
+        self.calls.run("all_reduce_residual_rmsnorm", lambda a: dist.all_reduce(
+            s, op=dist.ReduceOp.SUM, group=self.group, async_op=a))
         h = (s.float() + residual.float()).to(x.dtype)
         hf = h.float()
         inv = torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
