@@ -9,6 +9,7 @@ from _dist import run_distributed
 pytestmark = pytest.mark.gpu
 
 E, H, T, TOPK = 8, 512, 16, 4       # experts, hidden, max tokens per rank, top-k
+COMPILE_TIMEOUT_MS = 120_000
 
 
 def _bits(t):
@@ -28,9 +29,12 @@ def _case(rank, seed, n):
 def _compile_body(rank, ws):
     import llcomm
     import llcomm.ops as ops
-    comm = llcomm.Communicator(max_bytes=1 << 20, backend="peer")
+    # Inductor compiles inside the first call of each shape, for seconds and not equally long on
+    # both ranks, while the faster rank's kernels already wait for the other: the bound must
+    # cover a compile (docs/compile.md). The first GPU run, with the 1 s default, failed.
+    comm = llcomm.Communicator(max_bytes=1 << 20, backend="peer", timeout_ms=COMPILE_TIMEOUT_MS)
     buf = llcomm.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
-                          backend="peer")
+                          backend="peer", timeout_ms=COMPILE_TIMEOUT_MS)
 
     def step(x, xe, topk_idx, w):
         h = ops.all_reduce(comm, x * 0.5)
