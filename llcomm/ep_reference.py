@@ -15,12 +15,16 @@ waits on the host and the whole thing can be captured in a CUDA graph on NCCL. P
 as bytes (uint8 views): byte-exact, and gloo moves no 16-bit types. ``EPBuffer`` validates
 arguments before calling in here. On gloo every exchange is bounded by ``timeout_ms`` on the host
 (``reference.BoundedCalls``): a peer that is gone or late raises ``CommTimeoutError``.
+
+FP8 dispatch quantises on the sender (``ep_fp8.quantize``, the documented arithmetic) and moves
+the e4m3 bytes and fp32 scales of each slot in one exchange, as the peer kernel does.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from .ep_fp8 import FP8_BLOCK, quantize
 from .reference import BoundedCalls
 
 
@@ -51,8 +55,10 @@ class ReferenceEP:
         self.calls.run(op, lambda a: dist.all_to_all_single(o, i, group=self.group, async_op=a))
 
     # -- dispatch -------------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor):
-        """Fill ``recv_x``; return ``(recv_count, src_info, row_of)``.
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor,
+                 fp8: int = 0, recv_scales: torch.Tensor | None = None):
+        """Fill ``recv_x`` (and, for ``fp8`` 1 or 2 (power-of-two scales), ``recv_scales``);
+        return ``(recv_count, src_info, row_of)``.
 
         ``row_of [W * T, K]`` int64: flat row ``e * W * T + j`` of expert_out that holds pair
         ``(s, t)``'s entry k on this rank, or -1 (what combine needs).
@@ -65,9 +71,16 @@ class ReferenceEP:
         if dev.type == "cuda":
             self._bad += ((topk_idx < -1) | (topk_idx >= E)).sum()
         valid = (topk_idx >= 0) & (topk_idx < E)
-        # Token rows: slot (dest, t) = x[t] for every dest (the exchange has fixed size).
-        send_x = torch.zeros((W, T, H), dtype=self.dtype, device=dev)
-        send_x[:, :n] = x
+        # Token rows: slot (dest, t) = x[t] for every dest (the exchange has fixed size). FP8:
+        # the slot is the row's e4m3 bytes followed by its fp32 scales' bytes.
+        if fp8:
+            send_x = torch.zeros((W, T, H + H // FP8_BLOCK * 4), dtype=torch.uint8, device=dev)
+            if n:
+                q, sc = quantize(x, round_scale=fp8 == 2)
+                send_x[:, :n] = torch.cat([q.view(torch.uint8), sc.view(torch.uint8)], 1)
+        else:
+            send_x = torch.zeros((W, T, H), dtype=self.dtype, device=dev)
+            send_x[:, :n] = x
         got_x = torch.empty_like(send_x)
         self._a2a_bytes("dispatch", got_x, send_x)
         # Metadata: slot (dest, t, k) = local expert id on dest, or -1.
@@ -95,8 +108,15 @@ class ReferenceEP:
         first_ok = torch.argmax(ok.to(torch.int8), 1, keepdim=True)
         fallback = torch.where(has, flat.gather(1, first_ok), count[0].clamp(max=P - 1))
         target = torch.where(ok, flat, fallback)
-        recv_flat = recv_x.view(L * P, H)
-        recv_flat[target] = got_x.view(P, 1, H)
+        if fp8:
+            got = got_x.view(P, -1)
+            recv_x.view(torch.uint8).view(L * P, H)[target] = got[:, :H].reshape(P, 1, H)
+            ns = recv_scales.shape[-1]
+            recv_scales.view(L * P, ns)[target] = \
+                got[:, H:].contiguous().view(torch.float32).view(P, 1, ns)
+        else:
+            recv_flat = recv_x.view(L * P, H)
+            recv_flat[target] = got_x.view(P, 1, H)
         src_flat = torch.empty(L * P, dtype=torch.int32, device=dev)
         pair_id = torch.arange(P, dtype=torch.int32, device=dev).view(P, 1).expand(P, K)
         src_flat[target.reshape(-1)] = pair_id.reshape(-1)

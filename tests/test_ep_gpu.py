@@ -299,3 +299,42 @@ def _bad_topk_body(rank, W):
 
 def test_out_of_range_topk_reported_on_gpu():
     run_distributed(_bad_topk_body, 2, backend="nccl")
+
+
+def _fp8_body(rank, W):
+    """FP8 dispatch: peer and reference give the same e4m3 bytes and scales, with and without
+    power-of-two scales, on a buffer for both kinds and on an FP8-only buffer; combine after an
+    FP8 dispatch stays bitwise equal."""
+    for cfg, fp8_only in ((dict(E=16, H=512, T=24, topk=4), False), (DEEPSEEK, False),
+                          (dict(E=8, H=128, T=7, topk=3), True)):
+        E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
+        L = E // W
+        peer, ref = _buffers(E, H, T, fp8=fp8_only)
+        for seed in (1, 2):
+            for kind in KINDS:
+                for rs in (False, True):
+                    what = f"fp8 seed={seed} kind={kind} round_scale={rs} cfg={cfg}"
+                    xs, topks, ws, (x, idx, w) = _case(rank, W, E, H, T, topk, seed, kind)
+                    poison = (torch.full((L, W * T, H), 0x7F, dtype=torch.uint8, device="cuda")
+                              .view(torch.float8_e4m3fn), _poisoned((L, W * T, H // 128),
+                                                                    torch.float32))
+                    (q, sc), rc, h = peer.dispatch(x, idx, use_fp8=True, round_scale=rs,
+                                                   out=poison)
+                    (wq, wsc), wc, wh = ref.dispatch(x, idx, use_fp8=True, round_scale=rs)
+                    assert torch.equal(rc, wc), what
+                    for e, c in enumerate(wc.tolist()):
+                        assert torch.equal(_bits(q[e, :c]), _bits(wq[e, :c])), (what, e)
+                        assert torch.equal(_bits(sc[e, :c]), _bits(wsc[e, :c])), (what, e)
+                        assert torch.equal(h.src_info[e, :c], wh.src_info[e, :c]), (what, e)
+                    from llcomm.ep_fp8 import dequantize
+                    eo = _experts(dequantize(wq, wsc), rank)
+                    y = peer.combine(eo, idx, w, h)
+                    assert torch.equal(_bits(y), _bits(ref.combine(eo, idx, w, wh))), what
+        if not fp8_only:    # bf16 dispatches on the same buffer still match
+            _one_round(peer, ref, rank, W, cfg, 77, "random")
+        peer.check()
+        peer.close()
+
+
+def test_fp8_dispatch_matches_reference():
+    run_distributed(_fp8_body, 2, backend="nccl", timeout=600)
