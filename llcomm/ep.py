@@ -189,6 +189,10 @@ class EPBuffer:
         self.dtype = dtype
         self.fp8 = fp8              # dispatch region sized for FP8 dispatches only
         self._dispatches = 0        # host count of dispatch calls (handle indices)
+        # return_recv_hook=True: the op's call whose receive hook has not run yet, if any
+        self._pending: dict[str, int | None] = {"dispatch": None, "combine": None}
+        self._combines = 0
+        self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
         self.backend_reason = "requested"
         if backend in ("auto", "peer"):
             from .tp import peer_support
@@ -270,7 +274,8 @@ class EPBuffer:
     # -- ops ------------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *,
                  out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-                 use_fp8: bool = False, round_scale: bool = False):
+                 use_fp8: bool = False, round_scale: bool = False,
+                 return_recv_hook: bool = False):
         """Send every token to the experts ``topk_idx`` names; return ``(recv_x, recv_count,
         handle)``.
 
@@ -290,6 +295,12 @@ class EPBuffer:
                 links. The format is defined in ``llcomm/ep_fp8.py`` (amax / 448 per block,
                 round to nearest even, saturating); both backends give the same bytes.
             round_scale: with ``use_fp8``, round each scale up to a power of two.
+            return_recv_hook: issue only the send half (rows leave for their ranks; ``x`` may
+                be reused as soon as the send half has run on the stream) and return a fourth
+                value, ``hook``: calling it (no arguments, on the same stream) issues the
+                receive half that fills ``recv_x``, ``recv_count`` and the handle. Until then
+                they are unspecified, and this buffer refuses the next dispatch and a combine
+                of this handle. Overlap work between the two (docs/ep.md, "Split phase").
         Returns:
             recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
                 e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
@@ -299,8 +310,10 @@ class EPBuffer:
                 (``llcomm.ep_fp8.dequantize(recv_x_fp8, recv_scales)`` gives bf16 back).
             recv_count: ``[num_local_experts]`` int32 (lives in the handle's slot: see EPHandle).
             handle: an ``EPHandle`` for ``combine``; valid for two dispatches.
+            hook: only with ``return_recv_hook=True`` (see there).
         """
         pr = V.Problems("EPBuffer.dispatch")
+        self._check_hook(pr, "dispatch", return_recv_hook)
         if V.check_tensor(pr, "x", x, self.device, dtypes=(self.dtype,)):
             if x.dim() != 2 or x.shape[1] != self.hidden:
                 pr.add(f"x has shape {tuple(x.shape)}; expected [num_tokens, {self.hidden}]")
@@ -324,14 +337,50 @@ class EPBuffer:
                                                              device=self.device)
         index = self._dispatches
         mode = (2 if round_scale else 1) if fp8 else 0
+        recv = None
         if self.backend == "peer":
-            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x,
-                                                              index % HANDLE_SLOTS, mode, scales)
-        else:
+            recv_count, src_info, state, recv = self._impl.dispatch(
+                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook)
+        elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales)
+        else:
+            finish = self._impl.dispatch_send(x, topk_idx, recv_x, mode, scales)
+            recv_count = torch.empty(self.num_local_experts, dtype=torch.int32,
+                                     device=self.device)
+            src_info = torch.empty(self._recv_shape()[:2], dtype=torch.int32, device=self.device)
+            state = None
+
+            def recv():
+                c, s, handle._state = finish()
+                recv_count.copy_(c)
+                src_info.copy_(s)
         self._dispatches += 1
         handle = EPHandle(self, index, x.shape[0], topk_idx.shape[1], recv_count, src_info, state)
-        return (recv_x, scales) if fp8 else recv_x, recv_count, handle
+        result = ((recv_x, scales) if fp8 else recv_x, recv_count, handle)
+        if not return_recv_hook:
+            return result
+        return (*result, self._hook("dispatch", index, recv))
+
+    def _check_hook(self, pr: V.Problems, op: str, return_recv_hook) -> None:
+        if not isinstance(return_recv_hook, bool):
+            pr.add(f"return_recv_hook={return_recv_hook!r}; expected True or False",
+                   type_error=True)
+        if self._pending[op] is not None:
+            pr.add(f"the receive hook of {op} #{self._pending[op]} (return_recv_hook=True) has "
+                   f"not been called: call it before the next {op} on this buffer")
+
+    def _hook(self, op: str, index: int, recv):
+        """The receive-half callable of a split-phase call; runs ``recv`` once."""
+        self._pending[op] = index
+
+        def hook():
+            if self._pending[op] != index:
+                raise RuntimeError(f"llcomm.EPBuffer: the receive hook of {op} #{index} has "
+                                   "already been called (a hook runs once)")
+            self._pending[op] = None
+            recv()
+        hook.__doc__ = f"Receive half of {op} #{index} (llcomm.EPBuffer, return_recv_hook=True)."
+        return hook
 
     def _scales_shape(self) -> tuple[int, int, int]:
         return (self.num_local_experts, self.num_ranks * self.max_tokens,
@@ -374,17 +423,24 @@ class EPBuffer:
 
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor, handle: EPHandle, *,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, return_recv_hook: bool = False):
         """Weighted sum of the experts' outputs back at each token's rank.
 
         Args:
             expert_out: ``[num_local_experts, num_ranks * max_tokens, hidden]``, the buffer's
                 dtype: row j of expert e is the output for row j of ``recv_x`` (rows past
-                ``recv_count[e]`` are never read).
+                ``recv_count[e]`` are never read). Read in place, never copied: any such
+                tensor, ``recv_x`` itself, or ``get_combine_input(handle)``.
             topk_idx: the same ``[num_tokens, topk]`` int64 tensor given to the dispatch.
             topk_weights: ``[num_tokens, topk]`` float32.
             handle: from one of this buffer's two latest dispatches.
             out: optional ``[num_tokens, hidden]`` result, the buffer's dtype.
+            return_recv_hook: issue only the send half (weights exchange, this rank's partials
+                pushed to the tokens' ranks) and return ``(out, hook)``; calling ``hook()`` on
+                the same stream waits for the other ranks' partials and writes ``out``, which
+                is unspecified until then. ``topk_idx`` must stay unchanged until the hook has
+                run (the receive half reads it); ``expert_out`` and ``topk_weights`` may be
+                reused after the send half.
         Returns:
             ``out[t] = sum_k topk_weights[t, k] * expert_out[expert k of t, its row]`` over the
             entries that are not -1 (zeros for a token with none), accumulated in fp32 in one
@@ -394,17 +450,13 @@ class EPBuffer:
             multiply-add contraction noted in docs/ep.md.
         """
         pr = V.Problems("EPBuffer.combine")
+        self._check_hook(pr, "combine", return_recv_hook)
         n = None
-        if not isinstance(handle, EPHandle):
-            pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
-                   type_error=True)
-        elif handle._owner is not self:
-            pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
-                   "returned")
-        elif self._dispatches - handle.index > HANDLE_SLOTS:
-            pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
-                   f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
-                   f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
+        if not self._check_handle(pr, handle):
+            pass
+        elif self._pending["dispatch"] == handle.index:
+            pr.add(f"handle is from dispatch #{handle.index}, whose receive hook has not been "
+                   "called: call it before combining")
         else:
             n = handle.num_tokens
         self._check_out(pr, "expert_out", expert_out, self._recv_shape())
@@ -422,7 +474,53 @@ class EPBuffer:
         self._precheck("combine")
         if out is None:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
-        return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
+        if not return_recv_hook:
+            return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
+        index = self._combines
+        self._combines += 1
+        recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out)
+        return out, self._hook("combine", index, recv)
+
+    def get_combine_input(self, handle: EPHandle) -> torch.Tensor:
+        """A ``[num_local_experts, num_ranks * max_tokens, hidden]`` tensor (buffer dtype) owned
+        by this buffer, for the experts to write their outputs into and pass to ``combine``.
+
+        Zero copy by construction, here as everywhere: ``combine`` reads ``expert_out`` in place
+        (the weighted partial of each (token, rank) is formed on the expert's rank and only it
+        crosses NVLink), so no combine copies its input, whichever tensor it is. This buffer
+        exists for engines written against DeepEP's ``get_next_low_latency_combine_buffer``;
+        it saves the allocation, not a copy. Writing the outputs into ``recv_x`` itself (bf16
+        dispatch) is equally copy-free and costs no memory.
+
+        Lifetime: one tensor per handle slot, allocated on first use (``num_experts *
+        max_tokens * hidden * itemsize`` bytes each, plain device memory, not symmetric):
+        handles ``k`` and ``k + 2`` get the same tensor, so fill it after dispatch ``k + 2``
+        only for handle ``k + 2``. Not a collective; no synchronisation.
+        """
+        pr = V.Problems("EPBuffer.get_combine_input")
+        self._check_handle(pr, handle)
+        pr.raise_if_any()
+        slot = handle.index % HANDLE_SLOTS
+        if self._combine_inputs[slot] is None:
+            self._combine_inputs[slot] = torch.empty(self._recv_shape(), dtype=self.dtype,
+                                                     device=self.device)
+        return self._combine_inputs[slot]
+
+    def _check_handle(self, pr: V.Problems, handle) -> bool:
+        """The handle is one of this buffer's two latest dispatches; True when usable."""
+        if not isinstance(handle, EPHandle):
+            pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
+                   type_error=True)
+        elif handle._owner is not self:
+            pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
+                   "returned")
+        elif self._dispatches - handle.index > HANDLE_SLOTS:
+            pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
+                   f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
+                   f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
+        else:
+            return True
+        return False
 
     # -- errors and lifetime --------------------------------------------------------------------
     def _precheck(self, fn: str) -> None:
@@ -528,26 +626,47 @@ class _PeerEP:
                                          _name(self.buf.dtype))
         return self._tags[key]
 
-    def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None):
+    def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
+                 split: bool = False):
+        """Launch the dispatch (``split``: its send half only, and return the launch of its
+        receive half as the fourth value; otherwise that is None)."""
         K = topk_idx.shape[1]
         row_of, src_info, recv_count, ntok = self._views(slot, K)
         if fp8:
             recv_x = recv_x.view(torch.uint8)       # the kernel moves e4m3 as bytes
-        self._launch(self.k.dispatch_kernel, self.nb, (
-            x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of, src_info,
-            recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
-            self._tag(P.OP_DISPATCH, K, fp8), self.timeout_us),
-            self.num_warps, **self._kconsts(K)[0], FP8=fp8)
-        return recv_count, src_info, (row_of, ntok)
+        args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
+                src_info, recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
+                self._tag(P.OP_DISPATCH, K, fp8), self.timeout_us)
+        consts = dict(self._kconsts(K)[0], FP8=fp8)
+        state = (row_of, ntok)
+        if not split:
+            self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+            return recv_count, src_info, state, None
+        consts["STAGES"] = self.k.DISPATCH_SEND_HALF
+        self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+        recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
+        return recv_count, src_info, state, lambda: self._launch(
+            self.k.dispatch_kernel, self.nb, args, self.num_warps, **recv)
 
-    def combine(self, expert_out, topk_idx, topk_weights, state, out):
+    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
         row_of, ntok = state
         K = topk_idx.shape[1]
-        self._launch(self.k.combine_kernel, self.nb, (
-            expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok, self.tab,
-            self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K), self.timeout_us),
-            self.num_warps, **self._kconsts(K)[1])
+        return (expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok,
+                self.tab, self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K),
+                self.timeout_us), self._kconsts(K)[1]
+
+    def combine(self, expert_out, topk_idx, topk_weights, state, out):
+        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **consts)
         return out
+
+    def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
+        """Launch the combine's send half; return the launch of its receive half."""
+        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps,
+                     **dict(consts, STAGES=self.k.COMBINE_SEND_HALF))
+        recv = dict(consts, STAGES=self.k.COMBINE_RECV_HALF)
+        return lambda: self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **recv)
 
     def take_bad_count(self, sync: bool) -> int:
         bad = int(self._host_np[1])

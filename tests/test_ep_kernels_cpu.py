@@ -40,9 +40,13 @@ def _same_up_to_interpreter_rounding(got, want):
     return torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale)
 
 
-def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0):
+def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
-    ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales)."""
+    ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
+    signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
+    (``D_SEND | D_SIGNAL``; ``C_WEIGHTS``, ``C_REDUCE | C_SIGNAL_P``), and check that every
+    flag a wait would poll holds the expected word (the waits themselves read the GPU clock,
+    which the interpreter lacks)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
     from llcomm.ep_fp8 import dequantize, quantize
@@ -77,7 +81,10 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0):
             src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
             cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
             ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
-            for stage in (K.D_SEND, K.D_RECV):
+            d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
+            for stage in d_stages:
+                if stage == K.D_RECV and signals:
+                    fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
                 for r in range(W):
                     K.dispatch_kernel[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
@@ -123,7 +130,11 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0):
                         fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
             outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
             outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
-            for stage in (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM):
+            c_stages = (K.C_WEIGHTS, K.C_REDUCE | K.C_SIGNAL_P, K.C_SUM) if signals \
+                else (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM)
+            for stage in c_stages:
+                if stage == K.C_SUM and signals:
+                    fails += _check_flags(regions, lay, ctrl, 1, [2], NB, W, tag)
                 for r in range(W):
                     K.combine_kernel[(NB,)](
                         outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
@@ -139,6 +150,23 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0):
             fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls} everywhere")
         if int(host[r][1]):
             fails.append(f"rank {r}: out-of-range top-k reported without cause")
+    return fails
+
+
+def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
+    """Every flag ``[phase][block][source]`` of the set in use holds ``(seq + 1) << EPOCH_SHIFT``
+    (the kernels ran with tag 0), as the receive half's wait requires."""
+    from llcomm.protocol import EPOCH_SHIFT
+    fails = []
+    for r in range(W):
+        seq = int(ctrl[r][op][0])
+        base = (seq % 2) * lay.set_bytes + lay.offsets()["signal"]
+        flags = regions[r][base:base + 8 * 3 * NB * W].view(torch.int64).view(3, NB, W)
+        for ph in phases:
+            want = (seq + 1) << EPOCH_SHIFT
+            if not bool((flags[ph] == want).all()):
+                fails.append(f"{tag} rank {r}: flags of phase {ph} {flags[ph].tolist()} != "
+                             f"{want:#x}")
     return fails
 
 
@@ -193,11 +221,13 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups"]),
     (2, 8, 5, 256, 3, 4, "bfloat16", [1], ["random", "dups", "zero_and_max"], 1),   # FP8
     (3, 6, 3, 128, 2, 2, "float32", [2], ["random", "sparse"], 2),                # pow2 scales
+    (2, 4, 4, 16, 2, 2, "float32", [6, 7], ["random", "zero_and_max"], 0, True),  # send halves
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}"
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
+                                             + ("-signals" if len(c) > 10 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)

@@ -338,3 +338,127 @@ def test_fp8_dispatch_matches_oracle():
     results = run_distributed(_fp8_body, 2, FP8_CONFIGS)
     fails = [f for r in results for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+# -- split phase (return_recv_hook) ---------------------------------------------------------
+def _hook_body(rank, W):
+    """Every result with a receive hook equals the one without; the lifetime rules hold."""
+    import llcomm.ep as ep
+    E, T, H, K = 8, 5, 128, 3
+    L = E // W
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference")
+    fails = []
+    for seed in (1, 2):
+        for kind in KINDS:
+            for fp8 in (False, True):
+                tag = f"[seed={seed} {kind} fp8={fp8}]"
+                xs, topks, ws = make_case(W, E, T, H, K, seed, kind)
+                x, idx, w = xs[rank], topks[rank], ws[rank]
+                rx, rc, h = buf.dispatch(x, idx, use_fp8=fp8)
+                rx2, rc2, h2, hook = buf.dispatch(x, idx, use_fp8=fp8, return_recv_hook=True)
+                x.fill_(float("nan"))           # the send half has taken the rows already
+                hook()
+                a = rx if fp8 else (rx,)
+                b = rx2 if fp8 else (rx2,)
+                if not torch.equal(rc, rc2):
+                    fails.append(f"{tag} recv_count differs with the hook")
+                    continue
+                for e in range(L):
+                    c = int(rc[e])
+                    if any(not torch.equal(_bits(p[e, :c]), _bits(q[e, :c]))
+                           for p, q in zip(a, b)):
+                        fails.append(f"{tag} recv_x of expert {e} differs with the hook")
+                    if not torch.equal(h.src_info[e, :c], h2.src_info[e, :c]):
+                        fails.append(f"{tag} src_info of expert {e} differs with the hook")
+                rows = ep_fp8_dequant(rx2) if fp8 else rx2
+                eo = expert_fn(rows, rc2, rank)
+                y = buf.combine(eo, idx, w, h)
+                y2, chook = buf.combine(eo, idx, w, h2, return_recv_hook=True)
+                eo.fill_(float("nan"))          # the send half has read the expert outputs
+                if chook() is not None:
+                    fails.append(f"{tag} the combine hook returned something")
+                if not torch.equal(_bits(y), _bits(y2)):
+                    fails.append(f"{tag} combine differs with the hook")
+
+    errors = []
+
+    def expect(what, exc, words, fn):
+        try:
+            fn()
+        except exc as e:
+            missing = [wd for wd in words if wd not in str(e)]
+            if missing:
+                errors.append(f"{what}: message lacks {missing}: {e}")
+            return
+        errors.append(f"{what}: did not raise {exc.__name__}")
+
+    xs, topks, ws = make_case(W, E, T, H, K, 3, "random")
+    x, idx, w = xs[rank], topks[rank], ws[rank]
+    rx, rc, h, hook = buf.dispatch(x, idx, return_recv_hook=True)
+    expect("dispatch while a hook is pending", ValueError, ["receive hook of dispatch #"],
+           lambda: buf.dispatch(x, idx))
+    expect("combine of a pending handle", ValueError, ["whose receive hook has not been"],
+           lambda: buf.combine(rx, idx, w, h))
+    expect("return_recv_hook not a bool", TypeError, ["return_recv_hook=1"],
+           lambda: buf.combine(rx, idx, w, h, return_recv_hook=1))
+    hook()
+    expect("hook twice", RuntimeError, ["already been called"], hook)
+    y, chook = buf.combine(expert_fn(rx, rc, rank), idx, w, h, return_recv_hook=True)
+    expect("combine while a combine hook is pending", ValueError, ["receive hook of combine #"],
+           lambda: buf.combine(rx, idx, w, h))
+    # a dispatch may run while a combine hook is pending (separate regions and counters)
+    rx3, rc3, h3 = buf.dispatch(x, idx)
+    chook()
+    y_ref = buf.combine(expert_fn(rx, rc, rank), idx, w, h)
+    if not torch.equal(_bits(y), _bits(y_ref)):
+        fails.append("combine hook with a dispatch in between differs")
+    return fails + errors
+
+
+def ep_fp8_dequant(pair):
+    from llcomm.ep_fp8 import dequantize
+    return dequantize(*pair)
+
+
+def test_recv_hook_gives_the_same_results():
+    results = run_distributed(_hook_body, 2)
+    fails = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _combine_input_body(rank, W):
+    """get_combine_input: one tensor per handle slot, combine reads it like any expert_out."""
+    import llcomm.ep as ep
+    E, T, H, K = 8, 4, 32, 2
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference")
+    out = []
+    handles = []
+    for seed in (1, 2, 3):
+        xs, topks, ws = make_case(W, E, T, H, K, seed, "random")
+        rx, rc, h = buf.dispatch(xs[rank], topks[rank])
+        handles.append(h)
+        ci = buf.get_combine_input(h)
+        out.append(tuple(ci.shape) == (E // W, W * T, H) and ci.dtype == torch.bfloat16)
+        eo = expert_fn(rx, rc, rank)
+        ci.copy_(eo)                        # "the experts write into it"
+        y = buf.combine(ci, topks[rank], ws[rank], h)
+        out.append(torch.equal(_bits(y), _bits(buf.combine(eo, topks[rank], ws[rank], h))))
+    same = buf.get_combine_input(handles[2]).data_ptr() == \
+        buf._combine_inputs[0].data_ptr()
+    other = buf.get_combine_input(handles[1]).data_ptr() != \
+        buf.get_combine_input(handles[2]).data_ptr()
+    try:
+        buf.get_combine_input(handles[0])
+        stale = None
+    except ValueError as e:
+        stale = str(e)
+    return out, same, other, stale
+
+
+def test_get_combine_input():
+    for out, same, other, stale in run_distributed(_combine_input_body, 2):
+        assert all(out), out
+        assert same and other
+        assert stale is not None and "reused its buffer slot" in stale

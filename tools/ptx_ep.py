@@ -3,7 +3,8 @@
     python tools/ptx_ep.py [--dump DIR] [--hidden 7168] [--experts 256] [--ranks 2] [--tokens 128]
 
 Compiles ``dispatch_kernel`` (bf16 / fp32 rows, and FP8) and ``combine_kernel`` exactly as
-``EPBuffer`` launches them (same constexprs, all stages, fp fusion off for combine) and prints
+``EPBuffer`` launches them (same constexprs, all stages, fp fusion off for combine; and the send
+and receive halves of ``return_recv_hook=True``) and prints
 per kernel: 16-byte vector
 loads/stores (ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope
 atomics (signals and acquire polls), fused multiply-adds (should be none in combine: the
@@ -86,6 +87,17 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         **fp8,
         f"combine_{dt}": (K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
                           warps, {"enable_fp_fusion": False}),
+        # the two launches of return_recv_hook=True
+        f"dispatch_{dt}_send": (K.dispatch_kernel, d_sig,
+                                dict(d_consts, STAGES=K.DISPATCH_SEND_HALF, FP8=0), warps, None),
+        f"dispatch_{dt}_recv": (K.dispatch_kernel, d_sig,
+                                dict(d_consts, STAGES=K.DISPATCH_RECV_HALF, FP8=0), warps, None),
+        f"combine_{dt}_send": (K.combine_kernel, c_sig,
+                               dict(c_consts, STAGES=K.COMBINE_SEND_HALF), warps,
+                               {"enable_fp_fusion": False}),
+        f"combine_{dt}_recv": (K.combine_kernel, c_sig,
+                               dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps,
+                               {"enable_fp_fusion": False}),
     }
 
 
@@ -116,7 +128,7 @@ def main():
             narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
             sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
             fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
-            print(f"{name:16s} warps {warps:2d}  v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  "
+            print(f"{name:18s} warps {warps:2d}  v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  "
                   f"sys atomics {sys_atom:2d}  fma.f32 {fma:3d}  {_ptxas_usage(ptx)}")
 
 

@@ -49,10 +49,22 @@ Timeline of one dispatch between ranks A and B (block b of each)::
     A: push rows/meta/counts -> B ... bar.sync; atom.release.sys B.flag[D][b][A] = word
     B: poll all B.flag[D][*][*] == word (volatile), one acquire pass ... bar.sync; expand
 
-``STAGES`` (constexpr bit mask) runs a subset of the stages without any signal or wait: the
-CPU tests use it to run the stages of every virtual rank in turn under ``TRITON_INTERPRET=1``.
-The library always launches all stages (``DISPATCH_ALL`` / ``COMBINE_ALL``), which alone
-signals and waits.
+``STAGES`` (constexpr bit mask) picks the stages a launch runs; signals and waits are stages of
+their own. The library launches either everything (``DISPATCH_ALL`` / ``COMBINE_ALL``) or, for
+``return_recv_hook=True``, the two halves in two launches::
+
+    dispatch   send half  D_SEND | D_SIGNAL                 push rows, counts, meta; signal
+               recv half  D_WAIT | D_RECV                   wait; expand; advance the counter
+    combine    send half  C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
+                                                            weights, signal, wait for them,
+                                                            reduce and push partials, signal
+               recv half  C_WAIT_P | C_SUM                  wait for partials; sum; advance
+
+The counter (set parity and epoch) advances only in the recv half, so both halves of one call
+agree on it; the host refuses a second send half before the first one's hook ran, so the
+two-set argument above still holds. The CPU tests run the data stages alone (``D_SEND``, then
+``D_RECV``; ``C_WEIGHTS``, ``C_REDUCE``, ``C_SUM``) for every virtual rank in turn under
+``TRITON_INTERPRET=1``, since the waits read the GPU clock.
 """
 import triton
 import triton.language as tl
@@ -73,10 +85,14 @@ OP_DISPATCH = tl.constexpr(P.OP_DISPATCH)
 OP_COMBINE = tl.constexpr(P.OP_COMBINE)
 
 # Stage bits (python ints for the host, constexpr for the kernels).
-D_SEND, D_RECV = 1, 2
-DISPATCH_ALL = D_SEND | D_RECV
-C_WEIGHTS, C_REDUCE, C_SUM = 1, 2, 4
-COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM
+D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
+DISPATCH_ALL = D_SEND | D_RECV | D_SIGNAL | D_WAIT
+DISPATCH_SEND_HALF = D_SEND | D_SIGNAL
+DISPATCH_RECV_HALF = D_WAIT | D_RECV
+C_WEIGHTS, C_REDUCE, C_SUM, C_SYNC_W, C_SIGNAL_P, C_WAIT_P = 1, 2, 4, 8, 16, 32
+COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM | C_SYNC_W | C_SIGNAL_P | C_WAIT_P
+COMBINE_SEND_HALF = C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
+COMBINE_RECV_HALF = C_WAIT_P | C_SUM
 # Flag phases of a set and the metadata word, from the layout.
 SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
 SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
@@ -404,7 +420,7 @@ def dispatch_kernel(
         FP8: tl.constexpr,              # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
         NS: tl.constexpr, NSP: tl.constexpr,    # scales per row (H // 128, or 1), pow2(NS)
         OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
-        STAGES: tl.constexpr):          # D_SEND | D_RECV; only DISPATCH_ALL signals and waits
+        STAGES: tl.constexpr):          # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
     b = tl.program_id(0)
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
@@ -412,13 +428,14 @@ def dispatch_kernel(
     if STAGES & 1:
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC)
-    ok = 1
-    if STAGES == 3:
+    if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
+    ok = 1
+    if STAGES & 8:      # D_WAIT
         flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
         ok = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W, FP, W)
-    if STAGES & 2:
+    if STAGES & 2:      # D_RECV
         if ok:
             _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
                     set_off, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
@@ -516,7 +533,7 @@ def combine_kernel(
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
         SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_CX: tl.constexpr,
         OFF_CW: tl.constexpr,
-        STAGES: tl.constexpr):          # C_WEIGHTS | C_REDUCE | C_SUM; only COMBINE_ALL syncs
+        STAGES: tl.constexpr):          # C_* bits (module doc)
     b = tl.program_id(0)
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
@@ -526,22 +543,24 @@ def combine_kernel(
     if STAGES & 1:
         _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
     ok = 1
-    if STAGES == 7:
+    if STAGES & 8:      # C_SYNC_W
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err, OP_COMBINE,
                          PHASE_ENTRY, 1, W, WP, W)
-    if STAGES & 2:
+    if STAGES & 2:      # C_REDUCE
         if ok:
             _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T, H, HP, K, KP, W, NB,
                              MAX_TOPK, OFF_CX, OFF_CW)
-        if STAGES == 7:
-            tl.debug_barrier()          # outside ``if ok``: see _wait_flags
-            if ok:
-                _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
-            ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
-                             OP_COMBINE, PHASE_EXIT, ok, W, WP, W)
-    if STAGES & 4:
+    if STAGES & 16:     # C_SIGNAL_P
+        tl.debug_barrier()              # outside ``if ok``: see _wait_flags
+        if ok:
+            _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
+    if STAGES & 32:     # C_WAIT_P (in a recv-half launch ok is 1: the send half's failure, if
+        #                 any, is already in the error word and this wait then times out too)
+        ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
+                         OP_COMBINE, PHASE_EXIT, ok, W, WP, W)
+    if STAGES & 4:      # C_SUM
         if ok:
             _sum_partials(topk, n_tok, out, tab, rank, set_off, T, H, HP, K, KP, E, L, W, NB,
                           OFF_CX)
