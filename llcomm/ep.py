@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import _validate as V
 from . import ops
 from . import protocol as P
+from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .ep_layout import MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
 from .ep_reference import ReferenceEP
 from .errors import UnsupportedConfigError
@@ -56,7 +57,7 @@ def _name(dtype: torch.dtype) -> str:
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
-    but STAGES), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
+    but STAGES, and FP8 of the dispatch), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
     L = E // W
     off = lay.offsets()
@@ -74,9 +75,11 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
         per_token = _pow2(topk) * jp * _pow2(topk)     # top-k x this block's entries
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
+    ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
     d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens,
              JP=jp, FP=_pow2(nb * W), OFF_X=off["recv_x"],
-             OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"])
+             OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
+             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"])
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"])
     return d, c, num_warps
 
@@ -141,6 +144,11 @@ class EPBuffer:
         timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
             on the reference backend over gloo, of every host-side wait (default
             ``LLCOMM_TIMEOUT_MS`` or 30000; docs/failures.md).
+        fp8: size the dispatch receive region for FP8 dispatches only (``dispatch(...,
+            use_fp8=True)``; ``hidden`` a multiple of 128); a bf16 dispatch is then refused.
+            The default (False) sizes it for the buffer dtype, which also holds FP8 rows and
+            scales, so both kinds of dispatch work. ``size_hint(..., fp8=True)`` says how much
+            this saves (about a quarter in bf16; docs/ep.md).
 
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
@@ -152,8 +160,11 @@ class EPBuffer:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, num_experts: int, hidden: int,
                  num_max_dispatch_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
-                 backend: str = "auto", timeout_ms: int | None = None):
+                 backend: str = "auto", timeout_ms: int | None = None, fp8: bool = False):
         pr = V.Problems("EPBuffer")
+        if not isinstance(fp8, bool):
+            pr.add(f"fp8={fp8!r}; expected True or False", type_error=True)
+            fp8 = False
         if backend not in BACKENDS:
             pr.add(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
         if dtype not in EP_DTYPES:
@@ -167,7 +178,7 @@ class EPBuffer:
         self.num_ranks = W = dist.get_world_size(self.group)
         itemsize = torch.tensor([], dtype=dtype).element_size() if dtype in EP_DTYPES else 2
         for msg in check_shape_args(num_max_dispatch_tokens_per_rank, hidden, W, num_experts,
-                                    itemsize):
+                                    itemsize, fp8):
             pr.add(msg)
         pr.raise_if_any()
         self.timeout_ms = P.timeout_ms_from_env(timeout_ms)
@@ -176,7 +187,12 @@ class EPBuffer:
         self.hidden = hidden
         self.max_tokens = num_max_dispatch_tokens_per_rank
         self.dtype = dtype
+        self.fp8 = fp8              # dispatch region sized for FP8 dispatches only
         self._dispatches = 0        # host count of dispatch calls (handle indices)
+        # return_recv_hook=True: the op's call whose receive hook has not run yet, if any
+        self._pending: dict[str, int | None] = {"dispatch": None, "combine": None}
+        self._combines = 0
+        self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
         self.backend_reason = "requested"
         if backend in ("auto", "peer"):
             from .tp import peer_support
@@ -204,19 +220,23 @@ class EPBuffer:
 
     @staticmethod
     def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                  num_experts: int, dtype: torch.dtype = torch.bfloat16) -> int:
+                  num_experts: int, dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> int:
         """Bytes of symmetric memory the peer backend allocates per rank for these arguments.
 
         Computed by the same ``ep_layout`` the constructor uses. About ``4 * num_ranks *
         max_tokens * hidden * itemsize`` (two sets of a dispatch and a combine receive region of
-        one slot per (rank, token)) plus small metadata; docs/ep.md has a table.
+        one slot per (rank, token)) plus small metadata; docs/ep.md has a table. ``fp8=True``
+        (a buffer for FP8 dispatches only): the dispatch region holds ``hidden * 33 / 32`` bytes
+        per slot in place of ``hidden * itemsize``, about 24% less in total for bf16.
         """
         if dtype not in EP_DTYPES:
             raise TypeError(f"llcomm.EPBuffer.size_hint: dtype={dtype}; expected one of "
                             f"{', '.join(map(_name, EP_DTYPES))}")
+        if not isinstance(fp8, bool):
+            raise TypeError(f"llcomm.EPBuffer.size_hint: fp8={fp8!r}; expected True or False")
         itemsize = torch.tensor([], dtype=dtype).element_size()
         return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
-                         itemsize).total_bytes
+                         itemsize, fp8=fp8).total_bytes
 
     # -- validation -----------------------------------------------------------------------------
     def _recv_shape(self) -> tuple[int, int, int]:
@@ -253,7 +273,9 @@ class EPBuffer:
 
     # -- ops ------------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *,
-                 out: torch.Tensor | None = None):
+                 out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+                 use_fp8: bool = False, round_scale: bool = False,
+                 return_recv_hook: bool = False):
         """Send every token to the experts ``topk_idx`` names; return ``(recv_x, recv_count,
         handle)``.
 
@@ -266,15 +288,32 @@ class EPBuffer:
                 token gets one row (combine applies both weights). Values outside [-1,
                 num_experts) raise ValueError here for CPU tensors; on the GPU they are treated
                 as -1 and reported by the next call or ``check()``.
-            out: optional ``recv_x`` to fill (shape below); allocated when not given.
+            out: optional ``recv_x`` to fill (shape below; with ``use_fp8`` the pair
+                ``(recv_x_fp8, recv_scales)``); allocated when not given.
+            use_fp8: quantise on the sender to float8_e4m3fn with one fp32 scale per 128
+                channels (``hidden`` a multiple of 128): half the bytes of bf16 cross the
+                links. The format is defined in ``llcomm/ep_fp8.py`` (amax / 448 per block,
+                round to nearest even, saturating); both backends give the same bytes.
+            round_scale: with ``use_fp8``, round each scale up to a power of two.
+            return_recv_hook: issue only the send half (rows leave for their ranks; ``x`` may
+                be reused as soon as the send half has run on the stream) and return a fourth
+                value, ``hook``: calling it (no arguments, on the same stream) issues the
+                receive half that fills ``recv_x``, ``recv_count`` and the handle. Until then
+                they are unspecified, and this buffer refuses the next dispatch and a combine
+                of this handle. Overlap work between the two (docs/ep.md, "Split phase").
         Returns:
             recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
                 e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
                 then by source token index; the remaining rows are unspecified (not zeroed).
+                With ``use_fp8``: the pair ``(recv_x_fp8, recv_scales)``, float8_e4m3fn of that
+                shape and float32 ``[num_local_experts, num_ranks * max_tokens, hidden // 128]``
+                (``llcomm.ep_fp8.dequantize(recv_x_fp8, recv_scales)`` gives bf16 back).
             recv_count: ``[num_local_experts]`` int32 (lives in the handle's slot: see EPHandle).
             handle: an ``EPHandle`` for ``combine``; valid for two dispatches.
+            hook: only with ``return_recv_hook=True`` (see there).
         """
         pr = V.Problems("EPBuffer.dispatch")
+        self._check_hook(pr, "dispatch", return_recv_hook)
         if V.check_tensor(pr, "x", x, self.device, dtypes=(self.dtype,)):
             if x.dim() != 2 or x.shape[1] != self.hidden:
                 pr.add(f"x has shape {tuple(x.shape)}; expected [num_tokens, {self.hidden}]")
@@ -285,34 +324,123 @@ class EPBuffer:
                 self._check_topk(pr, topk_idx, x.shape[0])
         else:
             self._check_topk(pr, topk_idx, None)
-        self._check_out(pr, "out", out, self._recv_shape())
+        fp8 = self._check_fp8(pr, use_fp8, round_scale, out)
         pr.raise_if_any()
         self._precheck("dispatch")
-        recv_x = out if out is not None else torch.empty(self._recv_shape(), dtype=self.dtype,
-                                                         device=self.device)
-        index = self._dispatches
-        if self.backend == "peer":
-            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x,
-                                                              index % HANDLE_SLOTS)
+        scales = None
+        if fp8:
+            recv_x, scales = out if out is not None else (
+                torch.empty(self._recv_shape(), dtype=FP8_DTYPE, device=self.device),
+                torch.empty(self._scales_shape(), dtype=SCALE_DTYPE, device=self.device))
         else:
-            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x)
+            recv_x = out if out is not None else torch.empty(self._recv_shape(), dtype=self.dtype,
+                                                             device=self.device)
+        index = self._dispatches
+        mode = (2 if round_scale else 1) if fp8 else 0
+        recv = None
+        if self.backend == "peer":
+            recv_count, src_info, state, recv = self._impl.dispatch(
+                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook)
+        elif not return_recv_hook:
+            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales)
+        else:
+            finish = self._impl.dispatch_send(x, topk_idx, recv_x, mode, scales)
+            recv_count = torch.empty(self.num_local_experts, dtype=torch.int32,
+                                     device=self.device)
+            src_info = torch.empty(self._recv_shape()[:2], dtype=torch.int32, device=self.device)
+            state = None
+
+            def recv():
+                c, s, handle._state = finish()
+                recv_count.copy_(c)
+                src_info.copy_(s)
         self._dispatches += 1
         handle = EPHandle(self, index, x.shape[0], topk_idx.shape[1], recv_count, src_info, state)
-        return recv_x, recv_count, handle
+        result = ((recv_x, scales) if fp8 else recv_x, recv_count, handle)
+        if not return_recv_hook:
+            return result
+        return (*result, self._hook("dispatch", index, recv))
+
+    def _check_hook(self, pr: V.Problems, op: str, return_recv_hook) -> None:
+        if not isinstance(return_recv_hook, bool):
+            pr.add(f"return_recv_hook={return_recv_hook!r}; expected True or False",
+                   type_error=True)
+        if self._pending[op] is not None:
+            pr.add(f"the receive hook of {op} #{self._pending[op]} (return_recv_hook=True) has "
+                   f"not been called: call it before the next {op} on this buffer")
+
+    def _hook(self, op: str, index: int, recv):
+        """The receive-half callable of a split-phase call; runs ``recv`` once."""
+        self._pending[op] = index
+
+        def hook():
+            if self._pending[op] != index:
+                raise RuntimeError(f"llcomm.EPBuffer: the receive hook of {op} #{index} has "
+                                   "already been called (a hook runs once)")
+            self._pending[op] = None
+            recv()
+        hook.__doc__ = f"Receive half of {op} #{index} (llcomm.EPBuffer, return_recv_hook=True)."
+        return hook
+
+    def _scales_shape(self) -> tuple[int, int, int]:
+        return (self.num_local_experts, self.num_ranks * self.max_tokens,
+                self.hidden // FP8_BLOCK)
+
+    def _check_fp8(self, pr: V.Problems, use_fp8, round_scale, out) -> bool:
+        """Check use_fp8 / round_scale and the out= that goes with them; True for FP8."""
+        ok = True
+        for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale)):
+            if not isinstance(v, bool):
+                pr.add(f"{name}={v!r}; expected True or False", type_error=True)
+                ok = False
+        if not ok:
+            return False
+        if round_scale and not use_fp8:
+            pr.add("round_scale=True needs use_fp8=True (it rounds the FP8 scales)")
+        if use_fp8 and self.hidden % FP8_BLOCK:
+            pr.add(f"use_fp8=True needs hidden to be a multiple of {FP8_BLOCK} (one scale per "
+                   f"{FP8_BLOCK} channels); this buffer has hidden={self.hidden}")
+            return False
+        if not use_fp8 and self.fp8:
+            pr.add("use_fp8=False on a buffer created with fp8=True: its dispatch region holds "
+                   "FP8 rows only; pass use_fp8=True or create the EPBuffer with fp8=False")
+            return False
+        if not use_fp8:
+            self._check_out(pr, "out", out, self._recv_shape())
+            return False
+        if out is None:
+            return True
+        if not (isinstance(out, tuple) and len(out) == 2):
+            pr.add("out must be the pair (recv_x_fp8, recv_scales) with use_fp8=True, got "
+                   f"{type(out).__name__}", type_error=True)
+            return True
+        for name, t, shape, dt in (("out[0]", out[0], self._recv_shape(), FP8_DTYPE),
+                                   ("out[1]", out[1], self._scales_shape(), SCALE_DTYPE)):
+            if V.check_tensor(pr, name, t, self.device, dtypes=(dt,)) \
+                    and tuple(t.shape) != shape:
+                pr.add(f"{name} has shape {tuple(t.shape)}; expected {shape}")
+        return True
 
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor, handle: EPHandle, *,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, return_recv_hook: bool = False):
         """Weighted sum of the experts' outputs back at each token's rank.
 
         Args:
             expert_out: ``[num_local_experts, num_ranks * max_tokens, hidden]``, the buffer's
                 dtype: row j of expert e is the output for row j of ``recv_x`` (rows past
-                ``recv_count[e]`` are never read).
+                ``recv_count[e]`` are never read). Read in place, never copied: any such
+                tensor, ``recv_x`` itself, or ``get_combine_input(handle)``.
             topk_idx: the same ``[num_tokens, topk]`` int64 tensor given to the dispatch.
             topk_weights: ``[num_tokens, topk]`` float32.
             handle: from one of this buffer's two latest dispatches.
             out: optional ``[num_tokens, hidden]`` result, the buffer's dtype.
+            return_recv_hook: issue only the send half (weights exchange, this rank's partials
+                pushed to the tokens' ranks) and return ``(out, hook)``; calling ``hook()`` on
+                the same stream waits for the other ranks' partials and writes ``out``, which
+                is unspecified until then. ``topk_idx`` must stay unchanged until the hook has
+                run (the receive half reads it); ``expert_out`` and ``topk_weights`` may be
+                reused after the send half.
         Returns:
             ``out[t] = sum_k topk_weights[t, k] * expert_out[expert k of t, its row]`` over the
             entries that are not -1 (zeros for a token with none), accumulated in fp32 in one
@@ -322,17 +450,13 @@ class EPBuffer:
             multiply-add contraction noted in docs/ep.md.
         """
         pr = V.Problems("EPBuffer.combine")
+        self._check_hook(pr, "combine", return_recv_hook)
         n = None
-        if not isinstance(handle, EPHandle):
-            pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
-                   type_error=True)
-        elif handle._owner is not self:
-            pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
-                   "returned")
-        elif self._dispatches - handle.index > HANDLE_SLOTS:
-            pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
-                   f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
-                   f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
+        if not self._check_handle(pr, handle):
+            pass
+        elif self._pending["dispatch"] == handle.index:
+            pr.add(f"handle is from dispatch #{handle.index}, whose receive hook has not been "
+                   "called: call it before combining")
         else:
             n = handle.num_tokens
         self._check_out(pr, "expert_out", expert_out, self._recv_shape())
@@ -350,7 +474,53 @@ class EPBuffer:
         self._precheck("combine")
         if out is None:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
-        return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
+        if not return_recv_hook:
+            return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
+        index = self._combines
+        self._combines += 1
+        recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out)
+        return out, self._hook("combine", index, recv)
+
+    def get_combine_input(self, handle: EPHandle) -> torch.Tensor:
+        """A ``[num_local_experts, num_ranks * max_tokens, hidden]`` tensor (buffer dtype) owned
+        by this buffer, for the experts to write their outputs into and pass to ``combine``.
+
+        Zero copy by construction, here as everywhere: ``combine`` reads ``expert_out`` in place
+        (the weighted partial of each (token, rank) is formed on the expert's rank and only it
+        crosses NVLink), so no combine copies its input, whichever tensor it is. This buffer
+        exists for engines written against DeepEP's ``get_next_low_latency_combine_buffer``;
+        it saves the allocation, not a copy. Writing the outputs into ``recv_x`` itself (bf16
+        dispatch) is equally copy-free and costs no memory.
+
+        Lifetime: one tensor per handle slot, allocated on first use (``num_experts *
+        max_tokens * hidden * itemsize`` bytes each, plain device memory, not symmetric):
+        handles ``k`` and ``k + 2`` get the same tensor, so fill it after dispatch ``k + 2``
+        only for handle ``k + 2``. Not a collective; no synchronisation.
+        """
+        pr = V.Problems("EPBuffer.get_combine_input")
+        self._check_handle(pr, handle)
+        pr.raise_if_any()
+        slot = handle.index % HANDLE_SLOTS
+        if self._combine_inputs[slot] is None:
+            self._combine_inputs[slot] = torch.empty(self._recv_shape(), dtype=self.dtype,
+                                                     device=self.device)
+        return self._combine_inputs[slot]
+
+    def _check_handle(self, pr: V.Problems, handle) -> bool:
+        """The handle is one of this buffer's two latest dispatches; True when usable."""
+        if not isinstance(handle, EPHandle):
+            pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
+                   type_error=True)
+        elif handle._owner is not self:
+            pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
+                   "returned")
+        elif self._dispatches - handle.index > HANDLE_SLOTS:
+            pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
+                   f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
+                   f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
+        else:
+            return True
+        return False
 
     # -- errors and lifetime --------------------------------------------------------------------
     def _precheck(self, fn: str) -> None:
@@ -405,7 +575,7 @@ class _PeerEP:
                 "block of a dispatch waits for the others, so all must be resident")
         itemsize = torch.tensor([], dtype=buf.dtype).element_size()
         self.layout = lay = ep_layout(buf.max_tokens, buf.hidden, self.W, buf.num_experts,
-                                      itemsize, num_blocks=nb)
+                                      itemsize, num_blocks=nb, fp8=buf.fp8)
         self.buf = buf
         self.timeout_us = buf.timeout_ms * P.US_PER_MS
         self.ws = SymmetricWorkspace(buf.group, {"ep": lay.total_bytes}, self.device)
@@ -448,29 +618,55 @@ class _PeerEP:
                                         dict(c, STAGES=self.k.COMBINE_ALL, enable_fp_fusion=False))
         return hit
 
-    def _tag(self, op: int, topk: int) -> int:
-        key = (op, topk)
+    def _tag(self, op: int, topk: int, fp8: int = 0) -> int:
+        key = (op, topk, fp8)
         if key not in self._tags:
-            self._tags[key] = P.size_tag(op, self.buf.hidden * 64 + topk, _name(self.buf.dtype))
+            # fp8 in the tag: ranks that disagree about use_fp8 / round_scale are a mismatch
+            self._tags[key] = P.size_tag(op, (self.buf.hidden * 4 + fp8) * 64 + topk,
+                                         _name(self.buf.dtype))
         return self._tags[key]
 
-    def dispatch(self, x, topk_idx, recv_x, slot: int):
+    def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
+                 split: bool = False):
+        """Launch the dispatch (``split``: its send half only, and return the launch of its
+        receive half as the fourth value; otherwise that is None)."""
         K = topk_idx.shape[1]
         row_of, src_info, recv_count, ntok = self._views(slot, K)
-        self._launch(self.k.dispatch_kernel, self.nb, (
-            x, topk_idx, x.shape[0], recv_x, row_of, src_info, recv_count, ntok, self.tab,
-            self.ctrl[0], self.err, self.rank, self._tag(P.OP_DISPATCH, K), self.timeout_us),
-            self.num_warps, **self._kconsts(K)[0])
-        return recv_count, src_info, (row_of, ntok)
+        if fp8:
+            recv_x = recv_x.view(torch.uint8)       # the kernel moves e4m3 as bytes
+        args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
+                src_info, recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
+                self._tag(P.OP_DISPATCH, K, fp8), self.timeout_us)
+        consts = dict(self._kconsts(K)[0], FP8=fp8)
+        state = (row_of, ntok)
+        if not split:
+            self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+            return recv_count, src_info, state, None
+        consts["STAGES"] = self.k.DISPATCH_SEND_HALF
+        self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+        recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
+        return recv_count, src_info, state, lambda: self._launch(
+            self.k.dispatch_kernel, self.nb, args, self.num_warps, **recv)
 
-    def combine(self, expert_out, topk_idx, topk_weights, state, out):
+    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
         row_of, ntok = state
         K = topk_idx.shape[1]
-        self._launch(self.k.combine_kernel, self.nb, (
-            expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok, self.tab,
-            self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K), self.timeout_us),
-            self.num_warps, **self._kconsts(K)[1])
+        return (expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok,
+                self.tab, self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K),
+                self.timeout_us), self._kconsts(K)[1]
+
+    def combine(self, expert_out, topk_idx, topk_weights, state, out):
+        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **consts)
         return out
+
+    def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
+        """Launch the combine's send half; return the launch of its receive half."""
+        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps,
+                     **dict(consts, STAGES=self.k.COMBINE_SEND_HALF))
+        recv = dict(consts, STAGES=self.k.COMBINE_RECV_HALF)
+        return lambda: self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **recv)
 
     def take_bad_count(self, sync: bool) -> int:
         bad = int(self._host_np[1])

@@ -16,6 +16,9 @@ consecutive combines)::
 
     signal          int64 [SIGNAL_PHASES, num_blocks, num_ranks]   flags, epoch | tag
     dispatch recv   dtype [num_ranks, max_tokens, hidden]          token rows, slot (src, t)
+                    or, for an FP8 dispatch, in the same region:
+                    fp8   [num_ranks, max_tokens, hidden]          quantised rows, slot (src, t)
+                    fp32  [num_ranks, max_tokens, hidden // 128]   their scales (recv_scales)
     dispatch meta   int32 [num_ranks, max_tokens, MAX_TOPK]        (local expert << 16) | prefix
     dispatch count  int32 [num_ranks, num_local_experts]           tokens per local expert
     dispatch ntok   int32 [num_ranks]                              tokens each source sent
@@ -25,6 +28,11 @@ consecutive combines)::
 There is no send region: every push goes straight from the caller's tensor (``x`` in dispatch,
 the reduced partial held in registers in combine) into the peer's receive region, so a send
 staging area would only add a copy. ``EPSetLayout.send_bytes`` is 0 to say so explicitly.
+
+FP8 (``fp8=True``): the dispatch receive region is sized for FP8 rows and their scales only
+(``hidden + hidden // 32`` bytes per slot instead of ``hidden * itemsize``), and such a buffer
+refuses bf16 dispatches. With ``fp8=False`` the region holds the larger of the two, so one buffer
+serves both kinds of dispatch (for bf16 and wider the buffer-dtype rows are always the larger).
 """
 from __future__ import annotations
 
@@ -52,6 +60,8 @@ NUM_SETS = 2
 META_SHIFT = 16
 MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
 MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the word positive
+#: FP8 dispatch: channels per fp32 scale (llcomm/ep_fp8.py defines the format).
+FP8_BLOCK = 128
 
 
 def default_num_blocks() -> int:
@@ -79,6 +89,7 @@ class EPSetLayout:
     base: int
     signal: int
     recv_x: int
+    recv_scales: int                # FP8 dispatch: scales, inside the recv_x region
     recv_meta: int
     recv_count: int
     recv_ntok: int
@@ -99,6 +110,7 @@ class EPLayout:
     itemsize: int
     num_blocks: int
     max_topk: int
+    fp8: bool
     set_bytes: int
     total_bytes: int
     sets: tuple[EPSetLayout, ...] = field(repr=False)
@@ -110,13 +122,14 @@ class EPLayout:
     def offsets(self) -> dict[str, int]:
         """Offsets of set 0's regions (set ``k`` is these plus ``k * set_bytes``)."""
         s = self.sets[0]
-        return {"signal": s.signal, "recv_x": s.recv_x, "recv_meta": s.recv_meta,
+        return {"signal": s.signal, "recv_x": s.recv_x, "recv_scales": s.recv_scales,
+                "recv_meta": s.recv_meta,
                 "recv_count": s.recv_count, "recv_ntok": s.recv_ntok,
                 "combine_x": s.combine_x, "combine_weights": s.combine_weights}
 
 
 def check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
-                     itemsize) -> list[str]:
+                     itemsize, fp8: bool = False) -> list[str]:
     """Problems with the sizing arguments (an empty list when they are fine)."""
     bad = []
 
@@ -143,24 +156,39 @@ def check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_ex
     if (hidden * itemsize) % 16:
         bad.append(f"hidden={hidden}: a token row of hidden * {itemsize} bytes must be a multiple "
                    "of 16 bytes (the kernels move 16-byte vectors)")
+    if fp8 and hidden % FP8_BLOCK:
+        bad.append(f"hidden={hidden} with fp8=True: FP8 dispatch needs hidden to be a multiple of "
+                   f"{FP8_BLOCK} (one scale per {FP8_BLOCK} channels)")
     return bad
+
+
+def fp8_dispatch_bytes(num_ranks: int, max_tokens: int, hidden: int) -> int:
+    """Bytes of one set's dispatch receive region in FP8: rows, then scales (256-aligned)."""
+    rows = num_ranks * max_tokens * hidden
+    return _align(rows) + num_ranks * max_tokens * (hidden // FP8_BLOCK) * 4
 
 
 def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
               num_experts: int, itemsize: int, *, num_blocks: int | None = None,
-              max_topk: int = MAX_TOPK) -> EPLayout:
-    """Compute the layout. Raises ValueError on arguments no layout can serve."""
+              max_topk: int = MAX_TOPK, fp8: bool = False) -> EPLayout:
+    """Compute the layout. Raises ValueError on arguments no layout can serve.
+
+    ``fp8=True``: the dispatch receive region holds FP8 rows and scales only (FP8 dispatches
+    only); ``False``: the larger of buffer-dtype rows and, when hidden is a multiple of 128, FP8
+    rows and scales (both kinds of dispatch)."""
     if num_blocks is None:
         num_blocks = default_num_blocks()
     bad = check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
-                           itemsize)
+                           itemsize, fp8)
     if bad:
         raise ValueError("llcomm.EPBuffer.size_hint: " + "; ".join(bad))
     W, T, H = num_ranks, num_max_dispatch_tokens_per_rank, hidden
     L = num_experts // W
+    fp8_bytes = fp8_dispatch_bytes(W, T, H) if H % FP8_BLOCK == 0 else 0
+    recv_bytes = fp8_bytes if fp8 else max(W * T * H * itemsize, fp8_bytes)
     sizes = (
         ("signal", 8 * SIGNAL_PHASES * num_blocks * W),
-        ("recv_x", W * T * H * itemsize),
+        ("recv_x", recv_bytes),
         ("recv_meta", 4 * W * T * max_topk),
         ("recv_count", 4 * W * L),
         ("recv_ntok", 4 * W),
@@ -172,11 +200,12 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
         rel[name] = off
         off += _align(n)
     set_bytes = off
+    rel["recv_scales"] = rel["recv_x"] + _align(W * T * H)
     sets = tuple(EPSetLayout(base=k * set_bytes, end=(k + 1) * set_bytes,
                              **{name: k * set_bytes + o for name, o in rel.items()})
                  for k in range(NUM_SETS))
     return EPLayout(num_ranks=W, num_experts=num_experts, hidden=H, max_tokens=T,
-                    itemsize=itemsize, num_blocks=num_blocks, max_topk=max_topk,
+                    itemsize=itemsize, num_blocks=num_blocks, max_topk=max_topk, fp8=fp8,
                     set_bytes=set_bytes, total_bytes=NUM_SETS * set_bytes, sets=sets)
 
 

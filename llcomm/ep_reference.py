@@ -15,12 +15,16 @@ waits on the host and the whole thing can be captured in a CUDA graph on NCCL. P
 as bytes (uint8 views): byte-exact, and gloo moves no 16-bit types. ``EPBuffer`` validates
 arguments before calling in here. On gloo every exchange is bounded by ``timeout_ms`` on the host
 (``reference.BoundedCalls``): a peer that is gone or late raises ``CommTimeoutError``.
+
+FP8 dispatch quantises on the sender (``ep_fp8.quantize``, the documented arithmetic) and moves
+the e4m3 bytes and fp32 scales of each slot in one exchange, as the peer kernel does.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from .ep_fp8 import FP8_BLOCK, quantize
 from .reference import BoundedCalls
 
 
@@ -50,9 +54,24 @@ class ReferenceEP:
         o, i = out.view(torch.uint8), inp.view(torch.uint8)
         self.calls.run(op, lambda a: dist.all_to_all_single(o, i, group=self.group, async_op=a))
 
+    def _a2a_start(self, op: str, out: torch.Tensor, inp: torch.Tensor):
+        """``_a2a_bytes`` issued now; returns the function that waits for it."""
+        o, i = out.view(torch.uint8), inp.view(torch.uint8)
+        return self.calls.start(
+            op, lambda a: dist.all_to_all_single(o, i, group=self.group, async_op=a))
+
     # -- dispatch -------------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor):
-        """Fill ``recv_x``; return ``(recv_count, src_info, row_of)``.
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor,
+                 fp8: int = 0, recv_scales: torch.Tensor | None = None):
+        """Fill ``recv_x`` (and, for ``fp8`` 1 or 2 (power-of-two scales), ``recv_scales``);
+        return ``(recv_count, src_info, row_of)``."""
+        return self.dispatch_send(x, topk_idx, recv_x, fp8, recv_scales)()
+
+    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor,
+                      fp8: int = 0, recv_scales: torch.Tensor | None = None):
+        """The send half: quantise, build the slots, start both exchanges. Returns the receive
+        half: a function that waits for them, fills the outputs and returns what ``dispatch``
+        does.
 
         ``row_of [W * T, K]`` int64: flat row ``e * W * T + j`` of expert_out that holds pair
         ``(s, t)``'s entry k on this rank, or -1 (what combine needs).
@@ -60,16 +79,22 @@ class ReferenceEP:
         W, T, H = self.world_size, self.max_tokens, self.hidden
         L, E = self.num_local_experts, self.num_experts
         n, K = topk_idx.shape
-        P = W * T
         dev = self.device
         if dev.type == "cuda":
             self._bad += ((topk_idx < -1) | (topk_idx >= E)).sum()
         valid = (topk_idx >= 0) & (topk_idx < E)
-        # Token rows: slot (dest, t) = x[t] for every dest (the exchange has fixed size).
-        send_x = torch.zeros((W, T, H), dtype=self.dtype, device=dev)
-        send_x[:, :n] = x
+        # Token rows: slot (dest, t) = x[t] for every dest (the exchange has fixed size). FP8:
+        # the slot is the row's e4m3 bytes followed by its fp32 scales' bytes.
+        if fp8:
+            send_x = torch.zeros((W, T, H + H // FP8_BLOCK * 4), dtype=torch.uint8, device=dev)
+            if n:
+                q, sc = quantize(x, round_scale=fp8 == 2)
+                send_x[:, :n] = torch.cat([q.view(torch.uint8), sc.view(torch.uint8)], 1)
+        else:
+            send_x = torch.zeros((W, T, H), dtype=self.dtype, device=dev)
+            send_x[:, :n] = x
         got_x = torch.empty_like(send_x)
-        self._a2a_bytes("dispatch", got_x, send_x)
+        wait_x = self._a2a_start("dispatch", got_x, send_x)
         # Metadata: slot (dest, t, k) = local expert id on dest, or -1.
         dest = torch.where(valid, topk_idx // L, -1)
         local = torch.where(valid, topk_idx - dest * L, -1)
@@ -77,7 +102,17 @@ class ReferenceEP:
         ranks = torch.arange(W, device=dev).view(W, 1, 1)
         send_m[:, :n] = torch.where(dest.unsqueeze(0) == ranks, local.unsqueeze(0), -1)
         meta = torch.empty_like(send_m)
-        self._a2a_bytes("dispatch", meta, send_m)
+        wait_m = self._a2a_start("dispatch", meta, send_m)
+        return lambda: self._dispatch_recv(wait_x, wait_m, got_x, meta, n, K, fp8, recv_x,
+                                           recv_scales)
+
+    def _dispatch_recv(self, wait_x, wait_m, got_x, meta, n, K, fp8, recv_x, recv_scales):
+        W, T, H = self.world_size, self.max_tokens, self.hidden
+        L = self.num_local_experts
+        P = W * T
+        dev = self.device
+        wait_x()
+        wait_m()
         meta = meta.view(P, K)                      # pair p = s * T + t
         ok = meta >= 0
         # Pair p uses local expert e (once, however often e repeats in its top-k).
@@ -95,8 +130,15 @@ class ReferenceEP:
         first_ok = torch.argmax(ok.to(torch.int8), 1, keepdim=True)
         fallback = torch.where(has, flat.gather(1, first_ok), count[0].clamp(max=P - 1))
         target = torch.where(ok, flat, fallback)
-        recv_flat = recv_x.view(L * P, H)
-        recv_flat[target] = got_x.view(P, 1, H)
+        if fp8:
+            got = got_x.view(P, -1)
+            recv_x.view(torch.uint8).view(L * P, H)[target] = got[:, :H].reshape(P, 1, H)
+            ns = recv_scales.shape[-1]
+            recv_scales.view(L * P, ns)[target] = \
+                got[:, H:].contiguous().view(torch.float32).view(P, 1, ns)
+        else:
+            recv_flat = recv_x.view(L * P, H)
+            recv_flat[target] = got_x.view(P, 1, H)
         src_flat = torch.empty(L * P, dtype=torch.int32, device=dev)
         pair_id = torch.arange(P, dtype=torch.int32, device=dev).view(P, 1).expand(P, K)
         src_flat[target.reshape(-1)] = pair_id.reshape(-1)
@@ -105,8 +147,14 @@ class ReferenceEP:
     # -- combine --------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor):
+        return self.combine_send(expert_out, topk_idx, topk_weights, row_of, out)()
+
+    def combine_send(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
+                     topk_weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor):
+        """The send half (as the peer kernel's): weights exchange, partials, start their
+        exchange. Returns the receive half (wait, sum in rank order into ``out``, return it)."""
         W, T, H = self.world_size, self.max_tokens, self.hidden
-        L, E = self.num_local_experts, self.num_experts
+        L = self.num_local_experts
         n, K = topk_idx.shape
         P = W * T
         dev = self.device
@@ -124,7 +172,15 @@ class ReferenceEP:
             acc = torch.where((r >= 0).unsqueeze(1), acc + got_w[:, k:k + 1] * yk, acc)
         partial = acc.to(self.dtype).view(W, T, H)   # slot (source rank, t)
         back = torch.empty_like(partial)             # slot (expert rank, t)
-        self._a2a_bytes("combine", back, partial)
+        wait = self._a2a_start("combine", back, partial)
+        return lambda: self._combine_recv(wait, back, topk_idx, out)
+
+    def _combine_recv(self, wait, back, topk_idx, out):
+        W, H = self.world_size, self.hidden
+        L, E = self.num_local_experts, self.num_experts
+        n = topk_idx.shape[0]
+        dev = self.device
+        wait()
         valid = (topk_idx >= 0) & (topk_idx < E)
         dest = torch.where(valid, topk_idx // L, -1)
         total = torch.zeros((n, H), dtype=torch.float32, device=dev)

@@ -50,23 +50,41 @@ class BoundedCalls:
         self.failure.check(0)
 
     def run(self, op: str, call) -> None:
+        self.start(op, call)()
+
+    def start(self, op: str, call):
+        """Issue one collective now; return a function that waits for it (bounded on gloo, the
+        same errors as ``run``). Split-phase callers do their own work in between."""
         self.check()
         if not self.bounded:
             call(False)
-            return
+            return _nothing
         try:
             work = call(True)
-            work.wait(timeout=self._timeout)
-        except RuntimeError as e:  # gloo: "Operation timed out!", "Connection reset by peer"
-            others = [r for r in range(self.world_size) if r != self.rank]
-            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-            err = CommTimeoutError(
-                f"llcomm: rank {self.rank}: {op} (reference backend, gloo): the collective did "
-                f"not complete within timeout_ms={self.timeout_ms} ({cause}); a peer of ranks "
-                f"{others} did not arrive or its process is gone. The {self.failure.what} is now "
-                "broken: destroy it and create a new one (after the missing ranks are back).",
-                op=op, phase="collective", ranks=())
-            raise self.failure.fail(err) from e
+        except RuntimeError as e:
+            raise self._fail(op, e) from e
+
+        def wait() -> None:
+            try:
+                work.wait(timeout=self._timeout)
+            except RuntimeError as e:  # gloo: "Operation timed out!", "Connection reset by peer"
+                raise self._fail(op, e) from e
+        return wait
+
+    def _fail(self, op: str, e: Exception):
+        others = [r for r in range(self.world_size) if r != self.rank]
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        err = CommTimeoutError(
+            f"llcomm: rank {self.rank}: {op} (reference backend, gloo): the collective did "
+            f"not complete within timeout_ms={self.timeout_ms} ({cause}); a peer of ranks "
+            f"{others} did not arrive or its process is gone. The {self.failure.what} is now "
+            "broken: destroy it and create a new one (after the missing ranks are back).",
+            op=op, phase="collective", ranks=())
+        return self.failure.fail(err)
+
+
+def _nothing() -> None:
+    return None
 
 
 class ReferenceBackend:

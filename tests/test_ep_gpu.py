@@ -286,3 +286,116 @@ def _bad_topk_body(rank, W):
 
 def test_out_of_range_topk_reported_on_gpu():
     run_distributed(_bad_topk_body, 2, backend="nccl")
+
+
+def _fp8_body(rank, W):
+    """FP8 dispatch: peer and reference give the same e4m3 bytes and scales, with and without
+    power-of-two scales, on a buffer for both kinds and on an FP8-only buffer; combine after an
+    FP8 dispatch stays bitwise equal."""
+    for cfg, fp8_only in ((dict(E=16, H=512, T=24, topk=4), False), (DEEPSEEK, False),
+                          (dict(E=8, H=128, T=7, topk=3), True)):
+        E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
+        L = E // W
+        peer, ref = _buffers(E, H, T, fp8=fp8_only)
+        for seed in (1, 2):
+            for kind in KINDS:
+                for rs in (False, True):
+                    what = f"fp8 seed={seed} kind={kind} round_scale={rs} cfg={cfg}"
+                    xs, topks, ws, (x, idx, w) = _case(rank, W, E, H, T, topk, seed, kind)
+                    poison = (torch.full((L, W * T, H), 0x7F, dtype=torch.uint8, device="cuda")
+                              .view(torch.float8_e4m3fn), _poisoned((L, W * T, H // 128),
+                                                                    torch.float32))
+                    (q, sc), rc, h = peer.dispatch(x, idx, use_fp8=True, round_scale=rs,
+                                                   out=poison)
+                    (wq, wsc), wc, wh = ref.dispatch(x, idx, use_fp8=True, round_scale=rs)
+                    assert torch.equal(rc, wc), what
+                    for e, c in enumerate(wc.tolist()):
+                        assert torch.equal(_bits(q[e, :c]), _bits(wq[e, :c])), (what, e)
+                        assert torch.equal(_bits(sc[e, :c]), _bits(wsc[e, :c])), (what, e)
+                        assert torch.equal(h.src_info[e, :c], wh.src_info[e, :c]), (what, e)
+                    from llcomm.ep_fp8 import dequantize
+                    eo = _experts(dequantize(wq, wsc), rank)
+                    y = peer.combine(eo, idx, w, h)
+                    assert torch.equal(_bits(y), _bits(ref.combine(eo, idx, w, wh))), what
+        if not fp8_only:    # bf16 dispatches on the same buffer still match
+            _one_round(peer, ref, rank, W, cfg, 77, "random")
+        peer.check()
+        peer.close()
+
+
+def test_fp8_dispatch_matches_reference():
+    run_distributed(_fp8_body, 2, backend="nccl", timeout=600)
+
+
+def _hook_body(rank, W):
+    """return_recv_hook: the send half, unrelated GPU work, then the hook; results byte / bit
+    equal to the reference, eagerly, for bf16 and FP8, and inside a captured CUDA graph."""
+    from llcomm.ep_fp8 import dequantize
+    cfg = SMALL
+    E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
+    L = E // W
+    peer, ref = _buffers(E, H, T)
+    busy = torch.randn(2048, 2048, device="cuda")
+    for seed in (1, 2, 3):
+        for kind in KINDS:
+            for fp8 in (False, True):
+                what = f"hook seed={seed} kind={kind} fp8={fp8}"
+                xs, topks, ws, (x, idx, w) = _case(rank, W, E, H, T, topk, seed, kind)
+                rx, rc, h, hook = peer.dispatch(x, idx, use_fp8=fp8, return_recv_hook=True)
+                busy = busy @ busy / 2048          # overlapped work on the same stream
+                hook()
+                want = ref.dispatch(x, idx, use_fp8=fp8)
+                got_x = rx if fp8 else (rx,)
+                want_x = want[0] if fp8 else (want[0],)
+                assert torch.equal(rc, want[1]), what
+                for e, c in enumerate(want[1].tolist()):
+                    for a, b in zip(got_x, want_x):
+                        assert torch.equal(_bits(a[e, :c]), _bits(b[e, :c])), (what, e)
+                    assert torch.equal(h.src_info[e, :c], want[2].src_info[e, :c]), (what, e)
+                rows = dequantize(*want_x) if fp8 else want_x[0]
+                eo = _experts(rows, rank)
+                y, chook = peer.combine(eo, idx, w, h, return_recv_hook=True)
+                busy = busy @ busy / 2048
+                chook()
+                assert torch.equal(_bits(y), _bits(ref.combine(eo, idx, w, want[2]))), what
+    # graph: send halves and hooks captured together, replayed with fresh inputs
+    n = T - 2 * rank
+    sx = torch.zeros(n, H, dtype=torch.bfloat16, device="cuda")
+    sidx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
+    sw = torch.zeros(n, topk, dtype=torch.float32, device="cuda")
+    srecv = _poisoned((L, W * T, H), torch.bfloat16)
+    sy = _poisoned((n, H), torch.bfloat16)
+
+    def step():
+        rx, rc, h, hook = peer.dispatch(sx, sidx, out=srecv, return_recv_hook=True)
+        hook()
+        y, chook = peer.combine(_experts(rx, rank), sidx, sw, h, out=sy, return_recv_hook=True)
+        chook()
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for i in range(10):
+        xs, topks, ws, _ = _case(rank, W, E, H, T, topk, 300 + i, KINDS[i % len(KINDS)])
+        m = min(n, xs[rank].shape[0])
+        sx.zero_()
+        sidx.fill_(-1)
+        sw.zero_()
+        sx[:m].copy_(xs[rank][:m])
+        sidx[:m].copy_(topks[rank][:m])
+        sw[:m].copy_(ws[rank][:m])
+        g.replay()
+        wx, wc, wh = ref.dispatch(sx, sidx)
+        assert torch.equal(_bits(sy), _bits(ref.combine(_experts(wx, rank), sidx, sw, wh))), i
+    peer.check()
+    peer.close()
+
+
+def test_recv_hook_matches_reference():
+    run_distributed(_hook_body, 2, backend="nccl", timeout=600)

@@ -8,6 +8,8 @@ src_info, and combine bit for bit in fp32 and fp16 (the interpreter does no mult
 contraction either); in bf16 within two bf16 ulps, since the interpreter's fp32 -> bf16 cast
 truncates where the GPU rounds to nearest even (the GPU tests compare bf16 bit for bit).
 Consecutive calls alternate buffer sets through the kernels' own counters, as on the GPU.
+FP8 dispatches are checked byte for byte (e4m3 codes and fp32 scales) against the oracle's
+quantiser and against ``llcomm.ep_fp8.quantize`` (what the reference backend sends).
 
 The interpreter is chosen when Triton is imported, so the simulation runs in a subprocess.
 """
@@ -38,13 +40,20 @@ def _same_up_to_interpreter_rounding(got, want):
     return torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale)
 
 
-def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
-    """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures."""
+def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False):
+    """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
+    ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
+    signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
+    (``D_SEND | D_SIGNAL``; ``C_WEIGHTS``, ``C_REDUCE | C_SIGNAL_P``), and check that every
+    flag a wait would poll holds the expected word (the waits themselves read the GPU clock,
+    which the interpreter lacks)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
+    from llcomm.ep_fp8 import dequantize, quantize
     from llcomm.ep_layout import ep_layout
     from llcomm.kernels import ep as K
-    from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch)
+    from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch,
+                                oracle_dispatch_fp8)
 
     dtype = getattr(torch, dtype_name)
     L = E // W
@@ -60,19 +69,51 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
     fails = []
     for seed in seeds:
         for kind in kinds:
-            tag = f"[W={W} E={E} T={T} H={H} topk={topk} NB={NB} {dtype_name} seed={seed} {kind}]"
+            tag = (f"[W={W} E={E} T={T} H={H} topk={topk} NB={NB} {dtype_name} fp8={fp8} "
+                   f"seed={seed} {kind}]")
             xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
-            recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+            if fp8:
+                recv = [torch.full((L, W * T, H), 0x7F, dtype=torch.uint8) for _ in range(W)]
+            else:
+                recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+            scales = [torch.full((L, W * T, max(H // 128, 1)), float("nan")) for _ in range(W)]
             row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
             src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
             cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
             ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
-            for stage in (K.D_SEND, K.D_RECV):
+            d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
+            for stage in d_stages:
+                if stage == K.D_RECV and signals:
+                    fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
                 for r in range(W):
                     K.dispatch_kernel[(NB,)](
-                        xs[r], topks[r], xs[r].shape[0], recv[r], row_of[r], src[r], cnt[r],
-                        ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, STAGES=stage, **dc)
+                        xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
+                        cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, STAGES=stage,
+                        FP8=fp8, **dc)
             exp = oracle_dispatch(xs, topks, W, E, T)
+            if fp8:
+                exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
+                lib = [quantize(x, round_scale=fp8 == 2) for x in xs]
+                for r in range(W):
+                    ec, es = exp8[r][2], exp8[r][3]
+                    for e in range(L):
+                        c = int(ec[e])
+                        if not (torch.equal(recv[r][e, :c], exp8[r][0][e, :c])
+                                and torch.equal(scales[r][e, :c], exp8[r][1][e, :c])):
+                            fails.append(f"{tag} rank {r} fp8 rows / scales of local expert {e} "
+                                         "differ from the oracle")
+                        for j in range(c):
+                            s_, t_ = divmod(int(es[e, j]), T)
+                            q, sc = lib[s_][0][t_], lib[s_][1][t_]
+                            if not (torch.equal(recv[r][e, j], q.view(torch.uint8))
+                                    and torch.equal(scales[r][e, j], sc)):
+                                fails.append(f"{tag} rank {r} expert {e} row {j} differs from "
+                                             "llcomm.ep_fp8.quantize (the reference backend)")
+                # the rest of the checks and the combine run on the dequantised rows
+                recv = [dequantize(recv[r].view(torch.float8_e4m3fn), scales[r], dtype)
+                        for r in range(W)]
+                exp = [(dequantize(a.view(torch.float8_e4m3fn), b, dtype), c, d)
+                       for a, b, c, d in exp8]
             for r in range(W):
                 ex, ec, es = exp[r]
                 if not torch.equal(cnt[r], ec):
@@ -89,7 +130,11 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
                         fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
             outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
             outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
-            for stage in (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM):
+            c_stages = (K.C_WEIGHTS, K.C_REDUCE | K.C_SIGNAL_P, K.C_SUM) if signals \
+                else (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM)
+            for stage in c_stages:
+                if stage == K.C_SUM and signals:
+                    fails += _check_flags(regions, lay, ctrl, 1, [2], NB, W, tag)
                 for r in range(W):
                     K.combine_kernel[(NB,)](
                         outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
@@ -105,6 +150,23 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds):
             fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls} everywhere")
         if int(host[r][1]):
             fails.append(f"rank {r}: out-of-range top-k reported without cause")
+    return fails
+
+
+def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
+    """Every flag ``[phase][block][source]`` of the set in use holds ``(seq + 1) << EPOCH_SHIFT``
+    (the kernels ran with tag 0), as the receive half's wait requires."""
+    from llcomm.protocol import EPOCH_SHIFT
+    fails = []
+    for r in range(W):
+        seq = int(ctrl[r][op][0])
+        base = (seq % 2) * lay.set_bytes + lay.offsets()["signal"]
+        flags = regions[r][base:base + 8 * 3 * NB * W].view(torch.int64).view(3, NB, W)
+        for ph in phases:
+            want = (seq + 1) << EPOCH_SHIFT
+            if not bool((flags[ph] == want).all()):
+                fails.append(f"{tag} rank {r}: flags of phase {ph} {flags[ph].tolist()} != "
+                             f"{want:#x}")
     return fails
 
 
@@ -129,8 +191,8 @@ def _bad_topk():
     ntok = torch.zeros(W, dtype=torch.int32)
     dc, _, _ = kernel_consts(lay, topk, tile_tokens=2)
     for stage in (K.D_SEND, K.D_RECV):
-        K.dispatch_kernel[(NB,)](x, idx, 3, recv, row_of, src, cnt, ntok, tab, ctrl, err, 0, 0, 0,
-                                 STAGES=stage, **dc)
+        K.dispatch_kernel[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab, ctrl, err,
+                                 0, 0, 0, STAGES=stage, FP8=0, **dc)
     fails = []
     if int(host[1]) != 3:
         fails.append(f"reported {int(host[1])} bad entries, expected 3")
@@ -157,10 +219,16 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     (2, 4, 5, 16, 1, 3, "float32", [3], ["random", "one_expert", "none"]),
     (4, 8, 4, 16, 2, 2, "bfloat16", [4], ["random", "sparse", "zero_and_max"]),
     (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups"]),
+    (2, 8, 5, 256, 3, 4, "bfloat16", [1], ["random", "dups", "zero_and_max"], 1),   # FP8
+    (3, 6, 3, 128, 2, 2, "float32", [2], ["random", "sparse"], 2),                # pow2 scales
+    (2, 4, 4, 16, 2, 2, "float32", [6, 7], ["random", "zero_and_max"], 0, True),  # send halves
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}"
+                                             + (f"-fp8m{c[9]}" if len(c) > 9 else "")
+                                             + ("-signals" if len(c) > 10 else "")
+                                             for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)
     assert not fails, "\n".join(fails[:20])
@@ -168,4 +236,39 @@ def test_kernels_match_oracle_in_interpreter(case):
 
 def test_out_of_range_topk_is_reported_and_ignored():
     fails = _run_in_interpreter("_bad_topk")
+    assert not fails, "\n".join(fails)
+
+
+def _e4m3_exhaustive():
+    """``_e4m3_bits`` against torch's float8_e4m3fn cast on every tie and its neighbours, the
+    subnormal range, the saturation edge and random values."""
+    import triton
+    import triton.language as tl
+    from llcomm.kernels import ep as K
+    globals()["_E4M3_BITS"] = K._e4m3_bits      # a jit function resolves module globals
+
+    @triton.jit
+    def conv(src, dst, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, _E4M3_BITS(tl.load(src + i)).to(tl.uint8))  # noqa: F821
+
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[1:] + vals[:-1]) / 2
+    ulp = mids.view(torch.int32)
+    v = torch.cat([vals, mids, (ulp + 1).view(torch.float32), (ulp - 1).view(torch.float32),
+                   torch.rand(4096) * 448, torch.rand(2048) * 2 ** -6,
+                   torch.tensor([448.0, 447.9, 2.0 ** -130, 0.0])])
+    v = torch.cat([v, -v])
+    n = 1 << (v.numel() - 1).bit_length()
+    src = torch.zeros(n)
+    src[:v.numel()] = v
+    dst = torch.zeros(n, dtype=torch.uint8)
+    conv[(1,)](src, dst, N=n)
+    want = src.to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (dst != want).nonzero().view(-1)[:5].tolist()
+    return [f"{float(src[i])!r}: kernel {int(dst[i]):#x}, torch {int(want[i]):#x}" for i in bad]
+
+
+def test_e4m3_rounding_matches_torch():
+    fails = _run_in_interpreter("_e4m3_exhaustive")
     assert not fails, "\n".join(fails)

@@ -78,3 +78,30 @@ def test_num_blocks_env_reaches_both(monkeypatch):
     monkeypatch.setenv("LLCOMM_EP_NUM_BLOCKS", "many")
     with pytest.raises(ValueError, match="LLCOMM_EP_NUM_BLOCKS"):
         EPBuffer.size_hint(16, 64, 2, 8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("T,H,W,E", [s for s in SHAPES if s[1] % 128 == 0])
+def test_fp8_layout(T, H, W, E):
+    """FP8-only buffers are smaller; every buffer's dispatch region holds FP8 rows and scales."""
+    from llcomm.ep_layout import fp8_dispatch_bytes
+    bf16 = ep_layout(T, H, W, E, 2, num_blocks=64)
+    f8 = ep_layout(T, H, W, E, 2, num_blocks=64, fp8=True)
+    assert EPBuffer.size_hint(T, H, W, E, torch.bfloat16, fp8=True) == f8.total_bytes
+    assert f8.total_bytes < bf16.total_bytes
+    for lay in (bf16, f8):
+        o = lay.offsets()
+        assert o["recv_scales"] % 16 == 0
+        assert o["recv_scales"] + W * T * (H // 128) * 4 <= o["recv_meta"]
+        assert o["recv_meta"] - o["recv_x"] >= fp8_dispatch_bytes(W, T, H)
+    # saving per set: bf16 rows minus FP8 rows and scales, within alignment
+    saved = bf16.set_bytes - f8.set_bytes
+    assert abs(saved - (W * T * H * 2 - fp8_dispatch_bytes(W, T, H))) < 2 * ALIGN
+    if (T, H, W, E) == (128, 7168, 2, 256):       # the numbers docs/ep.md quotes
+        assert 0.75 < f8.total_bytes / bf16.total_bytes < 0.77
+
+
+def test_fp8_size_hint_refusals():
+    with pytest.raises(ValueError, match="hidden=64 with fp8=True"):
+        EPBuffer.size_hint(128, 64, 2, 256, torch.bfloat16, fp8=True)
+    with pytest.raises(TypeError, match="fp8"):
+        EPBuffer.size_hint(128, 128, 2, 256, torch.bfloat16, fp8="yes")

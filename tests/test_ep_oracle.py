@@ -90,6 +90,76 @@ def oracle_dispatch(xs, topks, W: int, E: int, T: int):
     return out
 
 
+def _e4m3_table():
+    """Every finite float8_e4m3fn value and its code, decoded from the bits by hand."""
+    vals, codes = [], []
+    for code in range(256):
+        sign, exp, man = code >> 7, (code >> 3) & 0xF, code & 7
+        if exp == 0xF and man == 7:
+            continue                                    # NaN (e4m3fn has no inf)
+        mag = man * 2.0 ** -9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+        vals.append(-mag if sign else mag)
+        codes.append(code)
+    return torch.tensor(vals, dtype=torch.float64), torch.tensor(codes, dtype=torch.int64)
+
+
+def oracle_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of fp32 ``v`` (|v| <= 448): the nearest e4m3 value, ties to the even code
+    (even mantissa); -0.0 keeps its sign. A search over the table, not a cast."""
+    vals, codes = _e4m3_table()
+    d = (v.double().reshape(-1, 1) - vals.reshape(1, -1)).abs()
+    best = d.min(1, keepdim=True).values
+    cand = d == best
+    # among the (at most two) nearest: the even code; between +0 and -0: the input's sign
+    neg = torch.signbit(v.reshape(-1, 1))
+    score = cand.to(torch.int64) * 4 + ((codes & 1) == 0).to(torch.int64) * 2 \
+        + (((codes >> 7) == 1) == neg).to(torch.int64)
+    return codes[score.argmax(1)].to(torch.uint8).reshape(v.shape)
+
+
+def oracle_quantize(row: torch.Tensor, round_scale: bool):
+    """One token row -> (uint8 e4m3 codes [H], fp32 scales [H // 128]), block by block, with
+    scalar fp32 arithmetic and math.frexp for the power-of-two rounding (docs/ep.md)."""
+    import math
+    H = row.shape[0]
+    codes = torch.empty(H, dtype=torch.uint8)
+    scales = torch.empty(H // 128, dtype=torch.float32)
+    for i in range(H // 128):
+        blk = row[i * 128:(i + 1) * 128].float()
+        amax = float(blk.abs().max())
+        s = torch.tensor(1.0 if amax == 0 else amax, dtype=torch.float32)
+        if amax != 0:
+            s = s / torch.tensor(448.0, dtype=torch.float32)
+        if round_scale:
+            m, e = math.frexp(float(s))
+            s = torch.tensor(float(s) if m == 0.5 else 2.0 ** e, dtype=torch.float32)
+        q = torch.clamp(blk / s, -448.0, 448.0)
+        codes[i * 128:(i + 1) * 128] = oracle_e4m3(q)
+        scales[i] = s
+    return codes, scales
+
+
+def oracle_dispatch_fp8(xs, topks, W: int, E: int, T: int, round_scale: bool):
+    """Per rank: ``(codes [L, W*T, H] uint8, scales [L, W*T, H // 128], recv_count, src_info)``
+    with unused rows zero: the rows of ``oracle_dispatch``, each quantised by the oracle."""
+    L = E // W
+    H = xs[0].shape[1]
+    quant = [[oracle_quantize(x[t], round_scale) for t in range(x.shape[0])] for x in xs]
+    out = []
+    for r, per_expert in enumerate(oracle_rows(topks, W, E)):
+        codes = torch.zeros(L, W * T, H, dtype=torch.uint8)
+        scales = torch.zeros(L, W * T, H // 128, dtype=torch.float32)
+        count = torch.zeros(L, dtype=torch.int32)
+        src = torch.full((L, W * T), -1, dtype=torch.int32)
+        for e, lst in enumerate(per_expert):
+            count[e] = len(lst)
+            for j, (s, t) in enumerate(lst):
+                codes[e, j], scales[e, j] = quant[s][t]
+                src[e, j] = s * T + t
+        out.append((codes, scales, count, src))
+    return out
+
+
 def expert_fn(recv_x: torch.Tensor, recv_count: torch.Tensor, rank: int) -> torch.Tensor:
     """A stand-in for the experts: rows < count get ``x * (1 + e / 8) + rank - e / 4``, every
     other row NaN (combine must never read them)."""
@@ -195,3 +265,14 @@ def test_make_case_kinds():
             assert k.numel() == 0 or (int(k.min()) >= -1 and int(k.max()) < 8)
             if x.shape[0]:
                 assert torch.equal(x[:, 0], torch.full((x.shape[0],), s + 1.0).to(x.dtype))
+
+
+def test_oracle_e4m3_by_hand():
+    v = torch.tensor([0.0, -0.0, 1.0, 1.0625, 1.1875, 448.0, -448.0, 2.0 ** -9, 2.0 ** -10,
+                      3 * 2.0 ** -10, 0.0146484375, 17.0])
+    got = oracle_e4m3(v).tolist()
+    # 1.0625 is halfway between 1.0 (code 0x38, even) and 1.125 (0x39): even wins; 1.1875
+    # between 1.125 (0x39) and 1.25 (0x3a): 0x3a. 2**-10 ties 0 and 2**-9: 0. 3 * 2**-10 ties
+    # 2**-9 (0x01) and 2**-8 (0x02): 0x02. 7.5 * 2**-9 ties 0x07 and 0x08 (2**-6, the first
+    # normal): 0x08. 17 ties 16 (0x58) and 18 (0x59): 0x58.
+    assert got == [0x00, 0x80, 0x38, 0x38, 0x3A, 0x7E, 0xFE, 0x01, 0x00, 0x02, 0x08, 0x58]

@@ -218,6 +218,31 @@ def _validation_body(rank, W):
     expect("peer without GPUs", Exception, ["backend='reference'"],
            lambda: mk(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
                       backend="peer"))
+    # FP8 arguments
+    expect("use_fp8 needs hidden % 128", ValueError, ["use_fp8=True", "hidden=16"],
+           lambda: d(x, idx, use_fp8=True))
+    expect("round_scale without use_fp8", ValueError, ["round_scale=True needs use_fp8=True"],
+           lambda: d(x, idx, round_scale=True))
+    expect("use_fp8 not a bool", TypeError, ["use_fp8='yes'"], lambda: d(x, idx, use_fp8="yes"))
+    expect("fp8 buffer with hidden 16", ValueError, ["hidden=16", "fp8=True"],
+           lambda: mk(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference", fp8=True))
+    expect("fp8 not a bool", TypeError, ["fp8=1"],
+           lambda: mk(num_experts=E, hidden=128, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference", fp8=1))
+    b8 = mk(num_experts=E, hidden=128, num_max_dispatch_tokens_per_rank=T, backend="reference",
+            fp8=True)
+    x8 = torch.randn(3, 128).to(torch.bfloat16)
+    expect("bf16 dispatch on an fp8 buffer", ValueError, ["created with fp8=True"],
+           lambda: b8.dispatch(x8, idx))
+    expect("fp8 out not a pair", TypeError, ["out must be the pair"],
+           lambda: b8.dispatch(x8, idx, use_fp8=True,
+                               out=torch.empty(L, W * T, 128, dtype=torch.float8_e4m3fn)))
+    expect("fp8 out dtypes and shapes", TypeError, ["out[0] has dtype bfloat16",
+                                                    "out[1] has shape (4, 8, 2)"],
+           lambda: b8.dispatch(x8, idx, use_fp8=True,
+                               out=(torch.empty(L, W * T, 128, dtype=torch.bfloat16),
+                                    torch.empty(L, W * T, 2))))
     # after all those refusals the buffer still works (nothing was touched)
     rx, rc, h2 = buf.dispatch(x, idx)
     y = buf.combine(expert_fn(rx, rc, rank), idx, w, h2)
@@ -229,3 +254,211 @@ def test_validation():
     results = run_distributed(_validation_body, 2)
     bad = [f"rank {r}: {what}: {why}" for r, res in enumerate(results) for what, why in res if why]
     assert not bad, "\n".join(bad)
+
+
+# -- FP8 dispatch ---------------------------------------------------------------------------
+def _fp8_body(rank, W, configs):
+    """FP8 dispatch on the reference backend against the oracle: e4m3 codes and scales exact,
+    dequantised rows within FP8 tolerance of the input, combine after an FP8 dispatch."""
+    import llcomm.ep as ep
+    from llcomm.ep_fp8 import dequantize
+    from test_ep_oracle import oracle_dispatch_fp8
+    fails = []
+    for (E, T, H, topk, dtype, seeds, fp8_only) in configs:
+        buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                          dtype=dtype, backend="reference", fp8=fp8_only)
+        L = E // W
+        for seed in seeds:
+            for kind in KINDS:
+                for round_scale in (False, True):
+                    tag = f"[W={W} E={E} T={T} H={H} {dtype} seed={seed} {kind} " \
+                          f"round_scale={round_scale} fp8_only={fp8_only}]"
+                    xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+                    poison = (torch.full((L, W * T, H), 0x7F, dtype=torch.uint8)
+                              .view(torch.float8_e4m3fn),
+                              torch.full((L, W * T, H // 128), float("nan")))
+                    (q, sc), cnt, handle = buf.dispatch(xs[rank], topks[rank], use_fp8=True,
+                                                        round_scale=round_scale, out=poison)
+                    if q.data_ptr() != poison[0].data_ptr() or sc.data_ptr() != poison[1].data_ptr():
+                        fails.append(f"{tag} dispatch did not fill out=")
+                    codes, scales, ec, es = oracle_dispatch_fp8(xs, topks, W, E, T,
+                                                                round_scale)[rank]
+                    if not torch.equal(cnt, ec):
+                        fails.append(f"{tag} recv_count {cnt.tolist()} != {ec.tolist()}")
+                        continue
+                    for e in range(L):
+                        c = int(ec[e])
+                        if not torch.equal(q[e, :c].view(torch.uint8), codes[e, :c]):
+                            fails.append(f"{tag} e4m3 rows of local expert {e} differ")
+                        if not torch.equal(sc[e, :c], scales[e, :c]):
+                            fails.append(f"{tag} scales of local expert {e} differ")
+                        if not torch.equal(handle.src_info[e, :c], es[e, :c]):
+                            fails.append(f"{tag} src_info of local expert {e} differs")
+                        if round_scale and c:
+                            m, _ = torch.frexp(sc[e, :c])
+                            if not bool((m == 0.5).all()):
+                                fails.append(f"{tag} scales are not powers of two")
+                        # dequantised rows within FP8 tolerance of the source rows
+                        src_rows = torch.stack([xs[s][t] for s, t in (
+                            divmod(int(v), T) for v in es[e, :c])]) if c else None
+                        if c:
+                            deq = dequantize(q[e, :c], sc[e, :c], torch.float32)
+                            blk = src_rows.float().view(c, H // 128, 128)
+                            amax = blk.abs().amax(-1, keepdim=True)
+                            # half an e4m3 ulp at the block max (2**-4 relative), doubled for
+                            # power-of-two scales (the block max then sits lower in the range)
+                            tol = amax * (2 ** -3 if round_scale else 2 ** -4) + 1e-30
+                            if bool(((deq.view(c, H // 128, 128) - blk).abs() > tol).any()):
+                                fails.append(f"{tag} dequantised rows of expert {e} off by more "
+                                             "than FP8 rounding")
+                    # combine after an FP8 dispatch: experts see the dequantised rows
+                    deq_all = dequantize(q, sc, dtype)
+                    y = buf.combine(expert_fn(deq_all, cnt, rank), topks[rank], weights[rank],
+                                    handle)
+                    all_out = []
+                    for r2, (c2, s2, n2, _) in enumerate(
+                            oracle_dispatch_fp8(xs, topks, W, E, T, round_scale)):
+                        all_out.append(expert_fn(
+                            dequantize(c2.view(torch.float8_e4m3fn), s2, dtype), n2, r2))
+                    exp = oracle_combine(all_out, topks, weights, W, E, dtype)[rank]
+                    if not torch.equal(_bits(y), _bits(exp)):
+                        fails.append(f"{tag} combine after the FP8 dispatch differs")
+        if not fp8_only:   # the same buffer still does bf16 dispatches
+            fails += _check_one(buf, rank, W, E, T, H, topk, 99, "random", dtype)
+    return fails
+
+
+FP8_CONFIGS = [
+    (8, 5, 256, 3, torch.bfloat16, (1, 2), False),
+    (4, 4, 128, 2, torch.float32, (3,), True),
+]
+
+
+def test_fp8_dispatch_matches_oracle():
+    results = run_distributed(_fp8_body, 2, FP8_CONFIGS)
+    fails = [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+# -- split phase (return_recv_hook) ---------------------------------------------------------
+def _hook_body(rank, W):
+    """Every result with a receive hook equals the one without; the lifetime rules hold."""
+    import llcomm.ep as ep
+    E, T, H, K = 8, 5, 128, 3
+    L = E // W
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference")
+    fails = []
+    for seed in (1, 2):
+        for kind in KINDS:
+            for fp8 in (False, True):
+                tag = f"[seed={seed} {kind} fp8={fp8}]"
+                xs, topks, ws = make_case(W, E, T, H, K, seed, kind)
+                x, idx, w = xs[rank], topks[rank], ws[rank]
+                rx, rc, h = buf.dispatch(x, idx, use_fp8=fp8)
+                rx2, rc2, h2, hook = buf.dispatch(x, idx, use_fp8=fp8, return_recv_hook=True)
+                x.fill_(float("nan"))           # the send half has taken the rows already
+                hook()
+                a = rx if fp8 else (rx,)
+                b = rx2 if fp8 else (rx2,)
+                if not torch.equal(rc, rc2):
+                    fails.append(f"{tag} recv_count differs with the hook")
+                    continue
+                for e in range(L):
+                    c = int(rc[e])
+                    if any(not torch.equal(_bits(p[e, :c]), _bits(q[e, :c]))
+                           for p, q in zip(a, b)):
+                        fails.append(f"{tag} recv_x of expert {e} differs with the hook")
+                    if not torch.equal(h.src_info[e, :c], h2.src_info[e, :c]):
+                        fails.append(f"{tag} src_info of expert {e} differs with the hook")
+                rows = ep_fp8_dequant(rx2) if fp8 else rx2
+                eo = expert_fn(rows, rc2, rank)
+                y = buf.combine(eo, idx, w, h)
+                y2, chook = buf.combine(eo, idx, w, h2, return_recv_hook=True)
+                eo.fill_(float("nan"))          # the send half has read the expert outputs
+                if chook() is not None:
+                    fails.append(f"{tag} the combine hook returned something")
+                if not torch.equal(_bits(y), _bits(y2)):
+                    fails.append(f"{tag} combine differs with the hook")
+
+    errors = []
+
+    def expect(what, exc, words, fn):
+        try:
+            fn()
+        except exc as e:
+            missing = [wd for wd in words if wd not in str(e)]
+            if missing:
+                errors.append(f"{what}: message lacks {missing}: {e}")
+            return
+        errors.append(f"{what}: did not raise {exc.__name__}")
+
+    xs, topks, ws = make_case(W, E, T, H, K, 3, "random")
+    x, idx, w = xs[rank], topks[rank], ws[rank]
+    rx, rc, h, hook = buf.dispatch(x, idx, return_recv_hook=True)
+    expect("dispatch while a hook is pending", ValueError, ["receive hook of dispatch #"],
+           lambda: buf.dispatch(x, idx))
+    expect("combine of a pending handle", ValueError, ["whose receive hook has not been"],
+           lambda: buf.combine(rx, idx, w, h))
+    expect("return_recv_hook not a bool", TypeError, ["return_recv_hook=1"],
+           lambda: buf.combine(rx, idx, w, h, return_recv_hook=1))
+    hook()
+    expect("hook twice", RuntimeError, ["already been called"], hook)
+    y, chook = buf.combine(expert_fn(rx, rc, rank), idx, w, h, return_recv_hook=True)
+    expect("combine while a combine hook is pending", ValueError, ["receive hook of combine #"],
+           lambda: buf.combine(rx, idx, w, h))
+    # a dispatch may run while a combine hook is pending (separate regions and counters)
+    rx3, rc3, h3 = buf.dispatch(x, idx)
+    chook()
+    y_ref = buf.combine(expert_fn(rx, rc, rank), idx, w, h)
+    if not torch.equal(_bits(y), _bits(y_ref)):
+        fails.append("combine hook with a dispatch in between differs")
+    return fails + errors
+
+
+def ep_fp8_dequant(pair):
+    from llcomm.ep_fp8 import dequantize
+    return dequantize(*pair)
+
+
+def test_recv_hook_gives_the_same_results():
+    results = run_distributed(_hook_body, 2)
+    fails = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _combine_input_body(rank, W):
+    """get_combine_input: one tensor per handle slot, combine reads it like any expert_out."""
+    import llcomm.ep as ep
+    E, T, H, K = 8, 4, 32, 2
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference")
+    out = []
+    handles = []
+    for seed in (1, 2, 3):
+        xs, topks, ws = make_case(W, E, T, H, K, seed, "random")
+        rx, rc, h = buf.dispatch(xs[rank], topks[rank])
+        handles.append(h)
+        ci = buf.get_combine_input(h)
+        out.append(tuple(ci.shape) == (E // W, W * T, H) and ci.dtype == torch.bfloat16)
+        eo = expert_fn(rx, rc, rank)
+        ci.copy_(eo)                        # "the experts write into it"
+        y = buf.combine(ci, topks[rank], ws[rank], h)
+        out.append(torch.equal(_bits(y), _bits(buf.combine(eo, topks[rank], ws[rank], h))))
+    same = buf.get_combine_input(handles[2]).data_ptr() == \
+        buf._combine_inputs[0].data_ptr()
+    other = buf.get_combine_input(handles[1]).data_ptr() != \
+        buf.get_combine_input(handles[2]).data_ptr()
+    try:
+        buf.get_combine_input(handles[0])
+        stale = None
+    except ValueError as e:
+        stale = str(e)
+    return out, same, other, stale
+
+
+def test_get_combine_input():
+    for out, same, other, stale in run_distributed(_combine_input_body, 2):
+        assert all(out), out
+        assert same and other
+        assert stale is not None and "reused its buffer slot" in stale

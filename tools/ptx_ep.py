@@ -2,8 +2,10 @@
 
     python tools/ptx_ep.py [--dump DIR] [--hidden 7168] [--experts 256] [--ranks 2] [--tokens 128]
 
-Compiles ``dispatch_kernel`` and ``combine_kernel`` exactly as ``EPBuffer`` launches them (same
-constexprs, all stages, fp fusion off for combine) and prints per kernel: 16-byte vector
+Compiles ``dispatch_kernel`` (bf16 / fp32 rows, and FP8) and ``combine_kernel`` exactly as
+``EPBuffer`` launches them (same constexprs, all stages, fp fusion off for combine; and the send
+and receive halves of ``return_recv_hook=True``) and prints
+per kernel: 16-byte vector
 loads/stores (ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope
 atomics (signals and acquire polls), fused multiply-adds (should be none in combine: the
 documented order rounds the product and the sum separately), registers and spills.
@@ -68,17 +70,34 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     lay = ep_layout(tokens, hidden, ranks, experts, ITEMSIZE[dt], num_blocks=nb)
     d_consts, c_consts, warps = kernel_consts(lay, topk)
     p = "*" + dt
-    d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "row_of": "*i32",
+    d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "recv_scales": "*fp32",
+             "row_of": "*i32",
              "src_info": "*i32", "recv_count": "*i32", "ntok_out": "*i32", "tab": "*i64",
              "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64", "timeout_us": "i32"}
     c_sig = {"eo": p, "topk": "*i64", "wts": "*fp32", "n_tok": "i32", "out": p,
              "row_of": "*i32", "ntok_in": "*i32", "tab": "*i64", "ctrl": "*i64", "err": "*i64",
              "rank": "i32", "tag": "i64", "timeout_us": "i32"}
+    d8_sig = dict(d_sig, recv_x="*u8")
+    fp8 = {} if hidden % 128 else {
+        f"dispatch_{dt}_fp8": (K.dispatch_kernel, d8_sig,
+                               dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1), warps, None)}
     return {
         f"dispatch_{dt}": (K.dispatch_kernel, d_sig,
-                           dict(d_consts, STAGES=K.DISPATCH_ALL), warps, None),
+                           dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), warps, None),
+        **fp8,
         f"combine_{dt}": (K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
                           warps, {"enable_fp_fusion": False}),
+        # the two launches of return_recv_hook=True
+        f"dispatch_{dt}_send": (K.dispatch_kernel, d_sig,
+                                dict(d_consts, STAGES=K.DISPATCH_SEND_HALF, FP8=0), warps, None),
+        f"dispatch_{dt}_recv": (K.dispatch_kernel, d_sig,
+                                dict(d_consts, STAGES=K.DISPATCH_RECV_HALF, FP8=0), warps, None),
+        f"combine_{dt}_send": (K.combine_kernel, c_sig,
+                               dict(c_consts, STAGES=K.COMBINE_SEND_HALF), warps,
+                               {"enable_fp_fusion": False}),
+        f"combine_{dt}_recv": (K.combine_kernel, c_sig,
+                               dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps,
+                               {"enable_fp_fusion": False}),
     }
 
 
@@ -109,7 +128,7 @@ def main():
             narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
             sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
             fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
-            print(f"{name:16s} warps {warps:2d}  v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  "
+            print(f"{name:18s} warps {warps:2d}  v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  "
                   f"sys atomics {sys_atom:2d}  fma.f32 {fma:3d}  {_ptxas_usage(ptx)}")
 
 

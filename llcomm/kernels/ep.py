@@ -17,6 +17,13 @@ the local work that follows:
        rank major, then source token order, packed from 0, whatever the arrival order, and no
        atomics are involved. Each row is copied from the receive slot into ``recv_x``.
 
+    FP8 (``FP8`` = 1, or 2 with power-of-two scales): stage 2 quantises each token row on the
+    sender (``_quantize_row``, the arithmetic of ``llcomm/ep_fp8.py``) and pushes ``H`` bytes of
+    e4m3 plus ``H // 128`` fp32 scales: half the NVLink bytes of bf16. Stage 4 copies bytes and
+    scales. The fp32 -> e4m3 rounding is done on the bits (``_e4m3_bits``), not with Triton's
+    cast, so the kernel is exact under ``TRITON_INTERPRET=1`` too (the interpreter's fp8 cast
+    does not round to nearest even) and byte-equal to torch's ``.to(torch.float8_e4m3fn)``.
+
 ``combine_kernel``
     A. weights: block b pushes ``topk_weights[t]`` of its tokens to every rank; signal; wait
        for block b of every rank (block b of a receiver only needs tokens ``t = b mod NB``).
@@ -42,10 +49,22 @@ Timeline of one dispatch between ranks A and B (block b of each)::
     A: push rows/meta/counts -> B ... bar.sync; atom.release.sys B.flag[D][b][A] = word
     B: poll all B.flag[D][*][*] == word (volatile), one acquire pass ... bar.sync; expand
 
-``STAGES`` (constexpr bit mask) runs a subset of the stages without any signal or wait: the
-CPU tests use it to run the stages of every virtual rank in turn under ``TRITON_INTERPRET=1``.
-The library always launches all stages (``DISPATCH_ALL`` / ``COMBINE_ALL``), which alone
-signals and waits.
+``STAGES`` (constexpr bit mask) picks the stages a launch runs; signals and waits are stages of
+their own. The library launches either everything (``DISPATCH_ALL`` / ``COMBINE_ALL``) or, for
+``return_recv_hook=True``, the two halves in two launches::
+
+    dispatch   send half  D_SEND | D_SIGNAL                 push rows, counts, meta; signal
+               recv half  D_WAIT | D_RECV                   wait; expand; advance the counter
+    combine    send half  C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
+                                                            weights, signal, wait for them,
+                                                            reduce and push partials, signal
+               recv half  C_WAIT_P | C_SUM                  wait for partials; sum; advance
+
+The counter (set parity and epoch) advances only in the recv half, so both halves of one call
+agree on it; the host refuses a second send half before the first one's hook ran, so the
+two-set argument above still holds. The CPU tests run the data stages alone (``D_SEND``, then
+``D_RECV``; ``C_WEIGHTS``, ``C_REDUCE``, ``C_SUM``) for every virtual rank in turn under
+``TRITON_INTERPRET=1``, since the waits read the GPU clock.
 """
 import triton
 import triton.language as tl
@@ -66,16 +85,31 @@ OP_DISPATCH = tl.constexpr(P.OP_DISPATCH)
 OP_COMBINE = tl.constexpr(P.OP_COMBINE)
 
 # Stage bits (python ints for the host, constexpr for the kernels).
-D_SEND, D_RECV = 1, 2
-DISPATCH_ALL = D_SEND | D_RECV
-C_WEIGHTS, C_REDUCE, C_SUM = 1, 2, 4
-COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM
+D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
+DISPATCH_ALL = D_SEND | D_RECV | D_SIGNAL | D_WAIT
+DISPATCH_SEND_HALF = D_SEND | D_SIGNAL
+DISPATCH_RECV_HALF = D_WAIT | D_RECV
+C_WEIGHTS, C_REDUCE, C_SUM, C_SYNC_W, C_SIGNAL_P, C_WAIT_P = 1, 2, 4, 8, 16, 32
+COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM | C_SYNC_W | C_SIGNAL_P | C_WAIT_P
+COMBINE_SEND_HALF = C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
+COMBINE_RECV_HALF = C_WAIT_P | C_SUM
 # Flag phases of a set and the metadata word, from the layout.
 SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
 SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
 SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
 META_SHIFT = tl.constexpr(EL.META_SHIFT)
 META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
+FP8_BLOCK = tl.constexpr(EL.FP8_BLOCK)
+FP8_MAX = tl.constexpr(448.0)           # largest finite float8_e4m3fn (llcomm/ep_fp8.py)
+# fp32 bit fields, and e4m3's exponent bias relative to fp32's (127 - 7)
+F32_MANT_BITS = tl.constexpr(23)
+F32_MANT_MASK = tl.constexpr(0x7FFFFF)
+F32_IMPLICIT = tl.constexpr(1 << 23)
+E4M3_REBIAS = tl.constexpr(120)
+E4M3_REBIAS_BITS = tl.constexpr(120 << 3)   # the rebias, at e4m3's exponent position
+E4M3_DROP = tl.constexpr(20)                # fp32 mantissa bits e4m3 drops (23 - 3)
+E4M3_HALF = tl.constexpr((1 << 19) - 1)     # round-half-even bias below the kept bits
+E4M3_SUB_SHIFT = tl.constexpr(141)          # 150 - 9: fp32 bias + mantissa bits - 2**-9
 
 
 @triton.jit
@@ -167,12 +201,48 @@ def _rank_bits(row, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits(q):
+    """float8_e4m3fn bits (int32, low byte) of fp32 ``q`` with ``|q| <= 448``, rounded to nearest
+    even: normal results by adding the rounding bias to the fp32 bits (a carry bumps the
+    exponent), subnormal ones (``|q| < 2**-6``) by shifting the significand to units of 2**-9."""
+    u = q.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    e = a >> F32_MANT_BITS
+    normal = ((a + E4M3_HALF + ((a >> E4M3_DROP) & 1)) >> E4M3_DROP) - E4M3_REBIAS_BITS
+    sig = (a & F32_MANT_MASK) | tl.where(e > 0, F32_IMPLICIT, 0)
+    # in units of 2**-9 the value is sig * 2**(e - 141); shifts past 25 give 0 anyway
+    sh = tl.minimum(E4M3_SUB_SHIFT - e, 25)
+    one = tl.full(sh.shape, 1, tl.int32)
+    sub = (sig + (one << (sh - 1)) - 1 + ((sig >> sh) & 1)) >> sh
+    return tl.where(e > E4M3_REBIAS, normal, sub) | sign
+
+
+@triton.jit
+def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
+    """fp32 row ``[HP]`` (zeros past H) -> (e4m3 bits as uint8 ``[HP]``, fp32 scales
+    ``[HP // 128]``): per 128 channels amax / 448 (1 where amax is 0), optionally rounded up to
+    a power of two, then x / scale clamped to +-448 and rounded. IEEE divisions (div_rn)."""
+    v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
+    amax = tl.max(tl.abs(v2), axis=1)
+    sc = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FP8_MAX))
+    if ROUND:
+        bits = sc.to(tl.int32, bitcast=True)
+        ex = (bits >> F32_MANT_BITS) + ((bits & F32_MANT_MASK) != 0).to(tl.int32)
+        sc = (ex << F32_MANT_BITS).to(tl.float32, bitcast=True)
+    q = tl.math.div_rn(v2, sc[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    return tl.reshape(_e4m3_bits(q), (HP,)).to(tl.uint8), sc
+
+
+@triton.jit
 def _send(x, topk, n_tok, tab, err, rank, set_off,
           T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
           KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
           WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
           JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
-          OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr):
+          OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+          FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     Block b owns experts ``b + NB * i`` (counts) and tokens ``b + NB * j`` (rows). One scan over
@@ -238,21 +308,35 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         t = b + NB * j
         if t < n_tok:
             bits = _rank_bits(topk + t * K, K, E, L)
-            v = tl.load(x + t * H + hs, mask=hm)
             slot = rank * T + t
-            for d in tl.static_range(W):
-                if (bits >> d) & 1:
-                    xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
-                    tl.store(xp + hs, v, mask=hm)
+            if FP8:
+                # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
+                v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
+                qb, sc = _quantize_row(v, HP, FP8 == 2)
+                ns = tl.arange(0, HP // FP8_BLOCK)
+                for d in tl.static_range(W):
+                    if (bits >> d) & 1:
+                        qp = _at(tab, d, set_off + OFF_X, tl.uint8) + slot * H
+                        tl.store(qp + hs, qb, mask=hm)
+                        sp = _at(tab, d, set_off + OFF_SC, tl.float32) + slot * NS
+                        tl.store(sp + ns, sc, mask=ns < NS)
+            else:
+                v = tl.load(x + t * H + hs, mask=hm)
+                for d in tl.static_range(W):
+                    if (bits >> d) & 1:
+                        xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
+                        tl.store(xp + hs, v, mask=hm)
 
 
 @triton.jit
-def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
+def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
             T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
             KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
             WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
-            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr):
-    """Dispatch stage 3: this rank's receive slots into the per-expert layout."""
+            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+            FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr):
+    """Dispatch stage 3: this rank's receive slots into the per-expert layout (FP8: recv_x
+    is the uint8 view of the e4m3 output, and the scales are copied alongside)."""
     b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -261,6 +345,9 @@ def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
     ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
     metap = _at(tab, rank, set_off + OFF_META, tl.int32)
     xp = _at(tab, rank, set_off + OFF_X, DT)
+    scp = _at(tab, rank, set_off + OFF_SC, tl.float32)
+    ns = tl.arange(0, NSP)
+    nsm = ns < NS
     if b == 0:
         for l0 in range(0, L, LB):
             ls = l0 + tl.arange(0, LB)
@@ -281,6 +368,8 @@ def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
                 here = tl.maximum(here, tl.load(mrow + k))
             if here >= 0:
                 v = tl.load(xp + slot * H + hs, mask=hm)
+                if FP8:
+                    sv = tl.load(scp + slot * NS + ns, mask=nsm)
                 for k in tl.static_range(K):
                     m_k = tl.load(mrow + k)
                     first = m_k >= 0
@@ -295,6 +384,8 @@ def _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
                     if first:
                         tl.store(src_info + flat, slot)
                         tl.store(recv_x + flat.to(tl.int64) * H + hs, v, mask=hm)
+                        if FP8:
+                            tl.store(recv_scales + flat.to(tl.int64) * NS + ns, sv, mask=nsm)
             else:
                 for k in tl.static_range(K):
                     tl.store(row_of + slot * K + k, -1)
@@ -305,7 +396,8 @@ def dispatch_kernel(
         x,              # [n_tok, H] this rank's tokens (buffer dtype)
         topk,           # [n_tok, K] int64 global expert ids, -1 = none
         n_tok,          # tokens of this rank (<= T)
-        recv_x,         # [L, W * T, H] output
+        recv_x,         # [L, W * T, H] output (FP8: its uint8 view)
+        recv_scales,    # [L, W * T, NS] fp32 output (FP8 only; any pointer otherwise)
         row_of,         # [W, T, K] int32 handle: flat row e * W * T + row of (s, t, k), or -1
         src_info,       # [L, W * T] int32 handle: s * T + t of each row
         recv_count,     # [L] int32 output
@@ -325,24 +417,29 @@ def dispatch_kernel(
         MAX_TOPK: tl.constexpr,         # metadata slot stride (ep_layout.MAX_TOPK)
         SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_X: tl.constexpr,   # layout, bytes
         OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
-        STAGES: tl.constexpr):          # D_SEND | D_RECV; only DISPATCH_ALL signals and waits
+        FP8: tl.constexpr,              # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
+        NS: tl.constexpr, NSP: tl.constexpr,    # scales per row (H // 128, or 1), pow2(NS)
+        OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
+        STAGES: tl.constexpr):          # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
     b = tl.program_id(0)
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     if STAGES & 1:
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
-              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK)
-    ok = 1
-    if STAGES == 3:
+              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC)
+    if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
+    ok = 1
+    if STAGES & 8:      # D_WAIT
         flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
         ok = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W, FP, W)
-    if STAGES & 2:
+    if STAGES & 2:      # D_RECV
         if ok:
-            _expand(recv_x, row_of, src_info, recv_count, ntok_out, tab, rank, set_off, T, H, HP,
-                    K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK)
+            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
+                    set_off, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
+                    OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
         tl.store(ctrl + b, seq + 1)
 
 
@@ -436,7 +533,7 @@ def combine_kernel(
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
         SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_CX: tl.constexpr,
         OFF_CW: tl.constexpr,
-        STAGES: tl.constexpr):          # C_WEIGHTS | C_REDUCE | C_SUM; only COMBINE_ALL syncs
+        STAGES: tl.constexpr):          # C_* bits (module doc)
     b = tl.program_id(0)
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
@@ -446,22 +543,24 @@ def combine_kernel(
     if STAGES & 1:
         _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
     ok = 1
-    if STAGES == 7:
+    if STAGES & 8:      # C_SYNC_W
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err, OP_COMBINE,
                          PHASE_ENTRY, 1, W, WP, W)
-    if STAGES & 2:
+    if STAGES & 2:      # C_REDUCE
         if ok:
             _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T, H, HP, K, KP, W, NB,
                              MAX_TOPK, OFF_CX, OFF_CW)
-        if STAGES == 7:
-            tl.debug_barrier()          # outside ``if ok``: see _wait_flags
-            if ok:
-                _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
-            ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
-                             OP_COMBINE, PHASE_EXIT, ok, W, WP, W)
-    if STAGES & 4:
+    if STAGES & 16:     # C_SIGNAL_P
+        tl.debug_barrier()              # outside ``if ok``: see _wait_flags
+        if ok:
+            _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
+    if STAGES & 32:     # C_WAIT_P (in a recv-half launch ok is 1: the send half's failure, if
+        #                 any, is already in the error word and this wait then times out too)
+        ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
+                         OP_COMBINE, PHASE_EXIT, ok, W, WP, W)
+    if STAGES & 4:      # C_SUM
         if ok:
             _sum_partials(topk, n_tok, out, tab, rank, set_off, T, H, HP, K, KP, E, L, W, NB,
                           OFF_CX)
