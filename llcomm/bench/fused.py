@@ -178,42 +178,29 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN,
                    help=f"row length (default {DEFAULT_HIDDEN})")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
-    p.add_argument("--iters", type=int, default=TP.DEFAULT_ITERS,
-                   help=f"timed iterations per case (default {TP.DEFAULT_ITERS})")
-    p.add_argument("--warmup", type=int, default=TP.DEFAULT_WARMUP,
-                   help=f"untimed iterations first (default {TP.DEFAULT_WARMUP})")
     p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
                    help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
     p.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
                    help="llcomm Communicator backend (default auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--json", metavar="PATH", help="write the run as a result file")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of the results")
-    p.add_argument("--cpu", action="store_true",
-                   help="run on CPU (2 gloo processes) even where GPUs are present")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    C.add_run_arguments(p, iters=TP.DEFAULT_ITERS, warmup=TP.DEFAULT_WARMUP)
 
 
 def config_from_args(a) -> Config:
     """Validate every argument; raise one ValueError naming each problem."""
     problems, tokens = [], []
     try:
-        tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
-        if not tokens or min(tokens) < 1:
-            raise ValueError
-    except ValueError:
-        problems.append(f"--tokens {a.tokens!r}: expected a comma list of positive integers")
+        tokens = C.parse_ints(a.tokens, "--tokens")
+    except ValueError as e:
+        problems.append(str(e))
     try:
         C.parse_dtype(a.dtype)
     except ValueError as e:
         problems.append(str(e))
     if a.hidden < 1:
         problems.append("--hidden must be at least 1")
-    for name in ("iters", "graph_ops"):
-        if getattr(a, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be at least 1")
-    if a.warmup < 0:
-        problems.append("--warmup must not be negative")
+    if a.graph_ops < 1:
+        problems.append("--graph-ops must be at least 1")
+    C.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
     return Config(tokens=tokens, hidden=a.hidden, dtype=C.dtype_name(C.parse_dtype(a.dtype)),
