@@ -220,6 +220,42 @@ def test_missing_peer_times_out(op):
     assert "did not arrive" in msgs[0]
 
 
+QUEUED = 20
+
+
+def _queued_body(rank, ws, algo):
+    """Rank 1 stops; rank 0 queues QUEUED ops before the first one's wait has run out. Only the
+    first may take the whole timeout: the kernels behind it start with the error word set and
+    give up after AFTER_FAILURE_US (without that, QUEUED timeouts, 4 s here)."""
+    import time
+
+    import llcomm
+    comm = _comm(timeout_ms=TIMEOUT_MS)
+    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    comm.all_reduce(x, algo=algo)           # warm: the first launch of a key waits 60 s
+    comm.check()
+    dist.barrier()
+    if rank == 1:
+        dist.barrier()
+        return None
+    t0 = time.monotonic()
+    for _ in range(QUEUED):                 # enqueued well within the 200 ms of the first wait
+        comm.all_reduce(x, algo=algo)
+    queued_s = time.monotonic() - t0
+    with pytest.raises(llcomm.CommTimeoutError):
+        comm.check()
+    elapsed = time.monotonic() - t0
+    dist.barrier()
+    assert queued_s < TIMEOUT_MS / 1000 / 2, f"enqueueing took {queued_s:.3f} s"
+    assert elapsed < TIMEOUT_MS / 1000 + 0.5, f"{QUEUED} queued ops took {elapsed:.2f} s"
+    return elapsed
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "lamport"])
+def test_ops_queued_behind_a_timeout_end_fast(algo):
+    run_distributed(_queued_body, 2, algo, backend="nccl")
+
+
 def _shared_gpu_body(rank, ws):
     import llcomm
     torch.cuda.set_device(0)  # both ranks on one GPU: peer stores would be undefined

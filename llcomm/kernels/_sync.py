@@ -37,6 +37,22 @@ def global_time_ns(WIDTH: tl.constexpr = 2):
     return tl.max(t, axis=0)
 
 
+#: Bound, in microseconds, of every wait of a kernel that starts after this rank already failed
+#: (device error word set): the kernels queued behind a failure (a decode-step graph holds a
+#: hundred or more) then end in about this long each instead of a whole timeout each.
+AFTER_FAILURE_US = tl.constexpr(100)
+
+
+@triton.jit
+def wait_bound_us(timeout_us, err_ptr):
+    """The bound of this kernel's waits: ``timeout_us``, or AFTER_FAILURE_US once this rank's
+    device error word (``err_ptr[0]``) is set. Read once, at kernel start: the word is written by
+    a wait that ran out, so an earlier kernel of the stream or, at the earliest, a bound after
+    this kernel began: every thread reads the same value and the waits stay block-uniform."""
+    failed = tl.load(err_ptr) != 0
+    return tl.where(failed, tl.minimum(timeout_us, AFTER_FAILURE_US), timeout_us)
+
+
 @triton.jit
 def ptr_from_table(table, idx, DTYPE: tl.constexpr):
     """Address ``table[idx]`` (an int64 table of per-rank base addresses) as a DTYPE pointer."""

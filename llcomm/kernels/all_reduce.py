@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_ns, ptr_from_table, report_error,
-                    signal_peers, wait_peers)
+                    signal_peers, wait_bound_us, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -42,6 +42,7 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
     then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank."""
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     parity = seq % 2
@@ -82,6 +83,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     region of every other rank (and to ``out``); second barrier; copy the other ranks' shards
     from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     parity = seq % 2
@@ -147,6 +149,7 @@ def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_us,
     ``x`` and ``out`` are given as integer views (int16 or int32) of the float data.
     """
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     half = seq % 2

@@ -69,7 +69,7 @@ two-set argument above still holds. The CPU tests run the data stages alone (``D
 import triton
 import triton.language as tl
 
-from ._sync import EPOCH_SHIFT, RANK_VARYING, global_time_ns, report_error
+from ._sync import EPOCH_SHIFT, RANK_VARYING, global_time_ns, report_error, wait_bound_us
 from .. import ep_layout as EL
 from .. import protocol as P
 
@@ -422,6 +422,7 @@ def dispatch_kernel(
         OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
         STAGES: tl.constexpr):          # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -535,6 +536,7 @@ def combine_kernel(
         OFF_CW: tl.constexpr,
         STAGES: tl.constexpr):          # C_* bits (module doc)
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_ns, ptr_from_table, report_error,
-                    signal_peers, wait_peers)
+                    signal_peers, wait_bound_us, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -73,6 +73,7 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
     ``(half * W + r) * cap + i`` of every rank's Lamport region), so both kernels share halves.
     """
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     half = seq % 2
@@ -122,6 +123,7 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps,
     ``seq % 2`` of every other rank; this rank's own term is read from ``x``.
     """
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     parity = seq % 2

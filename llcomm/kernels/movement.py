@@ -8,7 +8,8 @@ words (int32 or uint8 views), so they are byte-exact by construction.
 import triton
 import triton.language as tl
 
-from ._sync import EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_peers
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us,
+                    wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -24,6 +25,7 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag
     """``src`` pushes x into slot 0 of every other rank's staging; one barrier (``src`` also
     waits, so it never runs two ops ahead); the others copy slot 0 into x."""
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     half = seq % 2
@@ -61,6 +63,7 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
     rank p lands at ``(i // part) * W * part + p * part + i % part`` (``part == n`` gives the
     contiguous rank-major all-gather; ``part < n`` the token-major 2-D form)."""
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     half = seq % 2
@@ -99,6 +102,7 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
     """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
     Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
     b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
     half = seq % 2
