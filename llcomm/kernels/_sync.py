@@ -26,11 +26,16 @@ RANK_VARYING = ["rank", "timeout_us"]
 
 @triton.jit
 def global_time_ns(WIDTH: tl.constexpr = 2):
-    """The GPU's global timer in ns (same clock on every SM), as ONE value for the whole block.
+    """The GPU's global timer in ns (same clock on every SM).
 
-    Every thread reads the clock and the block takes the maximum, so all threads agree on
-    whether a deadline has passed; a per-thread reading could let threads leave a wait loop at
-    different iterations, and the block-wide reductions inside the loop would then hang.
+    Meant as one value for the whole block, so that all threads agree on whether a deadline has
+    passed. It is NOT: the PTX (tools/ptx.py --dump) shows the [WIDTH] maximum compiled to one
+    lane-pair shuffle, so each pair of lanes agrees and different warps can disagree for the
+    nanoseconds around a deadline. Then some warps leave a wait loop one iteration before the
+    others; a wait whose loop holds block-wide reductions (EP's, over NB * W flags) can pair the
+    late warps' reduction barrier with the early warps' exit barrier. No GPU test has hung on it;
+    the fix (a reduction over a [32 * num_warps] tensor, one smem round per reading) costs
+    latency in every poll and is to be measured first (docs/failures.md, known gaps).
     """
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [tl.zeros([WIDTH], tl.int64)],
                                   dtype=tl.int64, is_pure=False, pack=1)
