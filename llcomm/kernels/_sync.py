@@ -31,11 +31,12 @@ def global_time_ns(WIDTH: tl.constexpr = 2):
     Meant as one value for the whole block, so that all threads agree on whether a deadline has
     passed. It is NOT: the PTX (tools/ptx.py --dump) shows the [WIDTH] maximum compiled to one
     lane-pair shuffle, so each pair of lanes agrees and different warps can disagree for the
-    nanoseconds around a deadline. Then some warps leave a wait loop one iteration before the
-    others; a wait whose loop holds block-wide reductions (EP's, over NB * W flags) can pair the
-    late warps' reduction barrier with the early warps' exit barrier. No GPU test has hung on it;
-    the fix (a reduction over a [32 * num_warps] tensor, one smem round per reading) costs
-    latency in every poll and is to be measured first (docs/failures.md, known gaps).
+    nanoseconds around a deadline, and some warps leave a wait loop one iteration before the
+    others. Harmless where the loop has no barrier inside (TP's waits over a few flags); a wait
+    whose loop holds block-wide reductions must pass WIDTH >= the block's threads (EP passes
+    1024): the maximum then goes through shared memory and the block agrees. That costs a
+    shared-memory round per reading, so TP keeps the default until it is measured
+    (docs/failures.md, known gaps).
     """
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [tl.zeros([WIDTH], tl.int64)],
                                   dtype=tl.int64, is_pure=False, pack=1)

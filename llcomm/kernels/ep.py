@@ -76,6 +76,10 @@ from .. import protocol as P
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 #: Token counts differ between ranks too (see _sync.RANK_VARYING).
 EP_RANK_VARYING = RANK_VARYING + ["n_tok"]
+#: Clock readings of the wait reduced over this many lanes: at least every thread of a block
+#: (32 warps at most), so the maximum goes through shared memory and the whole block agrees on a
+#: deadline; the wait's loop holds block-wide reductions, whose barriers must not be split.
+BLOCK_WIDE = tl.constexpr(1024)
 WAIT_SKIPPED = tl.constexpr(-2)         # _wait_flags status: not waited (an earlier wait failed)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -154,7 +158,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     src = (i % W).to(tl.int64)
     epoch = word >> EPOCH_SHIFT
     limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
-    t0 = global_time_ns()
+    t0 = global_time_ns(BLOCK_WIDE)
     status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
     bad = tl.zeros([NP], tl.int64)
     while status == 0:
@@ -166,7 +170,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
             bad = wrong.to(tl.int64)
         elif tl.sum(arrived.to(tl.int32), axis=0) == NP:
             status = -1
-        elif global_time_ns() - t0 > limit_ns:
+        elif global_time_ns(BLOCK_WIDE) - t0 > limit_ns:
             status = STATUS_TIMEOUT
             bad = (arrived == 0).to(tl.int64)
     ok = status == -1
