@@ -275,9 +275,10 @@ def ep_dispatch(buf: "EPBuffer", x: torch.Tensor, topk_idx: torch.Tensor, *,
         buf: an ``EPBuffer``.
         x: ``[num_tokens, hidden]`` in the buffer's dtype, on its device.
         topk_idx: ``[num_tokens, topk]`` int64 global expert ids, -1 for none.
-        use_fp8, round_scale: FP8 dispatch, as ``EPBuffer.dispatch`` (``hidden`` a multiple
-            of 128; the format is docs/ep.md's). Python bools, fixed when the graph is traced
-            (each value is its own op: ``ep_dispatch`` or ``ep_dispatch_fp8``).
+        use_fp8: FP8 dispatch, as ``EPBuffer.dispatch`` (``hidden`` a multiple of 128; the
+            format is docs/ep.md's). A Python bool, fixed when the graph is traced: True runs
+            the op ``ep_dispatch_fp8``, False ``ep_dispatch``.
+        round_scale: with ``use_fp8``, power-of-two scales (a Python bool, as ``use_fp8``).
     Returns:
         recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``, as ``dispatch``; with
             ``use_fp8`` the pair ``(recv_x_fp8, recv_scales)``: float8_e4m3fn of that shape and

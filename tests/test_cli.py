@@ -240,6 +240,23 @@ def test_bench_ep_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_bench_ep_fp8_overlap_gpu(tmp_path, round_scale):
+    p = llcomm("bench", "ep", "--tokens", "1,128", "--iters", "5", "--warmup", "1", "--fp8",
+               "--overlap", *(["--round-scale"] if round_scale else []), "--json", "ep.json",
+               cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    for op in ("dispatch_fp8", "overlap_step"):
+        llc = [r for r in rows if r["op"] == op and r["impl"] == "llcomm"]
+        assert {r["mode"] for r in llc} == {"graph", "eager"}, op
+        for row in llc:
+            assert row["wrong"] == 0 and not row.get("error"), row
+    for row in rows:
+        assert row["wrong"] in (0, None), row
+
+
+@pytest.mark.gpu
 def test_bench_decode_gpu(tmp_path):
     p = llcomm("bench", "decode", "--layers", "2", "--batches", "1,8", "--moe-layers", "1",
                "--iters", "3", "--warmup", "1", "--json", "d.json", cwd=tmp_path)

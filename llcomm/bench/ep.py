@@ -289,10 +289,13 @@ class OverlapStep:
         return r[1] if self.hooks else _nothing
 
     def __call__(self) -> None:
-        # One stream; with hooks, each exchange's bytes travel during the compute after its
-        # send half, and its hook then finds them (mostly) there:
-        #   A: dispatch-send ---------- hook                 combine-send ---------- hook
-        #   B:               compute          dispatch-send ... hook compute   combine-send ...
+        # One stream, time going right. With hooks a send half returns at once and the compute
+        # after it runs while its bytes travel; its hook then waits only for what is missing:
+        #   dispatch A  send [compute B] recv
+        #   dispatch B                        send [compute A] recv
+        #   combine A                                               send [compute B] recv
+        #   combine B                                                    ...  send [compute A] recv
+        # Without hooks each "send ... recv" is one call that ends before the compute starts.
         a, b = 0, 1
         ha, hook = self._dispatch(a)
         self.compute(b)                 # B's attention
