@@ -3,7 +3,8 @@
 ``DeepEPLowLatency`` has the signatures of DeepEP's ``Buffer.low_latency_dispatch`` /
 ``low_latency_combine`` (the subset llcomm implements) and returns the same tuples, so the MoE
 layer's code stays as it is. The layer below routes tokens top-k, runs each local expert on its
-rows and combines; the result is checked against every expert applied to every token on one rank.
+rows and combines, four ways (bf16 and FP8 dispatch, each whole and split by the receive hook);
+each result is checked against every expert applied to every token on one rank.
 
     python examples/deepep_low_latency.py    # 2 local processes (GPUs if there are two, else CPU)
 """
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import llcomm
+from llcomm.ep_fp8 import dequantize
 from _launch import device, launch
 
 
@@ -29,7 +31,7 @@ def _set_options(options: dict) -> list[str]:
 
 
 def _no_hook() -> None:
-    """Stands in for DeepEP's receive hook: the data has arrived when dispatch returns."""
+    """Stands in for DeepEP's receive hook when ``return_recv_hook=False``: the call was whole."""
 
 
 class DeepEPLowLatency:
@@ -37,7 +39,10 @@ class DeepEPLowLatency:
 
     Construct where the engine constructs its ``deep_ep.Buffer`` (a collective), with the
     ``num_max_dispatch_tokens_per_rank``, ``hidden`` and ``num_experts`` it passes to the calls.
-    Options llcomm does not implement raise NotImplementedError instead of being ignored.
+    ``use_fp8``, ``round_scale`` and ``return_recv_hook`` are forwarded to the EPBuffer (same
+    meaning, same results as DeepEP's shapes; the FP8 format is docs/ep.md's). Options llcomm does
+    not implement (``use_ue8m0``, the statistics tensors, ``use_logfmt``) raise
+    NotImplementedError instead of being ignored.
     """
 
     def __init__(self, group, *, num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -47,28 +52,48 @@ class DeepEPLowLatency:
                                    dtype=dtype)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
-                             use_fp8: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False, **unsupported):
-        """Returns ``(recv_x, recv_count, handle, event, hook)`` as DeepEP does (bf16 path)."""
+                             use_fp8: bool = True, round_scale: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             **unsupported):
+        """Returns ``(recv_x, recv_count, handle, event, hook)`` as DeepEP does; ``recv_x`` is
+        ``(x_fp8, scales)`` with ``use_fp8`` (DeepEP's default; scales here are a plain
+        row-major float32 ``[L, W * T, hidden / 128]``, see docs/ep.md). With
+        ``return_recv_hook`` the outputs are filled when ``hook()`` has been called."""
         bad = _set_options(unsupported)
-        if use_fp8 or bad:
-            raise NotImplementedError(f"llcomm EPBuffer: use_fp8=True / {bad} are not "
-                                      "implemented (docs/ep.md, 'Differences from DeepEP')")
+        if bad:
+            raise NotImplementedError(f"llcomm EPBuffer: {bad} are not implemented "
+                                      "(docs/ep.md, 'Differences from DeepEP')")
         if (num_max_dispatch_tokens_per_rank, num_experts) != (self.buf.max_tokens,
                                                                self.buf.num_experts):
             raise ValueError("num_max_dispatch_tokens_per_rank / num_experts differ from the "
                              "EPBuffer's; create it with the values the calls use")
-        recv_x, recv_count, handle = self.buf.dispatch(x, topk_idx)
-        return recv_x, recv_count, handle, _Done(), _no_hook
+        r = self.buf.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+                              return_recv_hook=return_recv_hook)
+        return (*r[:3], _Done(), r[3] if return_recv_hook else _no_hook)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *,
+    def get_next_low_latency_combine_buffer(self, handle):
+        """Where the experts may write their outputs for ``low_latency_combine(...,
+        zero_copy=True)`` (``EPBuffer.get_combine_input``; llcomm's combine never copies its
+        input, so any tensor of this shape is as good)."""
+        return self.buf.get_combine_input(handle)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, **unsupported):
-        """Returns ``(combined_x, event, hook)`` as DeepEP does."""
+        """Returns ``(combined_x, event, hook)`` as DeepEP does (``zero_copy`` changes nothing:
+        ``x`` is read in place either way)."""
         bad = _set_options(unsupported)
         if bad:
             raise NotImplementedError(f"llcomm EPBuffer: {bad} are not implemented")
-        return self.buf.combine(x, topk_idx, topk_weights, handle, out=out), _Done(), _no_hook
+        r = self.buf.combine(x, topk_idx, topk_weights, handle, out=out,
+                             return_recv_hook=return_recv_hook)
+        if return_recv_hook:
+            return r[0], _Done(), r[1]
+        return r, _Done(), _no_hook
+
+
+#: Relative error (Frobenius) of the layer's output allowed with FP8 dispatch.
+FP8_REL_ERR = 0.1
 
 
 def expert_mlp(w1, w2, x):
@@ -93,16 +118,25 @@ def main():
     logits = torch.randn(n, num_experts, generator=g).to(dev)
     topk_weights, topk_idx = torch.softmax(logits, -1).topk(topk, dim=-1)
 
-    # --- the MoE layer, as an engine writes it against DeepEP's low-latency API ---------------
-    recv_x, recv_count, handle, event, hook = ep.low_latency_dispatch(
-        x, topk_idx, max_tokens, num_experts, use_fp8=False)
-    event.current_stream_wait()
-    expert_out = torch.empty_like(recv_x)
-    counts = recv_count.tolist()      # a host sync, fine in an example (a grouped GEMM avoids it)
-    for e in range(local):
-        rows = recv_x[e, :counts[e]]
-        expert_out[e, :counts[e]] = expert_mlp(w1[rank * local + e], w2[rank * local + e], rows)
-    y, event, hook = ep.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+    def moe_layer(use_fp8: bool, return_recv_hook: bool):
+        # --- the MoE layer, as an engine writes it against DeepEP's low-latency API -----------
+        recv_x, recv_count, handle, event, hook = ep.low_latency_dispatch(
+            x, topk_idx, max_tokens, num_experts, use_fp8=use_fp8, round_scale=use_fp8,
+            return_recv_hook=return_recv_hook)
+        event.current_stream_wait()
+        hook()                        # other work would go before this (docs/ep.md, split phase)
+        if use_fp8:
+            recv_x = dequantize(*recv_x, dtype)      # or feed an FP8 grouped GEMM
+        expert_out = ep.get_next_low_latency_combine_buffer(handle)
+        counts = recv_count.tolist()  # a host sync, fine in an example (a grouped GEMM avoids it)
+        for e in range(local):
+            rows = recv_x[e, :counts[e]]
+            expert_out[e, :counts[e]] = expert_mlp(w1[rank * local + e], w2[rank * local + e],
+                                                   rows)
+        y, event, hook = ep.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
+                                                zero_copy=True, return_recv_hook=return_recv_hook)
+        hook()
+        return y
 
     # --- check: every expert on every token, weighted, on this rank alone ---------------------
     want = torch.zeros(n, hidden, dtype=torch.float32, device=dev)
@@ -111,11 +145,21 @@ def main():
             e = int(topk_idx[t, k])
             want[t] += topk_weights[t, k] * expert_mlp(w1[e], w2[e], x[t:t + 1])[0].float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol)
+    fp8_err = 0.0
+    for hooks in (False, True):
+        torch.testing.assert_close(moe_layer(False, hooks).float(), want, rtol=tol, atol=tol)
+        # FP8 rows: e4m3 keeps 3 mantissa bits (2^-4 relative), so compare the whole layer's
+        # output by its relative error
+        err = float((moe_layer(True, hooks).float() - want).norm() / want.norm())
+        fp8_err = max(fp8_err, err)
+        if not err < FP8_REL_ERR:
+            raise AssertionError(f"FP8 dispatch (hooks={hooks}): relative error {err:.3g} > "
+                                 f"{FP8_REL_ERR}")
     ep.buf.check()
     ep.buf.close()
     if rank == 0:
-        print(f"deepep_low_latency: ok (backend={ep.buf.backend})")
+        print(f"deepep_low_latency: ok (backend={ep.buf.backend}, FP8 dispatch relative error "
+              f"{fp8_err:.3g} on rank 0)")
 
 
 if __name__ == "__main__":

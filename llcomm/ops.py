@@ -20,6 +20,7 @@ compiled code should call; ``torch.ops.llcomm.<name>(handle, ...)`` is the same 
 | ``all_gather_2d`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.all_gather_2d`` |
 | ``reduce_scatter`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.reduce_scatter`` |
 | ``ep_dispatch`` | ``(int buf, Tensor x, Tensor topk_idx) -> (Tensor, Tensor, Tensor)`` | ``EPBuffer.dispatch`` |
+| ``ep_dispatch_fp8`` | ``(int buf, Tensor x, Tensor topk_idx, bool round_scale) -> (Tensor, Tensor, Tensor, Tensor)`` | ``EPBuffer.dispatch(use_fp8=True)`` |
 | ``ep_combine`` | ``(int buf, Tensor y, Tensor topk_idx, Tensor w, Tensor ticket) -> Tensor`` | ``EPBuffer.combine`` |
 | ``ep_src_info`` | ``(int buf, Tensor ticket) -> Tensor`` | ``EPHandle.src_info`` (a copy) |
 
@@ -35,6 +36,11 @@ Outputs are fresh tensors (custom ops may not return views of their inputs or of
 ``out=`` arguments are not offered. The ops have no autograd formula: call them on tensors that
 do not require grad (inference). Fake (meta) implementations give every output's shape, dtype and
 device, so the ops trace with dynamic shapes too. Validation and errors are the methods' own.
+
+FP8: ``ep_dispatch(buf, x, topk_idx, use_fp8=True)`` calls ``ep_dispatch_fp8`` and returns
+``((recv_x_fp8, recv_scales), recv_count, ticket)`` like the method. ``return_recv_hook`` is not
+offered: a hook is a Python callable, which cannot cross a custom op's boundary (see
+``ep_dispatch``).
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+
+from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 
 if TYPE_CHECKING:
     from .ep import EPBuffer
@@ -144,13 +152,17 @@ def _(comm, x):
 @torch.library.custom_op("llcomm::ep_dispatch", mutates_args=())
 def _ep_dispatch(buf: int, x: torch.Tensor, topk_idx: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b = _lookup(buf, "ep_dispatch")
-    recv_x, recv_count, handle = b.dispatch(x, topk_idx)
+    recv_x, recv_count, handle = _lookup(buf, "ep_dispatch").dispatch(x, topk_idx)
+    return recv_x, recv_count.clone(), _keep(buf, handle)
+
+
+def _keep(buf: int, handle) -> torch.Tensor:
+    """Keep ``handle`` for ep_combine / ep_src_info (the newest KEPT_HANDLES); its ticket."""
     kept = _ep_handles.setdefault(buf, {})
     kept[handle.index] = handle
     for old in [i for i in kept if i <= handle.index - KEPT_HANDLES]:
         del kept[old]
-    return recv_x, recv_count.clone(), torch.tensor(handle.index, dtype=torch.int64)
+    return torch.tensor(handle.index, dtype=torch.int64)
 
 
 @_ep_dispatch.register_fake
@@ -160,6 +172,24 @@ def _(buf, x, topk_idx):
                          dtype=b.dtype)
     recv_count = x.new_empty((b.num_local_experts,), dtype=torch.int32)
     return recv_x, recv_count, torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("llcomm::ep_dispatch_fp8", mutates_args=())
+def _ep_dispatch_fp8(buf: int, x: torch.Tensor, topk_idx: torch.Tensor, round_scale: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    (recv_x, scales), recv_count, handle = _lookup(buf, "ep_dispatch").dispatch(
+        x, topk_idx, use_fp8=True, round_scale=round_scale)
+    return recv_x, scales, recv_count.clone(), _keep(buf, handle)
+
+
+@_ep_dispatch_fp8.register_fake
+def _(buf, x, topk_idx, round_scale):
+    b = _lookup(buf, "ep_dispatch")
+    shape = (b.num_local_experts, b.num_ranks * b.max_tokens, b.hidden)
+    return (x.new_empty(shape, dtype=FP8_DTYPE),
+            x.new_empty((*shape[:2], b.hidden // FP8_BLOCK), dtype=SCALE_DTYPE),
+            x.new_empty((b.num_local_experts,), dtype=torch.int32),
+            torch.empty((), dtype=torch.int64, device="cpu"))
 
 
 def _ticket_handle(buf: int, ticket: torch.Tensor, fn: str):
@@ -236,21 +266,43 @@ def reduce_scatter(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
     return torch.ops.llcomm.reduce_scatter(_handle_of(comm), x)
 
 
-def ep_dispatch(buf: "EPBuffer", x: torch.Tensor, topk_idx: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``buf.dispatch(x, topk_idx)`` with a ticket in place of the handle.
+def ep_dispatch(buf: "EPBuffer", x: torch.Tensor, topk_idx: torch.Tensor, *,
+                use_fp8: bool = False, round_scale: bool = False):
+    """``buf.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale)`` with a ticket in
+    place of the handle.
 
     Args:
         buf: an ``EPBuffer``.
         x: ``[num_tokens, hidden]`` in the buffer's dtype, on its device.
         topk_idx: ``[num_tokens, topk]`` int64 global expert ids, -1 for none.
+        use_fp8: FP8 dispatch, as ``EPBuffer.dispatch`` (``hidden`` a multiple of 128; the
+            format is docs/ep.md's). A Python bool, fixed when the graph is traced: True runs
+            the op ``ep_dispatch_fp8``, False ``ep_dispatch``.
+        round_scale: with ``use_fp8``, power-of-two scales (a Python bool, as ``use_fp8``).
     Returns:
-        recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``, as ``dispatch``.
+        recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``, as ``dispatch``; with
+            ``use_fp8`` the pair ``(recv_x_fp8, recv_scales)``: float8_e4m3fn of that shape and
+            float32 ``[num_local_experts, num_ranks * max_tokens, hidden // 128]``.
         recv_count: ``[num_local_experts]`` int32 (a copy, on the buffer's device).
         ticket: 0-d int64 CPU tensor for ``ep_combine`` / ``ep_src_info``; valid for two
             dispatches of ``buf``, like the handle it stands for.
+
+    No ``return_recv_hook``: the hook is a Python callable, which no custom op can return or
+    take, and a graph could not call it between two ops anyway. Split-phase overlap under
+    ``torch.compile`` would need the send and receive halves as two ops linked by a ticket;
+    until then, use the method (eagerly, or in a CUDA graph captured around it).
     """
-    return torch.ops.llcomm.ep_dispatch(_handle_of(buf), x, topk_idx)
+    for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale)):
+        if not isinstance(v, bool):
+            raise TypeError(f"llcomm.ops.ep_dispatch: {name}={v!r}; expected True or False")
+    if round_scale and not use_fp8:
+        raise ValueError("llcomm.ops.ep_dispatch: round_scale=True needs use_fp8=True (it "
+                         "rounds the FP8 scales)")
+    if not use_fp8:
+        return torch.ops.llcomm.ep_dispatch(_handle_of(buf), x, topk_idx)
+    recv_x, scales, recv_count, ticket = torch.ops.llcomm.ep_dispatch_fp8(
+        _handle_of(buf), x, topk_idx, round_scale)
+    return (recv_x, scales), recv_count, ticket
 
 
 def ep_combine(buf: "EPBuffer", expert_out: torch.Tensor, topk_idx: torch.Tensor,

@@ -240,6 +240,23 @@ def test_bench_ep_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_bench_ep_fp8_overlap_gpu(tmp_path, round_scale):
+    p = llcomm("bench", "ep", "--tokens", "1,128", "--iters", "5", "--warmup", "1", "--fp8",
+               "--overlap", *(["--round-scale"] if round_scale else []), "--json", "ep.json",
+               cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    for op in ("dispatch_fp8", "overlap_step"):
+        llc = [r for r in rows if r["op"] == op and r["impl"] == "llcomm"]
+        assert {r["mode"] for r in llc} == {"graph", "eager"}, op
+        for row in llc:
+            assert row["wrong"] == 0 and not row.get("error"), row
+    for row in rows:
+        assert row["wrong"] in (0, None), row
+
+
+@pytest.mark.gpu
 def test_bench_decode_gpu(tmp_path):
     p = llcomm("bench", "decode", "--layers", "2", "--batches", "1,8", "--moe-layers", "1",
                "--iters", "3", "--warmup", "1", "--json", "d.json", cwd=tmp_path)
@@ -255,3 +272,86 @@ def test_bench_decode_gpu(tmp_path):
 def test_check_passes_on_gpu(tmp_path):
     p = llcomm("check", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_bench_ep_cpu_fp8_and_overlap(tmp_path):
+    p = llcomm("bench", "ep", "--cpu", "--tokens", "1,8", "--hidden", "128", "--experts", "8",
+               "--topk", "3", "--iters", "2", "--warmup", "1", "--fp8", "--round-scale",
+               "--overlap", "--json", "ep.json", "--plot", "ep.png", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# dispatch_fp8 (round_scale)" in p.stdout and "# overlap_step" in p.stdout
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    fp8 = [r for r in rows if r["op"] == "dispatch_fp8"]
+    assert {r["tokens_per_rank"] for r in fp8} == {1, 8}
+    for r in fp8:
+        assert r["fp8"] and r["round_scale"] and r["wrong"] == 0 and not r.get("error"), r
+        bf16 = next(b for b in rows if b["op"] == "dispatch"
+                    and b["tokens_per_rank"] == r["tokens_per_rank"])
+        assert r["bytes"] * 128 == bf16["bytes"] * 66     # (128 + 4) bytes per row, not 256
+    steps = [r for r in rows if r["op"] == "overlap_step"]
+    assert {(r["tokens_per_rank"], r["recv_hook"]) for r in steps} == {
+        (n, h) for n in (1, 8) for h in (False, True)}
+    for r in steps:
+        assert EP_ROW_KEYS <= set(r) and r["micro_batches"] == 2, r
+        assert r["wrong"] == 0 and r["median_us"] > 0 and not r.get("error"), r
+        assert r["algo"] == ("recv_hook" if r["recv_hook"] else "plain")
+        assert ("saving_us" in r) == r["recv_hook"]
+
+
+def test_bench_ep_fp8_option_errors(tmp_path):
+    p = llcomm("bench", "ep", "--cpu", "--hidden", "64", "--fp8", cwd=tmp_path)
+    assert p.returncode == 2 and "multiple of 128" in p.stdout, p.stdout
+    p = llcomm("bench", "ep", "--cpu", "--round-scale", cwd=tmp_path)
+    assert p.returncode == 2 and "--round-scale needs --fp8" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
+    """The bench's own quantiser and llcomm.ep_fp8 (what the reference backend sends) agree
+    byte for byte, on blocks that reach the corners: zeros, -0.0, tiny (subnormal scales),
+    huge, e4m3 ties and subnormal codes."""
+    from llcomm.bench import ep
+    from llcomm.ep_fp8 import quantize
+    g = torch.Generator().manual_seed(3)
+    H = 128
+    rows = [torch.randn(64, H, generator=g) * 10.0 ** torch.randint(-6, 6, (64, 1), generator=g),
+            torch.zeros(1, H), -torch.zeros(1, H),
+            torch.randn(2, H, generator=g) * 1e-40, torch.randn(2, H, generator=g) * 1e38]
+    tie = torch.full((1, H), 448.0)                  # scale 1 (amax 448): x / 1 lands on ...
+    tie[0, 1:9] = torch.tensor([1.0625, 1.1875, 0.0029296875, -0.0048828125, 17.0, 19.0,
+                                -208.0, 240.0])      # ... e4m3 midpoints (ties to even)
+    x = torch.cat(rows + [tie])
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        codes, scales = ep.fp8_oracle(xd, round_scale)
+        q, s = quantize(xd, round_scale=round_scale)
+        assert torch.equal(codes, q.view(torch.uint8)), dtype
+        assert torch.equal(scales.view(torch.int32), s.view(torch.int32)), dtype
+
+
+def test_bench_ep_fp8_check_catches_a_wrong_byte():
+    from llcomm.bench import ep
+    W, T, H, E = 2, 4, 128, 4
+    x = torch.randn(T, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
+    scale, bias = ep.expert_affine(E, "cpu")
+    orig = common.gather_inputs
+    common.gather_inputs = lambda t: torch.stack([t, t])
+    try:
+        exp = ep.Expected(x, idx, torch.full((T, 2), 0.5), 0, W, T, scale, bias)
+    finally:
+        common.gather_inputs = orig
+    from llcomm.ep_fp8 import quantize
+    q, s = quantize(exp.rows, round_scale=True)
+    codes = torch.zeros(E // W, W * T, H, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(E // W, W * T, 1)
+    codes[exp.e, exp.row], scales[exp.e, exp.row] = q, s
+
+    class Handle:
+        src_info = torch.zeros(E // W, W * T, dtype=torch.int32)
+    Handle.src_info[exp.e, exp.row] = exp.src
+    assert exp.dispatch_fp8_wrong((codes, scales), exp.count, Handle, True) == 0
+    assert exp.dispatch_fp8_wrong((codes, scales), exp.count, Handle, False) > 0
+    codes.view(torch.uint8)[1, 0, 5] ^= 1
+    scales.view(torch.int32)[0, 1, 0] ^= 1
+    assert exp.dispatch_fp8_wrong((codes, scales), exp.count, Handle, True) == 2

@@ -140,3 +140,57 @@ def test_compile_fullgraph():
     # Inductor on CPU needs a C++ compiler and half a minute per rank; the GPU test
     # (tests/test_compile_gpu.py) runs the default backend.
     run_distributed(_compile_body, 2, ("eager", "aot_eager"), timeout=300)
+
+
+H8 = 128          # FP8 dispatch needs hidden a multiple of 128
+
+
+def _fp8_body(rank, ws, compilers):
+    import llcomm
+    import llcomm.ops as ops
+    from llcomm.ep_fp8 import dequantize
+    from torch.library import opcheck
+    buf = llcomm.EPBuffer(num_experts=E, hidden=H8, num_max_dispatch_tokens_per_rank=T,
+                          dtype=torch.float32, backend="reference")
+    for seed, round_scale in ((0, False), (1, True)):
+        g = torch.Generator().manual_seed(seed * 31 + rank)
+        x = torch.randn(3, H8, generator=g) * 10
+        topk_idx = torch.randint(-1, E, (3, TOPK), generator=g)
+        w = torch.rand(3, TOPK, generator=g)
+        (q, s), cnt, handle = buf.dispatch(x, topk_idx, use_fp8=True, round_scale=round_scale)
+        y = buf.combine(dequantize(q, s, torch.float32), topk_idx, w, handle)
+        (oq, os_), ocnt, ticket = ops.ep_dispatch(buf, x, topk_idx, use_fp8=True,
+                                                  round_scale=round_scale)
+        assert oq.dtype == torch.float8_e4m3fn and os_.dtype == torch.float32
+        assert os_.shape == (E // ws, ws * T, H8 // 128)
+        assert torch.equal(ocnt, cnt) and int(ticket) == handle.index + 1
+        assert _filled_rows_equal(oq.view(torch.uint8), q.view(torch.uint8), cnt)
+        assert _filled_rows_equal(os_, s, cnt)
+        oy = ops.ep_combine(buf, dequantize(oq, os_, torch.float32), topk_idx, w, ticket)
+        assert torch.equal(oy, y)
+    with pytest.raises(ValueError, match="round_scale=True needs use_fp8=True"):
+        ops.ep_dispatch(buf, x, topk_idx, round_scale=True)
+    with pytest.raises(TypeError, match="use_fp8="):
+        ops.ep_dispatch(buf, x, topk_idx, use_fp8=1)
+    opcheck(torch.ops.llcomm.ep_dispatch_fp8.default, (buf.op_handle, x, topk_idx, True),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+    def step(x, topk_idx, w):
+        (q, s), recv_count, ticket = ops.ep_dispatch(buf, x, topk_idx, use_fp8=True)
+        y = ops.ep_combine(buf, dequantize(q, s, torch.float32) * 2, topk_idx, w, ticket)
+        return recv_count, y
+
+    for compiler in compilers:
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend=compiler)
+        for seed in range(2):
+            g = torch.Generator().manual_seed(100 + seed * 31 + rank)
+            n = rank + 2
+            args = (torch.randn(n, H8, generator=g), torch.randint(-1, E, (n, TOPK), generator=g),
+                    torch.rand(n, TOPK, generator=g))
+            for a, b in zip(compiled(*args), step(*args)):
+                assert torch.equal(a, b), (compiler, seed)
+
+
+def test_ep_dispatch_fp8_ops():
+    run_distributed(_fp8_body, 2, ("eager", "aot_eager"), timeout=300)

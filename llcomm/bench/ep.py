@@ -25,6 +25,32 @@ Correctness (``wrong``, summed over ranks), from every rank's inputs gathered by
   computed at the source from its own tokens. The reference backend implements exactly that, so
   the llcomm rows are checked against the reference's result and the reference rows against the
   oracle. Outputs are NaN-poisoned before the first call and before the timed loop.
+
+``--fp8`` adds ``dispatch_fp8`` rows: ``dispatch(..., use_fp8=True)`` (``--round-scale``: with
+``round_scale=True``) on the same buffers and inputs, timed alone (a combine after it would be the
+bf16 combine above, fed by dequantised rows). Checked byte for byte: ``recv_count``,
+``src_info``, and each row's e4m3 codes and fp32 scales against ``fp8_oracle``, a quantiser
+written here independently of ``llcomm.ep_fp8`` (a nearest-value search over the e4m3 table, ties
+to the even code, ``frexp`` for the power-of-two scales), so both backends are held to the same
+bytes. ``bytes`` counts ``hidden + hidden / 32`` per (token, destination rank).
+
+``--overlap`` adds ``overlap_step`` rows: a decode step of two micro-batches A and B (``tokens``
+each per rank), run with ``return_recv_hook=True`` (algo ``recv_hook``) and without (``plain``),
+the same calls in the same order::
+
+    dispatch A send | compute | hook    (the compute stands for B's attention)
+    dispatch B send | compute | hook    (A's experts)
+    combine A send  | compute | hook    (B's experts)
+    combine B send  | compute | hook    (A's next attention)
+
+Without hooks each exchange completes before the compute starts; with them the compute runs
+while the bytes travel and the peers catch up. ``compute`` is one ``[tokens, hidden] x [hidden,
+hidden]`` matmul in the buffer dtype (the weights dominate at small batches: 100 MB at hidden
+7168). The experts are the identity (combine reads ``recv_x`` in place), so both micro-batches'
+combine results are checked bit for bit against the combine oracle above with ``y = x``; hooked
+and plain steps must therefore agree with each other too. One row per variant, ``median_us`` per
+step; the ``recv_hook`` row adds ``saving_us`` = plain - hooked (same impl and mode). The step
+holds no host synchronisation, so it is captured in a CUDA graph like the single ops.
 """
 from __future__ import annotations
 
@@ -36,12 +62,18 @@ import torch.distributed as dist
 from . import common as C
 from .common import Impl
 
+#: Channels per FP8 scale (docs/ep.md).
+FP8_BLOCK = 128
+
 DEFAULT_ITERS = 50
 DEFAULT_WARMUP = 5
 #: (tokens per rank, hidden, experts, topk) on GPUs, and the tiny CPU defaults.
 GPU_SHAPE = ("1,32,128,256,512", 7168, 256, 8)
 CPU_SHAPE = ("1,8,32", 256, 16, 4)
-OPS = ("dispatch", "combine")
+OPS = ("dispatch", "combine", "dispatch_fp8")
+OVERLAP_OP = "overlap_step"
+#: Micro-batches of the ``--overlap`` step.
+MICRO_BATCHES = 2
 IMPLS = ("llcomm", "reference")
 DTYPE = torch.bfloat16
 
@@ -57,6 +89,9 @@ class Config:
     graph_ops: int = C.GRAPH_OPS
     seed: int = 0
     progress: bool = True
+    fp8: bool = False
+    round_scale: bool = False
+    overlap: bool = False
 
 
 # -- inputs and oracles --------------------------------------------------------------------------
@@ -90,6 +125,46 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+#: The e4m3 maximum of ``use_fp8=True`` (docs/ep.md) and the smallest normal fp32 scale (a
+#: smaller one is raised to it).
+FP8_MAX, MIN_NORMAL_SCALE = 448.0, 2.0 ** -126
+
+
+def _e4m3_magnitudes() -> torch.Tensor:
+    """float64 values of the non-negative finite e4m3 codes 0 .. 126, decoded from the bits
+    (ascending in the code)."""
+    vals = []
+    for code in range(127):
+        exp, man = code >> 3, code & 7
+        vals.append(man * 2.0 ** -9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def fp8_oracle(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., H]`` -> ``(codes [..., H] uint8, scales [..., H / 128] float32)`` by the
+    documented FP8 arithmetic, without torch's float8 cast: each ``x / scale`` goes to the
+    nearest e4m3 value of the table (ties to the even code, the sign bit kept for zeros)."""
+    H = x.shape[-1]
+    xf = x.float().reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    if round_scale:
+        mant, exp = torch.frexp(scale)                # scale = mant * 2 ** exp, mant in [0.5, 1)
+        up = torch.where(mant == 0.5, scale, torch.ldexp(torch.ones_like(scale), exp))
+        scale = torch.where(scale < MIN_NORMAL_SCALE, torch.full_like(scale, MIN_NORMAL_SCALE),
+                            up).float()
+    v = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    mags = _e4m3_magnitudes().to(v.device)
+    a = v.abs().double().reshape(-1)
+    hi = torch.searchsorted(mags, a).clamp(1, mags.numel() - 1)   # mags[hi - 1] < a <= mags[hi]
+    lo = hi - 1
+    d_lo, d_hi = a - mags[lo], mags[hi] - a
+    code = torch.where(d_hi < d_lo, hi, torch.where(d_lo < d_hi, lo, torch.where(hi % 2 == 0,
+                                                                                   hi, lo)))
+    code = code + 128 * torch.signbit(v.reshape(-1)).to(code.dtype)
+    return code.to(torch.uint8).reshape(x.shape), scale
+
+
 class Expected:
     """What this rank's dispatch and combine must return, from every rank's inputs."""
 
@@ -106,6 +181,7 @@ class Expected:
         self.rows = xs[self.p]
         self.src = ((self.p // n) * max_tokens + self.p % n).to(torch.int32)
         self.combine = self._combine(x, idx, w, world, L, scale, bias)
+        self._fp8: dict = {}
 
     @staticmethod
     def _combine(x, idx, w, world, L, scale, bias):
@@ -126,6 +202,18 @@ class Expected:
         bad = int((recv_count != self.count).sum())
         got = recv_x[self.e, self.row]
         bad += int((_bits(got) != _bits(self.rows)).sum())
+        bad += int((handle.src_info[self.e, self.row] != self.src).sum())
+        return bad
+
+    def dispatch_fp8_wrong(self, recv, recv_count, handle, round_scale: bool) -> int:
+        """Wrong elements of an FP8 dispatch result ``recv = (codes, scales)``: counts,
+        ``src_info``, codes and scales, each byte for byte against ``fp8_oracle``."""
+        if round_scale not in self._fp8:
+            self._fp8[round_scale] = fp8_oracle(self.rows, round_scale)
+        codes, scales = self._fp8[round_scale]
+        bad = int((recv_count != self.count).sum())
+        bad += int((recv[0].view(torch.uint8)[self.e, self.row] != codes).sum())
+        bad += int((_bits(recv[1][self.e, self.row]) != _bits(scales)).sum())
         bad += int((handle.src_info[self.e, self.row] != self.src).sum())
         return bad
 
@@ -157,6 +245,93 @@ def _impls(buf, name: str, x, idx, w, exp: Expected, ref_out, scale, bias, R) ->
     return [d, (prepare, c)]
 
 
+def _fp8_impl(buf, name: str, x, idx, exp: Expected, round_scale: bool, R) -> Impl:
+    """``dispatch(..., use_fp8=True)`` of one buffer into preallocated codes and scales."""
+    shape = (buf.num_local_experts, buf.num_ranks * buf.max_tokens, buf.hidden)
+    recv = (torch.zeros(shape, dtype=torch.float8_e4m3fn, device=R.device),
+            torch.zeros(shape[:2] + (buf.hidden // FP8_BLOCK,), dtype=torch.float32,
+                        device=R.device))
+    got = {}
+
+    def dispatch():
+        got["d"] = buf.dispatch(x, idx, out=recv, use_fp8=True, round_scale=round_scale)
+
+    def reset():
+        for t in recv:
+            C.poison_(t)
+    return Impl(name, "ll", dispatch, reset=reset, raise_errors=buf.check,
+                check=lambda: exp.dispatch_fp8_wrong(*got["d"], round_scale))
+
+
+class OverlapStep:
+    """The ``--overlap`` decode step of two micro-batches on one buffer (module doc)."""
+
+    def __init__(self, buf, mbs, weight, hooks: bool):
+        self.buf, self.mbs, self.weight, self.hooks = buf, mbs, weight, hooks
+        shape = (buf.num_local_experts, buf.num_ranks * buf.max_tokens, buf.hidden)
+        self.recv = [torch.zeros(shape, dtype=buf.dtype, device=buf.device) for _ in mbs]
+        self.out = [torch.zeros_like(x) for x, _, _ in mbs]
+        self.act = [torch.zeros_like(x) for x, _, _ in mbs]
+
+    def compute(self, i: int) -> None:
+        """Stand-in for micro-batch i's attention or experts: one matmul, result unused."""
+        torch.matmul(self.mbs[i][0], self.weight, out=self.act[i])
+
+    def _dispatch(self, i: int):
+        x, idx, _ = self.mbs[i]
+        r = self.buf.dispatch(x, idx, out=self.recv[i], return_recv_hook=self.hooks)
+        return r[2], (r[3] if self.hooks else _nothing)
+
+    def _combine(self, i: int, handle):
+        _, idx, w = self.mbs[i]
+        r = self.buf.combine(self.recv[i], idx, w, handle, out=self.out[i],
+                             return_recv_hook=self.hooks)
+        return r[1] if self.hooks else _nothing
+
+    def __call__(self) -> None:
+        # One stream, time going right. With hooks a send half returns at once and the compute
+        # after it runs while its bytes travel; its hook then waits only for what is missing:
+        #   dispatch A  send [compute B] recv
+        #   dispatch B                        send [compute A] recv
+        #   combine A                                               send [compute B] recv
+        #   combine B                                                    ...  send [compute A] recv
+        # Without hooks each "send ... recv" is one call that ends before the compute starts.
+        a, b = 0, 1
+        ha, hook = self._dispatch(a)
+        self.compute(b)                 # B's attention
+        hook()
+        hb, hook = self._dispatch(b)
+        self.compute(a)                 # A's experts
+        hook()
+        hook = self._combine(a, ha)
+        self.compute(b)                 # B's experts
+        hook()
+        hook = self._combine(b, hb)
+        self.compute(a)                 # A's attention, next layer
+        hook()
+
+    def reset(self) -> None:
+        for t in self.recv + self.out:
+            C.poison_(t)
+
+
+def _nothing() -> None:
+    """The hook of a call made without ``return_recv_hook``: it has already finished."""
+
+
+def _overlap_impls(buf, name: str, mbs, expected, weight) -> list[Impl]:
+    """The ``--overlap`` step of one buffer with and without receive hooks."""
+    impls = []
+    for hooks in (False, True):
+        step = OverlapStep(buf, mbs, weight, hooks)
+        impls.append(Impl(
+            name, "recv_hook" if hooks else "plain", step, reset=step.reset,
+            check=lambda step=step: sum(C.count_wrong(o, e) for o, e in zip(step.out, expected)),
+            raise_errors=buf.check,
+            extra={"recv_hook": hooks, "micro_batches": len(mbs)}))
+    return impls
+
+
 class Rank:
     def __init__(self, rank: int, world: int, cfg: Config):
         from llcomm import EPBuffer
@@ -184,11 +359,16 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
     L = cfg.experts // R.world
     dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
     dests.scatter_(1, idx // L, True)
-    nbytes = C.sum_over_ranks(int(dests.sum()), R.device) * cfg.hidden * 2 // R.world
+    pairs = C.sum_over_ranks(int(dests.sum()), R.device)      # (token, destination rank)
+    nbytes = pairs * cfg.hidden * 2 // R.world
     base = {"op": None, "dtype": C.dtype_name(DTYPE), "world_size": R.world, "bytes": nbytes,
             "tokens_per_rank": n, "hidden": cfg.hidden, "num_experts": cfg.experts,
             "topk": cfg.topk, "fp8": False}
     rows, ref_out = [], None
+    if cfg.fp8:
+        fp8_bytes = pairs * (cfg.hidden + cfg.hidden // FP8_BLOCK * 4) // R.world
+        fp8_base = {**base, "op": "dispatch_fp8", "bytes": fp8_bytes, "fp8": True,
+                    "round_scale": cfg.round_scale}
     for name in reversed(list(R.bufs)):            # reference first: its combine is the oracle
         buf = R.bufs[name]
         d, (prepare, c) = _impls(buf, name, x, idx, w, exp, ref_out, R.scale, R.bias, R)
@@ -202,8 +382,47 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
                 continue
             one = Impl(**{**c.__dict__, "modes": (mode,)})
             rows += C.time_impl(one, {**base, "op": "combine"}, R.timing)
+        if cfg.fp8:
+            rows += C.time_impl(_fp8_impl(buf, name, x, idx, exp, cfg.round_scale, R), fp8_base,
+                                R.timing)
         if name == "reference" and R.cuda:
             ref_out = _reference_combine(buf, x, idx, w, R)
+    if cfg.overlap:
+        rows += run_overlap(R, n, {**base, "bytes": nbytes})
+    return rows
+
+
+def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
+    """The ``--overlap`` rows of one token count: two micro-batches of ``n`` fresh tokens per
+    rank each; ``bytes`` is what one rank sends in the whole step (mean over ranks)."""
+    cfg = R.cfg
+    mbs, expected, nbytes = [], [], 0
+    ones = torch.ones(cfg.experts, device=R.device)
+    zeros = torch.zeros(cfg.experts, device=R.device)
+    L = cfg.experts // R.world
+    for _ in range(MICRO_BATCHES):
+        x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device).to(DTYPE)
+        idx, w = uniform_routing(n, cfg.experts, cfg.topk, R.gen, R.device)
+        mbs.append((x, idx, w))
+        expected.append(Expected(x, idx, w, R.rank, R.world, max(cfg.tokens), ones,
+                                 zeros).combine)
+        dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
+        dests.scatter_(1, idx // L, True)
+        nbytes += 2 * C.sum_over_ranks(int(dests.sum()), R.device) * cfg.hidden * 2 // R.world
+    weight = (torch.randn(cfg.hidden, cfg.hidden, generator=R.gen, device=R.device)
+              / cfg.hidden ** 0.5).to(DTYPE)
+    row = {**base, "op": OVERLAP_OP, "bytes": nbytes}
+    rows = []
+    for name in reversed(list(R.bufs)):
+        got = []
+        for impl in _overlap_impls(R.bufs[name], name, mbs, expected, weight):
+            got += C.time_impl(impl, row, R.timing)
+        plain = {r["mode"]: r for r in got if not r["recv_hook"]}
+        for r in got:
+            p = plain.get(r["mode"])
+            if r["recv_hook"] and r["median_us"] and p and p["median_us"]:
+                r["saving_us"] = p["median_us"] - r["median_us"]
+        rows += got
     return rows
 
 
@@ -265,6 +484,29 @@ def table_rows(rows: list[dict], op: str) -> list[list[str]]:
     return out
 
 
+OVERLAP_HEADERS = ["tokens / micro-batch", "impl", "mode", "plain µs / step", "hooks µs / step",
+                   "saving µs", "saving %", "#wrong"]
+
+
+def overlap_table_rows(rows: list[dict]) -> list[list[str]]:
+    """One line per (tokens, impl, mode) of the ``--overlap`` rows: plain vs hooked step."""
+    lines: dict = {}
+    for r in rows:
+        if r["op"] == OVERLAP_OP:
+            key = (r["tokens_per_rank"], r["impl"], r["mode"])
+            lines.setdefault(key, {})[r["recv_hook"]] = r
+    out = []
+    for (n, impl, mode), cells in lines.items():
+        plain, hooked = cells.get(False), cells.get(True)
+        tp, th = _best(plain), _best(hooked)
+        wrongs = [r["wrong"] for r in cells.values() if r.get("wrong") is not None]
+        out.append([str(n), impl, mode, _cell(plain), _cell(hooked),
+                    f"{tp - th:.1f}" if tp and th else "-",
+                    f"{100 * (tp - th) / tp:.0f}%" if tp and th else "-",
+                    str(sum(wrongs)) if wrongs else "-"])
+    return out
+
+
 def print_result(result: dict) -> None:
     r0 = result["rows"][0] if result["rows"] else {}
     v = result["versions"]
@@ -278,8 +520,17 @@ def print_result(result: dict) -> None:
              else ", eager only (CPU, reference backend on gloo)"))
     print("# GB/s from the graph time where there is one; ref = reference backend "
           "(all_to_all_single)")
+    present = {r["op"] for r in result["rows"]}
     for op in OPS:
-        C.print_table(op, HEADERS, table_rows(result["rows"], op))
+        if op in present:
+            title = op
+            if op == "dispatch_fp8":
+                rs = next(r.get("round_scale") for r in result["rows"] if r["op"] == op)
+                title += " (round_scale)" if rs else ""
+            C.print_table(title, HEADERS, table_rows(result["rows"], op))
+    if OVERLAP_OP in present:
+        C.print_table(f"{OVERLAP_OP}: {MICRO_BATCHES} micro-batches, return_recv_hook vs plain",
+                      OVERLAP_HEADERS, overlap_table_rows(result["rows"]))
     for r in result["rows"]:
         if r.get("error"):
             print(f"# note: {r['op']} {r['impl']} {r['mode']} at {r['tokens_per_rank']} tokens: "
@@ -295,6 +546,14 @@ def add_arguments(p) -> None:
     p.add_argument("--topk", type=int, help=f"experts per token (default {g[3]}; CPU {c[3]})")
     p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
                    help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
+    p.add_argument("--fp8", action="store_true",
+                   help="add dispatch_fp8 rows: dispatch(use_fp8=True), codes and scales checked "
+                        "(hidden a multiple of 128)")
+    p.add_argument("--round-scale", action="store_true",
+                   help="with --fp8: dispatch_fp8 with round_scale=True (power-of-two scales)")
+    p.add_argument("--overlap", action="store_true",
+                   help="add overlap_step rows: a 2-micro-batch step with return_recv_hook=True "
+                        "against the same step without hooks")
     C.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
 
 
@@ -315,12 +574,18 @@ def config_from_args(a, on_cpu: bool) -> Config:
         problems.append(f"--experts {experts} --topk {topk}: expected 1 <= topk <= experts")
     if a.graph_ops < 1:
         problems.append("--graph-ops must be at least 1")
+    if a.fp8 and hidden % FP8_BLOCK:
+        problems.append(f"--fp8 needs --hidden to be a multiple of {FP8_BLOCK} (one scale per "
+                        f"{FP8_BLOCK} channels), got {hidden}")
+    if a.round_scale and not a.fp8:
+        problems.append("--round-scale needs --fp8 (it rounds the FP8 scales)")
     C.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
     return Config(tokens=tokens, hidden=hidden, experts=experts, topk=topk, iters=a.iters,
                   warmup=a.warmup, graph_ops=a.graph_ops, seed=a.seed,
-                  progress=not a.no_progress)
+                  progress=not a.no_progress, fp8=a.fp8, round_scale=a.round_scale,
+                  overlap=a.overlap)
 
 
 def run(a) -> int:

@@ -3,7 +3,8 @@ out.png`` redraws one from a result file alone.
 
 - ``tp``: latency vs message size, log-log, one panel per op, one line per impl + mode (+ the
   requested algorithm of explicit llcomm runs).
-- ``ep``: latency vs tokens per rank, one panel, one line per op + impl + mode.
+- ``ep``: latency vs tokens per rank, one panel for the ops (``dispatch_fp8`` of ``--fp8`` its
+  own lines), one for ``--overlap``'s steps, one line per op (+ variant) + impl + mode.
 - ``decode``: ms per step vs batch, one panel per part (``tp``, ``ep``), one line per impl + mode
   (``none`` is the step without communication).
 
@@ -41,8 +42,12 @@ class Layout:
 LAYOUTS = {
     "tp": Layout("bytes", "message size (bytes)", "median_us", "median µs per op",
                  lambda r: r["op"], series_label),
-    "ep": Layout("tokens_per_rank", "tokens per rank", "median_us", "median µs per op",
-                 lambda r: "dispatch / combine", lambda r: f"{r['op']} {series_label(r)}"),
+    "ep": Layout("tokens_per_rank", "tokens per rank (per micro-batch for overlap_step)",
+                 "median_us", "median µs per op (per step for overlap_step)",
+                 lambda r: ("2-micro-batch step, return_recv_hook vs plain"
+                            if r["op"] == "overlap_step" else "dispatch / combine"),
+                 lambda r: f"{r['op']}{'[' + r['algo'] + ']' if r['op'] == 'overlap_step' else ''}"
+                           f"{'[round_scale]' if r.get('round_scale') else ''} {series_label(r)}"),
     "fused": Layout("tokens", "tokens (rows of the hidden size in the title)", "median_us", "median µs per op",
                     lambda r: "all_reduce + residual add + RMSNorm", series_label),
     "decode": Layout("batch", "tokens per rank (batch)", "ms_per_step", "median ms per step",
