@@ -60,6 +60,14 @@ their own. The library launches either everything (``DISPATCH_ALL`` / ``COMBINE_
                                                             reduce and push partials, signal
                recv half  C_WAIT_P | C_SUM                  wait for partials; sum; advance
 
+Rank masks (``MASKS`` = 1, ``EPBuffer(enable_masks=True)``): ``err[ERR_MASK]`` is a bit mask of
+ranks treated as absent. Every wait skips their flags; a wait that runs out adds the late ranks
+to the mask instead of writing the error word. The blocks of a dispatch agree on one mask per
+call (``_agree_mask``; rows depend on every earlier source's counts), combine blocks use their
+own waits' view. Data stages skip masked sources: no counts, rows or ``ntok`` from them in the
+expand, no partials for their tokens, their partials left out of the sum. Pushes and signals
+still go to every rank. With ``MASKS`` = 0 the mask is a constant 0 and the code is as before.
+
 The counter (set parity and epoch) advances only in the recv half, so both halves of one call
 agree on it; the host refuses a second send half before the first one's hook ran, so the
 two-set argument above still holds. The CPU tests run the data stages alone (``D_SEND``, then
