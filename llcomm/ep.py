@@ -45,6 +45,8 @@ VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
 #: Env override of the EP kernels' num_warps (a tuning knob).
 NUM_WARPS_ENV = "LLCOMM_EP_NUM_WARPS"
+#: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
+MAX_MASK_RANKS = 32
 
 
 def _pow2(n: int) -> int:
@@ -57,7 +59,7 @@ def _name(dtype: torch.dtype) -> str:
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
-    but STAGES, and FP8 of the dispatch), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
+    but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
     L = E // W
     off = lay.offsets()
@@ -69,7 +71,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
             raise ValueError(f"{NUM_WARPS_ENV}={raw!r}: expected 1, 2, 4, 8, 16 or 32")
         num_warps = int(raw)
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
-                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"])
+                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
+                  MASKS=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
         per_token = _pow2(topk) * jp * _pow2(topk)     # top-k x this block's entries
@@ -149,6 +152,15 @@ class EPBuffer:
             The default (False) sizes it for the buffer dtype, which also holds FP8 rows and
             scales, so both kinds of dispatch work. ``size_hint(..., fp8=True)`` says how much
             this saves (about a quarter in bf16; docs/ep.md).
+        enable_masks: rank masks for fault tolerance (peer backend; at most 32 ranks). A rank
+            that misses a bounded wait is *masked* instead of failing the call: this rank goes
+            on without it (dispatch: its rows are not received and ``recv_count`` excludes
+            them; combine: its partials count as zero, a token routed only to masked ranks gets
+            zeros) and later calls do not wait for it, so a dead peer costs one timeout.
+            ``query_mask()`` says who is masked, ``clean_mask()`` forgets it. Mismatches still
+            raise. The reference backend accepts the flag but masks nobody: a failure there
+            still raises ``CommTimeoutError`` (a collective cannot leave a member out).
+            docs/failures.md has the exact semantics and limits.
 
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
@@ -160,8 +172,12 @@ class EPBuffer:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, num_experts: int, hidden: int,
                  num_max_dispatch_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
-                 backend: str = "auto", timeout_ms: int | None = None, fp8: bool = False):
+                 backend: str = "auto", timeout_ms: int | None = None, fp8: bool = False,
+                 enable_masks: bool = False):
         pr = V.Problems("EPBuffer")
+        if not isinstance(enable_masks, bool):
+            pr.add(f"enable_masks={enable_masks!r}; expected True or False", type_error=True)
+            enable_masks = False
         if not isinstance(fp8, bool):
             pr.add(f"fp8={fp8!r}; expected True or False", type_error=True)
             fp8 = False
@@ -180,6 +196,9 @@ class EPBuffer:
         for msg in check_shape_args(num_max_dispatch_tokens_per_rank, hidden, W, num_experts,
                                     itemsize, fp8):
             pr.add(msg)
+        if enable_masks and W > MAX_MASK_RANKS:
+            pr.add(f"enable_masks=True with {W} ranks; rank masks support at most "
+                   f"{MAX_MASK_RANKS} ranks")
         pr.raise_if_any()
         self.timeout_ms = P.timeout_ms_from_env(timeout_ms)
         self.num_experts = num_experts
@@ -188,6 +207,7 @@ class EPBuffer:
         self.max_tokens = num_max_dispatch_tokens_per_rank
         self.dtype = dtype
         self.fp8 = fp8              # dispatch region sized for FP8 dispatches only
+        self.enable_masks = enable_masks
         self._dispatches = 0        # host count of dispatch calls (handle indices)
         # return_recv_hook=True: the op's call whose receive hook has not run yet, if any
         self._pending: dict[str, int | None] = {"dispatch": None, "combine": None}
@@ -531,6 +551,38 @@ class EPBuffer:
                              "(no expert). Fix the router output.")
         self._impl.precheck()
 
+    # -- rank masks (enable_masks=True) ----------------------------------------------------------
+    def query_mask(self) -> torch.Tensor:
+        """The ranks this rank treats as absent: a new ``[num_ranks]`` int32 tensor on the
+        buffer's device, 1 for a masked rank, else 0 (this rank's view; peers may differ).
+
+        Stream-ordered, no host synchronisation: it reflects every call queued before it on the
+        current stream (``.tolist()`` waits for them). Not a collective. The reference backend
+        masks nobody (all zeros). Raises ValueError unless the buffer has ``enable_masks=True``.
+        """
+        self._check_masks("query_mask")
+        if self.backend != "peer":
+            return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
+        return self._impl.query_mask()
+
+    def clean_mask(self) -> None:
+        """Unmask every rank: later calls wait for all ranks again. Stream-ordered (takes effect
+        for the calls issued after it on the current stream); not a collective, no sync.
+
+        Call it once the masked ranks are back **in step**: they have made the same calls as
+        this rank (the flags carry a call count, so a rank that skipped calls is not seen as
+        arrived). A rank that is still missing is simply masked again by the next call, after
+        one more timeout. The reference backend has nothing to clean. Raises ValueError unless
+        the buffer has ``enable_masks=True``."""
+        self._check_masks("clean_mask")
+        if self.backend == "peer":
+            self._impl.clean_mask()
+
+    def _check_masks(self, fn: str) -> None:
+        if not self.enable_masks:
+            raise ValueError(f"llcomm.EPBuffer.{fn}: this buffer was created without rank masks; "
+                             "pass enable_masks=True to EPBuffer(...)")
+
     def check(self) -> None:
         """Wait for this rank's queued work, then raise what the device reported: a timeout or
         mismatch (``CommTimeoutError`` / ``CommMismatchError``; the buffer is broken after it)
@@ -586,7 +638,10 @@ class _PeerEP:
         # address space, so kernels store to it and the host reads it without a sync.
         self._host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
-        self.err = torch.tensor([0, self._host.data_ptr(), self._host.data_ptr() + 8],
+        # err[3]: rank mask (bit s: rank s masked); err[4]: the mask the blocks of the latest
+        # dispatch agreed on, with its epoch (kernels/ep.py: ERR_MASK, ERR_VERDICT).
+        self.masks = int(buf.enable_masks)
+        self.err = torch.tensor([0, self._host.data_ptr(), self._host.data_ptr() + 8, 0, 0],
                                 dtype=torch.int64, device=self.device)
         L, T = buf.num_local_experts, buf.max_tokens
         # handle slot (int32 words): row_of [W, T, K <= MAX_TOPK] | src_info [L, W T] |
@@ -614,8 +669,9 @@ class _PeerEP:
         hit = self._consts.get(topk)
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
-            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL),
-                                        dict(c, STAGES=self.k.COMBINE_ALL, enable_fp_fusion=False))
+            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, MASKS=self.masks),
+                                        dict(c, STAGES=self.k.COMBINE_ALL, MASKS=self.masks,
+                                             enable_fp_fusion=False))
         return hit
 
     def _tag(self, op: int, topk: int, fp8: int = 0) -> int:
@@ -667,6 +723,14 @@ class _PeerEP:
                      **dict(consts, STAGES=self.k.COMBINE_SEND_HALF))
         recv = dict(consts, STAGES=self.k.COMBINE_RECV_HALF)
         return lambda: self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **recv)
+
+    def query_mask(self) -> torch.Tensor:
+        word = self.err[self.k.ERR_MASK.value]
+        ranks = torch.arange(self.W, dtype=torch.int64, device=self.device)
+        return ((word >> ranks) & 1).to(torch.int32)
+
+    def clean_mask(self) -> None:
+        self.err[self.k.ERR_MASK.value].zero_()
 
     def take_bad_count(self, sync: bool) -> int:
         bad = int(self._host_np[1])

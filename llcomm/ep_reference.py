@@ -14,7 +14,9 @@ Exchanges have fixed sizes (every rank sends ``max_tokens`` slots to every rank)
 waits on the host and the whole thing can be captured in a CUDA graph on NCCL. Payloads travel
 as bytes (uint8 views): byte-exact, and gloo moves no 16-bit types. ``EPBuffer`` validates
 arguments before calling in here. On gloo every exchange is bounded by ``timeout_ms`` on the host
-(``reference.BoundedCalls``): a peer that is gone or late raises ``CommTimeoutError``.
+(``reference.BoundedCalls``): a peer that is gone or late raises ``CommTimeoutError``. Rank
+masks (``enable_masks=True``) are accepted by ``EPBuffer`` but mask nobody here: a collective
+cannot leave a member out, so such a failure still raises (docs/failures.md).
 
 FP8 dispatch quantises on the sender (``ep_fp8.quantize``, the documented arithmetic) and moves
 the e4m3 bytes and fp32 scales of each slot in one exchange, as the peer kernel does.

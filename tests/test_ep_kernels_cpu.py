@@ -272,3 +272,108 @@ def _e4m3_exhaustive():
 def test_e4m3_rounding_matches_torch():
     fails = _run_in_interpreter("_e4m3_exhaustive")
     assert not fails, "\n".join(fails)
+
+
+def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
+    """Rank masks (``MASKS=1``): every rank pushes (a masked rank's late rows and counts land
+    too, so a stage that read them would be caught), then only the live ranks receive, with
+    ``err[ERR_MASK]`` naming ``masked``, and run the combine without the masked ranks (their
+    weights never come). Checked against the oracle with the masked ranks' contributions
+    absent: dispatch as if they had sent no token, combine as if their experts were not in any
+    top-k (zeros for a token routed only to them). Returns failures."""
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from llcomm.ep import kernel_consts
+    from llcomm.ep_layout import ep_layout
+    from llcomm.kernels import ep as K
+    from test_ep_oracle import expert_fn, make_case, oracle_combine, oracle_dispatch
+
+    dtype = getattr(torch, dtype_name)
+    L = E // W
+    live = [r for r in range(W) if r not in masked]
+    bits = sum(1 << r for r in masked)
+    isz = torch.tensor([], dtype=dtype).element_size()
+    lay = ep_layout(T, H, W, E, isz, num_blocks=NB)
+    regions = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64)
+    host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8, bits, 0], dtype=torch.int64)
+           for h in host]
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4)
+    dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)
+    tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} masked={masked}]"
+    xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+    recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+    row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
+    src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
+    cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
+    ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+    for stage, ranks in ((K.D_SEND, range(W)), (K.D_RECV, live)):
+        for r in ranks:
+            K.dispatch_kernel[(NB,)](
+                xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
+                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, STAGES=stage, FP8=0, **dc)
+    # the oracle: masked sources sent nothing
+    xs_live = [x if s in live else x[:0] for s, x in enumerate(xs)]
+    topks_live = [t if s in live else t[:0] for s, t in enumerate(topks)]
+    exp = oracle_dispatch(xs_live, topks_live, W, E, T)
+    fails = []
+    for r in live:
+        ex, ec, es = exp[r]
+        if not torch.equal(cnt[r], ec):
+            fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}")
+            continue
+        want_ntok = [x.shape[0] for x in xs_live]
+        if ntok[r].tolist() != want_ntok:
+            fails.append(f"{tag} rank {r} ntok {ntok[r].tolist()} != {want_ntok}")
+        for e in range(L):
+            c = int(ec[e])
+            if not torch.equal(recv[r][e, :c].view(torch.uint8), ex[e, :c].view(torch.uint8)):
+                fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
+            if not torch.equal(src[r][e, :c], es[e, :c]):
+                fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+    # combine among the live ranks only; a masked rank's partial slots are poisoned
+    outs_e = [expert_fn(recv[r], cnt[r], r) if r in live else None for r in range(W)]
+    outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+    cx = lay.offsets()["combine_x"]
+    for r in live:
+        seq = int(ctrl[r][1][0])
+        base = (seq % 2) * lay.set_bytes + cx
+        region = regions[r][base:base + W * T * H * isz].view(dtype).view(W, T, H)
+        for q in masked:
+            region[q] = float("nan")
+    for stage in (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM):
+        for r in live:
+            K.combine_kernel[(NB,)](
+                outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r], ntok[r],
+                tab, ctrl[r][1], err[r], r, 0, 0, STAGES=stage, **cc)
+    # experts on masked ranks count as absent from every top-k
+    topks_cut = [torch.where((t >= 0) & (t < E) & torch.isin(t // L, torch.tensor(masked)), -1, t)
+                 for t in topks_live]
+    all_out = [expert_fn(*exp[q][:2], q) for q in range(W)]
+    want = oracle_combine(all_out, topks_cut, weights, W, E, dtype)
+    for r in live:
+        if not _same_up_to_interpreter_rounding(outs[r], want[r]):
+            d = (outs[r].float() - want[r].float()).abs()
+            fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
+        if int(err[r][0]) or int(err[r][3]) != bits:
+            fails.append(f"{tag} rank {r}: error word {int(err[r][0]):#x}, mask "
+                         f"{int(err[r][3]):#x} (expected 0, {bits:#x})")
+    return fails
+
+
+MASK_CASES = [  # W, E, T, H, topk, NB, dtype, seed, kind, masked ranks
+    (2, 8, 6, 32, 3, 4, "float32", 1, "random", [1]),
+    (3, 6, 5, 16, 3, 2, "float32", 2, "random", [1]),
+    (3, 6, 4, 16, 2, 3, "bfloat16", 3, "dups", [0]),
+    (4, 8, 4, 16, 4, 2, "float16", 4, "random", [0, 3]),
+    (4, 8, 5, 16, 2, 2, "float32", 5, "zero_and_max", [2]),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES,
+                         ids=[f"w{c[0]}-{c[6]}-{c[8]}-m{''.join(map(str, c[9]))}"
+                              for c in MASK_CASES])
+def test_masked_sources_are_skipped_in_interpreter(case):
+    fails = _run_in_interpreter("simulate_masked", *case)
+    assert not fails, "\n".join(fails[:20])

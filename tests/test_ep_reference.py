@@ -462,3 +462,42 @@ def test_get_combine_input():
         assert all(out), out
         assert same and other
         assert stale is not None and "reused its buffer slot" in stale
+
+
+def _masks_body(rank, W):
+    """enable_masks on the reference backend: same results, nobody masked, the mask API and its
+    validation."""
+    import llcomm.ep as ep
+    fails = []
+    E, T, H, K = 8, 5, 16, 3
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference", enable_masks=True)
+    for kind in ("random", "dups"):
+        fails += _check_one(buf, rank, W, E, T, H, K, 21, kind, torch.bfloat16)
+    m = buf.query_mask()
+    if m.dtype != torch.int32 or m.tolist() != [0] * W:
+        fails.append(f"query_mask() = {m} ({m.dtype}); expected {W} int32 zeros")
+    buf.clean_mask()
+    fails += _check_one(buf, rank, W, E, T, H, K, 22, "random", torch.bfloat16)
+    plain = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                        backend="reference")
+    for fn in (plain.query_mask, plain.clean_mask):
+        try:
+            fn()
+            fails.append(f"{fn.__name__}() without enable_masks did not raise")
+        except ValueError as e:
+            if "enable_masks=True" not in str(e) or fn.__name__ not in str(e):
+                fails.append(f"{fn.__name__}(): message lacks the name or enable_masks: {e}")
+    try:
+        ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                    backend="reference", enable_masks=1)
+        fails.append("enable_masks=1 was accepted")
+    except TypeError as e:
+        if "enable_masks=1" not in str(e):
+            fails.append(f"enable_masks=1: message lacks the argument: {e}")
+    return fails
+
+
+def test_masks_on_reference_backend():
+    fails = [f for r in run_distributed(_masks_body, 2) for f in r]
+    assert not fails, "\n".join(fails)

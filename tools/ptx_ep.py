@@ -98,6 +98,13 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         f"combine_{dt}_recv": (K.combine_kernel, c_sig,
                                dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps,
                                {"enable_fp_fusion": False}),
+        # EPBuffer(enable_masks=True)
+        f"dispatch_{dt}_masks": (K.dispatch_kernel, d_sig,
+                                 dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, MASKS=1), warps,
+                                 None),
+        f"combine_{dt}_masks": (K.combine_kernel, c_sig,
+                                dict(c_consts, STAGES=K.COMBINE_ALL, MASKS=1), warps,
+                                {"enable_fp_fusion": False}),
     }
 
 

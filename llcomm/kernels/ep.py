@@ -60,6 +60,14 @@ their own. The library launches either everything (``DISPATCH_ALL`` / ``COMBINE_
                                                             reduce and push partials, signal
                recv half  C_WAIT_P | C_SUM                  wait for partials; sum; advance
 
+Rank masks (``MASKS`` = 1, ``EPBuffer(enable_masks=True)``): ``err[ERR_MASK]`` is a bit mask of
+ranks treated as absent. Every wait skips their flags; a wait that runs out adds the late ranks
+to the mask instead of writing the error word. The blocks of a dispatch agree on one mask per
+call (``_agree_mask``; rows depend on every earlier source's counts), combine blocks use their
+own waits' view. Data stages skip masked sources: no counts, rows or ``ntok`` from them in the
+expand, no partials for their tokens, their partials left out of the sum. Pushes and signals
+still go to every rank. With ``MASKS`` = 0 the mask is a constant 0 and the code is as before.
+
 The counter (set parity and epoch) advances only in the recv half, so both halves of one call
 agree on it; the host refuses a second send half before the first one's hook ran, so the
 two-set argument above still holds. The CPU tests run the data stages alone (``D_SEND``, then
@@ -87,6 +95,13 @@ PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
 PHASE_DATA = tl.constexpr(P.PHASE_DATA)
 OP_DISPATCH = tl.constexpr(P.OP_DISPATCH)
 OP_COMBINE = tl.constexpr(P.OP_COMBINE)
+# Rank masks (EPBuffer(enable_masks=True)): words of the buffer's private ``err`` tensor.
+ERR_MASK = tl.constexpr(3)              # bit s: rank s is masked (set by the waits, cleared by
+#                                         the host's clean_mask)
+ERR_VERDICT = tl.constexpr(4)           # dispatch: (epoch << 32) | the mask its blocks agreed on
+VERDICT_SHIFT = tl.constexpr(32)
+VERDICT_EPOCH = tl.constexpr(0x7FFFFFFF)    # epoch bits kept: consecutive calls differ
+VERDICT_RANKS = tl.constexpr(0xFFFFFFFF)    # rank bits (masks need num_ranks <= 32)
 
 # Stage bits (python ints for the host, constexpr for the kernels).
 D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
@@ -142,7 +157,8 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
 
 @triton.jit
 def _wait_flags(flags, word, timeout_us, err, op, phase, go,
-                N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr):
+                N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr,
+                skip, MASKS: tl.constexpr):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
     fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads, then one
     acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
@@ -151,7 +167,12 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     ``go == 0`` (an earlier wait of this op failed) skips the wait and returns 0. Every thread
     reaches the closing barrier either way, so callers keep their barriers outside ``if ok``:
     threads can disagree about a timeout that expires just as the last flag lands (each reads
-    the clock itself), and a barrier inside a divergent branch would hang the block."""
+    the clock itself), and a barrier inside a divergent branch would hang the block.
+
+    Rank masks (issue 5): flags of the source ranks in the bit mask ``skip`` are not waited for
+    (they count as arrived and are never a mismatch). With ``MASKS`` a timeout writes no error
+    word: the wait returns ``(1, late)``, ``late`` the bit mask of the ranks that had not
+    arrived, for the caller to mask. Otherwise it returns ``(ok, 0)``."""
     i = tl.arange(0, NP)
     live = i < N
     ptrs = flags + i
@@ -161,10 +182,11 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     t0 = global_time_ns(BLOCK_WIDE)
     status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
     bad = tl.zeros([NP], tl.int64)
+    skipped = ((skip >> src) & 1) != 0         # masks: ranks not waited for
     while status == 0:
         got = tl.load(ptrs, mask=live, other=0, volatile=True)
-        arrived = (got == word) | (i >= N)
-        wrong = ((got >> EPOCH_SHIFT) >= epoch) & (got != word) & live
+        arrived = (got == word) | (i >= N) | skipped
+        wrong = ((got >> EPOCH_SHIFT) >= epoch) & (got != word) & live & (skipped == 0)
         if tl.sum(wrong.to(tl.int32), axis=0) > 0:
             status = STATUS_MISMATCH
             bad = wrong.to(tl.int64)
@@ -173,13 +195,42 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         elif global_time_ns(BLOCK_WIDE) - t0 > limit_ns:
             status = STATUS_TIMEOUT
             bad = (arrived == 0).to(tl.int64)
+    # masks: a timeout masks the late ranks instead of failing the call (begin)
+    late = tl.full([], 0, tl.int64)
+    if MASKS:
+        if status == STATUS_TIMEOUT:
+            late = tl.reduce(bad << src, 0, _bit_or)
+            status = -1
+            skipped = skipped | (bad != 0)
+    # masks (end)
     ok = status == -1
     if ok:
-        tl.atomic_add(ptrs, tl.zeros([NP], tl.int64), mask=live, sem="acquire", scope="sys")
+        tl.atomic_add(ptrs, tl.zeros([NP], tl.int64), mask=live & (skipped == 0), sem="acquire",
+                      scope="sys")
     elif status != WAIT_SKIPPED:
         report_error(err, status, op, phase, tl.reduce(bad << src, 0, _bit_or))
     tl.debug_barrier()
-    return ok
+    return ok, late
+
+
+@triton.jit
+def _agree_mask(err, epoch, m):
+    """Masks, dispatch: the mask every block of this call uses. The first block to get here
+    (after its wait) installs ``m`` with the call's epoch in ``err[ERR_VERDICT]``; every other
+    block adopts it. Blocks must agree: the row of a token depends on the counts of every
+    source before it, so one block skipping a source another one keeps would misplace rows."""
+    key = (epoch & VERDICT_EPOCH) << VERDICT_SHIFT
+    cur = tl.atomic_add(err + ERR_VERDICT, tl.full([], 0, tl.int64), sem="relaxed", scope="gpu")
+    while (cur >> VERDICT_SHIFT) != (key >> VERDICT_SHIFT):
+        old = tl.atomic_cas(err + ERR_VERDICT, cur, key | m, sem="relaxed", scope="gpu")
+        cur = tl.where(old == cur, key | m, old)
+    return cur & VERDICT_RANKS
+
+
+@triton.jit
+def _masked(msk, s):
+    """Rank s is in the bit mask ``msk`` (masks; 0 otherwise)."""
+    return ((msk >> s) & 1) != 0
 
 
 @triton.jit
@@ -334,13 +385,14 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
 
 @triton.jit
 def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
-            T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+            msk, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
             KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
             WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
             OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
             FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr):
     """Dispatch stage 3: this rank's receive slots into the per-expert layout (FP8: recv_x
-    is the uint8 view of the e4m3 output, and the scales are copied alongside)."""
+    is the uint8 view of the e4m3 output, and the scales are copied alongside). Sources in the
+    bit mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
     b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -358,12 +410,13 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
             lm = ls < L
             tot = tl.zeros([LB], tl.int32)
             for s in range(W):
-                tot += tl.load(cntp + s * L + ls, mask=lm, other=0)
+                tot += tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
             tl.store(recv_count + ls, tot, mask=lm)
         ps = tl.arange(0, WP)
-        tl.store(ntok_out + ps, tl.load(ntp + ps, mask=ps < W, other=0), mask=ps < W)
+        tl.store(ntok_out + ps, tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W,
+                                                                     other=0)), mask=ps < W)
     for s in range(W):
-        n_s = tl.load(ntp + s)
+        n_s = tl.where(_masked(msk, s), 0, tl.load(ntp + s))
         for t in range(b, n_s, NB):
             slot = s * T + t
             mrow = metap + slot * MAX_TOPK
@@ -382,7 +435,7 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
                     le = tl.maximum(m_k, 0) >> META_SHIFT
                     row = m_k & META_MASK
                     for s2 in range(s):
-                        row += tl.load(cntp + s2 * L + le)
+                        row += tl.where(_masked(msk, s2), 0, tl.load(cntp + s2 * L + le))
                     flat = le * (W * T) + row
                     tl.store(row_of + slot * K + k, tl.where(m_k >= 0, flat, -1))
                     if first:
@@ -424,7 +477,8 @@ def dispatch_kernel(
         FP8: tl.constexpr,              # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
         NS: tl.constexpr, NSP: tl.constexpr,    # scales per row (H // 128, or 1), pow2(NS)
         OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
-        STAGES: tl.constexpr):          # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
+        STAGES: tl.constexpr,           # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
+        MASKS: tl.constexpr):           # 1: rank masks (err[ERR_MASK]); module doc
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
@@ -436,14 +490,29 @@ def dispatch_kernel(
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
+    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
+    if MASKS:
+        msk = tl.load(err + ERR_MASK, volatile=True)
     ok = 1
     if STAGES & 8:      # D_WAIT
         flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
-        ok = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W, FP, W)
+        ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
+                               FP, W, msk, MASKS)
+        if MASKS:
+            agreed = _agree_mask(err, seq + 1, msk | late)
+            # a rank late here but seen by the deciding block has arrived: wait for it again
+            # (uniform condition; an error if it does not come)
+            need = (late & ~agreed) != 0
+            ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
+                                 NB * W, FP, W, agreed, 0)
+            ok = ok & (ok2 | (need == 0))
+            if agreed != msk:
+                tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
+            msk = agreed
     if STAGES & 2:      # D_RECV
         if ok:
             _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
-                    set_off, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
+                    set_off, msk, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
                     OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
         tl.store(ctrl + b, seq + 1)
 
@@ -464,12 +533,14 @@ def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
+def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, msk, T: tl.constexpr,
+                     H: tl.constexpr,
                      HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
                      NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_CX: tl.constexpr,
                      OFF_CW: tl.constexpr):
     """Combine stage B: per received pair (s, t), its local experts' outputs weighted and summed
-    in k order in fp32, rounded once, pushed into slot (rank, t) of rank s."""
+    in k order in fp32, rounded once, pushed into slot (rank, t) of rank s. Sources in the
+    bit mask ``msk`` (masked ranks) are skipped: their weights may not have come."""
     b = tl.program_id(0)
     DT = eo.dtype.element_ty
     ks = tl.arange(0, KP)
@@ -478,7 +549,7 @@ def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T: tl.constexpr, H
     hm = hs < H
     wl = _at(tab, rank, set_off + OFF_CW, tl.float32)
     for s in range(W):
-        n_s = tl.load(ntok_in + s)
+        n_s = tl.where(_masked(msk, s), 0, tl.load(ntok_in + s))
         for t in range(b, n_s, NB):
             rrow = row_of + (s * T + t) * K
             wrow = wl + (s * T + t) * MAX_TOPK
@@ -498,10 +569,12 @@ def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T: tl.constexpr, H
 
 
 @triton.jit
-def _sum_partials(topk, n_tok, out, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
+def _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T: tl.constexpr, H: tl.constexpr,
                   HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr,
                   L: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, OFF_CX: tl.constexpr):
-    """Combine stage C: each own token's partials, from the ranks it went to, in rank order."""
+    """Combine stage C: each own token's partials, from the ranks it went to, in rank order.
+    Partials of ranks in the bit mask ``msk`` (masked ranks) are skipped (count as zero); a
+    token routed to masked ranks only gets zeros."""
     b = tl.program_id(0)
     DT = out.dtype.element_ty
     ks = tl.arange(0, KP)
@@ -513,8 +586,9 @@ def _sum_partials(topk, n_tok, out, tab, rank, set_off, T: tl.constexpr, H: tl.c
         bits = _rank_bits(topk + t * K, K, E, L)
         acc = tl.zeros([HP], tl.float32)
         for d in tl.static_range(W):
-            went = ((bits >> d) & 1) != 0
-            p = tl.load(cl + (d * T + t) * H + hs, mask=hm & ((hs * 0 + ((bits >> d) & 1)) != 0),
+            wd = (bits >> d) & 1 & ~(msk >> d)
+            went = wd != 0
+            p = tl.load(cl + (d * T + t) * H + hs, mask=hm & ((hs * 0 + wd) != 0),
                         other=0.0).to(tl.float32)
             acc = tl.where(went, acc + p, acc)
         tl.store(out + t * H + hs, acc.to(DT), mask=hm)
@@ -538,7 +612,8 @@ def combine_kernel(
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
         SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_CX: tl.constexpr,
         OFF_CW: tl.constexpr,
-        STAGES: tl.constexpr):          # C_* bits (module doc)
+        STAGES: tl.constexpr,           # C_* bits (module doc)
+        MASKS: tl.constexpr):           # 1: rank masks (err[ERR_MASK]); module doc
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
@@ -548,26 +623,37 @@ def combine_kernel(
     flags = _at(tab, rank, set_off + OFF_SIG, tl.int64)
     if STAGES & 1:
         _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
+    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
+    if MASKS:
+        msk = tl.load(err + ERR_MASK, volatile=True)
     ok = 1
     if STAGES & 8:      # C_SYNC_W
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
-        ok = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err, OP_COMBINE,
-                         PHASE_ENTRY, 1, W, WP, W)
+        ok, late = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err,
+                               OP_COMBINE, PHASE_ENTRY, 1, W, WP, W, msk, MASKS)
+        if MASKS:       # per block: block b's tokens depend on block b's wait only
+            if late != 0:
+                tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
+            msk = msk | late
     if STAGES & 2:      # C_REDUCE
         if ok:
-            _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, T, H, HP, K, KP, W, NB,
-                             MAX_TOPK, OFF_CX, OFF_CW)
+            _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, msk, T, H, HP, K, KP, W,
+                             NB, MAX_TOPK, OFF_CX, OFF_CW)
     if STAGES & 16:     # C_SIGNAL_P
         tl.debug_barrier()              # outside ``if ok``: see _wait_flags
         if ok:
             _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
     if STAGES & 32:     # C_WAIT_P (in a recv-half launch ok is 1: the send half's failure, if
         #                 any, is already in the error word and this wait then times out too)
-        ok = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
-                         OP_COMBINE, PHASE_EXIT, ok, W, WP, W)
+        ok, late = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
+                               OP_COMBINE, PHASE_EXIT, ok, W, WP, W, msk, MASKS)
+        if MASKS:
+            if late != 0:
+                tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
+            msk = msk | late
     if STAGES & 4:      # C_SUM
         if ok:
-            _sum_partials(topk, n_tok, out, tab, rank, set_off, T, H, HP, K, KP, E, L, W, NB,
-                          OFF_CX)
+            _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T, H, HP, K, KP, E, L, W,
+                          NB, OFF_CX)
         tl.store(ctrl + b, seq + 1)
