@@ -165,9 +165,9 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     error word (its mask names the source ranks that were late or disagreed).
 
     ``go == 0`` (an earlier wait of this op failed) skips the wait and returns 0. Every thread
-    reaches the closing barrier either way, so callers keep their barriers outside ``if ok``:
-    threads can disagree about a timeout that expires just as the last flag lands (each reads
-    the clock itself), and a barrier inside a divergent branch would hang the block.
+    reaches the closing barrier either way; callers keep their barriers outside ``if ok`` all
+    the same. The clock is reduced over BLOCK_WIDE lanes, so the whole block agrees on the
+    deadline and leaves the loop (whose reductions hold barriers) at the same iteration.
 
     Rank masks (issue 5): flags of the source ranks in the bit mask ``skip`` are not waited for
     (they count as arrived and are never a mismatch). With ``MASKS`` a timeout writes no error
