@@ -20,14 +20,15 @@ SUMMARY=$DIR/summary.txt
 # Seconds each step may take (whole file / whole benchmark), measured on 2xH200 (docs/gpu-machine.md).
 declare -A TEST_S=([tests/test_tp_gpu.py]=240 [tests/test_ep_gpu.py]=330 [tests/test_fused_gpu.py]=120
                    [tests/test_faults_gpu.py]=400 [tests/test_compile_gpu.py]=180
-                   [tests/test_tune.py]=180 [tests/test_cli.py]=240)
+                   [tests/test_tune.py]=180 [tests/test_cli.py]=240 [tests/test_ep_masks_gpu.py]=120)
 declare -A BENCH_S=([tp]=200 [ep]=120 [fused]=120 [decode]=200 [soak]=420)
 
 run_tests() {
     local files=("$@") per_test=()
     python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout)
     [[ ${#files[@]} -gt 0 ]] || files=(tests/test_tp_gpu.py tests/test_ep_gpu.py tests/test_fused_gpu.py
-                                       tests/test_compile_gpu.py tests/test_tune.py tests/test_faults_gpu.py)
+                                       tests/test_ep_masks_gpu.py tests/test_compile_gpu.py
+                                       tests/test_tune.py tests/test_cli.py tests/test_faults_gpu.py)
     for f in "${files[@]}"; do
         local log=$DIR/tests/$(basename "$f" .py).log budget=${TEST_S[$f]:-240}
         timeout "$budget" python -m pytest "$f" -m gpu -v -rfE --tb=short \
