@@ -103,19 +103,24 @@ def test_bench_ep_cpu_writes_json_and_plot(tmp_path):
         assert 0 < row["bytes"] <= 8 * 2 * 64 * 2   # at most every token to both ranks
 
 
-def test_bench_ep_oracle_catches_a_wrong_byte():
+def _expected_both_ranks_alike(x, idx, W, T, E):
+    """The EP bench's oracle in one process: a stand-in for its gather in which every rank sent
+    the same tokens (``x``, ``idx``), weights 0.5, the bench's stand-in experts."""
     from llcomm.bench import ep
+    scale, bias = ep.expert_affine(E, "cpu")
+    orig = common.gather_inputs
+    common.gather_inputs = lambda t: torch.stack([t] * W)
+    try:
+        return ep.Expected(x, idx, torch.full((T, idx.shape[1]), 0.5), 0, W, T, scale, bias)
+    finally:
+        common.gather_inputs = orig
+
+
+def test_bench_ep_oracle_catches_a_wrong_byte():
     W, T, H, E = 2, 4, 16, 4
     x = torch.randn(T, H).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
-    scale, bias = ep.expert_affine(E, "cpu")
-    # a single-process stand-in for the gather: both ranks sent the same tokens
-    orig = common.gather_inputs
-    common.gather_inputs = lambda t: torch.stack([t, t])
-    try:
-        exp = ep.Expected(x, idx, torch.full((T, 2), 0.5), 0, W, T, scale, bias)
-    finally:
-        common.gather_inputs = orig
+    exp = _expected_both_ranks_alike(x, idx, W, T, E)
     assert exp.count.tolist() == [4, 4]          # experts 0 and 1, two tokens each per rank
     recv = torch.zeros(E // W, W * T, H, dtype=torch.bfloat16)
     recv[exp.e, exp.row] = exp.rows
@@ -330,17 +335,10 @@ def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
 
 
 def test_bench_ep_fp8_check_catches_a_wrong_byte():
-    from llcomm.bench import ep
     W, T, H, E = 2, 4, 128, 4
     x = torch.randn(T, H).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
-    scale, bias = ep.expert_affine(E, "cpu")
-    orig = common.gather_inputs
-    common.gather_inputs = lambda t: torch.stack([t, t])
-    try:
-        exp = ep.Expected(x, idx, torch.full((T, 2), 0.5), 0, W, T, scale, bias)
-    finally:
-        common.gather_inputs = orig
+    exp = _expected_both_ranks_alike(x, idx, W, T, E)
     from llcomm.ep_fp8 import quantize
     q, s = quantize(exp.rows, round_scale=True)
     codes = torch.zeros(E // W, W * T, H, dtype=torch.float8_e4m3fn)
