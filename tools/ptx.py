@@ -92,21 +92,45 @@ def compile_one(fn, sig, consts, num_warps=4):
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
+def ptxas_usage(ptx: str) -> str:
+    """Registers and spills as ptxas reports them (Triton's bundled ptxas; 'regs ?' if none runs)."""
+    import glob
+    import subprocess
+    import tempfile
+    here = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for exe in sorted(glob.glob(os.path.join(here, "ptxas*")), reverse=True):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            p = subprocess.run([exe, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                               capture_output=True, text=True)
+        if p.returncode == 0:
+            regs = re.search(r"Used (\d+) registers", p.stderr)
+            spill = re.search(r"(\d+) bytes spill stores", p.stderr)
+            return f"regs {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B"
+    return "regs ?"
+
+
+def ptx_summary(name: str, ptx: str, dump: str | None) -> str:
+    """Write ``ptx`` to ``dump/name.ptx`` when asked; return the counts every report prints:
+    16-byte global loads/stores, 16-bit ones, system-scope atomics."""
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, name + ".ptx"), "w") as f:
+            f.write(ptx)
+    v4 = len(re.findall(r"(ld|st)\.global[^\n]*\.v4", ptx))
+    narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
+    sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
+    return f"v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  sys atomics {sys_atom:2d}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default=None)
     args = ap.parse_args()
     for name, (fn, sig, consts, *warps) in KERNELS.items():
-        k = compile_one(fn, sig, consts, *warps)
-        ptx = k.asm["ptx"]
-        if args.dump:
-            os.makedirs(args.dump, exist_ok=True)
-            open(os.path.join(args.dump, name + ".ptx"), "w").write(ptx)
-        v4 = len(re.findall(r"(ld|st)\.global[^\n]*\.v4", ptx))
-        narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
-        sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
-        print(f"{name:16s} v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  sys atomics {sys_atom:2d}  "
-              f"regs {k.n_regs if hasattr(k, 'n_regs') else '?'}")
+        ptx = compile_one(fn, sig, consts, *warps).asm["ptx"]
+        print(f"{name:16s} {ptx_summary(name, ptx, args.dump)}  {ptxas_usage(ptx)}")
 
 
 if __name__ == "__main__":

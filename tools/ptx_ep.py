@@ -17,7 +17,6 @@ import re
 import sys
 
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llcomm.ep import kernel_consts  # noqa: E402
 from llcomm.ep_layout import ep_layout  # noqa: E402
 from llcomm.kernels import ep as K  # noqa: E402
+from ptx import ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -45,25 +45,6 @@ def compile_one(fn, sig, consts, num_warps, options=None):
     opts = {"num_warps": num_warps}
     opts.update(options or {})
     return triton.compile(src, target=TARGET, options=opts)
-
-
-def _ptxas_usage(ptx: str) -> str:
-    """Registers and spills as ptxas reports them (Triton's bundled ptxas; '' if none runs)."""
-    import glob
-    import subprocess
-    import tempfile
-    here = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    for exe in sorted(glob.glob(os.path.join(here, "ptxas*")), reverse=True):
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            p = subprocess.run([exe, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                               capture_output=True, text=True)
-        if p.returncode == 0:
-            regs = re.search(r"Used (\d+) registers", p.stderr)
-            spill = re.search(r"(\d+) bytes spill stores", p.stderr)
-            return f"regs {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B"
-    return "regs ?"
 
 
 def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
@@ -126,17 +107,10 @@ def main():
                 args.hidden, args.experts, args.ranks, args.tokens, args.topk, dt,
                 args.blocks).items():
             warps = args.warps or warps
-            k = compile_one(fn, sig, consts, warps, opts)
-            ptx = k.asm["ptx"]
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                open(os.path.join(args.dump, name + ".ptx"), "w").write(ptx)
-            v4 = len(re.findall(r"(ld|st)\.global[^\n]*\.v4", ptx))
-            narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
-            sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
+            ptx = compile_one(fn, sig, consts, warps, opts).asm["ptx"]
             fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
-            print(f"{name:18s} warps {warps:2d}  v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  "
-                  f"sys atomics {sys_atom:2d}  fma.f32 {fma:3d}  {_ptxas_usage(ptx)}")
+            print(f"{name:18s} warps {warps:2d}  {ptx_summary(name, ptx, args.dump)}  "
+                  f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}")
 
 
 if __name__ == "__main__":
