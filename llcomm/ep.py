@@ -13,7 +13,6 @@ same ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md).
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -27,7 +26,6 @@ from .ep_layout import MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
 from .ep_reference import ReferenceEP
 from .errors import UnsupportedConfigError
 
-log = logging.getLogger("llcomm")
 
 BACKENDS = ("auto", "peer", "reference")
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -213,18 +211,8 @@ class EPBuffer:
         self._pending: dict[str, int | None] = {"dispatch": None, "combine": None}
         self._combines = 0
         self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
-        self.backend_reason = "requested"
-        if backend in ("auto", "peer"):
-            from .tp import peer_support
-            ok, why = peer_support(self.group)
-            if backend == "peer" and not ok:
-                raise UnsupportedConfigError(
-                    f"llcomm.EPBuffer(backend='peer'): {why}. Use backend='reference' "
-                    "(torch.distributed) for this configuration.")
-            backend = "peer" if ok else "reference"
-            self.backend_reason = why
-            if not ok:
-                log.info("llcomm: rank %d: EPBuffer uses the reference backend: %s", self.rank, why)
+        from .tp import choose_backend
+        backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer")
         self.backend = backend
         if backend == "peer":
             self._impl = _PeerEP(self)

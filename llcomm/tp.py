@@ -76,6 +76,23 @@ def peer_support(group: dist.ProcessGroup) -> tuple[bool, str]:
     return True, "every rank has its own GPU on this host and peer access works"
 
 
+def choose_backend(group: dist.ProcessGroup, backend: str, what: str) -> tuple[str, str]:
+    """Resolve ``backend`` ("auto", "peer" or "reference") for ``what`` (the class asking):
+    returns (backend, reason). A collective where peer support must be checked; "peer" on a
+    group that cannot run it raises UnsupportedConfigError with the reason."""
+    if backend not in ("auto", "peer"):
+        return backend, "requested"
+    ok, why = peer_support(group)
+    if backend == "peer" and not ok:
+        raise UnsupportedConfigError(
+            f"llcomm.{what}(backend='peer'): {why}. Use backend='reference' "
+            "(torch.distributed) for this configuration.")
+    if not ok:
+        log.info("llcomm: rank %d: %s uses the reference backend: %s", dist.get_rank(group),
+                 what, why)
+    return ("peer" if ok else "reference"), why
+
+
 class Communicator:
     """Tensor-parallel collectives for one process group.
 
@@ -133,17 +150,7 @@ class Communicator:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.max_bytes = max_bytes
-        self.backend_reason = "requested"
-        if backend in ("auto", "peer"):
-            ok, why = peer_support(self.group)
-            if backend == "peer" and not ok:
-                raise UnsupportedConfigError(
-                    f"llcomm.Communicator(backend='peer'): {why}. Use backend='reference' "
-                    "(torch.distributed) for this configuration.")
-            backend = "peer" if ok else "reference"
-            self.backend_reason = why
-            if not ok:
-                log.info("llcomm: rank %d uses the reference backend: %s", self.rank, why)
+        backend, self.backend_reason = choose_backend(self.group, backend, "Communicator")
         if backend == "peer":
             from .peer import PeerBackend
             self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms)
