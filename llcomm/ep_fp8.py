@@ -49,7 +49,9 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
         raise ValueError(f"llcomm.ep_fp8.quantize: hidden={H} is not a multiple of {FP8_BLOCK}")
     xf = x.float().reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    # a tensor divisor: CUDA torch turns division by a Python scalar into a multiplication by
+    # its (inexact) reciprocal, which is not the IEEE division the kernel does
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
     if round_scale:
         scale = round_scale_up(scale)
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -10,7 +10,7 @@
 # nothing). Logs go to $OUT (the device tool's folder) or out/device; a summary prints last.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 : "${LLCOMM_COMMIT:?set LLCOMM_COMMIT=<sha>: the device copy has no .git}"
 DIR=${OUT:-out/device}
 mkdir -p "$DIR/tests" "$DIR/results"

@@ -38,9 +38,16 @@ def global_time_ns(WIDTH: tl.constexpr = 2):
     shared-memory round per reading, so TP keeps the default until it is measured
     (docs/failures.md, known gaps).
     """
-    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [tl.zeros([WIDTH], tl.int64)],
-                                  dtype=tl.int64, is_pure=False, pack=1)
-    return tl.max(t, axis=0)
+    return tl.max(global_time_lanes(WIDTH), axis=0)
+
+
+@triton.jit
+def global_time_lanes(WIDTH: tl.constexpr):
+    """``[WIDTH]`` readings of the global timer in ns, one per lane (not reduced): for callers
+    that fold them into a reduction of their own (EP's waits, one shared-memory round)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l",
+                                     [tl.zeros([WIDTH], tl.int64)], dtype=tl.int64,
+                                     is_pure=False, pack=1)
 
 
 #: Bound, in microseconds, of every wait of a kernel that starts after this rank already failed

@@ -77,18 +77,24 @@ two-set argument above still holds. The CPU tests run the data stages alone (``D
 import triton
 import triton.language as tl
 
-from ._sync import EPOCH_SHIFT, RANK_VARYING, global_time_ns, report_error, wait_bound_us
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lanes, global_time_ns, report_error,
+                    wait_bound_us)
 from .. import ep_layout as EL
 from .. import protocol as P
 
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 #: Token counts differ between ranks too (see _sync.RANK_VARYING).
 EP_RANK_VARYING = RANK_VARYING + ["n_tok"]
-#: Clock readings of the wait reduced over this many lanes: at least every thread of a block
-#: (32 warps at most), so the maximum goes through shared memory and the whole block agrees on a
-#: deadline; the wait's loop holds block-wide reductions, whose barriers must not be split.
+#: A wait's verdicts and clock readings are reduced over this many lanes: at least every thread
+#: of a block (32 warps at most), so the maximum goes through shared memory and the whole block
+#: agrees; the wait's loop holds block-wide reductions, whose barriers must not be split.
 BLOCK_WIDE = tl.constexpr(1024)
 WAIT_SKIPPED = tl.constexpr(-2)         # _wait_flags status: not waited (an earlier wait failed)
+# _wait_flags: what a thread saw in one poll, packed above the elapsed ns for one block maximum
+SEEN_ALL = tl.constexpr(1)              # every flag holds the word
+SEEN_WRONG = tl.constexpr(2)            # some flag holds another op's word (mismatch)
+SEEN_SHIFT = tl.constexpr(60)
+ELAPSED_MASK = tl.constexpr((1 << 60) - 1)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
@@ -166,8 +172,9 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
 
     ``go == 0`` (an earlier wait of this op failed) skips the wait and returns 0. Every thread
     reaches the closing barrier either way; callers keep their barriers outside ``if ok`` all
-    the same. The clock is reduced over BLOCK_WIDE lanes, so the whole block agrees on the
-    deadline and leaves the loop (whose reductions hold barriers) at the same iteration.
+    the same. Each poll's verdict (all arrived / a mismatch / still waiting) and the clock are
+    reduced together over BLOCK_WIDE lanes, through shared memory, so the whole block agrees
+    and leaves the loop (whose reductions hold barriers) at the same iteration.
 
     Rank masks (issue 5): flags of the source ranks in the bit mask ``skip`` are not waited for
     (they count as arrived and are never a mismatch). With ``MASKS`` a timeout writes no error
@@ -187,21 +194,33 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         got = tl.load(ptrs, mask=live, other=0, volatile=True)
         arrived = (got == word) | (i >= N) | skipped
         wrong = ((got >> EPOCH_SHIFT) >= epoch) & (got != word) & live & (skipped == 0)
-        if tl.sum(wrong.to(tl.int32), axis=0) > 0:
+        # This thread's verdict, then the block's: the flags are replicated across warps and
+        # each warp's volatile loads may see them at a different moment, so the verdict and
+        # the clock go through one shared-memory maximum (SEEN_* above the elapsed ns).
+        # Every warp then leaves the loop at the same iteration (its reductions hold barriers).
+        # The maximum is safe: flags only move to ``word`` (or to a mismatch) during a wait.
+        mine = tl.where(tl.sum(wrong.to(tl.int32), axis=0) > 0, SEEN_WRONG,
+                        tl.where(tl.sum(arrived.to(tl.int32), axis=0) == NP, SEEN_ALL, 0))
+        both = tl.max((mine.to(tl.int64) << SEEN_SHIFT) | (global_time_lanes(BLOCK_WIDE) - t0),
+                      axis=0)
+        seen = both >> SEEN_SHIFT
+        if seen == SEEN_WRONG:
             status = STATUS_MISMATCH
             bad = wrong.to(tl.int64)
-        elif tl.sum(arrived.to(tl.int32), axis=0) == NP:
+        elif seen == SEEN_ALL:
             status = -1
-        elif global_time_ns(BLOCK_WIDE) - t0 > limit_ns:
+        elif (both & ELAPSED_MASK) > limit_ns:
             status = STATUS_TIMEOUT
             bad = (arrived == 0).to(tl.int64)
     # masks: a timeout masks the late ranks instead of failing the call (begin)
     late = tl.full([], 0, tl.int64)
     if MASKS:
         if status == STATUS_TIMEOUT:
-            late = tl.reduce(bad << src, 0, _bit_or)
+            # each warp saw its own late ranks: the block takes their union (shared memory)
+            late = tl.reduce(tl.zeros([BLOCK_WIDE], tl.int64) + tl.reduce(bad << src, 0, _bit_or),
+                             0, _bit_or)
             status = -1
-            skipped = skipped | (bad != 0)
+            skipped = skipped | (((late >> src) & 1) != 0)
     # masks (end)
     ok = status == -1
     if ok:
