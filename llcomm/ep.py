@@ -607,8 +607,8 @@ class _PeerEP:
         self.k = kernels
         self.rank, self.W = buf.rank, buf.num_ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.nb = nb = default_num_blocks()
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.nb = nb = default_num_blocks(sms)
         if nb > sms:
             raise UnsupportedConfigError(
                 f"llcomm.EPBuffer: LLCOMM_EP_NUM_BLOCKS={nb} exceeds this GPU's {sms} SMs; every "

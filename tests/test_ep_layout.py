@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from llcomm.ep import EPBuffer
-from llcomm.ep_layout import (ALIGN, MAX_TOPK, NUM_SETS, SIGNAL_PHASES, deepep_ll_size_hint,
-                              ep_layout)
+from llcomm.ep_layout import (ALIGN, DEFAULT_NUM_BLOCKS, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS,
+                              SIGNAL_PHASES, deepep_ll_size_hint, ep_layout)
 
 SHAPES = [  # (tokens, hidden, ranks, experts)
     (128, 7168, 2, 256), (256, 7168, 8, 256), (128, 4096, 8, 128), (1, 2048, 2, 128),
@@ -16,9 +16,9 @@ SHAPES = [  # (tokens, hidden, ranks, experts)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_regions_disjoint_aligned_and_sized(T, H, W, E, dtype):
     isz = torch.tensor([], dtype=dtype).element_size()
-    lay = ep_layout(T, H, W, E, isz, num_blocks=64)
+    lay = ep_layout(T, H, W, E, isz, num_blocks=DEFAULT_NUM_BLOCKS)
     L = E // W
-    need = {"signal": 8 * SIGNAL_PHASES * 64 * W, "recv_x": W * T * H * isz,
+    need = {"signal": 8 * SIGNAL_PHASES * DEFAULT_NUM_BLOCKS * W, "recv_x": W * T * H * isz,
             "recv_meta": 4 * W * T * MAX_TOPK, "recv_count": 4 * W * L, "recv_ntok": 4 * W,
             "combine_x": W * T * H * isz, "combine_weights": 4 * W * T * MAX_TOPK}
     spans = []
@@ -36,6 +36,16 @@ def test_regions_disjoint_aligned_and_sized(T, H, W, E, dtype):
     assert spans[-1][1] <= lay.total_bytes == NUM_SETS * lay.set_bytes
     assert lay.total_bytes % ALIGN == 0
     assert lay.total_bytes - sum(b - a for a, b, _ in spans) < len(spans) * ALIGN
+
+
+def test_fewer_blocks_same_bytes_and_too_many_refused():
+    """A GPU with fewer SMs launches fewer blocks but needs what size_hint says; a wait polls
+    at most MAX_WAIT_FLAGS flags."""
+    sizes = {ep_layout(128, 7168, 2, 256, 2, num_blocks=nb).total_bytes
+             for nb in (1, 64, DEFAULT_NUM_BLOCKS)}
+    assert sizes == {EPBuffer.size_hint(128, 7168, 2, 256, torch.bfloat16)}
+    with pytest.raises(ValueError, match="flags a wait polls"):
+        ep_layout(128, 7168, 8, 256, 2, num_blocks=MAX_WAIT_FLAGS // 8 + 1)
 
 
 @pytest.mark.parametrize("T,H,W,E", SHAPES)

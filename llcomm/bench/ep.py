@@ -147,7 +147,8 @@ def fp8_oracle(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.
     H = x.shape[-1]
     xf = x.float().reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    # a tensor divisor: CUDA torch multiplies by the (inexact) reciprocal of a Python scalar
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
     if round_scale:
         mant, exp = torch.frexp(scale)                # scale = mant * 2 ** exp, mant in [0.5, 1)
         up = torch.where(mant == 0.5, scale, torch.ldexp(torch.ones_like(scale), exp))

@@ -87,12 +87,13 @@ STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 EP_RANK_VARYING = RANK_VARYING + ["n_tok"]
 #: A wait's verdicts and clock readings are reduced over this many lanes: at least every thread
 #: of a block (32 warps at most), so the maximum goes through shared memory and the whole block
-#: agrees; the wait's loop holds block-wide reductions, whose barriers must not be split.
-BLOCK_WIDE = tl.constexpr(1024)
+#: agrees; the wait's loop holds block-wide reductions, whose barriers must not be split. Also
+#: the most flags a wait polls (one or more lanes per flag): ep_layout.MAX_WAIT_FLAGS.
+BLOCK_WIDE = tl.constexpr(EL.MAX_WAIT_FLAGS)
 WAIT_SKIPPED = tl.constexpr(-2)         # _wait_flags status: not waited (an earlier wait failed)
-# _wait_flags: what a thread saw in one poll, packed above the elapsed ns for one block maximum
-SEEN_ALL = tl.constexpr(1)              # every flag holds the word
-SEEN_WRONG = tl.constexpr(2)            # some flag holds another op's word (mismatch)
+# _wait_flags: what a lane saw in one poll, packed above the elapsed ns for one block maximum
+SEEN_WAITING = tl.constexpr(1)          # a flag does not hold the word yet
+SEEN_WRONG = tl.constexpr(2)            # a flag holds another op's word (mismatch)
 SEEN_SHIFT = tl.constexpr(60)
 ELAPSED_MASK = tl.constexpr((1 << 60) - 1)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
@@ -180,7 +181,11 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     (they count as arrived and are never a mismatch). With ``MASKS`` a timeout writes no error
     word: the wait returns ``(1, late)``, ``late`` the bit mask of the ranks that had not
     arrived, for the caller to mask. Otherwise it returns ``(ok, 0)``."""
-    i = tl.arange(0, NP)
+    # BLOCK_WIDE lanes, each polling flag ``lane % NP``: every lane's view goes into one
+    # block-wide maximum per poll (through shared memory), so the block agrees on the verdict
+    tl.static_assert(NP <= BLOCK_WIDE)
+    lane = tl.arange(0, BLOCK_WIDE)
+    i = lane % NP
     live = i < N
     ptrs = flags + i
     src = (i % W).to(tl.int64)
@@ -188,46 +193,43 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
     t0 = global_time_ns(BLOCK_WIDE)
     status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
-    bad = tl.zeros([NP], tl.int64)
+    bad = tl.zeros([BLOCK_WIDE], tl.int64)
     skipped = ((skip >> src) & 1) != 0         # masks: ranks not waited for
     while status == 0:
         got = tl.load(ptrs, mask=live, other=0, volatile=True)
-        arrived = (got == word) | (i >= N) | skipped
-        wrong = ((got >> EPOCH_SHIFT) >= epoch) & (got != word) & live & (skipped == 0)
-        # This thread's verdict, then the block's: the flags are replicated across warps and
-        # each warp's volatile loads may see them at a different moment, so the verdict and
-        # the clock go through one shared-memory maximum (SEEN_* above the elapsed ns).
-        # Every warp then leaves the loop at the same iteration (its reductions hold barriers).
-        # The maximum is safe: flags only move to ``word`` (or to a mismatch) during a wait.
-        mine = tl.where(tl.sum(wrong.to(tl.int32), axis=0) > 0, SEEN_WRONG,
-                        tl.where(tl.sum(arrived.to(tl.int32), axis=0) == NP, SEEN_ALL, 0))
-        both = tl.max((mine.to(tl.int64) << SEEN_SHIFT) | (global_time_lanes(BLOCK_WIDE) - t0),
-                      axis=0)
-        seen = both >> SEEN_SHIFT
-        if seen == SEEN_WRONG:
+        waiting = live & (got != word) & (skipped == 0)
+        wrong = waiting & ((got >> EPOCH_SHIFT) >= epoch)
+        # what each lane saw, above its elapsed ns: the block's maximum is SEEN_WRONG if any
+        # lane saw another op's word, SEEN_WAITING if any lane still waits, else 0 (all
+        # arrived), with the largest elapsed time below: one verdict for every warp
+        seen = tl.where(wrong, SEEN_WRONG, tl.where(waiting, SEEN_WAITING, 0)).to(tl.int64)
+        elapsed = tl.maximum(global_time_lanes(BLOCK_WIDE) - t0, 0)
+        both = tl.max((seen << SEEN_SHIFT) | elapsed, axis=0)
+        verdict = both >> SEEN_SHIFT
+        if verdict == SEEN_WRONG:
             status = STATUS_MISMATCH
             bad = wrong.to(tl.int64)
-        elif seen == SEEN_ALL:
+        elif verdict == 0:
             status = -1
         elif (both & ELAPSED_MASK) > limit_ns:
             status = STATUS_TIMEOUT
-            bad = (arrived == 0).to(tl.int64)
+            bad = waiting.to(tl.int64)
+    # the source ranks that were late or disagreed, by any lane (shared memory: uniform)
+    bad_ranks = tl.reduce(bad << src, 0, _bit_or)
     # masks: a timeout masks the late ranks instead of failing the call (begin)
     late = tl.full([], 0, tl.int64)
     if MASKS:
         if status == STATUS_TIMEOUT:
-            # each warp saw its own late ranks: the block takes their union (shared memory)
-            late = tl.reduce(tl.zeros([BLOCK_WIDE], tl.int64) + tl.reduce(bad << src, 0, _bit_or),
-                             0, _bit_or)
+            late = bad_ranks
             status = -1
             skipped = skipped | (((late >> src) & 1) != 0)
     # masks (end)
     ok = status == -1
-    if ok:
-        tl.atomic_add(ptrs, tl.zeros([NP], tl.int64), mask=live & (skipped == 0), sem="acquire",
-                      scope="sys")
+    if ok:      # one acquire per flag (its first lane)
+        tl.atomic_add(ptrs, tl.zeros([BLOCK_WIDE], tl.int64),
+                      mask=live & (lane < NP) & (skipped == 0), sem="acquire", scope="sys")
     elif status != WAIT_SKIPPED:
-        report_error(err, status, op, phase, tl.reduce(bad << src, 0, _bit_or))
+        report_error(err, status, op, phase, bad_ranks)
     tl.debug_barrier()
     return ok, late
 
