@@ -79,20 +79,14 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         f"combine_{dt}_recv": (K.combine_kernel, c_sig,
                                dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps,
                                {"enable_fp_fusion": False}),
-        # EPBuffer(enable_masks=True)
-        f"dispatch_{dt}_masks": (K.dispatch_kernel, d_sig,
-                                 dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, MASKS=1), warps,
-                                 None),
-        f"combine_{dt}_masks": (K.combine_kernel, c_sig,
-                                dict(c_consts, STAGES=K.COMBINE_ALL, MASKS=1), warps,
-                                {"enable_fp_fusion": False}),
-        # LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
-        f"dispatch_{dt}_prof": (K.dispatch_kernel, d_sig,
-                                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, PROFILE=1), warps,
-                                None),
-        f"combine_{dt}_prof": (K.combine_kernel, c_sig,
-                               dict(c_consts, STAGES=K.COMBINE_ALL, PROFILE=1), warps,
-                               {"enable_fp_fusion": False}),
+        # EPBuffer(enable_masks=True), and LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
+        **{f"{kind}_{dt}_{mode}": (fn, sig, dict(consts, **extra), warps, opts)
+           for mode, extra in (("masks", {"MASKS": 1}), ("prof", {"PROFILE": 1}))
+           for kind, fn, sig, consts, opts in (
+               ("dispatch", K.dispatch_kernel, d_sig,
+                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), None),
+               ("combine", K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
+                {"enable_fp_fusion": False}))},
     }
 
 
