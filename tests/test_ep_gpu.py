@@ -162,6 +162,19 @@ def test_200_rounds_alternating_sets():
 REPLAYS = 50
 
 
+def _fill_static(rank, W, cfg, seed, kind, sx, sidx, sw):
+    """A fresh case into a captured graph's static inputs: its first tokens (as many as fit),
+    the rest empty (no expert, weight 0)."""
+    xs, topks, ws, _ = _case(rank, W, cfg["E"], cfg["H"], cfg["T"], cfg["topk"], seed, kind)
+    m = min(sx.shape[0], xs[rank].shape[0])
+    sx.zero_()
+    sidx.fill_(-1)
+    sw.zero_()
+    sx[:m].copy_(xs[rank][:m])
+    sidx[:m].copy_(topks[rank][:m])
+    sw[:m].copy_(ws[rank][:m])
+
+
 def _graph_body(rank, W):
     cfg = dict(E=64, H=2048, T=32, topk=8)
     E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
@@ -182,14 +195,7 @@ def _graph_body(rank, W):
         peer.combine(_experts(rx, rank), sidx, sw, h, out=sy)
 
     def fill(seed):
-        xs, topks, ws, _ = _case(rank, W, E, H, T, topk, seed, KINDS[seed % len(KINDS)])
-        m = min(n, xs[rank].shape[0])
-        sx.zero_()
-        sidx.fill_(-1)
-        sw.zero_()
-        sx[:m].copy_(xs[rank][:m])
-        sidx[:m].copy_(topks[rank][:m])
-        sw[:m].copy_(ws[rank][:m])
+        _fill_static(rank, W, cfg, seed, KINDS[seed % len(KINDS)], sx, sidx, sw)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -382,14 +388,7 @@ def _hook_body(rank, W):
     with torch.cuda.graph(g):
         step()
     for i in range(10):
-        xs, topks, ws, _ = _case(rank, W, E, H, T, topk, 300 + i, KINDS[i % len(KINDS)])
-        m = min(n, xs[rank].shape[0])
-        sx.zero_()
-        sidx.fill_(-1)
-        sw.zero_()
-        sx[:m].copy_(xs[rank][:m])
-        sidx[:m].copy_(topks[rank][:m])
-        sw[:m].copy_(ws[rank][:m])
+        _fill_static(rank, W, cfg, 300 + i, KINDS[i % len(KINDS)], sx, sidx, sw)
         g.replay()
         wx, wc, wh = ref.dispatch(sx, sidx)
         assert torch.equal(_bits(sy), _bits(ref.combine(_experts(wx, rank), sidx, sw, wh))), i
