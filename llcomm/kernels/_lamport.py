@@ -28,8 +28,12 @@ have: the CPU tests run virtual ranks in turn under ``TRITON_INTERPRET=1`` that 
 import triton
 import triton.language as tl
 
-from ._sync import global_time_ns, ptr_from_table, report_error
+from ._sync import RANK_VARYING, global_time_ns, ptr_from_table, report_error
 from .. import protocol as P
+
+#: Not specialised on, besides RANK_VARYING: the tag is only compared, so specialising on its
+#: divisibility by 16 would only compile a second kernel for one size in sixteen.
+NO_SPECIALIZE = RANK_VARYING + ["tag"]
 
 # Stage bits (python ints for the host and tests; the kernels test them as literals, which the
 # interpreter runs too).

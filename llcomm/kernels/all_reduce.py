@@ -24,6 +24,7 @@ import triton.language as tl
 
 # PUSH, REDUCE, ALL_STAGES: lamport_kernel's stage bits, for the host and the tests
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
+from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ._lamport import limit_ticks, push_tag, receive, tag_slots
 from ._sync import (EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us,
                     wait_peers)
@@ -133,7 +134,7 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     tl.store(ctrl + b, seq + 1)
 
 
-@triton.jit(do_not_specialize=RANK_VARYING)
+@triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
 def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us,
                    cap,                     # elements per Lamport slot
                    SENTINEL: tl.constexpr,  # bit pattern of "not yet written" in the int view

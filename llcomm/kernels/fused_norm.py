@@ -34,6 +34,7 @@ import triton.language as tl
 
 # PUSH, REDUCE, ALL_STAGES: the stage bits, for the host and the tests as before
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
+from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ._lamport import limit_ticks, push_tag, receive, tag_slots
 from ._sync import EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us, wait_peers
 from .. import protocol as P
@@ -57,7 +58,7 @@ def _add_norm_row(acc, residual, weight, out, res_out, row, cols, m, hidden, eps
     tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
 
 
-@triton.jit(do_not_specialize=RANK_VARYING)
+@triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
 def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, lam_tab,
                         tag_tab, ctrl, err, rank, tag, timeout_us,
                         cap,                     # elements per Lamport slot
