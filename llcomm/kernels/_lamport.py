@@ -102,11 +102,12 @@ def _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL: tl.constexpr
     POLL_DONE, STATUS_MISMATCH (the tag is not ``tag``: the words are not waited for),
     STATUS_TIMEOUT, or POLL_SKIPPED when ``failed`` (no wait at all).
 
-    Each poll's decision comes from one block-wide maximum (through shared memory): the tag and
-    the clock are per-thread readings, folded into every lane of the block's data, and the
-    maximum spans every thread (a launch's BLOCK is at least 32 x num_warps: peer._launch_shape,
-    peer._row_shape). So all warps leave the loop at the same iteration and agree on the status,
-    as the barriers of the reduction inside the loop and of the code after it require."""
+    Each poll's decision comes from one block-wide maximum: the tag and the clock are per-thread
+    readings, folded into every lane of the block's data, and the maximum spans every thread
+    (every warp holds its own part of BLOCK in peer's launch shapes; the PTX ends the maximum
+    in a full-warp ``redux.sync.max``, after ``st.shared`` / ``bar.sync`` / ``ld.shared`` across
+    warps). So all warps leave the loop at the same iteration and agree on the status, as the
+    barriers of the reduction inside the loop and of the code after it require."""
     v = tl.load(src, mask=m, other=0, volatile=True)
     got = tl.load(tag_ptr, mask=check_tag, other=tag, volatile=True)
     t0 = _clock(POLL)
