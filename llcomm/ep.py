@@ -22,7 +22,8 @@ from . import _validate as V
 from . import ops
 from . import protocol as P
 from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .ep_layout import MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
+from .ep_layout import (ERR_PROF, MAX_TOPK, PROF_ENV, PROF_WORDS, check_shape_args,
+                        default_num_blocks, ep_layout)
 from .ep_reference import ReferenceEP
 from .errors import UnsupportedConfigError
 
@@ -70,7 +71,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
         num_warps = int(raw)
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
                   MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
-                  MASKS=0)
+                  MASKS=0, PROFILE=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
         per_token = _pow2(topk) * jp * _pow2(topk)     # top-k x this block's entries
@@ -629,8 +630,11 @@ class _PeerEP:
         # err[3]: rank mask (bit s: rank s masked); err[4]: the mask the blocks of the latest
         # dispatch agreed on, with its epoch (kernels/ep.py: ERR_MASK, ERR_VERDICT).
         self.masks = int(buf.enable_masks)
-        self.err = torch.tensor([0, self._host.data_ptr(), self._host.data_ptr() + 8, 0, 0],
-                                dtype=torch.int64, device=self.device)
+        # err[ERR_PROF:]: stage stamps of each block when LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
+        self.profile = int(os.environ.get(PROF_ENV, "0") == "1")
+        self.err = torch.zeros(ERR_PROF + 2 * nb * PROF_WORDS, dtype=torch.int64,
+                               device=self.device)
+        self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8])
         L, T = buf.num_local_experts, buf.max_tokens
         # handle slot (int32 words): row_of [W, T, K <= MAX_TOPK] | src_info [L, W T] |
         # recv_count [L] | ntok [W]
@@ -657,8 +661,9 @@ class _PeerEP:
         hit = self._consts.get(topk)
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
-            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, MASKS=self.masks),
-                                        dict(c, STAGES=self.k.COMBINE_ALL, MASKS=self.masks,
+            mode = dict(MASKS=self.masks, PROFILE=self.profile)
+            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, **mode),
+                                        dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))
         return hit
 

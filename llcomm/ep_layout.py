@@ -65,6 +65,12 @@ NUM_SETS = 2
 META_SHIFT = 16
 MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
 MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the word positive
+#: Profiling stamps (kernels/ep.py, PROFILE): words of the buffer's private ``err`` tensor from
+#: ERR_PROF on, PROF_WORDS per block (six SM-cycle stamps, then global-timer start and end), the
+#: dispatch's blocks first, then the combine's.
+ERR_PROF = 8
+PROF_WORDS = 8
+PROF_ENV = "LLCOMM_EP_PROFILE"
 #: FP8 dispatch: channels per fp32 scale (llcomm/ep_fp8.py defines the format).
 FP8_BLOCK = 128
 

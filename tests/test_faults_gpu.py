@@ -208,7 +208,8 @@ def _call(comm, spec):
     return comm.reduce_scatter(x)
 
 
-def _mismatch_body(rank, ws, specs):
+def _mismatch_round(rank, specs):
+    """One round in which rank r calls ``specs[r]``, on a fresh communicator; what it raised."""
     import llcomm
     comm = _comm(timeout_ms=TIMEOUT_MS)
     # good rounds of both calls first: a kernel's first launch waits up to 60 s for a peer that
@@ -226,7 +227,13 @@ def _mismatch_body(rank, ws, specs):
         outcome = "returned a result"
     torch.cuda.synchronize()
     dist.barrier()
+    comm.close()
     return outcome
+
+
+def _mismatch_cases_body(rank, ws, names):
+    """Every named case in one process pair (a pair costs ~15 s to start on the GPU host)."""
+    return {name: _mismatch_round(rank, MISMATCHES[name]) for name in names}
 
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
@@ -262,15 +269,26 @@ BOTH_MISMATCH = {"lamport-sizes", "lamport-vs-fused", "fused_lamport-rows", "lam
                  "lamport-dtype-widths"}
 
 
-@pytest.mark.parametrize("name", list(MISMATCHES))
-def test_mismatch_raises_on_every_rank(name):
-    outcomes = run_distributed(_mismatch_body, 2, MISMATCHES[name], backend="nccl", timeout=300)
-    print(f"\n{name}: {outcomes}")
-    assert "returned a result" not in outcomes, outcomes
-    if name in BOTH_MISMATCH:
-        assert outcomes == ["CommMismatchError"] * 2, outcomes
-    elif name not in TIMEOUT_ONLY:
-        assert "CommMismatchError" in outcomes, outcomes
+def _outcome_problem(name, outcomes):
+    if "returned a result" in outcomes:
+        return f"{name}: a rank returned a result {outcomes}"
+    if name in BOTH_MISMATCH and outcomes != ["CommMismatchError"] * 2:
+        return f"{name}: expected a mismatch on both ranks {outcomes}"
+    if name not in TIMEOUT_ONLY and "CommMismatchError" not in outcomes:
+        return f"{name}: no rank saw a mismatch {outcomes}"
+    return None
+
+
+def test_mismatch_raises_on_every_rank():
+    names = list(MISMATCHES)
+    per_rank = run_distributed(_mismatch_cases_body, 2, names, backend="nccl", timeout=300)
+    problems = []
+    for name in names:
+        outcomes = [r[name] for r in per_rank]
+        print(f"\n{name}: {outcomes}")
+        problems.append(_outcome_problem(name, outcomes))
+    problems = [p for p in problems if p]
+    assert not problems, "\n".join(problems)
 
 
 # -- (d) resources ----------------------------------------------------------------------------

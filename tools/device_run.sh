@@ -3,6 +3,7 @@
 #
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh tests [FILE ...]   # GPU test files, each bounded
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh bench [NAME ...]   # benchmarks -> $OUT/results/
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh timeline [ARGS]     # EP stage timeline (ep_timeline.py)
 #
 # The device copy of the tree has no .git: LLCOMM_COMMIT names what the results measured.
 # Each step gets its own `timeout` and pytest its own per-test `--timeout`, so one hang costs
@@ -51,9 +52,19 @@ run_benches() {
     done
 }
 
+run_timeline() {   # EP stage timeline (tools/ep_timeline.py), bf16 then FP8
+    timeout 150 python tools/ep_timeline.py --json "$DIR/results/ep-timeline.json" "$@" \
+        > "$DIR/results/ep-timeline.txt" 2>&1
+    echo "ep timeline: exit $?" | tee -a "$SUMMARY"
+    timeout 150 python tools/ep_timeline.py --fp8 --json "$DIR/results/ep-timeline-fp8.json" \
+        "$@" > "$DIR/results/ep-timeline-fp8.txt" 2>&1
+    echo "ep timeline fp8: exit $?" | tee -a "$SUMMARY"
+}
+
 case "${1:-}" in
     tests) shift; run_tests "$@" ;;
     bench) shift; run_benches "$@" ;;
-    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench [what ...]" >&2; exit 2 ;;
+    timeline) shift; run_timeline "$@" ;;
+    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline [what ...]" >&2; exit 2 ;;
 esac
 echo "--- summary ($DIR)"; cat "$SUMMARY"

@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm.ep import kernel_consts  # noqa: E402
-from llcomm.ep_layout import ep_layout  # noqa: E402
+from llcomm.ep_layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.kernels import ep as K  # noqa: E402
 from ptx import ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
 
@@ -79,13 +79,14 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         f"combine_{dt}_recv": (K.combine_kernel, c_sig,
                                dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps,
                                {"enable_fp_fusion": False}),
-        # EPBuffer(enable_masks=True)
-        f"dispatch_{dt}_masks": (K.dispatch_kernel, d_sig,
-                                 dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, MASKS=1), warps,
-                                 None),
-        f"combine_{dt}_masks": (K.combine_kernel, c_sig,
-                                dict(c_consts, STAGES=K.COMBINE_ALL, MASKS=1), warps,
-                                {"enable_fp_fusion": False}),
+        # EPBuffer(enable_masks=True), and LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
+        **{f"{kind}_{dt}_{mode}": (fn, sig, dict(consts, **extra), warps, opts)
+           for mode, extra in (("masks", {"MASKS": 1}), ("prof", {"PROFILE": 1}))
+           for kind, fn, sig, consts, opts in (
+               ("dispatch", K.dispatch_kernel, d_sig,
+                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), None),
+               ("combine", K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
+                {"enable_fp_fusion": False}))},
     }
 
 
@@ -98,7 +99,7 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=DEFAULT_NUM_BLOCKS)
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--warps", type=int, default=None, help="override EPBuffer's num_warps")
     args = ap.parse_args()

@@ -52,6 +52,15 @@ def global_time_lanes(WIDTH: tl.constexpr):
                                      is_pure=False, pack=1)
 
 
+@triton.jit
+def sm_cycles():
+    """This SM's cycle counter (%clock64): fine-grained, but per SM, so only differences taken
+    within one block mean anything (profiling stamps, EP's PROFILE)."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [tl.zeros([2], tl.int64)],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(t, axis=0)
+
+
 #: Bound, in microseconds, of every wait of a kernel that starts after this rank already failed
 #: (device error word set): the kernels queued behind a failure (a decode-step graph holds a
 #: hundred or more) then end in about this long each instead of a whole timeout each.

@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 
 from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lanes, global_time_ns, report_error,
-                    wait_bound_us)
+                    sm_cycles, wait_bound_us)
 from .. import ep_layout as EL
 from .. import protocol as P
 
@@ -109,6 +109,15 @@ ERR_VERDICT = tl.constexpr(4)           # dispatch: (epoch << 32) | the mask its
 VERDICT_SHIFT = tl.constexpr(32)
 VERDICT_EPOCH = tl.constexpr(0x7FFFFFFF)    # epoch bits kept: consecutive calls differ
 VERDICT_RANKS = tl.constexpr(0xFFFFFFFF)    # rank bits (masks need num_ranks <= 32)
+# Profiling (PROFILE = 1, LLCOMM_EP_PROFILE=1; tools/ep_timeline.py reads them): block b keeps
+# PROF_WORDS words of ``err`` from ERR_PROF + b * PROF_WORDS on: SM cycle stamps at the stage
+# boundaries (slot i = after stage i, slot 0 = kernel start), and global-timer readings at start
+# and end (slots PROF_GT0, PROF_GT1) to convert cycles to ns.
+ERR_PROF = tl.constexpr(EL.ERR_PROF)
+PROF_WORDS = tl.constexpr(EL.PROF_WORDS)
+PROF_GT0 = tl.constexpr(EL.PROF_WORDS - 2)
+PROF_GT1 = tl.constexpr(EL.PROF_WORDS - 1)
+PROF_LAST = tl.constexpr(EL.PROF_WORDS - 3)     # the kernel's end
 
 # Stage bits (python ints for the host, constexpr for the kernels).
 D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
@@ -249,6 +258,20 @@ def _agree_mask(err, epoch, m):
 
 
 @triton.jit
+def _stamp(err, i: tl.constexpr, PROFILE: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr):
+    """Profiling: this block's SM cycle count into its slot i (the global timer as well at the
+    first and last slot); dispatch (KIND 0) and combine (KIND 1) have NB blocks of slots each.
+    Nothing at all without PROFILE."""
+    if PROFILE:
+        base = err + ERR_PROF + (KIND * NB + tl.program_id(0)) * PROF_WORDS
+        if i == 0:
+            tl.store(base + PROF_GT0, global_time_ns())
+        tl.store(base + i, sm_cycles())
+        if i == PROF_LAST:
+            tl.store(base + PROF_GT1, global_time_ns())
+
+
+@triton.jit
 def _masked(msk, s):
     """Rank s is in the bit mask ``msk`` (masks; 0 otherwise)."""
     return ((msk >> s) & 1) != 0
@@ -318,7 +341,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
           JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
-          FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
+          FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, PROFILE: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     Block b owns experts ``b + NB * i`` (counts) and tokens ``b + NB * j`` (rows). One scan over
@@ -356,6 +379,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
             & (ts[:, None, None] < flat_t[None, None, :])
         pre += tl.sum(tl.sum(before.to(tl.int32), axis=0), axis=0)
     pre2 = tl.reshape(pre, (JP, KP))
+    _stamp(err, 1, PROFILE, 0, NB)      # top-k scan done
 
     # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
     #    out-of-range ids count as -1 and are reported (block 0 saw every token).
@@ -500,18 +524,22 @@ def dispatch_kernel(
         NS: tl.constexpr, NSP: tl.constexpr,    # scales per row (H // 128, or 1), pow2(NS)
         OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
         STAGES: tl.constexpr,           # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
-        MASKS: tl.constexpr):           # 1: rank masks (err[ERR_MASK]); module doc
+        MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
+        PROFILE: tl.constexpr = 0):     # 1: stage stamps into err (ERR_PROF; _stamp)
     b = tl.program_id(0)
+    _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     if STAGES & 1:
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
-              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC)
+              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, PROFILE)
+        _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
+        _stamp(err, 3, PROFILE, 0, NB)
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
@@ -531,12 +559,14 @@ def dispatch_kernel(
             if agreed != msk:
                 tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
             msk = agreed
+        _stamp(err, 4, PROFILE, 0, NB)
     if STAGES & 2:      # D_RECV
         if ok:
             _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
                     set_off, msk, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
                     OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
         tl.store(ctrl + b, seq + 1)
+    _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
 
 @triton.jit
@@ -637,8 +667,10 @@ def combine_kernel(
         SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_CX: tl.constexpr,
         OFF_CW: tl.constexpr,
         STAGES: tl.constexpr,           # C_* bits (module doc)
-        MASKS: tl.constexpr):           # 1: rank masks (err[ERR_MASK]); module doc
+        MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
+        PROFILE: tl.constexpr = 0):     # 1: stage stamps into err (ERR_PROF; _stamp)
     b = tl.program_id(0)
+    _stamp(err, 0, PROFILE, 1, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
@@ -647,6 +679,7 @@ def combine_kernel(
     flags = _at(tab, rank, set_off + OFF_SIG, tl.int64)
     if STAGES & 1:
         _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
+        _stamp(err, 1, PROFILE, 1, NB)  # weights pushed
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
@@ -660,6 +693,7 @@ def combine_kernel(
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
             msk = msk | late
+        _stamp(err, 2, PROFILE, 1, NB)  # weights of every rank arrived
     if STAGES & 2:      # C_REDUCE
         if ok:
             _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, msk, T, H, HP, K, KP, W,
@@ -668,6 +702,7 @@ def combine_kernel(
         tl.debug_barrier()              # outside ``if ok``: see _wait_flags
         if ok:
             _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
+        _stamp(err, 3, PROFILE, 1, NB)  # partials reduced, pushed and signalled
     if STAGES & 32:     # C_WAIT_P (in a recv-half launch ok is 1: the send half's failure, if
         #                 any, is already in the error word and this wait then times out too)
         ok, late = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
@@ -676,8 +711,10 @@ def combine_kernel(
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
             msk = msk | late
+        _stamp(err, 4, PROFILE, 1, NB)  # partials of every rank arrived
     if STAGES & 4:      # C_SUM
         if ok:
             _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T, H, HP, K, KP, E, L, W,
                           NB, OFF_CX)
         tl.store(ctrl + b, seq + 1)
+    _stamp(err, PROF_LAST, PROFILE, 1, NB)

@@ -1,0 +1,150 @@
+"""Where an EP dispatch / combine spends its time, stage by stage, on this host's GPUs.
+
+    python tools/ep_timeline.py [--tokens 1,128] [--hidden 7168] [--experts 256] [--topk 8]
+                                [--fp8] [--replays 50] [--json PATH]
+
+Runs EPBuffer with ``LLCOMM_EP_PROFILE=1``: every block of the kernels stamps its SM cycle
+counter at each stage boundary (and the global timer at its start and end) into the buffer's
+private ``err`` tensor (``_stamp`` in ``llcomm/kernels/ep.py``). A CUDA graph of ``--ops``
+back-to-back dispatch + combine pairs is replayed; the stamps of the last pair of each replay
+(ranks in lockstep by then) are read back. Cycles become µs by the ratio of global-timer to cycle spans
+over all blocks. Prints, per rank, the median (and p90) over blocks and replays of each stage,
+the kernel span (first block start to last block end) and the spread of block start times.
+
+Needs two or more GPUs with peer access (the peer backend); not part of the test suite.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llcomm.bench import common as C  # noqa: E402
+from llcomm.ep_fp8 import dequantize  # noqa: E402
+from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
+
+#: Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start).
+STAGES = {
+    "dispatch": ("scan top-k", "push rows", "signal", "wait (all blocks, all ranks)", "expand"),
+    "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials",
+                "sum"),
+}
+CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end
+
+
+def _inputs(rank, cfg, device):
+    g = torch.Generator(device="cpu").manual_seed(1000 + rank)
+    T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
+    w = torch.rand(T, K, generator=g).to(device)
+    return x, idx, w
+
+
+def _summary(stamps, nb):
+    """stamps: [replays, 2, nb, PROF_WORDS] int64 -> per kernel kind, stage medians in µs."""
+    cyc = stamps[..., :CYCLE_SLOTS].double()
+    gt0, gt1 = stamps[..., CYCLE_SLOTS].double(), stamps[..., CYCLE_SLOTS + 1].double()
+    out = {}
+    for kind, name in enumerate(("dispatch", "combine")):
+        c, a, b = cyc[:, kind], gt0[:, kind], gt1[:, kind]
+        ns_per_cycle = float((b - a).sum() / (c[..., -1] - c[..., 0]).sum())
+        stages = {}
+        for i, label in enumerate(STAGES[name]):
+            d = ((c[..., i + 1] - c[..., i]) * ns_per_cycle / 1e3).flatten().tolist()
+            d.sort()
+            stages[label] = {"median_us": statistics.median(d),
+                             "p90_us": d[int(0.9 * (len(d) - 1))], "max_us": d[-1]}
+        span = ((b.max(1).values - a.min(1).values) / 1e3).tolist()
+        skew = ((a.max(1).values - a.min(1).values) / 1e3).tolist()
+        out[name] = {"stages": stages, "span_us": statistics.median(span),
+                     "start_spread_us": statistics.median(skew),
+                     "ns_per_cycle": ns_per_cycle}
+    return out
+
+
+def _rank(rank, world, cfg):
+    import llcomm.ep as ep
+    device = torch.device("cuda", rank)
+    buf = ep.EPBuffer(num_experts=cfg["experts"], hidden=cfg["hidden"],
+                      num_max_dispatch_tokens_per_rank=cfg["tokens"], backend="peer")
+    assert buf._impl.profile, f"{PROF_ENV}=1 was not seen by the buffer"
+    x, idx, w = _inputs(rank, cfg, device)
+    nb = buf._impl.nb
+    prof = buf._impl.err[ERR_PROF:ERR_PROF + 2 * nb * PROF_WORDS].view(2, nb, PROF_WORDS)
+
+    def pair():
+        if cfg["fp8"]:
+            (q, sc), _, h = buf.dispatch(x, idx, use_fp8=True)
+            rows = dequantize(q, sc)
+        else:
+            rows, _, h = buf.dispatch(x, idx)
+        buf.combine(rows, idx, w, h)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            pair()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(cfg["ops"]):
+            pair()
+    got = []
+    for _ in range(cfg["replays"]):
+        dist.barrier()
+        g.replay()
+        torch.cuda.synchronize()
+        got.append(prof.clone().cpu())
+    buf.check()
+    mine = _summary(torch.stack(got), nb)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    buf.close()
+    return everyone
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,128")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--ops", type=int, default=10, help="dispatch + combine pairs per graph")
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    os.environ[PROF_ENV] = "1"
+    world, backend = C.plan()
+    if backend != "nccl":
+        raise SystemExit("ep_timeline needs two or more GPUs")
+    results = []
+    for t in (int(v) for v in a.tokens.split(",")):
+        cfg = dict(tokens=t, hidden=a.hidden, experts=a.experts, topk=a.topk, fp8=a.fp8,
+                   ops=a.ops, replays=a.replays)
+        per_rank = C.launch(_rank, cfg)
+        results.append({"config": cfg, "ranks": per_rank})
+        for r, summ in enumerate(per_rank):
+            for kind, v in summ.items():
+                print(f"# {kind}, {t} tokens/rank, rank {r}: span {v['span_us']:.1f} µs, block "
+                      f"starts spread {v['start_spread_us']:.1f} µs")
+                for label, st in v["stages"].items():
+                    print(f"  {label:30s} median {st['median_us']:7.2f}  p90 {st['p90_us']:7.2f}"
+                          f"  max {st['max_us']:7.2f} µs")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"world_size": world, "commit": os.environ.get("LLCOMM_COMMIT"),
+                       "runs": results}, f, indent=1)
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
