@@ -22,8 +22,8 @@ from . import _validate as V
 from . import ops
 from . import protocol as P
 from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .ep_layout import (ERR_PROF, MAX_TOPK, PROF_ENV, PROF_WORDS, check_shape_args,
-                        default_num_blocks, ep_layout)
+from .ep_layout import (ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, PROF_ENV, PROF_WORDS,
+                        check_shape_args, default_num_blocks, ep_layout)
 from .ep_reference import ReferenceEP
 from .errors import UnsupportedConfigError
 
@@ -42,6 +42,8 @@ COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
+#: How the EP waits poll their flags (an A/B knob until it is measured, docs/performance.md).
+WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
 #: Env override of the EP kernels' num_warps (a tuning knob).
 NUM_WARPS_ENV = "LLCOMM_EP_NUM_WARPS"
 #: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
@@ -54,6 +56,15 @@ def _pow2(n: int) -> int:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def wait_lanes_block() -> bool:
+    """How EP waits poll (kernels/ep.py ``_wait_flags``): ``LLCOMM_EP_WAIT_LANES=block``
+    (default) spreads the flags over 1024 lanes, ``flags`` polls each flag once per warp."""
+    raw = os.environ.get(WAIT_LANES_ENV, "block")
+    if raw not in ("block", "flags"):
+        raise ValueError(f"{WAIT_LANES_ENV}={raw!r}: expected 'block' or 'flags'")
+    return raw == "block"
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
@@ -78,11 +89,14 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
+    fp = _pow2(nb * W)
+    block = wait_lanes_block()
     d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens,
-             JP=jp, FP=_pow2(nb * W), OFF_X=off["recv_x"],
+             JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"])
-    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"])
+    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
+             LANES=MAX_WAIT_FLAGS if block else _pow2(W))
     return d, c, num_warps
 
 

@@ -115,3 +115,17 @@ def test_fp8_size_hint_refusals():
         EPBuffer.size_hint(128, 64, 2, 256, torch.bfloat16, fp8=True)
     with pytest.raises(TypeError, match="fp8"):
         EPBuffer.size_hint(128, 128, 2, 256, torch.bfloat16, fp8="yes")
+
+
+def test_wait_lanes_knob(monkeypatch):
+    """LLCOMM_EP_WAIT_LANES picks how the EP waits poll: 1024 lanes, or one lane per flag."""
+    from llcomm.ep import WAIT_LANES_ENV, kernel_consts
+    lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
+    d, c, _ = kernel_consts(lay, 8)
+    assert (d["LANES"], c["LANES"]) == (MAX_WAIT_FLAGS, MAX_WAIT_FLAGS)
+    monkeypatch.setenv(WAIT_LANES_ENV, "flags")
+    d, c, _ = kernel_consts(lay, 8)
+    assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
+    monkeypatch.setenv(WAIT_LANES_ENV, "warps")
+    with pytest.raises(ValueError, match=WAIT_LANES_ENV):
+        kernel_consts(lay, 8)

@@ -174,7 +174,7 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
 @triton.jit
 def _wait_flags(flags, word, timeout_us, err, op, phase, go,
                 N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr,
-                skip, MASKS: tl.constexpr):
+                skip, MASKS: tl.constexpr, LANES: tl.constexpr):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
     fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads, then one
     acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
@@ -190,10 +190,12 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     (they count as arrived and are never a mismatch). With ``MASKS`` a timeout writes no error
     word: the wait returns ``(1, late)``, ``late`` the bit mask of the ranks that had not
     arrived, for the caller to mask. Otherwise it returns ``(ok, 0)``."""
-    # BLOCK_WIDE lanes, each polling flag ``lane % NP``: every lane's view goes into one
-    # block-wide maximum per poll (through shared memory), so the block agrees on the verdict
-    tl.static_assert(NP <= BLOCK_WIDE)
-    lane = tl.arange(0, BLOCK_WIDE)
+    # LANES lanes, each polling flag ``lane % NP``. LANES = BLOCK_WIDE: every lane's view goes
+    # straight into the block-wide maximum. LANES = NP: fewer words per poll, replicated across
+    # warps (each warp has its own view), reduced first, then the maximum. Which is faster is
+    # to be measured (docs/performance.md; LLCOMM_EP_WAIT_LANES picks).
+    tl.static_assert((NP <= LANES) & (LANES <= BLOCK_WIDE))
+    lane = tl.arange(0, LANES)
     i = lane % NP
     live = i < N
     ptrs = flags + i
@@ -202,7 +204,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
     t0 = global_time_ns(BLOCK_WIDE)
     status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
-    bad = tl.zeros([BLOCK_WIDE], tl.int64)
+    bad = tl.zeros([LANES], tl.int64)
     skipped = ((skip >> src) & 1) != 0         # masks: ranks not waited for
     while status == 0:
         got = tl.load(ptrs, mask=live, other=0, volatile=True)
@@ -213,7 +215,10 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         # arrived), with the largest elapsed time below: one verdict for every warp
         seen = tl.where(wrong, SEEN_WRONG, tl.where(waiting, SEEN_WAITING, 0)).to(tl.int64)
         elapsed = tl.maximum(global_time_lanes(BLOCK_WIDE) - t0, 0)
-        both = tl.max((seen << SEEN_SHIFT) | elapsed, axis=0)
+        if LANES == BLOCK_WIDE:
+            both = tl.max((seen << SEEN_SHIFT) | elapsed, axis=0)
+        else:
+            both = tl.max((tl.max(seen, axis=0) << SEEN_SHIFT) | elapsed, axis=0)
         verdict = both >> SEEN_SHIFT
         if verdict == SEEN_WRONG:
             status = STATUS_MISMATCH
@@ -223,8 +228,12 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         elif (both & ELAPSED_MASK) > limit_ns:
             status = STATUS_TIMEOUT
             bad = waiting.to(tl.int64)
-    # the source ranks that were late or disagreed, by any lane (shared memory: uniform)
-    bad_ranks = tl.reduce(bad << src, 0, _bit_or)
+    # the source ranks that were late or disagreed, by any lane of any warp (shared memory:
+    # uniform); only on failure, so success costs no extra round
+    bad_ranks = tl.full([], 0, tl.int64)
+    if status > 0:
+        bad_ranks = tl.reduce(tl.zeros([BLOCK_WIDE], tl.int64)
+                              + tl.reduce(bad << src, 0, _bit_or), 0, _bit_or)
     # masks: a timeout masks the late ranks instead of failing the call (begin)
     late = tl.full([], 0, tl.int64)
     if MASKS:
@@ -235,7 +244,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     # masks (end)
     ok = status == -1
     if ok:      # one acquire per flag (its first lane)
-        tl.atomic_add(ptrs, tl.zeros([BLOCK_WIDE], tl.int64),
+        tl.atomic_add(ptrs, tl.zeros([LANES], tl.int64),
                       mask=live & (lane < NP) & (skipped == 0), sem="acquire", scope="sys")
     elif status != WAIT_SKIPPED:
         report_error(err, status, op, phase, bad_ranks)
@@ -525,6 +534,7 @@ def dispatch_kernel(
         OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
         STAGES: tl.constexpr,           # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
+        LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         PROFILE: tl.constexpr = 0):     # 1: stage stamps into err (ERR_PROF; _stamp)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
@@ -547,14 +557,14 @@ def dispatch_kernel(
     if STAGES & 8:      # D_WAIT
         flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
         ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
-                               FP, W, msk, MASKS)
+                               FP, W, msk, MASKS, LANES)
         if MASKS:
             agreed = _agree_mask(err, seq + 1, msk | late)
             # a rank late here but seen by the deciding block has arrived: wait for it again
             # (uniform condition; an error if it does not come)
             need = (late & ~agreed) != 0
             ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
-                                 NB * W, FP, W, agreed, 0)
+                                 NB * W, FP, W, agreed, 0, LANES)
             ok = ok & (ok2 | (need == 0))
             if agreed != msk:
                 tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
@@ -668,6 +678,7 @@ def combine_kernel(
         OFF_CW: tl.constexpr,
         STAGES: tl.constexpr,           # C_* bits (module doc)
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
+        LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         PROFILE: tl.constexpr = 0):     # 1: stage stamps into err (ERR_PROF; _stamp)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 1, NB)
@@ -688,7 +699,7 @@ def combine_kernel(
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok, late = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err,
-                               OP_COMBINE, PHASE_ENTRY, 1, W, WP, W, msk, MASKS)
+                               OP_COMBINE, PHASE_ENTRY, 1, W, WP, W, msk, MASKS, LANES)
         if MASKS:       # per block: block b's tokens depend on block b's wait only
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
@@ -706,7 +717,7 @@ def combine_kernel(
     if STAGES & 32:     # C_WAIT_P (in a recv-half launch ok is 1: the send half's failure, if
         #                 any, is already in the error word and this wait then times out too)
         ok, late = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
-                               OP_COMBINE, PHASE_EXIT, ok, W, WP, W, msk, MASKS)
+                               OP_COMBINE, PHASE_EXIT, ok, W, WP, W, msk, MASKS, LANES)
         if MASKS:
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
