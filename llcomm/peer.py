@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import protocol as P
 from .launch import Launcher
-from .workspace import SymmetricWorkspace
+from .workspace import REGION_ALIGN, SymmetricWorkspace
 
 #: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
 #: advances counter ctrl[b], so all counters stay equal to the number of ops run.
@@ -30,6 +30,9 @@ LAMPORT_MAX_BYTES = 1 << 20
 #: Idle Lamport words hold this 16-bit pattern (-0.0 in bf16 / fp16).
 SENTINEL16 = -32768                      # 0x8000
 SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words seen as int32
+#: Bytes of a Lamport tag word (int32, one per half, block and source rank; idle at 0), kept
+#: after the data words in the Lamport region (kernels/_lamport.py).
+LAMPORT_TAG_BYTES = 4
 #: Two-shot shards are rounded to this many elements so every shard starts 16-byte aligned.
 SHARD_ALIGN = 16
 #: Staging halves used alternately by consecutive ops (see kernels/all_reduce.py for why 2).
@@ -91,13 +94,16 @@ class PeerBackend:
         self.timeout_us = timeout_ms * P.US_PER_MS
         self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
+        # Lamport region: the data slots, then the tag words (at an aligned offset, the same
+        # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
+        lamport_data = -(-HALVES * W * self.lamport_bytes // REGION_ALIGN) * REGION_ALIGN
         self.ws = SymmetricWorkspace(group, {
             "flags": 8 * FLAG_PHASES * nb * W,
             "stage": HALVES * W * self.cap_bytes,
             "gather": HALVES * self.cap_bytes,
-            "lamport": HALVES * W * self.lamport_bytes,
+            "lamport": lamport_data + HALVES * nb * W * LAMPORT_TAG_BYTES,
         }, self.device)
-        self.ws.local("lamport", torch.int16).fill_(SENTINEL16)
+        self.ws.local("lamport", torch.int16)[:lamport_data // 2].fill_(SENTINEL16)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
         # Op counters and error words live in private device memory, not in the workspace: no
@@ -107,6 +113,7 @@ class PeerBackend:
         self.err = ctrl[nb:]
         self.flags = self.ws.local("flags", torch.int64)
         self.tabs = {name: self.ws.table(name) for name in ("flags", "stage", "gather", "lamport")}
+        self.tabs["lamport_tags"] = self.tabs["lamport"] + lamport_data
         # Host-visible error word: pinned host memory is mapped into the GPU's address space
         # (UVA), so kernels store to it directly and the host reads it without a sync.
         self._launch = Launcher(self.device)
@@ -128,6 +135,16 @@ class PeerBackend:
     def _tag(self, op: int, n: int, dtype: torch.dtype) -> int:
         return P.size_tag(op, n, str(dtype).removeprefix("torch."))
 
+    @staticmethod
+    def _lamport_tag(op: int, n: int, dtype: torch.dtype) -> int:
+        return P.lamport_tag(op, n, str(dtype).removeprefix("torch."))
+
+    @staticmethod
+    def _rows_numel(tokens: int, hidden: int) -> int:
+        """What the fused kernels' tags hash as the element count: the row length mixed in, so
+        [2, 8] on one rank and [4, 4] on another differ."""
+        return tokens * hidden * GATHER_TAG_MIX + hidden
+
     # -- all_reduce -----------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
         n = x.numel()
@@ -143,10 +160,11 @@ class PeerBackend:
             else:
                 xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
             self._launch(self._k_ar.lamport_kernel, self.nb, (
-                xi, oi, n, self.tabs["lamport"], self.ctrl, self.err, self.rank,
-                self.timeout_us, self.lamport_bytes // x.element_size()), warps,
-                SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, NB=self.nb,
-                BLOCK=block)
+                xi, oi, n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
+                self.rank, self._lamport_tag(P.OP_LAMPORT, n, x.dtype), self.timeout_us,
+                self.lamport_bytes // x.element_size()), warps,
+                SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, WP=self.WP, NB=self.nb,
+                BLOCK=block, STAGES=self._k_ar.ALL_STAGES)
         elif algo == "one_shot":
             self._launch(self._k_ar.one_shot_kernel, self.nb, (
                 x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
@@ -180,14 +198,15 @@ class PeerBackend:
             else (x.view(torch.int32), SENTINEL32)
         ft = self._tl_float[x.dtype]
         if algo == "lamport":
+            tag = self._lamport_tag(P.OP_FUSED_LAMPORT, self._rows_numel(tokens, hidden), x.dtype)
             self._launch(self._k_fn.lamport_norm_kernel, self.nb, (
                 xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["lamport"],
-                self.ctrl, self.err, self.rank, self.timeout_us,
+                self.tabs["lamport_tags"], self.ctrl, self.err, self.rank, tag, self.timeout_us,
                 self.lamport_bytes // x.element_size()), warps,
-                SENTINEL=sent, FT=ft, W=W, NB=self.nb, BLOCK=block,
+                SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
                 STAGES=self._k_fn.ALL_STAGES)
         else:
-            tag = self._tag(P.OP_FUSED_ONE_SHOT, tokens * hidden * GATHER_TAG_MIX + hidden, x.dtype)
+            tag = self._tag(P.OP_FUSED_ONE_SHOT, self._rows_numel(tokens, hidden), x.dtype)
             self._launch(self._k_fn.one_shot_norm_kernel, self.nb, (
                 xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["stage"],
                 self.tabs["flags"], self.flags, self.ctrl, self.err, self.rank, tag,

@@ -13,6 +13,16 @@ A waiter expects exactly ``(epoch << 24) | tag``. An older epoch means "not yet"
 with another tag means the ranks disagree about the call (mismatch), which is reported instead of
 computed.
 
+Lamport tag word (int32, written by a peer's Lamport all-reduce into this rank's Lamport region,
+one per (half, block, source rank), idle at 0 and reset to 0 by the reader)::
+
+    bit  24      LAMPORT_TAG_BIT (so a written tag is never the idle 0)
+    bits 23..0   the same op code and size tag as a flag word
+
+Lamport sends no flag (the data is its own flag), so the tag is what tells a reader that its peer
+called the same op with the same element count and dtype. It needs no epoch: like the data words
+it is consumed (reset to 0) in the op that wrote it.
+
 Error word (int64, written by a kernel into host-visible memory when a wait gives up)::
 
     bits 55..48  status: 1 = timeout, 2 = mismatch
@@ -42,6 +52,8 @@ EPOCH_SHIFT = 24
 TAG_BITS = 24
 TAG_MASK = (1 << TAG_BITS) - 1
 SIZE_TAG_MASK = 0xFFFF
+#: Set in every Lamport tag word (lamport_tag), above the tag, so a written tag is never 0.
+LAMPORT_TAG_BIT = 1 << TAG_BITS
 
 # Operation codes (carried in flags and error words).
 OPS = {
@@ -100,6 +112,12 @@ def size_tag(op: int, numel: int, dtype_name: str) -> int:
     h = (numel * 2654435761 + DTYPE_CODES.get(dtype_name, 0) * 40503) & 0xFFFFFFFF
     h = (h ^ (h >> 16)) & SIZE_TAG_MASK
     return (op << 16) | h
+
+
+def lamport_tag(op: int, numel: int, dtype_name: str) -> int:
+    """The int32 word a Lamport all-reduce writes beside its data: ``size_tag`` plus
+    LAMPORT_TAG_BIT, never 0 (the idle value of a tag word)."""
+    return LAMPORT_TAG_BIT | size_tag(op, numel, dtype_name)
 
 
 def decode_error(word: int, rank: int) -> LLCommError | None:

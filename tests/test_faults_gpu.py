@@ -5,7 +5,8 @@
 (b) after a timeout every later call raises CommBrokenError at once; a new communicator works,
     and nothing the failed round left behind satisfies a later wait;
 (c) ranks that disagree about the op, the size or the dtype of a round: every rank raises
-    (CommMismatchError or CommTimeoutError, at least one mismatch), no rank returns a result;
+    (CommMismatchError or CommTimeoutError, at least one mismatch; Lamport against Lamport:
+    a mismatch on both), no rank returns a result;
 (d) 200 Communicators and 200 EPBuffers created and destroyed: device memory and open file
     descriptors stay flat (the numbers are printed);
 and the peer backend refuses bad input with the same exception and message as the reference.
@@ -190,11 +191,14 @@ def test_broken_then_new_communicator(algo):
 
 # -- (c) mismatched calls ---------------------------------------------------------------------
 def _call(comm, spec):
-    """spec = (kind, numel, dtype name); launches it with a fresh operand."""
+    """spec = (kind, numel or shape, dtype name); launches it with a fresh operand."""
     kind, n, dt = spec
     x = torch.randn(n, device="cuda").to(getattr(torch, dt))
     if kind in ("one_shot", "two_shot", "lamport"):
         return comm.all_reduce(x, algo=kind)
+    if kind == "fused_lamport":  # x: [tokens, hidden]
+        w = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
+        return comm.all_reduce_residual_rmsnorm(x, torch.zeros_like(x), w, algo="lamport")
     if kind == "broadcast":
         return comm.broadcast(x, 0)
     if kind == "all_gather":
@@ -227,10 +231,6 @@ def _mismatch_round(rank, specs):
     return outcome
 
 
-def _mismatch_body(rank, ws, specs):
-    return _mismatch_round(rank, specs)
-
-
 def _mismatch_cases_body(rank, ws, names):
     """Every named case in one process pair (a pair costs ~15 s to start on the GPU host)."""
     return {name: _mismatch_round(rank, MISMATCHES[name]) for name in names}
@@ -252,34 +252,35 @@ MISMATCHES = {
     "all_gather_2d-rows": (("all_gather_2d", 4096, BF), ("all_gather_2d", 4096 + 8, BF)),
     "reduce_scatter-sizes": (("reduce_scatter", 4096, BF), ("reduce_scatter", 8192, BF)),
     "lamport-sizes": (("lamport", 4096, BF), ("lamport", 8192, BF)),
+    "lamport-vs-fused": (("lamport", 4096, BF), ("fused_lamport", (8, 512), BF)),
+    "fused_lamport-rows": (("fused_lamport", (8, 512), BF), ("fused_lamport", (16, 256), BF)),
     # same op and size, different dtypes
     "one_shot-dtypes": (("one_shot", 4096, BF), ("one_shot", 4096, F16)),
     "two_shot-dtypes": (("two_shot", 4096, F16), ("two_shot", 4096, F32)),
     "reduce_scatter-dtypes": (("reduce_scatter", 4096, BF), ("reduce_scatter", 4096, F32)),
     "lamport-dtypes": (("lamport", 4096, BF), ("lamport", 4096, F16)),
+    "lamport-dtype-widths": (("lamport", 4096, BF), ("lamport", 4096, F32)),
 }
-#: Lamport carries no tag (the data is its own flag): ranks that disagree about its size or
-#: dtype are not told. Known gap, see docs/failures.md; strict, so a fix shows up as XPASS.
-LAMPORT_GAP = pytest.mark.xfail(strict=True, reason="lamport all_reduce has no size/dtype tag: "
-                                "a mismatch can complete silently on a rank (docs/failures.md)")
 #: Pairs where neither side carries a flag the other can compare: both time out, no mismatch.
 TIMEOUT_ONLY = {"lamport-vs-one_shot"}
-
-
-#: The cases of the known Lamport gap, kept apart so that a fix shows up as XPASS.
-GAP_CASES = ("lamport-sizes", "lamport-dtypes")
+#: Lamport against Lamport: every block of either side writes its tag to the other, so both
+#: ranks see the other's tag and both report the mismatch (no timeout on either side).
+BOTH_MISMATCH = {"lamport-sizes", "lamport-vs-fused", "fused_lamport-rows", "lamport-dtypes",
+                 "lamport-dtype-widths"}
 
 
 def _outcome_problem(name, outcomes):
     if "returned a result" in outcomes:
         return f"{name}: a rank returned a result {outcomes}"
+    if name in BOTH_MISMATCH and outcomes != ["CommMismatchError"] * 2:
+        return f"{name}: expected a mismatch on both ranks {outcomes}"
     if name not in TIMEOUT_ONLY and "CommMismatchError" not in outcomes:
         return f"{name}: no rank saw a mismatch {outcomes}"
     return None
 
 
 def test_mismatch_raises_on_every_rank():
-    names = [k for k in MISMATCHES if k not in GAP_CASES]
+    names = list(MISMATCHES)
     per_rank = run_distributed(_mismatch_cases_body, 2, names, backend="nccl", timeout=300)
     problems = []
     for name in names:
@@ -288,14 +289,6 @@ def test_mismatch_raises_on_every_rank():
         problems.append(_outcome_problem(name, outcomes))
     problems = [p for p in problems if p]
     assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("name", [pytest.param(k, marks=LAMPORT_GAP) for k in GAP_CASES])
-def test_lamport_mismatch_raises_on_every_rank(name):
-    outcomes = run_distributed(_mismatch_body, 2, MISMATCHES[name], backend="nccl", timeout=300)
-    print(f"\n{name}: {outcomes}")
-    problem = _outcome_problem(name, outcomes)
-    assert problem is None, problem
 
 
 # -- (d) resources ----------------------------------------------------------------------------

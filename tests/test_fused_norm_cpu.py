@@ -101,6 +101,7 @@ def simulate(W, NB, calls, dtype_name, algo):
     ranks, stage by stage, and return the failures (strings)."""
     import triton.language as tl  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm import peer
+    from llcomm import protocol as P
     from llcomm.kernels import fused_norm as K
 
     dtype = getattr(torch, dtype_name)
@@ -111,10 +112,13 @@ def simulate(W, NB, calls, dtype_name, algo):
     region = [torch.full((peer.HALVES * W * cap * isz // 2,), peer.SENTINEL16, dtype=torch.int16)
               for _ in range(W)]
     tab = torch.tensor([r.data_ptr() for r in region], dtype=torch.int64)
+    tags = [torch.zeros(peer.HALVES * NB * W, dtype=torch.int32) for _ in range(W)]
+    tag_tab = torch.tensor([t.data_ptr() for t in tags], dtype=torch.int64)
     host = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
     err = [torch.tensor([0, h.data_ptr()], dtype=torch.int64) for h in host]
     ctrl = [torch.zeros(NB, dtype=torch.int64) for _ in range(W)]
     dummy = torch.zeros(NB * W * 2, dtype=torch.int64)  # flags: unused when staged
+    wp = 1 << (W - 1).bit_length()
     fails = []
     for i, (tokens, hidden) in enumerate(calls):
         tag = f"[W={W} NB={NB} {dtype_name} {algo} call {i} {tokens}x{hidden}]"
@@ -130,9 +134,12 @@ def simulate(W, NB, calls, dtype_name, algo):
             for r in range(W):
                 xi = xs[r].view(ityp)
                 if algo == "lamport":
+                    lam_tag = peer.PeerBackend._lamport_tag(
+                        P.OP_FUSED_LAMPORT, peer.PeerBackend._rows_numel(tokens, hidden), dtype)
                     K.lamport_norm_kernel[(NB,)](
-                        xi, res, w, ys[r], hs[r], tokens, hidden, EPS, tab, ctrl[r], err[r], r, 0,
-                        cap, SENTINEL=sent, FT=ft, W=W, NB=NB, BLOCK=block, STAGES=stage)
+                        xi, res, w, ys[r], hs[r], tokens, hidden, EPS, tab, tag_tab, ctrl[r],
+                        err[r], r, lam_tag, 0, cap, SENTINEL=sent, FT=ft, W=W, WP=wp, NB=NB,
+                        BLOCK=block, STAGES=stage)
                 else:
                     K.one_shot_norm_kernel[(NB,)](
                         xi, res, w, ys[r], hs[r], tokens, hidden, EPS, tab, dummy, dummy, ctrl[r],
@@ -162,6 +169,8 @@ def simulate(W, NB, calls, dtype_name, algo):
                 fails.append(f"{tag} rank {r}: differs from rank 0")
         if algo == "lamport" and not all(bool((reg == peer.SENTINEL16).all()) for reg in region):
             fails.append(f"{tag}: Lamport slots not re-armed with the sentinel")
+        if algo == "lamport" and any(int(t.abs().sum()) for t in tags):
+            fails.append(f"{tag}: Lamport tags not reset to 0")
     for r in range(W):
         if ctrl[r].tolist() != [len(calls)] * NB:
             fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {len(calls)} each")

@@ -75,6 +75,43 @@ def test_size_tag_is_deterministic():
     assert P.size_tag(P.OP_TWO_SHOT, 4097, "float16") == P.size_tag(P.OP_TWO_SHOT, 4097, "float16")
 
 
+# -- lamport_tag --------------------------------------------------------------------------------
+@pytest.mark.parametrize("numel", [0, 1, 4096, (1 << 20) + 3, 1 << 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lamport_tag_is_never_idle_and_fits_int32(numel, dtype):
+    """A tag word idles at 0 and the kernels store it as int32: a written tag is never 0 and
+    stays positive; below the marker bit it is exactly the flag words' tag."""
+    for op in (P.OP_LAMPORT, P.OP_FUSED_LAMPORT):
+        tag = P.lamport_tag(op, numel, dtype)
+        assert 0 < tag < 2**31, (op, numel, dtype, tag)
+        assert tag & P.LAMPORT_TAG_BIT
+        assert tag & P.TAG_MASK == P.size_tag(op, numel, dtype)
+
+
+def test_lamport_tag_tells_plain_from_fused():
+    for numel in (1, 4096, 8192 * 16):
+        for dtype in DTYPES:
+            assert P.lamport_tag(P.OP_LAMPORT, numel, dtype) != \
+                P.lamport_tag(P.OP_FUSED_LAMPORT, numel, dtype)
+
+
+def test_lamport_tag_tells_the_gpu_tests_mismatches_apart():
+    """The calls tests/test_faults_gpu.py and tests/test_lamport_cpu.py mismatch: other size,
+    other dtype of the same or another width, the same bytes in another dtype."""
+    calls = [(4096, "bfloat16"), (8192, "bfloat16"), (300, "bfloat16"), (4104, "bfloat16"),
+             (4096, "float16"), (4096, "float32"), (2048, "float32")]
+    tags = {P.lamport_tag(P.OP_LAMPORT, n, d) for n, d in calls}
+    assert len(tags) == len(calls)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lamport_tag_differs_by_numel_for_decode_sizes(dtype):
+    """Lamport carries decode-step joins: every token count at each hidden size differs."""
+    for hidden in HIDDEN:
+        tags = [P.lamport_tag(P.OP_LAMPORT, t * hidden, dtype) for t in TOKENS]
+        assert len(set(tags)) == len(tags), hidden
+
+
 # -- decode_error ------------------------------------------------------------------------------
 def test_clear_word_is_no_error():
     assert P.decode_error(0, rank=0) is None

@@ -33,10 +33,12 @@ def global_time_ns(WIDTH: tl.constexpr = 2):
     lane-pair shuffle, so each pair of lanes agrees and different warps can disagree for the
     nanoseconds around a deadline, and some warps leave a wait loop one iteration before the
     others. Harmless where the loop has no barrier inside (TP's waits over a few flags); a wait
-    whose loop holds block-wide reductions must pass WIDTH >= the block's threads (EP passes
-    1024): the maximum then goes through shared memory and the block agrees. That costs a
-    shared-memory round per reading, so TP keeps the default until it is measured
-    (docs/failures.md, known gaps).
+    whose loop holds block-wide reductions must make the block agree: pass WIDTH >= the block's
+    threads (the maximum then goes through shared memory), or fold the per-thread reading into
+    a block-wide reduction the loop does anyway (EP's waits and the Lamport waits in
+    ``_lamport.py`` fold it, with the poll's verdict, into one maximum). That costs a
+    shared-memory round per reading, so TP's flag waits keep the default until it is measured
+    (docs/failures.md, known gap).
     """
     return tl.max(global_time_lanes(WIDTH), axis=0)
 

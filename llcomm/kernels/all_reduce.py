@@ -22,17 +22,19 @@ which Lamport drops and the others add (Triton keeps fp32 subnormals in adds).
 import triton
 import triton.language as tl
 
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_ns, ptr_from_table, report_error,
-                    signal_peers, wait_bound_us, wait_peers)
+# PUSH, REDUCE, ALL_STAGES: lamport_kernel's stage bits, for the host and the tests
+from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
+from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
+from ._lamport import limit_ticks, push_tag, receive, tag_slots
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us,
+                    wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
-PHASE_DATA = tl.constexpr(P.PHASE_DATA)
 OP_ONE_SHOT = tl.constexpr(P.OP_ONE_SHOT)
 OP_TWO_SHOT = tl.constexpr(P.OP_TWO_SHOT)
 OP_LAMPORT = tl.constexpr(P.OP_LAMPORT)
-STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 
 
 @triton.jit(do_not_specialize=RANK_VARYING)
@@ -132,19 +134,23 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     tl.store(ctrl + b, seq + 1)
 
 
-@triton.jit(do_not_specialize=RANK_VARYING)
-def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_us,
+@triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
+def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us,
                    cap,                     # elements per Lamport slot
                    SENTINEL: tl.constexpr,  # bit pattern of "not yet written" in the int view
                    FT: tl.constexpr,        # the float dtype the int view holds
-                   W: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
-    """Barrier-free one-shot: the data is its own flag.
+                   W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                   STAGES: tl.constexpr):   # PUSH | REDUCE; only ALL_STAGES polls
+    """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
-    Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats). Each rank stores
-    its operand (with SENTINEL replaced by +0.0 bits, which changes no sum since accumulation
-    starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every rank, then polls its own
-    half until no element is SENTINEL, sums in rank order, and writes SENTINEL back so the half
-    is idle again. A fast peer's next op writes the other half; the op after that cannot start
+    Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
+    0. Each block stores its tag (``protocol.lamport_tag`` of OP_LAMPORT, n and the dtype) for
+    every rank, then its operand (with SENTINEL replaced by +0.0 bits, which changes no sum since
+    accumulation starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every rank; then it
+    polls its own half until every source's tag is written and no element is SENTINEL, checks
+    the tags against its own, sums in rank order, and writes SENTINEL and 0 back so the half is
+    idle again. A tag that differs is reported as a mismatch, never summed (``_lamport.py`` has
+    the protocol). A fast peer's next op writes the other half; the op after that cannot start
     before this rank's next push, which comes after this kernel finished resetting.
     ``x`` and ``out`` are given as integer views (int16 or int32) of the float data.
     """
@@ -154,32 +160,28 @@ def lamport_kernel(x, out, n, lam_tab, ctrl, err, rank, timeout_us,
     seq = tl.load(ctrl + b)
     half = seq % 2
     lanes = tl.arange(0, BLOCK)
-    for start in range(b * BLOCK, n, NB * BLOCK):
-        offs = start + lanes
-        m = offs < n
-        v = tl.load(x + offs, mask=m)
-        v = tl.where(v == SENTINEL, 0, v)
-        for p in tl.static_range(W):
-            dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
-            tl.store(dst + offs, v, mask=m)
-    local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
-    limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
-    failed = 0
-    for start in range(b * BLOCK, n, NB * BLOCK):
-        offs = start + lanes
-        m = offs < n
-        acc = tl.zeros([BLOCK], tl.float32)
-        for p in tl.static_range(W):
-            src = local + p * cap + offs
-            v = tl.load(src, mask=m, other=0, volatile=True)
-            t0 = global_time_ns()
-            while (tl.sum((v == SENTINEL).to(tl.int32), axis=0) > 0) & (failed == 0):
-                v = tl.load(src, mask=m, other=0, volatile=True)
-                if global_time_ns() - t0 > limit_ns:
-                    failed = 1
-                    report_error(err, STATUS_TIMEOUT, OP_LAMPORT, PHASE_DATA,
-                                 tl.full([], 1 << p, tl.int64))
-            acc += v.to(FT, bitcast=True).to(tl.float32)
-            tl.store(src, tl.full([BLOCK], SENTINEL, IT), mask=m)
-        tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
-    tl.store(ctrl + b, seq + 1)
+    if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
+        push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
+        for start in range(b * BLOCK, n, NB * BLOCK):
+            offs = start + lanes
+            m = offs < n
+            v = tl.load(x + offs, mask=m)
+            v = tl.where(v == SENTINEL, 0, v)
+            for p in tl.static_range(W):
+                dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
+                tl.store(dst + offs, v, mask=m)
+    if STAGES & 2:      # REDUCE
+        POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
+        local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
+        tags = tag_slots(tag_tab, rank, half, b, NB, W)
+        limit = limit_ticks(timeout_us, POLL)
+        # The first chunk's waits take the tags too: a block without data still runs that
+        # chunk (all lanes masked) to take its tags, and the tags cost no poll of their own.
+        failed = tl.zeros([], tl.int32)
+        for start in range(b * BLOCK, tl.maximum(n, b * BLOCK + 1), NB * BLOCK):
+            offs = start + lanes
+            m = offs < n
+            acc, failed = receive(local, cap, offs, m, tags, tag, start == b * BLOCK, failed,
+                                  limit, err, OP_LAMPORT, SENTINEL, FT, W, BLOCK, POLL)
+            tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
+        tl.store(ctrl + b, seq + 1)

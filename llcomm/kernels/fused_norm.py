@@ -16,32 +16,32 @@ the communicator's device-side op counters (``ctrl[b]``) of ``all_reduce.py``; t
 two alternating halves suffice is the one given there, and they interleave freely with every
 other op of the communicator:
 
-- ``lamport_norm_kernel``: barrier-free; the pushed data is its own flag (SENTINEL = idle).
-  Push row -> poll own slots until no SENTINEL -> sum -> re-arm the slots with SENTINEL.
+- ``lamport_norm_kernel``: barrier-free; the pushed data is its own flag (SENTINEL = idle) and
+  a tag word per (block, source) names the call (``_lamport.py``). Push tag and rows -> poll own
+  slots until every tag is written and no SENTINEL is left, compare the tags -> sum -> re-arm the
+  slots with SENTINEL and the tags with 0.
 - ``one_shot_norm_kernel``: for rows past the Lamport region; push into staging, one flag
   barrier per block (block b waits for block b of every peer, which pushed the same rows), sum.
 
 ``x`` arrives as an integer view (int16 / int32) of the float data so the Lamport kernel can
 compare bit patterns; ``FT`` names the float type. ``STAGES`` runs only the push or only the
-reduce half, without waiting: the CPU tests use it to run virtual ranks in turn under
+reduce half, without waiting (the Lamport reduce half reads each source once and reports what
+it finds missing or mismatched): the CPU tests use it to run virtual ranks in turn under
 ``TRITON_INTERPRET=1``. The library always launches ``ALL_STAGES``.
 """
 import triton
 import triton.language as tl
 
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_ns, ptr_from_table, report_error,
-                    signal_peers, wait_bound_us, wait_peers)
+# PUSH, REDUCE, ALL_STAGES: the stage bits, for the host and the tests as before
+from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
+from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
+from ._lamport import limit_ticks, push_tag, receive, tag_slots
+from ._sync import EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us, wait_peers
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
-PHASE_DATA = tl.constexpr(P.PHASE_DATA)
 OP_FUSED_LAMPORT = tl.constexpr(P.OP_FUSED_LAMPORT)
 OP_FUSED_ONE_SHOT = tl.constexpr(P.OP_FUSED_ONE_SHOT)
-STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
-
-# Stage bits (python ints for the host and tests; compared against the STAGES constexpr).
-PUSH, REDUCE = 1, 2
-ALL_STAGES = PUSH | REDUCE
 
 
 @triton.jit
@@ -58,19 +58,22 @@ def _add_norm_row(acc, residual, weight, out, res_out, row, cols, m, hidden, eps
     tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
 
 
-@triton.jit(do_not_specialize=RANK_VARYING)
-def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, lam_tab, ctrl,
-                        err, rank, timeout_us,
+@triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
+def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, lam_tab,
+                        tag_tab, ctrl, err, rank, tag, timeout_us,
                         cap,                     # elements per Lamport slot
                         SENTINEL: tl.constexpr,  # bit pattern of "not yet written" (int view)
                         FT: tl.constexpr,        # the float dtype the int view holds
-                        W: tl.constexpr, NB: tl.constexpr,
+                        W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                         BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
                         STAGES: tl.constexpr):   # PUSH | REDUCE; only ALL_STAGES polls
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
-    Slot layout as ``all_reduce.lamport_kernel`` (element i of rank r's operand at
-    ``(half * W + r) * cap + i`` of every rank's Lamport region), so both kernels share halves.
+    Slot and tag layout as ``all_reduce.lamport_kernel`` (element i of rank r's operand at
+    ``(half * W + r) * cap + i`` of every rank's Lamport region, tags ``[half][block][r]``), so
+    both kernels share halves. ``tag`` is ``protocol.lamport_tag`` of OP_FUSED_LAMPORT and the
+    shape (tokens and hidden, as the one-shot variant's flag): it differs from every plain
+    all_reduce's, so ranks that call the two kernels in one round report a mismatch.
     """
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -79,33 +82,28 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
     half = seq % 2
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
-    if STAGES & 1:
+    if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
+        push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
         for t in range(b, tokens, NB):
             v = tl.load(x + t * hidden + cols, mask=m)
             v = tl.where(v == SENTINEL, 0, v)  # -0.0 -> +0.0: same sum, never looks idle
             for p in tl.static_range(W):
                 dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
                 tl.store(dst + t * hidden + cols, v, mask=m)
-    if STAGES & 2:
+    if STAGES & 2:      # REDUCE
+        POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
         local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
-        limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
-        failed = 0
-        for t in range(b, tokens, NB):
-            acc = tl.zeros([BLOCK], tl.float32)
-            for p in tl.static_range(W):
-                src = local + p * cap + t * hidden + cols
-                v = tl.load(src, mask=m, other=0, volatile=True)
-                if STAGES == 3:
-                    t0 = global_time_ns()
-                    while (tl.sum((v == SENTINEL).to(tl.int32), axis=0) > 0) & (failed == 0):
-                        v = tl.load(src, mask=m, other=0, volatile=True)
-                        if global_time_ns() - t0 > limit_ns:
-                            failed = 1
-                            report_error(err, STATUS_TIMEOUT, OP_FUSED_LAMPORT, PHASE_DATA,
-                                         tl.full([], 1 << p, tl.int64))
-                acc += v.to(FT, bitcast=True).to(tl.float32)
-                tl.store(src, tl.full([BLOCK], SENTINEL, IT), mask=m)  # idle again
-            _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, m, hidden, eps, FT)
+        tags = tag_slots(tag_tab, rank, half, b, NB, W)
+        limit = limit_ticks(timeout_us, POLL)
+        # The first row's waits take the tags too: a block without rows still runs that row,
+        # all lanes masked (no load, no store), to take its tags.
+        failed = tl.zeros([], tl.int32)
+        for t in range(b, tl.maximum(tokens, b + 1), NB):
+            mt = cols < tl.where(t < tokens, hidden, 0)     # a row past the last: no columns
+            acc, failed = receive(local, cap, t * hidden + cols, mt, tags, tag, t == b, failed,
+                                  limit, err, OP_FUSED_LAMPORT, SENTINEL, FT, W, BLOCK, POLL)
+            _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, mt, hidden, eps,
+                          FT)
         tl.store(ctrl + b, seq + 1)
 
 

@@ -1,0 +1,264 @@
+"""The Lamport kernels' tags on the CPU: ``all_reduce.lamport_kernel`` and
+``fused_norm.lamport_norm_kernel`` under ``TRITON_INTERPRET=1`` on virtual ranks, on Lamport
+regions laid out as ``peer.PeerBackend`` lays them out (data slots idle at SENTINEL, tag words
+idle at 0).
+
+Each round runs the push half of every rank, then the reduce half of every rank (the reduce half
+alone reads each source once instead of polling the GPU clock). Checked:
+
+- matched rounds (sizes and dtypes that change from round to round, plain and fused calls
+  mixed, blocks with and without data, several chunks per block): every rank returns the
+  rank-order sum, every data word is SENTINEL again and every tag 0 again, no error word;
+- mismatched rounds (another size, dtype, row shape, or the plain against the fused kernel):
+  every rank's error word is a mismatch of its own op in the data phase, naming the first
+  source whose tag differs, and no rank waits for that source's data;
+- a rank that never pushed: the others report a timeout naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Regions:
+    """W virtual ranks' Lamport regions, op counters and error words (CPU tensors)."""
+
+    def __init__(self, W: int, NB: int, slot_bytes: int):
+        import torch
+        from llcomm import peer
+
+        self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
+        self.data = [torch.full((peer.HALVES * W * slot_bytes // 2,), peer.SENTINEL16,
+                                dtype=torch.int16) for _ in range(W)]
+        self.tags = [torch.zeros(peer.HALVES * NB * W, dtype=torch.int32) for _ in range(W)]
+        self.data_tab = torch.tensor([t.data_ptr() for t in self.data], dtype=torch.int64)
+        self.tag_tab = torch.tensor([t.data_ptr() for t in self.tags], dtype=torch.int64)
+        self.host = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
+        self.err = [torch.tensor([0, h.data_ptr()], dtype=torch.int64) for h in self.host]
+        self.ctrl = [torch.zeros(NB, dtype=torch.int64) for _ in range(W)]
+
+    def idle(self) -> bool:
+        from llcomm import peer
+        return all(bool((d == peer.SENTINEL16).all()) for d in self.data) and \
+            all(int(t.abs().sum()) == 0 for t in self.tags)
+
+
+def _int_view(dtype):
+    import torch
+    from llcomm import peer
+    return (torch.int16, peer.SENTINEL16) if dtype.itemsize == 2 else (torch.int32, peer.SENTINEL32)
+
+
+def _tl_float(dtype):
+    import torch
+    import triton.language as tl
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+class Call:
+    """One rank's call of a round: ``("all_reduce", n, dtype)`` or ``("fused", tokens, hidden,
+    dtype)``, with its operand and outputs."""
+
+    def __init__(self, spec, seed: int, rank: int):
+        import torch
+        self.kind, *shape, dname = spec
+        self.dtype = getattr(torch, dname)
+        self.dname = dname
+        g = torch.Generator().manual_seed(seed * 101 + rank)
+        if self.kind == "all_reduce":
+            (self.n,) = shape
+            self.x = torch.randn(self.n, generator=g).to(self.dtype)
+        else:
+            self.tokens, self.hidden = shape
+            self.x = torch.randn(self.tokens, self.hidden, generator=g).to(self.dtype)
+            gs = torch.Generator().manual_seed(seed)  # residual and weight: the same on every rank
+            self.res = torch.randn(self.tokens, self.hidden, generator=gs).to(self.dtype)
+            self.w = (torch.rand(self.hidden, generator=gs) + 0.5).to(self.dtype)
+            self.h = torch.full_like(self.x, float("nan"))
+        self.x.view(-1)[0] = -0.0  # the 16-bit idle pattern must still arrive
+        self.out = torch.full_like(self.x, float("nan"))
+
+    def op(self) -> int:
+        from llcomm import protocol as P
+        return P.OP_LAMPORT if self.kind == "all_reduce" else P.OP_FUSED_LAMPORT
+
+    def launch(self, R: Regions, rank: int, stage: int) -> None:
+        from llcomm import peer
+        from llcomm.kernels import all_reduce, fused_norm
+        ityp, sent = _int_view(self.dtype)
+        cap = R.slot_bytes // self.dtype.itemsize
+        wp = 1 << (R.W - 1).bit_length()
+        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage)
+        if self.kind == "all_reduce":
+            tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
+            block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
+            all_reduce.lamport_kernel[(R.NB,)](
+                self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
+                R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block, **common)
+        else:
+            numel = peer.PeerBackend._rows_numel(self.tokens, self.hidden)
+            tag = peer.PeerBackend._lamport_tag(self.op(), numel, self.dtype)
+            block, _ = peer._row_shape(self.hidden)
+            fused_norm.lamport_norm_kernel[(R.NB,)](
+                self.x.view(ityp), self.res, self.w, self.out, self.h, self.tokens, self.hidden,
+                1e-6, R.data_tab, R.tag_tab, R.ctrl[rank], R.err[rank], rank, tag, 0, cap,
+                BLOCK=block, **common)
+
+    def check_sum(self, calls) -> str | None:
+        """None if this call's result is the rank-order sum (plain) or its residual_out is the
+        rounded sum + residual (fused); else what is wrong."""
+        import torch
+        acc = torch.zeros(self.x.shape)
+        for c in calls:
+            acc += c.x.float()
+        got = self.out if self.kind == "all_reduce" else self.h
+        want = acc.to(self.dtype)
+        if self.kind != "all_reduce":
+            want = (want.float() + self.res.float()).to(self.dtype)
+        if self.dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 (GPU rounds)
+            ok = torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
+        else:
+            ok = torch.equal(got.view(_int_view(self.dtype)[0]), want.view(_int_view(self.dtype)[0]))
+        return None if ok else f"{self.kind} {tuple(self.x.shape)} {self.dname}: not the sum"
+
+
+def _round(R: Regions, specs, seed: int, pushers=None):
+    """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push, then every
+    rank reduces. Returns the calls."""
+    from llcomm.kernels import all_reduce
+    calls = [Call(s, seed, r) for r, s in enumerate(specs)]
+    for r, c in enumerate(calls):
+        if pushers is None or r in pushers:
+            c.launch(R, r, all_reduce.PUSH)
+    for r, c in enumerate(calls):
+        c.launch(R, r, all_reduce.REDUCE)
+    return calls
+
+
+def simulate_matched(W, NB, rounds):
+    """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures."""
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds))
+    fails = []
+    for i, spec in enumerate(rounds):
+        calls = _round(R, [spec] * W, seed=i)
+        for r, c in enumerate(calls):
+            bad = c.check_sum(calls)
+            if bad:
+                fails.append(f"round {i} rank {r}: {bad}")
+        if not R.idle():
+            fails.append(f"round {i} {spec}: Lamport words or tags not idle afterwards")
+        for r in range(W):
+            if int(R.host[r][0]):
+                fails.append(f"round {i} rank {r}: error word {int(R.host[r][0]):#x} without cause")
+    for r in range(W):
+        if R.ctrl[r].tolist() != [len(rounds)] * NB:
+            fails.append(f"rank {r}: op counters {R.ctrl[r].tolist()}")
+    return fails
+
+
+def simulate_mismatch(W, NB, warmup, specs, pushers=None):
+    """A matched warm-up round, then one round where rank r calls specs[r]. Returns per rank
+    (exception type name, op, phase, ranks) decoded from its error word, or None."""
+    from llcomm import protocol as P
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]))
+    _round(R, [warmup] * W, seed=0)
+    assert not any(int(h[0]) for h in R.host), "the warm-up round failed"
+    _round(R, specs, seed=1, pushers=None if pushers is None else set(pushers))
+    seen = []
+    for r in range(W):
+        e = P.decode_error(int(R.host[r][0]), r)
+        seen.append(None if e is None else [type(e).__name__, e.op, e.phase, list(e.ranks)])
+    return seen
+
+
+def _nbytes(spec) -> int:
+    import torch
+    size = getattr(torch, spec[-1]).itemsize
+    n = spec[1] if spec[0] == "all_reduce" else spec[1] * spec[2]
+    return -(-n * size // 256) * 256
+
+
+def _run_in_interpreter(fn_name, *args):
+    code = ("import json, sys; sys.path.insert(0, {here!r}); import test_lamport_cpu as m; "
+            "print('RESULT' + json.dumps(m.{fn}(*json.loads(sys.argv[1]))))").format(
+                here=HERE, fn=fn_name)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+    assert p.returncode == 0 and line, f"interpreter run failed:\n{p.stdout}\n{p.stderr}"
+    return json.loads(line[0][len("RESULT"):])
+
+
+BF, F16, F32 = "bfloat16", "float16", "float32"
+#: Matched rounds on one set of regions: sizes and dtypes change every round (so a tag left over
+#: from an earlier round would be caught as a mismatch), plain and fused interleave, a block
+#: count above and below the data, 20000 bf16 elements give block 0 two chunks at NB=2.
+MATCHED = [
+    ("all_reduce", 5, BF), ("all_reduce", 4096, BF), ("fused", 3, 40, F16),
+    ("all_reduce", 5, BF), ("all_reduce", 20000, BF), ("all_reduce", 300, F32),
+    ("fused", 5, 16, BF), ("all_reduce", 4096, F16), ("all_reduce", 4096, F16),
+]
+
+
+@pytest.mark.parametrize("W,NB", [(2, 2), (3, 4)])
+def test_matched_rounds_sum_and_leave_everything_idle(W, NB):
+    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED)
+    assert not fails, "\n".join(fails[:20])
+
+
+A = ("all_reduce", 4096, BF)
+MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
+    "sizes": ("all_reduce", 8192, BF),
+    "fewer-blocks": ("all_reduce", 300, BF),
+    "dtypes": ("all_reduce", 4096, F16),
+    "dtype-widths": ("all_reduce", 4096, F32),
+    "same-bytes": ("all_reduce", 2048, F32),
+    "fused-vs-plain": ("fused", 64, 64, BF),
+}
+
+
+@pytest.mark.parametrize("name", list(MISMATCHES))
+def test_mismatch_is_reported_on_every_rank(name):
+    from llcomm import protocol as P
+    other = MISMATCHES[name]
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other])
+    ops = [P.OPS[P.OP_LAMPORT], P.OPS[P.OP_LAMPORT if other[0] == "all_reduce" else
+                                       P.OP_FUSED_LAMPORT]]
+    for r in range(2):
+        assert seen[r] == ["CommMismatchError", ops[r], P.PHASES[P.PHASE_DATA], [1 - r]], (r, seen)
+
+
+def test_fused_row_shapes_mismatch():
+    """Same element count, other row length: the fused tag mixes in ``hidden``."""
+    from llcomm import protocol as P
+    warm = ("fused", 2, 8, BF)
+    seen = _run_in_interpreter("simulate_mismatch", 2, 3, warm, [("fused", 2, 8, BF),
+                                                                  ("fused", 4, 4, BF)])
+    for r in range(2):
+        assert seen[r] == ["CommMismatchError", P.OPS[P.OP_FUSED_LAMPORT],
+                           P.PHASES[P.PHASE_DATA], [1 - r]], (r, seen)
+
+
+def test_mismatch_names_the_first_disagreeing_source():
+    """W = 3, rank 2 disagrees: ranks 0 and 1 name rank 2; rank 2 names rank 0 (its first
+    source) and waits for nobody after it."""
+    from llcomm import protocol as P
+    seen = _run_in_interpreter("simulate_mismatch", 3, 2, A, [A, A, ("all_reduce", 4104, BF)])
+    want = [[2], [2], [0]]
+    for r in range(3):
+        assert seen[r] == ["CommMismatchError", P.OPS[P.OP_LAMPORT], P.PHASES[P.PHASE_DATA],
+                           want[r]], (r, seen)
+
+
+def test_rank_that_never_pushed_is_a_timeout():
+    from llcomm import protocol as P
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, A], [0])
+    assert seen[0] == ["CommTimeoutError", P.OPS[P.OP_LAMPORT], P.PHASES[P.PHASE_DATA], [1]]
