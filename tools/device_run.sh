@@ -32,7 +32,7 @@ run_tests() {
                                        tests/test_tune.py tests/test_cli.py tests/test_faults_gpu.py)
     for f in "${files[@]}"; do
         local log=$DIR/tests/$(basename "$f" .py).log budget=${TEST_S[$f]:-240}
-        timeout "$budget" python -m pytest "$f" -m gpu -v -rfE --tb=short \
+        timeout "$budget" python -m pytest "$f" -m gpu -v -rA --tb=short \
             ${per_test[@]/%/=$((budget / 2))} > "$log" 2>&1
         echo "$f: exit $? ($(grep -cE ' PASSED' "$log") passed, $(grep -cE ' FAILED| ERROR' "$log") failed)" \
             | tee -a "$SUMMARY"
