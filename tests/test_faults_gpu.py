@@ -296,13 +296,24 @@ CYCLES = 200
 WARM = 5
 
 
+def _live_cuda_tensors() -> dict:
+    """Python-visible CUDA tensors by (shape, dtype): says whether growth is ours or torch's."""
+    seen = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.is_cuda:
+            key = f"{tuple(o.shape)}:{o.dtype}"
+            seen[key] = seen.get(key, 0) + 1
+    return seen
+
+
 def _usage():
     gc.collect()
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return {"used_mib": (total - free) / 2**20,
             "allocated_mib": torch.cuda.memory_allocated() / 2**20,
-            "fds": len(os.listdir("/proc/self/fd"))}
+            "fds": len(os.listdir("/proc/self/fd")),
+            "live_tensors": _live_cuda_tensors()}
 
 
 def _resources_body(rank, ws, what):
@@ -343,8 +354,12 @@ MAX_FD_GROWTH = 16
 def test_create_destroy_does_not_leak(what):
     got = run_distributed(_resources_body, 2, what, backend="nccl", timeout=600)
     for rank, (start, seen, end) in enumerate(got):
+        tensors = [u.pop("live_tensors") for u in (start, *seen, end)]
+        grown = {k: (tensors[0].get(k, 0), n) for k, n in tensors[-1].items()
+                 if n > tensors[0].get(k, 0)}
         print(f"\n[{what}] rank {rank}: after {WARM} warm-up cycles {start}; "
-              f"midway {seen[0]}; after {CYCLES} more {end}")
+              f"midway {seen[0]}; after {CYCLES} more {end}; live CUDA tensors that grew "
+              f"(start, end): {grown or 'none'}")
         assert end["used_mib"] - start["used_mib"] <= MAX_USED_GROWTH_MIB, (start, end)
         assert end["allocated_mib"] - start["allocated_mib"] <= MAX_ALLOCATED_GROWTH_MIB
         assert end["fds"] - start["fds"] <= MAX_FD_GROWTH, (start, end)

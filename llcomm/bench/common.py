@@ -566,11 +566,34 @@ class _NoProgress:
         pass
 
 
+#: Without a terminal (a log file, the GPU machine's output), progress is a plain line at each
+#: tenth of the work: a live bar writes nothing there, and a run killed by a timeout would
+#: otherwise leave no trace of how far it got.
+LOG_LINES = 10
+
+
+class _LogLines:
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done, self.t0 = max(total, 1), desc, 0, time.perf_counter()
+        self.next_at = self.total / LOG_LINES
+
+    def advance(self, text: str = "") -> None:
+        self.done += 1
+        if self.done >= self.next_at or self.done == self.total:
+            self.next_at += self.total / LOG_LINES
+            print(f"{self.desc}: {self.done}/{self.total} {text} "
+                  f"({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def progress(total: int, desc: str, enabled: bool = True):
-    """A progress bar on stderr (rich, else tqdm, else nothing); yields ``.advance(text)``."""
+    """A progress bar on stderr (rich, else tqdm, else nothing; plain lines without a terminal);
+    yields ``.advance(text)``, one call per unit of ``total``."""
     if not enabled:
         yield _NoProgress()
+        return
+    if not sys.stderr.isatty():
+        yield _LogLines(total, desc)
         return
     try:
         from rich.console import Console

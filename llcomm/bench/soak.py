@@ -221,7 +221,8 @@ def rank_main(rank: int, world: int, cfg: SoakConfig) -> dict:
     failures: list[str] = []
     t0 = time.perf_counter()
     done = 0
-    with C.progress(cfg.ops, "soak", enabled=cfg.progress and rank == 0) as bar:
+    checks = -(-cfg.ops // cfg.check_every)  # the bar advances once per check
+    with C.progress(checks, "soak", enabled=cfg.progress and rank == 0) as bar:
         try:
             for i in range(cfg.ops):
                 if cfg.ep_every and i % cfg.ep_every == cfg.ep_every - 1:
