@@ -17,9 +17,11 @@ def _bits(t):
 
 
 def _case(rank, seed, n):
+    """The TP operand has the same shape on every rank (a join's contract: a different size is a
+    mismatch, and the Lamport tag reports it); only EP token counts differ per rank."""
     g = torch.Generator(device="cuda")
     g.manual_seed(seed * 131 + rank)
-    x = torch.randn(n, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(T - seed, 4096, generator=g, device="cuda").to(torch.bfloat16)
     xe = torch.randn(n, H, generator=g, device="cuda").to(torch.bfloat16)
     topk_idx = torch.randint(-1, E, (n, TOPK), generator=g, device="cuda")
     w = torch.rand(n, TOPK, generator=g, device="cuda")
@@ -46,7 +48,7 @@ def _compile_body(rank, ws):
 
     compiled = torch.compile(step, fullgraph=True)
     for seed in range(4):
-        args = _case(rank, seed, n=T - rank - seed)    # token counts differ per rank and call
+        args = _case(rank, seed, n=T - rank - seed)    # EP token counts differ per rank
         want = step(*args)
         got = compiled(*args)
         torch.cuda.synchronize()
