@@ -34,9 +34,11 @@ EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HANDLE_SLOTS = 2
 #: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
 #: block owns many tokens, so the scan's compare tile (tokens x top-k x the block's entries)
-#: stays within SCAN_TILE_ELEMS.
-TOPK_TILE_TOKENS = 32
-SCAN_TILE_ELEMS = 4096
+#: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
+TOPK_TILE_TOKENS = 128
+SCAN_TILE_ELEMS = 8192
+#: Env override of TOPK_TILE_TOKENS (a power of two; an A/B knob until measured).
+SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -67,6 +69,15 @@ def wait_lanes_block() -> bool:
     return raw == "block"
 
 
+def _env_pow2(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) < 1 or int(raw) & (int(raw) - 1):
+        raise ValueError(f"{name}={raw!r}: expected a power of two")
+    return int(raw)
+
+
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
@@ -85,6 +96,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
                   MASKS=0, PROFILE=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
+        tile_tokens = _env_pow2(SCAN_TILE_ENV, 0)
+    if not tile_tokens:
         per_token = _pow2(topk) * jp * _pow2(topk)     # top-k x this block's entries
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)

@@ -287,14 +287,11 @@ def _masked(msk, s):
 
 
 @triton.jit
-def _first_in_tile(tile, valid, KP: tl.constexpr):
-    """``[TT, KP]`` mask: entry k of a row is valid and no earlier valid entry of the row names
-    its expert (a token that lists an expert twice gets one row; combine still applies both
-    weights)."""
-    ks = tl.arange(0, KP)
-    earlier = ks[None, None, :] < ks[None, :, None]
-    same = (tile[:, :, None] == tile[:, None, :]) & earlier & valid[:, None, :]
-    return valid & (tl.max(same.to(tl.int32), axis=2) == 0)
+def _routed(tile, ids):
+    """``[TT, N]``: token row t of ``tile`` (``[TT, KP]``, invalid entries -2) names expert
+    ``ids[n]``. A token that lists an expert twice still counts once (it gets one row; combine
+    applies both weights); ids of -1 (no expert) match nothing."""
+    return tl.max((tile[:, :, None] == ids[None, None, :]).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -381,12 +378,10 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         m2 = (ts < n_tok)[:, None] & kmask[None, :]
         tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
         nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1), axis=0)
-        first = _first_in_tile(tile, (tile >= 0) & (tile < E), KP)
-        hit = (tile[:, :, None] == es[None, None, :]) & first[:, :, None]
-        cnt += tl.sum(tl.sum(hit.to(tl.int32), axis=0), axis=0)
-        before = (tile[:, :, None] == flat_e[None, None, :]) & first[:, :, None] \
-            & (ts[:, None, None] < flat_t[None, None, :])
-        pre += tl.sum(tl.sum(before.to(tl.int32), axis=0), axis=0)
+        tile = tl.where((tile >= 0) & (tile < E), tile, -2)
+        cnt += tl.sum(_routed(tile, es), axis=0)
+        before = _routed(tile, flat_e) & (ts[:, None] < flat_t[None, :]).to(tl.int32)
+        pre += tl.sum(before, axis=0)
     pre2 = tl.reshape(pre, (JP, KP))
     _stamp(err, 1, PROFILE, 0, NB)      # top-k scan done
 
@@ -605,25 +600,25 @@ def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, msk, T: tl.constex
     bit mask ``msk`` (masked ranks) are skipped: their weights may not have come."""
     b = tl.program_id(0)
     DT = eo.dtype.element_ty
-    ks = tl.arange(0, KP)
-    kmask = ks < K
     hs = tl.arange(0, HP)
     hm = hs < H
     wl = _at(tab, rank, set_off + OFF_CW, tl.float32)
     for s in range(W):
         n_s = tl.where(_masked(msk, s), 0, tl.load(ntok_in + s))
         for t in range(b, n_s, NB):
-            # the pair's rows and weights as vectors (two loads), entries picked out by exact
-            # integer sums: no chain of dependent scalar loads per entry
-            rr = tl.load(row_of + (s * T + t) * K + ks, mask=kmask, other=-1)
-            if tl.max(rr, axis=0) >= 0:
-                wb = tl.load(wl + (s * T + t) * MAX_TOPK + ks, mask=kmask,
-                             other=0.0).to(tl.int32, bitcast=True)
+            # the pair's rows and weights as 2 K scalar loads with known addresses, issued
+            # together: no block-wide reduction (a barrier each) to pick entries out of a
+            # vector, no load whose address waits for another
+            rows = row_of + (s * T + t) * K
+            wts = wl + (s * T + t) * MAX_TOPK
+            any_row = tl.full([], -1, tl.int32)
+            for k in tl.static_range(K):
+                any_row = tl.maximum(any_row, tl.load(rows + k))
+            if any_row >= 0:
                 acc = tl.zeros([HP], tl.float32)
                 for k in tl.static_range(K):
-                    pick = ks == k
-                    r_k = tl.sum(tl.where(pick, rr, 0), axis=0)
-                    w_k = tl.sum(tl.where(pick, wb, 0), axis=0).to(tl.float32, bitcast=True)
+                    r_k = tl.load(rows + k)
+                    w_k = tl.load(wts + k)
                     # no branch around the load: every entry's row is requested at once
                     y = tl.load(eo + tl.maximum(r_k, 0).to(tl.int64) * H + hs,
                                 mask=hm & ((hs * 0 + r_k) >= 0), other=0.0).to(tl.float32)
