@@ -39,12 +39,15 @@ TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
 #: Env override of TOPK_TILE_TOKENS (a power of two; an A/B knob until measured).
 SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
+#: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
+#: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
+ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
-#: How the EP waits poll their flags (an A/B knob until it is measured, docs/performance.md).
+#: How the EP waits poll their flags (measured: docs/performance.md, session 4).
 WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
 #: Env override of the EP kernels' num_warps (a tuning knob).
 NUM_WARPS_ENV = "LLCOMM_EP_NUM_WARPS"
@@ -61,9 +64,10 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def wait_lanes_block() -> bool:
-    """How EP waits poll (kernels/ep.py ``_wait_flags``): ``LLCOMM_EP_WAIT_LANES=block``
-    (default) spreads the flags over 1024 lanes, ``flags`` polls each flag once per warp."""
-    raw = os.environ.get(WAIT_LANES_ENV, "block")
+    """How EP waits poll (kernels/ep.py ``_wait_flags``): ``LLCOMM_EP_WAIT_LANES=flags``
+    (default) polls each flag once per warp, ``block`` spreads the flags over 1024 lanes. On
+    2xH200 ``flags`` gave the faster dispatch in two runs (docs/performance.md)."""
+    raw = os.environ.get(WAIT_LANES_ENV, "flags")
     if raw not in ("block", "flags"):
         raise ValueError(f"{WAIT_LANES_ENV}={raw!r}: expected 'block' or 'flags'")
     return raw == "block"
@@ -75,6 +79,14 @@ def _env_pow2(name: str, default: int) -> int:
         return default
     if not raw.isdigit() or int(raw) < 1 or int(raw) & (int(raw) - 1):
         raise ValueError(f"{name}={raw!r}: expected a power of two")
+    return int(raw)
+
+
+def rows_first() -> int:
+    """ROWS_FIRST of the dispatch kernel: 1 unless ``LLCOMM_EP_ROWS_FIRST=0``."""
+    raw = os.environ.get(ROWS_FIRST_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ROWS_FIRST_ENV}={raw!r}: expected 0 or 1")
     return int(raw)
 
 
@@ -107,7 +119,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
-             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"])
+             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
+             ROWS_FIRST=rows_first())
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W))
     return d, c, num_warps

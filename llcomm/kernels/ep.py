@@ -341,73 +341,16 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _send(x, topk, n_tok, tab, err, rank, set_off,
-          T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
-          KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
-          WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
-          JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
-          OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
-          FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, PROFILE: tl.constexpr):
-    """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
-
-    Block b owns experts ``b + NB * i`` (counts) and tokens ``b + NB * j`` (rows). One scan over
-    this rank's top-k rows, a tile of TT tokens at a time, yields both the counts of its experts
-    and, for each top-k entry of its tokens, the number of earlier tokens routed to the same
-    expert (the prefix that fixes the row on the receiver).
-    """
+def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
+               HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+               W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
+               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
+    """Each of this block's token rows once per destination rank (which ranks: a bit mask from
+    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
-    ks = tl.arange(0, KP)
-    kmask = ks < K
     hs = tl.arange(0, HP)
     hm = hs < H
-    es = b + NB * tl.arange(0, EB)
-    emask = es < E
-    # this block's tokens and their entries, [JP, KP] and flattened [JP * KP]
-    mt = b + NB * tl.arange(0, JP)
-    mine = tl.load(topk + mt[:, None] * K + ks[None, :],
-                   mask=(mt < n_tok)[:, None] & kmask[None, :], other=-1)
-    mine = tl.where((mine >= 0) & (mine < E), mine, -1)
-    flat_e = tl.reshape(mine, (JP * KP,))
-    flat_t = tl.reshape(mt[:, None] + 0 * ks[None, :], (JP * KP,))
-    cnt = tl.zeros([EB], tl.int32)
-    pre = tl.zeros([JP * KP], tl.int32)
-    nbad = tl.full([], 0, tl.int32)
-    for t0 in range(0, n_tok, TT):
-        ts = t0 + tl.arange(0, TT)
-        m2 = (ts < n_tok)[:, None] & kmask[None, :]
-        tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
-        nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1), axis=0)
-        tile = tl.where((tile >= 0) & (tile < E), tile, -2)
-        cnt += tl.sum(_routed(tile, es), axis=0)
-        before = _routed(tile, flat_e) & (ts[:, None] < flat_t[None, :]).to(tl.int32)
-        pre += tl.sum(before, axis=0)
-    pre2 = tl.reshape(pre, (JP, KP))
-    _stamp(err, 1, PROFILE, 0, NB)      # top-k scan done
-
-    # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
-    #    out-of-range ids count as -1 and are reported (block 0 saw every token).
-    dst = es // L
-    cbase = tl.load(tab + dst, mask=emask, other=0)
-    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
-    tl.store(cptr, cnt, mask=emask)
-    if b == 0:
-        if nbad > 0:
-            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
-        ps = tl.arange(0, WP)
-        nbase = tl.load(tab + ps, mask=ps < W, other=0)
-        nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
-        tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
-
-    # 2. metadata of this block's tokens to every rank (one [JP, KP] store per rank), then each
-    #    token row once per destination rank (which ranks: a bit mask from scalar loads).
-    valid2 = mine >= 0
-    dv2 = tl.where(valid2, mine // L, -1)
-    meta2 = tl.where(valid2, ((mine - dv2 * L) << META_SHIFT) | pre2, -1).to(tl.int32)
-    live2 = (mt < n_tok)[:, None] & kmask[None, :]
-    for d in tl.static_range(W):
-        mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + mt[:, None]) * MAX_TOPK
-        tl.store(mp + ks[None, :], tl.where(dv2 == d, meta2, -1), mask=live2)
     for j in range(0, JP):
         t = b + NB * j
         if t < n_tok:
@@ -430,6 +373,85 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
                     if (bits >> d) & 1:
                         xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
                         tl.store(xp + hs, v, mask=hm)
+
+
+@triton.jit
+def _send(x, topk, n_tok, tab, err, rank, set_off,
+          T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+          KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
+          WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
+          JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+          OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+          FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
+          PROFILE: tl.constexpr):
+    """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
+
+    ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
+    top-k), so they cross NVLink while the block scans; the release before the signal then
+    waits for less. Otherwise they go out last, after the counts and the metadata.
+
+    Block b owns experts ``b + NB * i`` (counts) and tokens ``b + NB * j`` (rows). One scan over
+    this rank's top-k rows, a tile of TT tokens at a time, yields both the counts of its experts
+    and, for each top-k entry of its tokens, the number of earlier tokens routed to the same
+    expert (the prefix that fixes the row on the receiver).
+    """
+    b = tl.program_id(0)
+    if ROWS_FIRST:
+        _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
+                   NS, OFF_SC)
+        _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    es = b + NB * tl.arange(0, EB)
+    emask = es < E
+    # this block's tokens and their entries, [JP, KP] and flattened [JP * KP]
+    mt = b + NB * tl.arange(0, JP)
+    mine = tl.load(topk + mt[:, None] * K + ks[None, :],
+                   mask=(mt < n_tok)[:, None] & kmask[None, :], other=-1)
+    mine = tl.where((mine >= 0) & (mine < E), mine, -1)
+    flat_e = tl.reshape(mine, (JP * KP,))
+    flat_t = tl.reshape(mt[:, None] + 0 * ks[None, :], (JP * KP,))
+    cnt = tl.zeros([EB], tl.int32)
+    pre = tl.zeros([JP * KP], tl.int32)
+    nbad = tl.full([], 0, tl.int32)
+    for t0 in range(0, n_tok, TT):
+        ts = t0 + tl.arange(0, TT)
+        m2 = (ts < n_tok)[:, None] & kmask[None, :]
+        tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
+        nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1), axis=0)
+        tile = tl.where((tile >= 0) & (tile < E), tile, -2)
+        cnt += tl.sum(_routed(tile, es), axis=0)
+        before = _routed(tile, flat_e) & (ts[:, None] < flat_t[None, :]).to(tl.int32)
+        pre += tl.sum(before, axis=0)
+    pre2 = tl.reshape(pre, (JP, KP))
+    if not ROWS_FIRST:
+        _stamp(err, 1, PROFILE, 0, NB)  # top-k scan done
+
+    # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
+    #    out-of-range ids count as -1 and are reported (block 0 saw every token).
+    dst = es // L
+    cbase = tl.load(tab + dst, mask=emask, other=0)
+    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
+    tl.store(cptr, cnt, mask=emask)
+    if b == 0:
+        if nbad > 0:
+            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
+        ps = tl.arange(0, WP)
+        nbase = tl.load(tab + ps, mask=ps < W, other=0)
+        nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
+        tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
+
+    # 2. metadata of this block's tokens to every rank (one [JP, KP] store per rank)
+    valid2 = mine >= 0
+    dv2 = tl.where(valid2, mine // L, -1)
+    meta2 = tl.where(valid2, ((mine - dv2 * L) << META_SHIFT) | pre2, -1).to(tl.int32)
+    live2 = (mt < n_tok)[:, None] & kmask[None, :]
+    for d in tl.static_range(W):
+        mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + mt[:, None]) * MAX_TOPK
+        tl.store(mp + ks[None, :], tl.where(dv2 == d, meta2, -1), mask=live2)
+    if not ROWS_FIRST:
+        _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
+                   NS, OFF_SC)
 
 
 @triton.jit
@@ -530,6 +552,7 @@ def dispatch_kernel(
         STAGES: tl.constexpr,           # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
+        ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
         PROFILE: tl.constexpr = 0):     # 1: stage stamps into err (ERR_PROF; _stamp)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
@@ -539,7 +562,8 @@ def dispatch_kernel(
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     if STAGES & 1:
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
-              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, PROFILE)
+              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
+              PROFILE)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
