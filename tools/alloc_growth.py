@@ -6,8 +6,8 @@ tests/test_faults_gpu.py's leak test saw ``torch.cuda.memory_allocated()`` grow 
 per Communicator or EPBuffer cycle while the driver's used memory, the open file descriptors and
 the Python-visible CUDA tensors stayed flat. This repeats each ingredient of a cycle on its own,
 ``--cycles`` times, and prints the growth per cycle: torch.distributed's barrier and object
-exchange (which the constructors call), then Communicator and EPBuffer create + close without
-an op, then with one op.
+exchange (which the constructors call), torch's symmetric-memory allocation + rendezvous alone
+(the workspace's), then Communicator and EPBuffer create + close without an op, then with one.
 """
 import argparse
 import gc
@@ -50,7 +50,15 @@ def _steps():
             b.check()
         b.close()
 
+    def symm():
+        import torch.distributed._symmetric_memory as symm_mem
+        buf = symm_mem.empty(1 << 16, dtype=torch.uint8, device="cuda")
+        symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+        torch.cuda.synchronize()
+        dist.barrier()
+
     return {"dist.barrier": lambda: dist.barrier(),
+            "symm_mem.empty+rendezvous (torch alone)": symm,
             "dist.all_gather_object": lambda: dist.all_gather_object([None] * dist.get_world_size(),
                                                                      ("x", 1)),
             "Communicator create+close": lambda: comm(False),
