@@ -37,7 +37,9 @@ HANDLE_SLOTS = 2
 #: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
-#: Env override of TOPK_TILE_TOKENS (a power of two; an A/B knob until measured).
+#: Env override of the scan tile (a power of two). On 2xH200 at 128 tokens a 128-token tile beat
+#: 32-token tiles by 2.1 us (docs/performance.md, session 4). Every EP knob below may differ
+#: between ranks: none changes what crosses between them.
 SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).

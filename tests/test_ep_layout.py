@@ -118,14 +118,36 @@ def test_fp8_size_hint_refusals():
 
 
 def test_wait_lanes_knob(monkeypatch):
-    """LLCOMM_EP_WAIT_LANES picks how the EP waits poll: 1024 lanes, or one lane per flag."""
+    """LLCOMM_EP_WAIT_LANES picks how the EP waits poll: one lane per flag (default), or 1024."""
     from llcomm.ep import WAIT_LANES_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, c, _ = kernel_consts(lay, 8)
-    assert (d["LANES"], c["LANES"]) == (MAX_WAIT_FLAGS, MAX_WAIT_FLAGS)
-    monkeypatch.setenv(WAIT_LANES_ENV, "flags")
-    d, c, _ = kernel_consts(lay, 8)
     assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
+    monkeypatch.setenv(WAIT_LANES_ENV, "block")
+    d, c, _ = kernel_consts(lay, 8)
+    assert (d["LANES"], c["LANES"]) == (MAX_WAIT_FLAGS, MAX_WAIT_FLAGS)
     monkeypatch.setenv(WAIT_LANES_ENV, "warps")
     with pytest.raises(ValueError, match=WAIT_LANES_ENV):
         kernel_consts(lay, 8)
+
+
+def test_order_and_tile_knobs(monkeypatch):
+    """Defaults: rows before the scan, own pairs not first, one 128-token scan tile at 128
+    tokens (fewer tokens per tile when a block owns more tokens); each env knob overrides and
+    refuses a bad value by name."""
+    from llcomm.ep import OWN_FIRST_ENV, ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
+    lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
+    d, c, _ = kernel_consts(lay, 8)
+    assert (d["ROWS_FIRST"], c["OWN_FIRST"], d["TT"]) == (1, 0, 128)
+    big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
+    assert kernel_consts(big, 8)[0]["TT"] * 8 * 4 * 8 <= 8192   # tile x top-k x own entries
+    for name, value, key in ((ROWS_FIRST_ENV, "0", "ROWS_FIRST"), (SCAN_TILE_ENV, "32", "TT")):
+        monkeypatch.setenv(name, value)
+        assert kernel_consts(lay, 8)[0][key] == int(value)
+    monkeypatch.setenv(OWN_FIRST_ENV, "1")
+    assert kernel_consts(lay, 8)[1]["OWN_FIRST"] == 1
+    for name, bad in ((ROWS_FIRST_ENV, "2"), (OWN_FIRST_ENV, "yes"), (SCAN_TILE_ENV, "48")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            kernel_consts(lay, 8)
+        monkeypatch.delenv(name)
