@@ -679,8 +679,6 @@ def _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T: tl.constexpr, H:
     token routed to masked ranks only gets zeros."""
     b = tl.program_id(0)
     DT = out.dtype.element_ty
-    ks = tl.arange(0, KP)
-    kmask = ks < K
     hs = tl.arange(0, HP)
     hm = hs < H
     cl = _at(tab, rank, set_off + OFF_CX, DT)
