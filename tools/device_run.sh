@@ -67,4 +67,10 @@ case "${1:-}" in
     timeline) shift; run_timeline "$@" ;;
     *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline [what ...]" >&2; exit 2 ;;
 esac
+# The device tool brings back at most 8 files from $OUT per call (more are dropped): past that,
+# everything but the summary travels as one archive (tar xzf device-files.tgz here).
+if [[ $(find "$DIR" -type f | wc -l) -gt 8 ]]; then
+    tar czf "$DIR/device-files.tgz" -C "$DIR" tests results && rm -rf "$DIR/tests" "$DIR/results"
+    echo "(logs and results packed into $DIR/device-files.tgz)" >> "$SUMMARY"
+fi
 echo "--- summary ($DIR)"; cat "$SUMMARY"
