@@ -192,8 +192,9 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     arrived, for the caller to mask. Otherwise it returns ``(ok, 0)``."""
     # LANES lanes, each polling flag ``lane % NP``. LANES = BLOCK_WIDE: every lane's view goes
     # straight into the block-wide maximum. LANES = NP: fewer words per poll, replicated across
-    # warps (each warp has its own view), reduced first, then the maximum. Which is faster is
-    # to be measured (docs/performance.md; LLCOMM_EP_WAIT_LANES picks).
+    # warps (each warp has its own view), reduced first, then the block-wide maximum with the
+    # clock's BLOCK_WIDE lanes. NP is the default: on 2xH200 its dispatch was about 2 us
+    # faster (docs/performance.md, session 4; LLCOMM_EP_WAIT_LANES picks).
     tl.static_assert((NP <= LANES) & (LANES <= BLOCK_WIDE))
     lane = tl.arange(0, LANES)
     i = lane % NP
