@@ -33,6 +33,14 @@ SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words s
 #: Bytes of a Lamport tag word (int32, one per half, block and source rank; idle at 0), kept
 #: after the data words in the Lamport region (kernels/_lamport.py).
 LAMPORT_TAG_BYTES = 4
+#: LL broadcast / all-gather (kernels/ll.py: every 4-byte word travels with its epoch, no
+#: barrier) for messages up to LLCOMM_LL_BYTES bytes; 0 (the default) keeps the flagged kernels
+#: until the LL ones are measured on GPUs. Every rank must use the same value. At most
+#: LL_MAX_BYTES: the LL region holds 2 halves x W sources x twice the bytes.
+LL_BYTES_ENV = "LLCOMM_LL_BYTES"
+LL_MAX_BYTES = 64 << 10
+#: Bytes of an LL word: a 4-byte data word and its 4-byte epoch.
+LL_WORD_BYTES = 8
 #: Two-shot shards are rounded to this many elements so every shard starts 16-byte aligned.
 SHARD_ALIGN = 16
 #: Staging halves used alternately by consecutive ops (see kernels/all_reduce.py for why 2).
@@ -54,6 +62,14 @@ FUSED_MAX_WARPS = 16
 FUSED_MIN_BLOCK = 16
 
 _TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def ll_bytes_setting() -> int:
+    """LLCOMM_LL_BYTES (default 0: off), at most LL_MAX_BYTES."""
+    raw = os.environ.get(LL_BYTES_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{LL_BYTES_ENV}={raw!r}: expected a byte count (0 turns LL off)")
+    return min(int(raw), LL_MAX_BYTES)
 
 
 def _launch_shape(n: int, itemsize: int, nb: int) -> tuple[int, int]:
@@ -79,11 +95,12 @@ class PeerBackend:
 
     def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int):
         import triton.language as tl  # kernels need Triton: fail here, not mid-op
-        from .kernels import all_reduce, fused_norm, movement
+        from .kernels import all_reduce, fused_norm, ll, movement
 
         self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
         self._k_mv = movement
+        self._k_ll = ll
         self._k_fn = fused_norm
         self.group = group
         self.rank = dist.get_rank(group)
@@ -93,6 +110,7 @@ class PeerBackend:
         self.max_bytes = max_bytes
         self.timeout_us = timeout_ms * P.US_PER_MS
         self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
+        self.ll_bytes = min(max_bytes, ll_bytes_setting()) // 4 * 4
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
@@ -102,6 +120,7 @@ class PeerBackend:
             "stage": HALVES * W * self.cap_bytes,
             "gather": HALVES * self.cap_bytes,
             "lamport": lamport_data + HALVES * nb * W * LAMPORT_TAG_BYTES,
+            "ll": HALVES * W * self.ll_bytes // 4 * LL_WORD_BYTES,
         }, self.device)
         self.ws.local("lamport", torch.int16)[:lamport_data // 2].fill_(SENTINEL16)
         torch.cuda.synchronize(self.device)
@@ -112,7 +131,8 @@ class PeerBackend:
         self.ctrl = ctrl[:nb]
         self.err = ctrl[nb:]
         self.flags = self.ws.local("flags", torch.int64)
-        self.tabs = {name: self.ws.table(name) for name in ("flags", "stage", "gather", "lamport")}
+        self.tabs = {name: self.ws.table(name)
+                     for name in ("flags", "stage", "gather", "lamport", "ll")}
         self.tabs["lamport_tags"] = self.tabs["lamport"] + lamport_data
         # Host-visible error word: pinned host memory is mapped into the GPU's address space
         # (UVA), so kernels store to it directly and the host reads it without a sync.
@@ -223,12 +243,30 @@ class PeerBackend:
         return [t.view(-1).view(torch.uint8).view(torch.int32 if words else torch.uint8)
                 for t in ts]
 
+    def _ll(self, xb: torch.Tensor, n: int, numel_tag: int, dtype: torch.dtype, op: int,
+            out: torch.Tensor, part: int, src: int) -> bool:
+        """Launch the LL kernel (kernels/ll.py) if LL is on and the message fits in 4-byte
+        words; else return False for the flagged kernel."""
+        if xb.element_size() != 4 or n * 4 > self.ll_bytes:
+            return False
+        block, warps = _launch_shape(n, 4, self.nb)
+        self._launch(self._k_ll.ll_gather_kernel, self.nb, (
+            xb, out, n, part, src, self.tabs["ll"], self.tabs["lamport_tags"], self.ctrl,
+            self.err, self.rank, self._lamport_tag(op, numel_tag, dtype), self.timeout_us,
+            self.ll_bytes // 4), warps,
+            op=op, BCAST=int(op == P.OP_BROADCAST), W=self.world_size, WP=self.WP, NB=self.nb,
+            BLOCK=block, STAGES=self._k_ar.ALL_STAGES)
+        return True
+
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         xb, = self._word_views(x.numel() * x.element_size(), x)
         n = xb.numel()
         if n == 0:
             return x
         self._precheck()
+        # the root is in the LL tag: ranks that disagree about it are a mismatch
+        if self._ll(xb, n, n * GATHER_TAG_MIX + src, x.dtype, P.OP_BROADCAST, xb, n, src):
+            return x
         block, warps = _launch_shape(n, xb.element_size(), self.nb)
         self._launch(self._k_mv.broadcast_kernel, self.nb, (
             xb, n, src, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
@@ -243,6 +281,9 @@ class PeerBackend:
         if n == 0:
             return out
         self._precheck()
+        if self._ll(xb, n, n * GATHER_TAG_MIX + n // rows, x.dtype, P.OP_ALL_GATHER, ob,
+                    n // rows, 0):
+            return out
         block, warps = _launch_shape(n, xb.element_size(), self.nb)
         self._launch(self._k_mv.all_gather_kernel, self.nb, (
             xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,

@@ -13,15 +13,12 @@ quantiser and against ``llcomm.ep_fp8.quantize`` (what the reference backend sen
 
 The interpreter is chosen when Triton is imported, so the simulation runs in a subprocess.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _interp import run_in_interpreter
+
 
 
 def _pow2(n):
@@ -202,16 +199,7 @@ def _bad_topk():
 
 
 def _run_in_interpreter(fn_name, *args):
-    code = ("import json, sys; sys.path.insert(0, {here!r}); import test_ep_kernels_cpu as m; "
-            "print('RESULT' + json.dumps(m.{fn}(*json.loads(sys.argv[1]))))").format(
-                here=HERE, fn=fn_name)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
-    assert p.returncode == 0 and line, f"interpreter run failed:\n{p.stdout}\n{p.stderr}"
-    return json.loads(line[0][len("RESULT"):])
+    return run_in_interpreter("test_ep_kernels_cpu", fn_name, *args)
 
 
 CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds

@@ -12,20 +12,15 @@ unchanged, every rank must hold the same bytes, and the in-place form (``out=x``
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import llcomm
 from _dist import run_distributed
+from _interp import run_in_interpreter
 from test_reference_tp import (assert_close_to_sum, assert_same_on_all_ranks, assert_written,
                                dname, numbers)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: (tokens, hidden): one token at hidden 8192, odd hiddens, more tokens than a block count.
 SHAPES = ((1, 8192), (7, 129), (64, 1000), (3, 1), (130, 64))
@@ -180,15 +175,7 @@ def simulate(W, NB, calls, dtype_name, algo):
 
 
 def _run_in_interpreter(*args):
-    code = ("import json, sys; sys.path.insert(0, {here!r}); import test_fused_norm_cpu as m; "
-            "print('RESULT' + json.dumps(m.simulate(*json.loads(sys.argv[1]))))").format(here=HERE)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
-    assert p.returncode == 0 and line, f"interpreter run failed:\n{p.stdout}\n{p.stderr}"
-    return json.loads(line[0][len("RESULT"):])
+    return run_in_interpreter("test_fused_norm_cpu", "simulate", *args)
 
 
 #: Consecutive calls on one set of buffers: halves alternate, rows loop past the block count,

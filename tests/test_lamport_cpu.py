@@ -16,14 +16,9 @@ alone reads each source once instead of polling the GPU clock). Checked:
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _interp import run_in_interpreter
 
 
 class Regions:
@@ -185,16 +180,7 @@ def _nbytes(spec) -> int:
 
 
 def _run_in_interpreter(fn_name, *args):
-    code = ("import json, sys; sys.path.insert(0, {here!r}); import test_lamport_cpu as m; "
-            "print('RESULT' + json.dumps(m.{fn}(*json.loads(sys.argv[1]))))").format(
-                here=HERE, fn=fn_name)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
-    assert p.returncode == 0 and line, f"interpreter run failed:\n{p.stdout}\n{p.stderr}"
-    return json.loads(line[0][len("RESULT"):])
+    return run_in_interpreter("test_lamport_cpu", fn_name, *args)
 
 
 BF, F16, F32 = "bfloat16", "float16", "float32"

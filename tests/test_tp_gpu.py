@@ -120,6 +120,87 @@ def test_broadcast_byte_exact():
     run_distributed(_broadcast_exact_body, 2, backend="nccl")
 
 
+LL_BYTES = 64 << 10
+
+
+def _random_words(nbytes, seed, rank):
+    """Any 32-bit patterns (NaN payloads, -0.0, denormals) as float32 words, or bytes."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed * 7919 + rank)
+    if nbytes % 4:
+        return torch.randint(0, 256, (nbytes,), generator=g, device="cuda", dtype=torch.uint8)
+    return torch.randint(-2 ** 31, 2 ** 31 - 1, (nbytes // 4,), generator=g, device="cuda",
+                         dtype=torch.int32).view(torch.float32)
+
+
+def _ll_body(rank, ws):
+    """LLCOMM_LL_BYTES on: broadcast / all_gather / all_gather_2d up to the LL limit take the LL
+    kernels, above it (and byte-sized rows) the flagged ones; interleaved with Lamport (which
+    shares the tag words) and one-shot all-reduces; byte-exact against NCCL, eager and in a
+    replayed graph on fresh inputs."""
+    import os
+
+    import llcomm
+    from llcomm.peer import LL_BYTES_ENV
+    os.environ[LL_BYTES_ENV] = str(LL_BYTES)
+    comm = _comm()
+    assert comm._impl.ll_bytes == LL_BYTES
+    ref = llcomm.Communicator(backend="reference")
+    seed = 0
+    for nbytes in (4, 6, 8 << 10, 8 << 10, 40000, LL_BYTES, LL_BYTES + 4, 1 << 20):
+        seed += 1
+        x = _random_words(nbytes, seed, rank)
+        for src in range(ws):
+            y = x.clone() if rank == src else torch.full_like(x, 7)
+            comm.broadcast(y, src)
+            assert torch.equal(_bits(y), _bits(ref.broadcast(x.clone(), src))), (nbytes, src)
+        got = comm.all_gather(x, out=torch.full((ws * x.numel(),), 7, dtype=x.dtype, device="cuda"))
+        assert torch.equal(_bits(got), _bits(ref.all_gather(x))), ("all_gather", nbytes)
+        a, _ = _inputs(2048, torch.bfloat16, seed, rank)
+        assert torch.equal(_bits(comm.all_reduce(a, algo="lamport")),
+                           _bits(comm.all_reduce(a, algo="one_shot")))
+        if x.numel() % 8 == 0:
+            x2 = x.view(8, -1)
+            got = comm.all_gather_2d(x2)
+            assert torch.equal(_bits(got), _bits(ref.all_gather_2d(x2))), ("2d", nbytes)
+    # a replayed graph of LL ops (and a Lamport one between them), fresh inputs each replay
+    xs = _random_words(8 << 10, 0, rank)
+    a = torch.zeros(2048, dtype=torch.bfloat16, device="cuda")
+    outs = []
+
+    def step():
+        outs.clear()
+        outs.append(comm.all_gather(xs))
+        y = xs.clone()
+        outs.append(comm.broadcast(y, 1))
+        outs.append(comm.all_reduce(a, algo="lamport"))
+        outs.append(comm.all_gather_2d(xs.view(16, -1)))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for i in range(20):
+        xs.copy_(_random_words(8 << 10, 100 + i, rank))
+        a.copy_(_inputs(2048, torch.bfloat16, 100 + i, rank)[0])
+        g.replay()
+        assert torch.equal(_bits(outs[0]), _bits(ref.all_gather(xs))), i
+        assert torch.equal(_bits(outs[1]), _bits(ref.broadcast(xs.clone(), 1))), i
+        assert torch.equal(_bits(outs[2]), _bits(_oracle_sum(_inputs(2048, torch.bfloat16, 100 + i,
+                                                                      rank)[1]))), i
+        assert torch.equal(_bits(outs[3]), _bits(ref.all_gather_2d(xs.view(16, -1)))), i
+    comm.check()
+    comm.close()
+
+
+def test_ll_movement_byte_exact_eager_and_graph():
+    run_distributed(_ll_body, 2, backend="nccl", timeout=300)
+
+
 def _second_comm_body(rank, ws):
     a = _comm()
     b = _comm(max_bytes=1 << 20)
@@ -194,7 +275,13 @@ TIMEOUT_MS = 200
 
 
 def _timeout_body(rank, ws, op):
+    import os
+
     import llcomm
+    from llcomm.peer import LL_BYTES_ENV
+    if op.startswith("ll_"):    # the LL kernels (kernels/ll.py) for the movement op
+        os.environ[LL_BYTES_ENV] = str(LL_BYTES)
+        op = op[len("ll_"):]
     comm = _comm(timeout_ms=TIMEOUT_MS)
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     calls = {"one_shot": lambda: comm.all_reduce(x, algo="one_shot"),
@@ -214,7 +301,7 @@ def _timeout_body(rank, ws, op):
 
 
 @pytest.mark.parametrize("op", ["one_shot", "two_shot", "lamport", "broadcast", "all_gather",
-                                "reduce_scatter"])
+                                "reduce_scatter", "ll_broadcast", "ll_all_gather"])
 def test_missing_peer_times_out(op):
     msgs = run_distributed(_timeout_body, 2, op, backend="nccl")
     assert "did not arrive" in msgs[0]

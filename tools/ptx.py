@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llcomm.kernels import all_reduce, fused_norm, movement
+from llcomm.kernels import all_reduce, fused_norm, ll, movement
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -56,6 +56,19 @@ KERNELS = {
                         "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",
                         "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
                        {"W": 2, "WP": 2, "NB": 64, "BLOCK": 512}),
+    # LL movement (LLCOMM_LL_BYTES): an 8 KiB all_gather / broadcast, 2048 words over 128 blocks
+    "ll_all_gather_8k": (ll.ll_gather_kernel,
+                         {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32",
+                          "ll_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
+                          "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
+                         {"op": 5, "BCAST": 0, "W": 2, "WP": 2, "NB": 128, "BLOCK": 128,
+                          "STAGES": all_reduce.ALL_STAGES}, 1),
+    "ll_broadcast_8k": (ll.ll_gather_kernel,
+                        {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32",
+                         "ll_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
+                         "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
+                        {"op": 4, "BCAST": 1, "W": 2, "WP": 2, "NB": 128, "BLOCK": 128,
+                         "STAGES": all_reduce.ALL_STAGES}, 1),
     "reduce_scatter_bf16": (movement.reduce_scatter_kernel,
                             {"x": "*bf16", "out": "*bf16", "m_out": "i32", "stage_tab": "*i64",
                              "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",

@@ -83,6 +83,15 @@ def tag_slots(tag_tab, r, half, b, NB: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def receive_context(data_tab, tag_tab, rank, half, b, timeout_us, cap, DT: tl.constexpr,
+                    NB: tl.constexpr, W: tl.constexpr, POLL: tl.constexpr):
+    """What a block's receive half needs: this rank's half ``half`` of its data region (DT
+    words; source p's slot at ``+ p * cap``), its tag words of (half, b), and the wait bound."""
+    local = tl.multiple_of(ptr_from_table(data_tab, rank, DT), 16) + half * W * cap
+    return local, tag_slots(tag_tab, rank, half, b, NB, W), limit_ticks(timeout_us, POLL)
+
+
+@triton.jit
 def push_tag(tag_tab, half, b, rank, tag, NB: tl.constexpr, W: tl.constexpr,
              WP: tl.constexpr):
     """Store this rank's ``tag`` into ``tags[half][b][rank]`` of every rank: one plain store
@@ -95,12 +104,23 @@ def push_tag(tag_tab, half, b, rank, tag, NB: tl.constexpr, W: tl.constexpr,
 
 
 @triton.jit
+def _pending(v, m, SENTINEL: tl.constexpr, epoch, LL: tl.constexpr):
+    """Lanes whose word has not arrived: Lamport, the word is SENTINEL; LL (``kernels/ll.py``),
+    its high 32 bits are not this op's int32 ``epoch`` (lanes outside ``m`` never wait)."""
+    if LL:
+        pending = m & ((v >> 32).to(tl.int32) != epoch)
+    else:
+        pending = v == SENTINEL
+    return pending
+
+
+@triton.jit
 def _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL: tl.constexpr,
-          POLL: tl.constexpr):
-    """Read the words at ``src`` (lanes ``m``) until none is SENTINEL and, if ``check_tag``, the
-    tag at ``tag_ptr`` is written; bounded by ``limit`` ticks. Returns (words, status): status
-    POLL_DONE, STATUS_MISMATCH (the tag is not ``tag``: the words are not waited for),
-    STATUS_TIMEOUT, or POLL_SKIPPED when ``failed`` (no wait at all).
+          POLL: tl.constexpr, epoch=0, LL: tl.constexpr = 0):
+    """Read the words at ``src`` (lanes ``m``) until every one has arrived (``_pending``) and,
+    if ``check_tag``, the tag at ``tag_ptr`` is written; bounded by ``limit`` ticks. Returns
+    (words, status): status POLL_DONE, STATUS_MISMATCH (the tag is not ``tag``: the words are
+    not waited for), STATUS_TIMEOUT, or POLL_SKIPPED when ``failed`` (no wait at all).
 
     Each poll's decision comes from one block-wide maximum: the tag and the clock are per-thread
     readings, folded into every lane of the block's data, and the maximum spans every thread
@@ -115,7 +135,8 @@ def _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL: tl.constexpr
     status = tl.where(failed != 0, POLL_SKIPPED, 0)
     while status == 0:
         tag_seen = tl.where(got == 0, SEEN_WAITING, tl.where(got != tag, SEEN_WRONG, 0))
-        seen = tl.maximum(tl.where(v == SENTINEL, SEEN_WAITING, 0), tag_seen)
+        seen = tl.maximum(tl.where(_pending(v, m, SENTINEL, epoch, LL), SEEN_WAITING, 0),
+                          tag_seen)
         ticks = tl.minimum(tl.maximum(now - t0, 0) >> TICK_SHIFT, TICKS_MASK).to(tl.int32)
         both = tl.max((seen << SEEN_SHIFT) | ticks, axis=0)
         verdict = both >> SEEN_SHIFT

@@ -25,7 +25,7 @@ import triton.language as tl
 # PUSH, REDUCE, ALL_STAGES: lamport_kernel's stage bits, for the host and the tests
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ._lamport import limit_ticks, push_tag, receive, tag_slots
+from ._lamport import push_tag, receive, receive_context
 from ._sync import (EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us,
                     wait_peers)
 from .. import protocol as P
@@ -172,9 +172,8 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                 tl.store(dst + offs, v, mask=m)
     if STAGES & 2:      # REDUCE
         POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
-        local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
-        tags = tag_slots(tag_tab, rank, half, b, NB, W)
-        limit = limit_ticks(timeout_us, POLL)
+        local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us, cap,
+                                             IT, NB, W, POLL)
         # The first chunk's waits take the tags too: a block without data still runs that
         # chunk (all lanes masked) to take its tags, and the tags cost no poll of their own.
         failed = tl.zeros([], tl.int32)
