@@ -13,6 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from llcomm import protocol as P
 from llcomm.kernels import all_reduce, fused_norm, ll, movement
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -21,6 +22,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 def _sig(names, overrides):
     return {n: overrides.get(n, "i64") for n in names}
 
+
+LL_SIG = {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32", "ll_tab": "*i64",
+          "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32",
+          "timeout_us": "i32", "cap": "i64"}
+#: (constexprs follow the kernel's parameter order: compile_one indexes them by position)
+LL_8K = {"W": 2, "WP": 2, "NB": 128, "BLOCK": 128, "STAGES": all_reduce.ALL_STAGES}
 
 KERNELS = {
     "one_shot_bf16": (all_reduce.one_shot_kernel,
@@ -57,18 +64,8 @@ KERNELS = {
                         "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
                        {"W": 2, "WP": 2, "NB": 64, "BLOCK": 512}),
     # LL movement (LLCOMM_LL_BYTES): an 8 KiB all_gather / broadcast, 2048 words over 128 blocks
-    "ll_all_gather_8k": (ll.ll_gather_kernel,
-                         {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32",
-                          "ll_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
-                          "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                         {"op": 5, "BCAST": 0, "W": 2, "WP": 2, "NB": 128, "BLOCK": 128,
-                          "STAGES": all_reduce.ALL_STAGES}, 1),
-    "ll_broadcast_8k": (ll.ll_gather_kernel,
-                        {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32",
-                         "ll_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
-                         "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                        {"op": 4, "BCAST": 1, "W": 2, "WP": 2, "NB": 128, "BLOCK": 128,
-                         "STAGES": all_reduce.ALL_STAGES}, 1),
+    "ll_all_gather_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_ALL_GATHER, BCAST=0, **LL_8K), 1),
+    "ll_broadcast_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_BROADCAST, BCAST=1, **LL_8K), 1),
     "reduce_scatter_bf16": (movement.reduce_scatter_kernel,
                             {"x": "*bf16", "out": "*bf16", "m_out": "i32", "stage_tab": "*i64",
                              "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",
