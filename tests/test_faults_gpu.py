@@ -191,8 +191,10 @@ def test_broken_then_new_communicator(algo):
 
 # -- (c) mismatched calls ---------------------------------------------------------------------
 def _call(comm, spec):
-    """spec = (kind, numel or shape, dtype name); launches it with a fresh operand."""
+    """spec = (kind, numel or shape, dtype name); launches it with a fresh operand. An ``ll_``
+    kind is the op itself on a communicator made with the LL kernels on."""
     kind, n, dt = spec
+    kind = kind.removeprefix("ll_")
     x = torch.randn(n, device="cuda").to(getattr(torch, dt))
     if kind in ("one_shot", "two_shot", "lamport"):
         return comm.all_reduce(x, algo=kind)
@@ -208,9 +210,14 @@ def _call(comm, spec):
     return comm.reduce_scatter(x)
 
 
-def _mismatch_round(rank, specs):
-    """One round in which rank r calls ``specs[r]``, on a fresh communicator; what it raised."""
+def _mismatch_round(rank, name):
+    """One round in which rank r calls ``MISMATCHES[name][r]``, on a fresh communicator; what it
+    raised. Cases named ``ll_...`` run with the LL movement kernels (the default up to 64 KiB),
+    the others with them off, so the flagged movement kernels meet each other."""
     import llcomm
+    from llcomm.peer import LL_BYTES_ENV, LL_MAX_BYTES
+    specs = MISMATCHES[name]
+    os.environ[LL_BYTES_ENV] = str(LL_MAX_BYTES) if name.startswith("ll_") else "0"
     comm = _comm(timeout_ms=TIMEOUT_MS)
     # good rounds of both calls first: a kernel's first launch waits up to 60 s for a peer that
     # may still be compiling (llcomm/launch.py), which would outlast the test's timeout
@@ -233,7 +240,7 @@ def _mismatch_round(rank, specs):
 
 def _mismatch_cases_body(rank, ws, names):
     """Every named case in one process pair (a pair costs ~15 s to start on the GPU host)."""
-    return {name: _mismatch_round(rank, MISMATCHES[name]) for name in names}
+    return {name: _mismatch_round(rank, name) for name in names}
 
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
@@ -260,13 +267,24 @@ MISMATCHES = {
     "reduce_scatter-dtypes": (("reduce_scatter", 4096, BF), ("reduce_scatter", 4096, F32)),
     "lamport-dtypes": (("lamport", 4096, BF), ("lamport", 4096, F16)),
     "lamport-dtype-widths": (("lamport", 4096, BF), ("lamport", 4096, F32)),
+    # the LL movement kernels (kernels/ll.py) share the Lamport tag words
+    "ll_broadcast-vs-ll_all_gather": (("ll_broadcast", 4096, BF), ("ll_all_gather", 4096, BF)),
+    "ll_broadcast-sizes": (("ll_broadcast", 4096, BF), ("ll_broadcast", 2048, BF)),
+    "ll_all_gather-vs-ll_all_gather_2d": (("ll_all_gather", 4096, BF),
+                                          ("ll_all_gather_2d", 4096, BF)),
+    "ll_all_gather-dtypes": (("ll_all_gather", 4096, BF), ("ll_all_gather", 2048, F32)),
+    "ll_all_gather-vs-lamport": (("ll_all_gather", 4096, BF), ("lamport", 4096, BF)),
+    "ll_broadcast-vs-one_shot": (("ll_broadcast", 4096, BF), ("one_shot", 4096, BF)),
 }
 #: Pairs where neither side carries a flag the other can compare: both time out, no mismatch.
-TIMEOUT_ONLY = {"lamport-vs-one_shot"}
-#: Lamport against Lamport: every block of either side writes its tag to the other, so both
-#: ranks see the other's tag and both report the mismatch (no timeout on either side).
+TIMEOUT_ONLY = {"lamport-vs-one_shot", "ll_broadcast-vs-one_shot"}
+#: Lamport-tagged against Lamport-tagged (Lamport, fused Lamport, LL): every block of either
+#: side writes its tag to the other, so both ranks see the other's tag and both report the
+#: mismatch (no timeout on either side).
 BOTH_MISMATCH = {"lamport-sizes", "lamport-vs-fused", "fused_lamport-rows", "lamport-dtypes",
-                 "lamport-dtype-widths"}
+                 "lamport-dtype-widths", "ll_broadcast-vs-ll_all_gather", "ll_broadcast-sizes",
+                 "ll_all_gather-vs-ll_all_gather_2d", "ll_all_gather-dtypes",
+                 "ll_all_gather-vs-lamport"}
 
 
 def _outcome_problem(name, outcomes):

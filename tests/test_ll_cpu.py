@@ -207,9 +207,12 @@ def test_mismatch_is_reported_on_every_rank(name):
 
 
 def test_ll_bytes_setting(monkeypatch):
-    """Off by default; at most LL_MAX_BYTES; a bad value is refused naming the variable."""
+    """LL_MAX_BYTES by default; 0 turns it off; at most LL_MAX_BYTES; a bad value is refused
+    naming the variable."""
     from llcomm.peer import LL_BYTES_ENV, LL_MAX_BYTES, ll_bytes_setting
     monkeypatch.delenv(LL_BYTES_ENV, raising=False)
+    assert ll_bytes_setting() == LL_MAX_BYTES
+    monkeypatch.setenv(LL_BYTES_ENV, "0")
     assert ll_bytes_setting() == 0
     monkeypatch.setenv(LL_BYTES_ENV, "8192")
     assert ll_bytes_setting() == 8192

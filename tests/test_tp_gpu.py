@@ -124,18 +124,20 @@ LL_BYTES = 64 << 10
 
 
 def _random_words(nbytes, seed, rank):
-    """Any 32-bit patterns (NaN payloads, -0.0, denormals) as float32 words, or bytes."""
+    """Any bit patterns (NaN payloads, -0.0, denormals): float32 words, or bfloat16 halves when
+    ``nbytes`` is not a multiple of 4 (the ops take float dtypes only)."""
     g = torch.Generator(device="cuda")
     g.manual_seed(seed * 7919 + rank)
     if nbytes % 4:
-        return torch.randint(0, 256, (nbytes,), generator=g, device="cuda", dtype=torch.uint8)
+        return torch.randint(-2 ** 15, 2 ** 15 - 1, (nbytes // 2,), generator=g, device="cuda",
+                             dtype=torch.int16).view(torch.bfloat16)
     return torch.randint(-2 ** 31, 2 ** 31 - 1, (nbytes // 4,), generator=g, device="cuda",
                          dtype=torch.int32).view(torch.float32)
 
 
 def _ll_body(rank, ws):
     """LLCOMM_LL_BYTES on: broadcast / all_gather / all_gather_2d up to the LL limit take the LL
-    kernels, above it (and byte-sized rows) the flagged ones; interleaved with Lamport (which
+    kernels, above it (and messages that are not whole 4-byte words) the flagged ones; interleaved with Lamport (which
     shares the tag words) and one-shot all-reduces; byte-exact against NCCL, eager and in a
     replayed graph on fresh inputs."""
     import os
@@ -279,9 +281,10 @@ def _timeout_body(rank, ws, op):
 
     import llcomm
     from llcomm.peer import LL_BYTES_ENV
-    if op.startswith("ll_"):    # the LL kernels (kernels/ll.py) for the movement op
-        os.environ[LL_BYTES_ENV] = str(LL_BYTES)
-        op = op[len("ll_"):]
+    # "ll_broadcast": the LL kernel (kernels/ll.py, the default at this size); "broadcast":
+    # the flagged one
+    os.environ[LL_BYTES_ENV] = str(LL_BYTES) if op.startswith("ll_") else "0"
+    op = op.removeprefix("ll_")
     comm = _comm(timeout_ms=TIMEOUT_MS)
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     calls = {"one_shot": lambda: comm.all_reduce(x, algo="one_shot"),
