@@ -44,9 +44,6 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_OWN_FIRST=1``: combine reduces the pairs of this rank's own tokens before it waits
-#: for the peers' weights (OWN_FIRST in kernels/ep.py). Off until measured on GPUs.
-OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -99,11 +96,6 @@ def rows_first() -> int:
     return _env_bit(ROWS_FIRST_ENV, "1")
 
 
-def own_first() -> int:
-    """OWN_FIRST of the combine kernel: 0 unless ``LLCOMM_EP_OWN_FIRST=1``."""
-    return _env_bit(OWN_FIRST_ENV, "0")
-
-
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
@@ -136,7 +128,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
              ROWS_FIRST=rows_first())
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
-             LANES=MAX_WAIT_FLAGS if block else _pow2(W), OWN_FIRST=own_first())
+             LANES=MAX_WAIT_FLAGS if block else _pow2(W))
     return d, c, num_warps
 
 

@@ -132,21 +132,19 @@ def test_wait_lanes_knob(monkeypatch):
 
 
 def test_order_and_tile_knobs(monkeypatch):
-    """Defaults: rows before the scan, own pairs not first, one 128-token scan tile at 128
+    """Defaults: rows before the scan, one 128-token scan tile at 128
     tokens (fewer tokens per tile when a block owns more tokens); each env knob overrides and
     refuses a bad value by name."""
-    from llcomm.ep import OWN_FIRST_ENV, ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
+    from llcomm.ep import ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    d, c, _ = kernel_consts(lay, 8)
-    assert (d["ROWS_FIRST"], c["OWN_FIRST"], d["TT"]) == (1, 0, 128)
+    d, _, _ = kernel_consts(lay, 8)
+    assert (d["ROWS_FIRST"], d["TT"]) == (1, 128)
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     assert kernel_consts(big, 8)[0]["TT"] * 8 * 4 * 8 <= 8192   # tile x top-k x own entries
     for name, value, key in ((ROWS_FIRST_ENV, "0", "ROWS_FIRST"), (SCAN_TILE_ENV, "32", "TT")):
         monkeypatch.setenv(name, value)
         assert kernel_consts(lay, 8)[0][key] == int(value)
-    monkeypatch.setenv(OWN_FIRST_ENV, "1")
-    assert kernel_consts(lay, 8)[1]["OWN_FIRST"] == 1
-    for name, bad in ((ROWS_FIRST_ENV, "2"), (OWN_FIRST_ENV, "yes"), (SCAN_TILE_ENV, "48")):
+    for name, bad in ((ROWS_FIRST_ENV, "2"), (SCAN_TILE_ENV, "48")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             kernel_consts(lay, 8)

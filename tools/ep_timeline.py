@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm.bench import common as C  # noqa: E402
-from llcomm.ep import own_first, rows_first  # noqa: E402
+from llcomm.ep import rows_first  # noqa: E402
 from llcomm.ep_fp8 import dequantize  # noqa: E402
 from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
@@ -34,10 +34,7 @@ STAGES = {
     "dispatch": (("push rows", "scan top-k, counts, metadata") if rows_first() else
                  ("scan top-k", "push rows, counts, metadata"))
     + ("signal", "wait (all blocks, all ranks)", "expand"),
-    "combine": ("push weights",)
-    + (("reduce own pairs, wait weights", "reduce peers' pairs + push partials") if own_first()
-       else ("wait weights", "reduce + push partials"))
-    + ("wait partials", "sum"),
+    "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials", "sum"),
 }
 CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end
 
