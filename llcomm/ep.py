@@ -33,7 +33,7 @@ EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites.
 HANDLE_SLOTS = 2
 #: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
-#: block owns many tokens, so the scan's compare tile (tokens x top-k x the block's entries)
+#: block owns many experts, so the scan's compare tile (tokens x top-k x the block's experts)
 #: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
@@ -116,7 +116,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     if tile_tokens is None:
         tile_tokens = _env_pow2(SCAN_TILE_ENV, 0)
     if not tile_tokens:
-        per_token = _pow2(topk) * jp * _pow2(topk)     # top-k x this block's entries
+        per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1

@@ -132,15 +132,16 @@ def test_wait_lanes_knob(monkeypatch):
 
 
 def test_order_and_tile_knobs(monkeypatch):
-    """Defaults: rows before the scan, one 128-token scan tile at 128
-    tokens (fewer tokens per tile when a block owns more tokens); each env knob overrides and
-    refuses a bad value by name."""
+    """Defaults: rows before the scan, one 128-token scan tile (fewer tokens per tile when a
+    block owns more experts); each env knob overrides and refuses a bad value by name."""
     from llcomm.ep import ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
     assert (d["ROWS_FIRST"], d["TT"]) == (1, 128)
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    assert kernel_consts(big, 8)[0]["TT"] * 8 * 4 * 8 <= 8192   # tile x top-k x own entries
+    assert kernel_consts(big, 8)[0]["TT"] == 128    # the tile is tokens x top-k x own experts
+    many = ep_layout(128, 7168, 2, 4096, 2, num_blocks=DEFAULT_NUM_BLOCKS)
+    assert kernel_consts(many, 8)[0]["TT"] * 8 * 32 <= 8192
     for name, value, key in ((ROWS_FIRST_ENV, "0", "ROWS_FIRST"), (SCAN_TILE_ENV, "32", "TT")):
         monkeypatch.setenv(name, value)
         assert kernel_consts(lay, 8)[0][key] == int(value)
