@@ -80,7 +80,7 @@ def test_bench_fused_bad_arguments(tmp_path):
     p = llcomm("bench", "fused", "--tokens", "0,x", "--hidden", "0", cwd=tmp_path)
     assert p.returncode == 2
     assert "--tokens" in p.stdout and "--hidden" in p.stdout
-EP_ROW_KEYS = ROW_KEYS | {"tokens_per_rank", "hidden", "num_experts", "topk", "fp8"}
+EP_ROW_KEYS = ROW_KEYS | {"tokens_per_rank", "hidden", "num_experts", "topk", "max_tokens", "fp8"}
 
 
 def test_bench_ep_cpu_writes_json_and_plot(tmp_path):
@@ -100,7 +100,23 @@ def test_bench_ep_cpu_writes_json_and_plot(tmp_path):
         assert row["impl"] == "reference" and row["mode"] == "eager", row
         assert row["wrong"] == 0 and row["median_us"] > 0 and not row.get("error"), row
         assert (row["hidden"], row["num_experts"], row["topk"]) == (64, 8, 3)
+        assert row["max_tokens"] == 8                # the buffer: the largest --tokens
         assert 0 < row["bytes"] <= 8 * 2 * 64 * 2   # at most every token to both ranks
+    assert "buffer for 8 tokens per rank" in p.stdout
+
+
+def test_bench_ep_max_tokens_sizes_the_buffer(tmp_path):
+    """--max-tokens sizes the buffer apart from the tokens sent (the dispatch's cost depends on
+    it), and is refused below the largest --tokens."""
+    p = llcomm("bench", "ep", "--cpu", "--tokens", "2", "--max-tokens", "16", "--hidden", "64",
+               "--experts", "8", "--topk", "3", "--iters", "2", "--warmup", "1", "--json",
+               "ep.json", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    assert rows and all(r["max_tokens"] == 16 and r["wrong"] == 0 for r in rows), rows
+    assert "buffer for 16 tokens per rank" in p.stdout
+    p = llcomm("bench", "ep", "--cpu", "--tokens", "1,8", "--max-tokens", "4", cwd=tmp_path)
+    assert p.returncode == 2 and "--max-tokens 4" in p.stdout, p.stdout
 
 
 def _expected_both_ranks_alike(x, idx, W, T, E):

@@ -92,6 +92,11 @@ class Config:
     fp8: bool = False
     round_scale: bool = False
     overlap: bool = False
+    max_tokens: int = 0         # the buffer's num_max_dispatch_tokens_per_rank; 0: max(tokens)
+
+    @property
+    def buffer_tokens(self) -> int:
+        return self.max_tokens or max(self.tokens)
 
 
 # -- inputs and oracles --------------------------------------------------------------------------
@@ -343,7 +348,7 @@ class Rank:
         self.timing = C.Timing(self.device, cfg.iters, cfg.warmup,
                                cfg.graph_ops if self.cuda else 1)
         kw = dict(num_experts=cfg.experts, hidden=cfg.hidden,
-                  num_max_dispatch_tokens_per_rank=max(cfg.tokens), dtype=DTYPE)
+                  num_max_dispatch_tokens_per_rank=cfg.buffer_tokens, dtype=DTYPE)
         self.bufs = {"reference": EPBuffer(backend="reference", **kw)}
         if self.cuda:
             self.bufs = {"llcomm": EPBuffer(backend="peer", **kw), **self.bufs}
@@ -356,7 +361,7 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
     cfg = R.cfg
     x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device).to(DTYPE)
     idx, w = uniform_routing(n, cfg.experts, cfg.topk, R.gen, R.device)
-    exp = Expected(x, idx, w, R.rank, R.world, max(cfg.tokens), R.scale, R.bias)
+    exp = Expected(x, idx, w, R.rank, R.world, cfg.buffer_tokens, R.scale, R.bias)
     L = cfg.experts // R.world
     dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
     dests.scatter_(1, idx // L, True)
@@ -364,7 +369,7 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
     nbytes = pairs * cfg.hidden * 2 // R.world
     base = {"op": None, "dtype": C.dtype_name(DTYPE), "world_size": R.world, "bytes": nbytes,
             "tokens_per_rank": n, "hidden": cfg.hidden, "num_experts": cfg.experts,
-            "topk": cfg.topk, "fp8": False}
+            "topk": cfg.topk, "max_tokens": cfg.buffer_tokens, "fp8": False}
     rows, ref_out = [], None
     if cfg.fp8:
         fp8_bytes = pairs * (cfg.hidden + cfg.hidden // FP8_BLOCK * 4) // R.world
@@ -405,7 +410,7 @@ def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
         x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device).to(DTYPE)
         idx, w = uniform_routing(n, cfg.experts, cfg.topk, R.gen, R.device)
         mbs.append((x, idx, w))
-        expected.append(Expected(x, idx, w, R.rank, R.world, max(cfg.tokens), ones,
+        expected.append(Expected(x, idx, w, R.rank, R.world, cfg.buffer_tokens, ones,
                                  zeros).combine)
         dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
         dests.scatter_(1, idx // L, True)
@@ -513,7 +518,8 @@ def print_result(result: dict) -> None:
     v = result["versions"]
     print(f"# llcomm bench ep: {result['machine']}, world size {result['world_size']}, hidden "
           f"{r0.get('hidden')}, {r0.get('num_experts')} experts, top-{r0.get('topk')}, "
-          f"{result['routing']} routing, {r0.get('dtype')}")
+          f"{result['routing']} routing, {r0.get('dtype')}, buffer for "
+          f"{r0.get('max_tokens', '?')} tokens per rank")
     print(f"# torch {v.get('torch')}, triton {v.get('triton')}, nccl {v.get('nccl')}; commit "
           f"{result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; {result['iters']} "
           f"iters after {result['warmup']} warm-up"
@@ -552,6 +558,9 @@ def add_arguments(p) -> None:
                         "(hidden a multiple of 128)")
     p.add_argument("--round-scale", action="store_true",
                    help="with --fp8: dispatch_fp8 with round_scale=True (power-of-two scales)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="the buffer's num_max_dispatch_tokens_per_rank (default: the largest "
+                        "--tokens); the dispatch's cost depends on it, not only on the tokens sent")
     p.add_argument("--overlap", action="store_true",
                    help="add overlap_step rows: a 2-micro-batch step with return_recv_hook=True "
                         "against the same step without hooks")
@@ -578,6 +587,9 @@ def config_from_args(a, on_cpu: bool) -> Config:
     if a.fp8 and hidden % FP8_BLOCK:
         problems.append(f"--fp8 needs --hidden to be a multiple of {FP8_BLOCK} (one scale per "
                         f"{FP8_BLOCK} channels), got {hidden}")
+    if tokens and a.max_tokens and a.max_tokens < max(tokens):
+        problems.append(f"--max-tokens {a.max_tokens}: expected at least the largest --tokens "
+                        f"({max(tokens)})")
     if a.round_scale and not a.fp8:
         problems.append("--round-scale needs --fp8 (it rounds the FP8 scales)")
     C.check_run_arguments(a, problems)
@@ -586,7 +598,7 @@ def config_from_args(a, on_cpu: bool) -> Config:
     return Config(tokens=tokens, hidden=hidden, experts=experts, topk=topk, iters=a.iters,
                   warmup=a.warmup, graph_ops=a.graph_ops, seed=a.seed,
                   progress=not a.no_progress, fp8=a.fp8, round_scale=a.round_scale,
-                  overlap=a.overlap)
+                  overlap=a.overlap, max_tokens=a.max_tokens)
 
 
 def run(a) -> int:
