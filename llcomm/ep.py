@@ -22,7 +22,7 @@ from . import _validate as V
 from . import ops
 from . import protocol as P
 from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .ep_layout import (ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, PROF_ENV, PROF_WORDS,
+from .ep_layout import (ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS, PROF_ENV, PROF_WORDS,
                         check_shape_args, default_num_blocks, ep_layout)
 from .ep_reference import ReferenceEP
 from .errors import UnsupportedConfigError
@@ -32,6 +32,7 @@ BACKENDS = ("auto", "peer", "reference")
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites.
 HANDLE_SLOTS = 2
+assert HANDLE_SLOTS == NUM_SETS     # set k holds handle slot k's carried weights (kernels/ep.py)
 #: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
 #: block owns many experts, so the scan's compare tile (tokens x top-k x the block's experts)
 #: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
@@ -126,9 +127,9 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first())
+             ROWS_FIRST=rows_first(), CARRY=0)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
-             LANES=MAX_WAIT_FLAGS if block else _pow2(W))
+             LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
     return d, c, num_warps
 
 
@@ -143,14 +144,19 @@ class EPHandle:
             recv_count[e]`` of expert e came from rank ``src_info[e, j] // max_tokens``, token
             ``src_info[e, j] % max_tokens``. Entries past ``recv_count[e]`` are unspecified.
 
+        carries_weights: True when the dispatch was given ``topk_weights`` (they travelled with
+            it; ``combine`` then takes ``topk_weights=None``).
+
     Lifetime: valid until two more ``dispatch`` calls of the same buffer have been made (the
     buffer keeps two handle slots and reuses the older); ``combine`` refuses an older handle.
-    On the peer backend ``recv_count`` and ``src_info`` live in that slot too.
+    On the peer backend ``recv_count``, ``src_info`` and carried weights live in that slot too.
     """
 
-    __slots__ = ("_owner", "index", "num_tokens", "topk", "recv_count", "src_info", "_state")
+    __slots__ = ("_owner", "index", "num_tokens", "topk", "recv_count", "src_info", "_state",
+                 "carries_weights", "_weights")
 
-    def __init__(self, owner, index, num_tokens, topk, recv_count, src_info, state):
+    def __init__(self, owner, index, num_tokens, topk, recv_count, src_info, state,
+                 weights=None, carries_weights=False):
         self._owner = owner
         self.index = index
         self.num_tokens = num_tokens
@@ -158,6 +164,8 @@ class EPHandle:
         self.recv_count = recv_count
         self.src_info = src_info
         self._state = state
+        self.carries_weights = carries_weights
+        self._weights = weights         # reference backend: the dispatch's copy
 
     def src_rank(self) -> torch.Tensor:
         """``[num_local_experts, num_ranks * max_tokens]`` source rank of every row (new tensor)."""
@@ -330,7 +338,7 @@ class EPBuffer:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *,
                  out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
                  use_fp8: bool = False, round_scale: bool = False,
-                 return_recv_hook: bool = False):
+                 return_recv_hook: bool = False, topk_weights: torch.Tensor | None = None):
         """Send every token to the experts ``topk_idx`` names; return ``(recv_x, recv_count,
         handle)``.
 
@@ -356,6 +364,11 @@ class EPBuffer:
                 receive half that fills ``recv_x``, ``recv_count`` and the handle. Until then
                 they are unspecified, and this buffer refuses the next dispatch and a combine
                 of this handle. Overlap work between the two (docs/ep.md, "Split phase").
+            topk_weights: optional ``[num_tokens, topk]`` float32, the weights the combine of
+                this handle will apply. They travel with the dispatch (a few bytes per token),
+                so that combine skips its own weights exchange and the wait for it; pass
+                ``topk_weights=None`` to that combine. The values at the time of the dispatch
+                are used (on the stream, as for ``x``). The same choice on every rank.
         Returns:
             recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
                 e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
@@ -380,6 +393,8 @@ class EPBuffer:
         else:
             self._check_topk(pr, topk_idx, None)
         fp8 = self._check_fp8(pr, use_fp8, round_scale, out)
+        if topk_weights is not None:
+            self._check_weights(pr, topk_weights, topk_idx)
         pr.raise_if_any()
         self._precheck("dispatch")
         scales = None
@@ -393,9 +408,13 @@ class EPBuffer:
         index = self._dispatches
         mode = (2 if round_scale else 1) if fp8 else 0
         recv = None
+        # the reference combine applies a copy made now; the peer dispatch pushes them now
+        carried = topk_weights.clone() if topk_weights is not None and self.backend != "peer" \
+            else None
         if self.backend == "peer":
             recv_count, src_info, state, recv = self._impl.dispatch(
-                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook)
+                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
+                topk_weights)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales)
         else:
@@ -410,7 +429,8 @@ class EPBuffer:
                 recv_count.copy_(c)
                 src_info.copy_(s)
         self._dispatches += 1
-        handle = EPHandle(self, index, x.shape[0], topk_idx.shape[1], recv_count, src_info, state)
+        handle = EPHandle(self, index, x.shape[0], topk_idx.shape[1], recv_count, src_info, state,
+                          carried, topk_weights is not None)
         result = ((recv_x, scales) if fp8 else recv_x, recv_count, handle)
         if not return_recv_hook:
             return result
@@ -477,7 +497,7 @@ class EPBuffer:
         return True
 
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
-                topk_weights: torch.Tensor, handle: EPHandle, *,
+                topk_weights: torch.Tensor | None, handle: EPHandle, *,
                 out: torch.Tensor | None = None, return_recv_hook: bool = False):
         """Weighted sum of the experts' outputs back at each token's rank.
 
@@ -487,7 +507,8 @@ class EPBuffer:
                 ``recv_count[e]`` are never read). Read in place, never copied: any such
                 tensor, ``recv_x`` itself, or ``get_combine_input(handle)``.
             topk_idx: the same ``[num_tokens, topk]`` int64 tensor given to the dispatch.
-            topk_weights: ``[num_tokens, topk]`` float32.
+            topk_weights: ``[num_tokens, topk]`` float32; None when the dispatch carried them
+                (``dispatch(topk_weights=...)``, ``handle.carries_weights``).
             handle: from one of this buffer's two latest dispatches.
             out: optional ``[num_tokens, hidden]`` result, the buffer's dtype.
             return_recv_hook: issue only the send half (weights exchange, this rank's partials
@@ -518,23 +539,33 @@ class EPBuffer:
         if self._check_topk(pr, topk_idx, n) and n is not None \
                 and topk_idx.shape[1] != handle.topk:
             pr.add(f"topk_idx has topk={topk_idx.shape[1]}; the dispatch had {handle.topk}")
-        if V.check_tensor(pr, "topk_weights", topk_weights, self.device, dtypes=(torch.float32,)) \
-                and isinstance(topk_idx, torch.Tensor) \
-                and tuple(topk_weights.shape) != tuple(topk_idx.shape):
-            pr.add(f"topk_weights has shape {tuple(topk_weights.shape)}; expected "
-                   f"{tuple(topk_idx.shape)} (that of topk_idx)")
+        carried = isinstance(handle, EPHandle) and handle.carries_weights
+        if carried and topk_weights is not None:
+            pr.add("topk_weights must be None: the dispatch of this handle carried the weights "
+                   "(dispatch(topk_weights=...)); it applies those")
+        elif not carried:
+            self._check_weights(pr, topk_weights, topk_idx)
         if n is not None:
             self._check_out(pr, "out", out, (n, self.hidden))
         pr.raise_if_any()
         self._precheck("combine")
         if out is None:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
+        if carried:         # peer: the kernel reads the handle slot's; reference: the copy
+            topk_weights = handle._weights
         if not return_recv_hook:
             return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
         index = self._combines
         self._combines += 1
         recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out)
         return out, self._hook("combine", index, recv)
+
+    def _check_weights(self, pr: V.Problems, topk_weights, topk_idx) -> None:
+        if V.check_tensor(pr, "topk_weights", topk_weights, self.device, dtypes=(torch.float32,)) \
+                and isinstance(topk_idx, torch.Tensor) \
+                and tuple(topk_weights.shape) != tuple(topk_idx.shape):
+            pr.add(f"topk_weights has shape {tuple(topk_weights.shape)}; expected "
+                   f"{tuple(topk_idx.shape)} (that of topk_idx)")
 
     def get_combine_input(self, handle: EPHandle) -> torch.Tensor:
         """A ``[num_local_experts, num_ranks * max_tokens, hidden]`` tensor (buffer dtype) owned
@@ -713,27 +744,32 @@ class _PeerEP:
                                              enable_fp_fusion=False))
         return hit
 
-    def _tag(self, op: int, topk: int, fp8: int = 0) -> int:
-        key = (op, topk, fp8)
+    def _tag(self, op: int, topk: int, fp8: int = 0, carry: int = 0) -> int:
+        key = (op, topk, fp8, carry)
         if key not in self._tags:
-            # fp8 in the tag: ranks that disagree about use_fp8 / round_scale are a mismatch
-            self._tags[key] = P.size_tag(op, (self.buf.hidden * 4 + fp8) * 64 + topk,
-                                         _name(self.buf.dtype))
+            # fp8 and carry in the tag: ranks that disagree about use_fp8 / round_scale, or
+            # about whether the weights travel with the dispatch, are a mismatch
+            self._tags[key] = P.size_tag(op, ((self.buf.hidden * 4 + fp8) * 2 + carry) * 64
+                                         + topk, _name(self.buf.dtype))
         return self._tags[key]
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
-                 split: bool = False):
+                 split: bool = False, weights=None):
         """Launch the dispatch (``split``: its send half only, and return the launch of its
-        receive half as the fourth value; otherwise that is None)."""
+        receive half as the fourth value; otherwise that is None). ``weights``: push them too,
+        into handle slot ``slot``'s weights region (set ``slot``; kernels/ep.py)."""
         K = topk_idx.shape[1]
         row_of, src_info, recv_count, ntok = self._views(slot, K)
         if fp8:
             recv_x = recv_x.view(torch.uint8)       # the kernel moves e4m3 as bytes
+        carry = int(weights is not None)
+        w_off = self.layout.sets[slot].dispatch_weights
         args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
                 src_info, recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
-                self._tag(P.OP_DISPATCH, K, fp8), self.timeout_us)
-        consts = dict(self._kconsts(K)[0], FP8=fp8)
-        state = (row_of, ntok)
+                self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
+                weights if carry else topk_idx, w_off)
+        consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry)
+        state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
@@ -744,11 +780,15 @@ class _PeerEP:
             self.k.dispatch_kernel, self.nb, args, self.num_warps, **recv)
 
     def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
-        row_of, ntok = state
+        """Kernel arguments and constexprs; with weights carried by the dispatch (``state``'s
+        weights offset set) ``topk_weights`` is None and the kernel reads the handle slot's."""
+        row_of, ntok, w_off = state
         K = topk_idx.shape[1]
-        return (expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok,
-                self.tab, self.ctrl[1], self.err, self.rank, self._tag(P.OP_COMBINE, K),
-                self.timeout_us), self._kconsts(K)[1]
+        carried = int(w_off is not None)
+        return (expert_out, topk_idx, topk_idx if carried else topk_weights, topk_idx.shape[0],
+                out, row_of, ntok, self.tab, self.ctrl[1], self.err, self.rank,
+                self._tag(P.OP_COMBINE, K, 0, carried), self.timeout_us,
+                w_off if carried else 0), dict(self._kconsts(K)[1], CARRIED=carried)
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out):
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)

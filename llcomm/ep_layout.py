@@ -107,6 +107,7 @@ class EPSetLayout:
     recv_ntok: int
     combine_x: int
     combine_weights: int
+    dispatch_weights: int           # handle slot k's weights when the dispatch carries them
     end: int
     send_bytes: int = 0
 
@@ -137,7 +138,8 @@ class EPLayout:
         return {"signal": s.signal, "recv_x": s.recv_x, "recv_scales": s.recv_scales,
                 "recv_meta": s.recv_meta,
                 "recv_count": s.recv_count, "recv_ntok": s.recv_ntok,
-                "combine_x": s.combine_x, "combine_weights": s.combine_weights}
+                "combine_x": s.combine_x, "combine_weights": s.combine_weights,
+                "dispatch_weights": s.dispatch_weights}
 
 
 def check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
@@ -211,6 +213,7 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
         ("recv_ntok", 4 * W),
         ("combine_x", W * T * H * itemsize),
         ("combine_weights", 4 * W * T * max_topk),
+        ("dispatch_weights", 4 * W * T * max_topk),
     )
     rel, off = {}, 0
     for name, n in sizes:

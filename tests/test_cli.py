@@ -119,6 +119,18 @@ def test_bench_ep_max_tokens_sizes_the_buffer(tmp_path):
     assert p.returncode == 2 and "--max-tokens 4" in p.stdout, p.stdout
 
 
+def test_bench_ep_carry_weights_cpu(tmp_path):
+    """--carry-weights: every dispatch carries the weights, combines take None; still checked."""
+    p = llcomm("bench", "ep", "--cpu", "--tokens", "1,8", "--hidden", "64", "--experts", "8",
+               "--topk", "3", "--iters", "2", "--warmup", "1", "--carry-weights", "--json",
+               "ep.json", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "weights carried by the dispatch" in p.stdout
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == {"dispatch", "combine"}
+    assert all(r["carry_weights"] and r["wrong"] == 0 and not r.get("error") for r in rows), rows
+
+
 def _expected_both_ranks_alike(x, idx, W, T, E):
     """The EP bench's oracle in one process: a stand-in for its gather in which every rank sent
     the same tokens (``x``, ``idx``), weights 0.5, the bench's stand-in experts."""

@@ -229,6 +229,80 @@ def test_graph_capture_and_replay():
     run_distributed(_graph_body, 2, backend="nccl", timeout=600)
 
 
+def _carried_body(rank, W):
+    """dispatch(topk_weights=w) + combine(..., None, handle) against the reference's combine
+    with w, bit for bit: the issue's shape and a small one, carried and plain calls mixed (both
+    handle slots, both sets, two handles outstanding), the weights poisoned right after the
+    dispatch (the dispatch-time values count), split phase, and a replayed graph."""
+    for cfg in (DEEPSEEK, SMALL):
+        E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
+        peer, ref = _buffers(E, H, T)
+        for i in range(12):
+            cases = [_case(rank, W, E, H, T, topk, 300 + 2 * i + j, KINDS[(i + j) % len(KINDS)])
+                     for j in range(2)]
+            carry = (i % 3 != 0, i % 2 == 0)
+            got = []
+            for (_, _, _, (x, idx, w)), c in zip(cases, carry):
+                wc = w.clone()
+                got.append(peer.dispatch(x, idx, topk_weights=wc if c else None))
+                wc.fill_(float("nan"))
+            for j in ((1, 0) if i % 2 else (0, 1)):
+                x, idx, w = cases[j][3]
+                rx, rc, h = ref.dispatch(x, idx)
+                _compare_dispatch(got[j], (rx, rc, h), f"round {i}.{j}")
+                eo = _experts(rx, rank)
+                want = ref.combine(eo, idx, w, h)
+                hooked = i % 4 == 1
+                r = peer.combine(eo, idx, None if carry[j] else w, got[j][2],
+                                 out=_poisoned(want.shape, want.dtype), return_recv_hook=hooked)
+                if hooked:
+                    r[1]()
+                    r = r[0]
+                assert torch.equal(_bits(r), _bits(want)), (cfg, i, j, carry[j])
+        peer.check()
+        peer.close()
+    # a replayed graph of a carried dispatch + combine, eager calls between replays
+    cfg = dict(E=64, H=2048, T=32, topk=8)
+    E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
+    L = E // W
+    peer, ref = _buffers(E, H, T)
+    n = T - 3 * rank
+    sx = torch.zeros(n, H, dtype=torch.bfloat16, device="cuda")
+    sidx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
+    sw = torch.zeros(n, topk, dtype=torch.float32, device="cuda")
+    srecv = _poisoned((L, W * T, H), torch.bfloat16)
+    sy = _poisoned((n, H), torch.bfloat16)
+
+    def step():
+        rx, _, h = peer.dispatch(sx, sidx, out=srecv, topk_weights=sw)
+        peer.combine(_experts(rx, rank), sidx, None, h, out=sy)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _fill_static(rank, W, cfg, 1, "random", sx, sidx, sw)
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for i in range(20):
+        _fill_static(rank, W, cfg, 700 + i, KINDS[i % len(KINDS)], sx, sidx, sw)
+        sy.fill_(float("nan"))
+        g.replay()
+        wx, _, wh = ref.dispatch(sx, sidx)
+        assert torch.equal(_bits(sy), _bits(ref.combine(_experts(wx, rank), sidx, sw, wh))), i
+        if i % 3 == 1:
+            _one_round(peer, ref, rank, W, cfg, 7000 + i, "random")
+    peer.check()
+    peer.close()
+
+
+def test_weights_carried_by_the_dispatch():
+    run_distributed(_carried_body, 2, backend="nccl", timeout=600)
+
+
 TIMEOUT_MS = 200
 
 

@@ -37,13 +37,16 @@ def _same_up_to_interpreter_rounding(got, want):
     return torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale)
 
 
-def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False):
+def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
+             carry=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
     (``D_SEND | D_SIGNAL``; ``C_WEIGHTS``, ``C_REDUCE | C_SIGNAL_P``), and check that every
     flag a wait would poll holds the expected word (the waits themselves read the GPU clock,
-    which the interpreter lacks)."""
+    which the interpreter lacks). ``carry``: the dispatch carries the weights (CARRY) into the
+    handle slot's region (call i uses slot i % 2, as EPBuffer does) and the combine reads them
+    there (CARRIED); the combine's own weights are then poisoned, so using them would show."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
     from llcomm.ep_fp8 import dequantize, quantize
@@ -64,11 +67,14 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     # TT=4: several top-k tiles even at these small token counts
     dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4)
     fails = []
+    call = 0
     for seed in seeds:
         for kind in kinds:
             tag = (f"[W={W} E={E} T={T} H={H} topk={topk} NB={NB} {dtype_name} fp8={fp8} "
-                   f"seed={seed} {kind}]")
+                   f"carry={carry} seed={seed} {kind}]")
             xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+            w_off = lay.sets[call % 2].dispatch_weights
+            call += 1
             if fp8:
                 recv = [torch.full((L, W * T, H), 0x7F, dtype=torch.uint8) for _ in range(W)]
             else:
@@ -85,8 +91,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                 for r in range(W):
                     K.dispatch_kernel[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
-                        cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, STAGES=stage,
-                        FP8=fp8, **dc)
+                        cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
+                        **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry)))
             exp = oracle_dispatch(xs, topks, W, E, T)
             if fp8:
                 exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
@@ -129,13 +135,15 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
             c_stages = (K.C_WEIGHTS, K.C_REDUCE | K.C_SIGNAL_P, K.C_SUM) if signals \
                 else (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM)
+            given = [torch.full_like(w, float("nan")) if carry else w for w in weights]
             for stage in c_stages:
                 if stage == K.C_SUM and signals:
                     fails += _check_flags(regions, lay, ctrl, 1, [2], NB, W, tag)
                 for r in range(W):
                     K.combine_kernel[(NB,)](
-                        outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
-                        ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, STAGES=stage, **cc)
+                        outs_e[r], topks[r], given[r], xs[r].shape[0], outs[r], row_of[r],
+                        ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, w_off,
+                        **dict(cc, STAGES=stage, CARRIED=int(carry)))
             want = oracle_combine(outs_e, topks, weights, W, E, dtype)
             for r in range(W):
                 if not _same_up_to_interpreter_rounding(outs[r], want[r]):
@@ -189,7 +197,7 @@ def _bad_topk():
     dc, _, _ = kernel_consts(lay, topk, tile_tokens=2)
     for stage in (K.D_SEND, K.D_RECV):
         K.dispatch_kernel[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab, ctrl, err,
-                                 0, 0, 0, STAGES=stage, FP8=0, **dc)
+                                 0, 0, 0, idx, 0, STAGES=stage, FP8=0, **dc)
     fails = []
     if int(host[1]) != 3:
         fails.append(f"reported {int(host[1])} bad entries, expected 3")
@@ -210,12 +218,16 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     (2, 8, 5, 256, 3, 4, "bfloat16", [1], ["random", "dups", "zero_and_max"], 1),   # FP8
     (3, 6, 3, 128, 2, 2, "float32", [2], ["random", "sparse"], 2),                # pow2 scales
     (2, 4, 4, 16, 2, 2, "float32", [6, 7], ["random", "zero_and_max"], 0, True),  # send halves
+    # weights carried by the dispatch, both slots (three calls), plain and split-phase stages
+    (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True),
+    (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups", "none"], 0, True, True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}"
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
-                                             + ("-signals" if len(c) > 10 else "")
+                                             + ("-signals" if len(c) > 10 and c[10] else "")
+                                             + ("-carry" if len(c) > 11 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)
@@ -300,7 +312,8 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
         for r in ranks:
             K.dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
-                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, STAGES=stage, FP8=0, **dc)
+                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, STAGES=stage, FP8=0,
+                **dc)
     # the oracle: masked sources sent nothing
     xs_live = [x if s in live else x[:0] for s, x in enumerate(xs)]
     topks_live = [t if s in live else t[:0] for s, t in enumerate(topks)]
@@ -334,7 +347,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
         for r in live:
             K.combine_kernel[(NB,)](
                 outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r], ntok[r],
-                tab, ctrl[r][1], err[r], r, 0, 0, STAGES=stage, **cc)
+                tab, ctrl[r][1], err[r], r, 0, 0, 0, STAGES=stage, **cc)
     # experts on masked ranks count as absent from every top-k
     topks_cut = [torch.where((t >= 0) & (t < E) & torch.isin(t // L, torch.tensor(masked)), -1, t)
                  for t in topks_live]

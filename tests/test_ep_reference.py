@@ -427,6 +427,68 @@ def test_recv_hook_gives_the_same_results():
     assert not fails, "\n".join(fails[:20])
 
 
+def _carried_weights_body(rank, W):
+    """dispatch(topk_weights=w) then combine(..., None, handle) gives the bits of combine(...,
+    w, handle), with the weights' values at the time of the dispatch, plain and split-phase;
+    a combine that passes weights for a carrying handle, or none for another, is refused."""
+    import llcomm.ep as ep
+    E, T, H, K = 8, 5, 32, 3
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                      backend="reference")
+    fails = []
+    for seed in (1, 2):
+        for kind in KINDS:
+            tag = f"[seed={seed} {kind}]"
+            xs, topks, ws = make_case(W, E, T, H, K, seed, kind)
+            x, idx, w = xs[rank], topks[rank], ws[rank]
+            rx, rc, h = buf.dispatch(x, idx)
+            y = buf.combine(expert_fn(rx, rc, rank), idx, w, h)
+            wc = w.clone()
+            rx2, rc2, h2 = buf.dispatch(x, idx, topk_weights=wc)
+            wc.fill_(float("nan"))          # the dispatch has taken the weights already
+            if not h2.carries_weights or h.carries_weights:
+                fails.append(f"{tag} carries_weights {h.carries_weights} / {h2.carries_weights}")
+            y2 = buf.combine(expert_fn(rx2, rc2, rank), idx, None, h2)
+            y3, hook = buf.combine(expert_fn(rx2, rc2, rank), idx, None, h2,
+                                   return_recv_hook=True)
+            hook()
+            for got, how in ((y2, "plain"), (y3, "hook")):
+                if not torch.equal(_bits(got), _bits(y)):
+                    fails.append(f"{tag} combine with carried weights ({how}) differs")
+    errors = []
+    xs, topks, ws = make_case(W, E, T, H, K, 3, "random")
+    x, idx, w = xs[rank], topks[rank], ws[rank]
+    rx, rc, carrying = buf.dispatch(x, idx, topk_weights=w)
+    rx2, rc2, plain = buf.dispatch(x, idx)
+    for what, exc, words, fn in (
+            ("weights for a carrying handle", ValueError, ["topk_weights must be None"],
+             lambda: buf.combine(rx, idx, w, carrying)),
+            ("no weights for a plain handle", TypeError, ["topk_weights must be a torch.Tensor"],
+             lambda: buf.combine(rx2, idx, None, plain)),
+            ("dispatch weights shape", ValueError, ["topk_weights has shape (1, 3)"],
+             lambda: buf.dispatch(x, idx, topk_weights=w[:1].contiguous())),
+            ("dispatch weights dtype", TypeError, ["topk_weights has dtype float16"],
+             lambda: buf.dispatch(x, idx, topk_weights=w.half()))):
+        try:
+            fn()
+        except exc as e:
+            missing = [wd for wd in words if wd not in str(e)]
+            if missing:
+                errors.append(f"{what}: message lacks {missing}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{what}: raised {type(e).__name__}: {e}")
+            continue
+        errors.append(f"{what}: did not raise {exc.__name__}")
+    return fails + errors
+
+
+def test_weights_carried_by_the_dispatch():
+    results = run_distributed(_carried_weights_body, 2)
+    fails = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res]
+    assert not fails, "\n".join(fails[:20])
+
+
 def _combine_input_body(rank, W):
     """get_combine_input: one tensor per handle slot, combine reads it like any expert_out."""
     import llcomm.ep as ep

@@ -54,10 +54,11 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "recv_scales": "*fp32",
              "row_of": "*i32",
              "src_info": "*i32", "recv_count": "*i32", "ntok_out": "*i32", "tab": "*i64",
-             "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64", "timeout_us": "i32"}
+             "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64", "timeout_us": "i32",
+             "wts": "*fp32", "w_off": "i64"}
     c_sig = {"eo": p, "topk": "*i64", "wts": "*fp32", "n_tok": "i32", "out": p,
              "row_of": "*i32", "ntok_in": "*i32", "tab": "*i64", "ctrl": "*i64", "err": "*i64",
-             "rank": "i32", "tag": "i64", "timeout_us": "i32"}
+             "rank": "i32", "tag": "i64", "timeout_us": "i32", "w_off": "i64"}
     d8_sig = dict(d_sig, recv_x="*u8")
     fp8 = {} if hidden % 128 else {
         f"dispatch_{dt}_fp8": (K.dispatch_kernel, d8_sig,
@@ -79,6 +80,13 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         f"combine_{dt}_recv": (K.combine_kernel, c_sig,
                                dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps,
                                {"enable_fp_fusion": False}),
+        # dispatch(topk_weights=...): the weights travel with the dispatch
+        f"dispatch_{dt}_carry": (K.dispatch_kernel, d_sig,
+                                 dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, CARRY=1), warps,
+                                 None),
+        f"combine_{dt}_carried": (K.combine_kernel, c_sig,
+                                  dict(c_consts, STAGES=K.COMBINE_ALL, CARRIED=1), warps,
+                                  {"enable_fp_fusion": False}),
         # EPBuffer(enable_masks=True), and LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
         **{f"{kind}_{dt}_{mode}": (fn, sig, dict(consts, **extra), warps, opts)
            for mode, extra in (("masks", {"MASKS": 1}), ("prof", {"PROFILE": 1}))

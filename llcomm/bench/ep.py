@@ -93,6 +93,7 @@ class Config:
     round_scale: bool = False
     overlap: bool = False
     max_tokens: int = 0         # the buffer's num_max_dispatch_tokens_per_rank; 0: max(tokens)
+    carry_weights: bool = False  # dispatch(topk_weights=w), combine(..., None, handle)
 
     @property
     def buffer_tokens(self) -> int:
@@ -225,14 +226,17 @@ class Expected:
 
 
 # -- one token count ---------------------------------------------------------------------------
-def _impls(buf, name: str, x, idx, w, exp: Expected, ref_out, scale, bias, R) -> list[Impl]:
-    """The dispatch and the combine of one buffer; combine runs on a handle of its own dispatch."""
+def _impls(buf, name: str, x, idx, w, exp: Expected, ref_out, scale, bias, R,
+           carry: bool = False) -> list[Impl]:
+    """The dispatch and the combine of one buffer; combine runs on a handle of its own dispatch.
+    ``carry``: the dispatches carry the weights (``topk_weights=w``), the combine takes None."""
+    wd, wc = (w, None) if carry else (None, w)
     shape = (buf.num_local_experts, buf.num_ranks * buf.max_tokens, buf.hidden)
     recv = torch.zeros(shape, dtype=DTYPE, device=R.device)
     got = {}
 
     def dispatch():
-        got["d"] = buf.dispatch(x, idx, out=recv)
+        got["d"] = buf.dispatch(x, idx, out=recv, topk_weights=wd)
     d = Impl(name, "ll", dispatch, reset=lambda: C.poison_(recv),
              check=lambda: exp.dispatch_wrong(*got["d"]), raise_errors=buf.check)
     recv_c = torch.zeros_like(recv)
@@ -240,12 +244,12 @@ def _impls(buf, name: str, x, idx, w, exp: Expected, ref_out, scale, bias, R) ->
     state = {}
 
     def prepare():  # a dispatch of its own: the handle lives until this buffer's next two
-        rx, rc, state["h"] = buf.dispatch(x, idx, out=recv_c)
+        rx, rc, state["h"] = buf.dispatch(x, idx, out=recv_c, topk_weights=wd)
         state["y"] = run_experts(rx, rc, scale, bias, R.rank)
         C.poison_(out)
 
     expected = exp.combine if ref_out is None else ref_out
-    c = Impl(name, "ll", lambda: buf.combine(state["y"], idx, w, state["h"], out=out),
+    c = Impl(name, "ll", lambda: buf.combine(state["y"], idx, wc, state["h"], out=out),
              reset=lambda: C.poison_(out), check=lambda: C.count_wrong(out, expected),
              raise_errors=buf.check)
     return [d, (prepare, c)]
@@ -369,7 +373,8 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
     nbytes = pairs * cfg.hidden * 2 // R.world
     base = {"op": None, "dtype": C.dtype_name(DTYPE), "world_size": R.world, "bytes": nbytes,
             "tokens_per_rank": n, "hidden": cfg.hidden, "num_experts": cfg.experts,
-            "topk": cfg.topk, "max_tokens": cfg.buffer_tokens, "fp8": False}
+            "topk": cfg.topk, "max_tokens": cfg.buffer_tokens, "fp8": False,
+            "carry_weights": cfg.carry_weights}
     rows, ref_out = [], None
     if cfg.fp8:
         fp8_bytes = pairs * (cfg.hidden + cfg.hidden // FP8_BLOCK * 4) // R.world
@@ -377,7 +382,8 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
                     "round_scale": cfg.round_scale}
     for name in reversed(list(R.bufs)):            # reference first: its combine is the oracle
         buf = R.bufs[name]
-        d, (prepare, c) = _impls(buf, name, x, idx, w, exp, ref_out, R.scale, R.bias, R)
+        d, (prepare, c) = _impls(buf, name, x, idx, w, exp, ref_out, R.scale, R.bias, R,
+                                 cfg.carry_weights)
         rows += C.time_impl(d, {**base, "op": "dispatch"}, R.timing)
         for mode in c.modes:
             err = [None]
@@ -519,7 +525,8 @@ def print_result(result: dict) -> None:
     print(f"# llcomm bench ep: {result['machine']}, world size {result['world_size']}, hidden "
           f"{r0.get('hidden')}, {r0.get('num_experts')} experts, top-{r0.get('topk')}, "
           f"{result['routing']} routing, {r0.get('dtype')}, buffer for "
-          f"{r0.get('max_tokens', '?')} tokens per rank")
+          f"{r0.get('max_tokens', '?')} tokens per rank"
+          + (", weights carried by the dispatch" if r0.get("carry_weights") else ""))
     print(f"# torch {v.get('torch')}, triton {v.get('triton')}, nccl {v.get('nccl')}; commit "
           f"{result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; {result['iters']} "
           f"iters after {result['warmup']} warm-up"
@@ -561,6 +568,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=0,
                    help="the buffer's num_max_dispatch_tokens_per_rank (default: the largest "
                         "--tokens); the dispatch's cost depends on it, not only on the tokens sent")
+    p.add_argument("--carry-weights", action="store_true",
+                   help="dispatch(topk_weights=w) and combine(..., None, handle): the weights "
+                        "travel with the dispatch and combine skips its weights exchange")
     p.add_argument("--overlap", action="store_true",
                    help="add overlap_step rows: a 2-micro-batch step with return_recv_hook=True "
                         "against the same step without hooks")
@@ -598,7 +608,7 @@ def config_from_args(a, on_cpu: bool) -> Config:
     return Config(tokens=tokens, hidden=hidden, experts=experts, topk=topk, iters=a.iters,
                   warmup=a.warmup, graph_ops=a.graph_ops, seed=a.seed,
                   progress=not a.no_progress, fp8=a.fp8, round_scale=a.round_scale,
-                  overlap=a.overlap, max_tokens=a.max_tokens)
+                  overlap=a.overlap, max_tokens=a.max_tokens, carry_weights=a.carry_weights)
 
 
 def run(a) -> int:

@@ -34,6 +34,16 @@ the local work that follows:
     C. sum: for each token t of its own, block b sums the partials of the ranks t was routed
        to, **in rank order in fp32** starting from +0.0, and rounds once into ``out[t]``.
 
+Weights with the dispatch (``CARRY`` / ``CARRIED`` = 1, ``dispatch(topk_weights=...)``): the
+dispatch also pushes stage A's weights, into the weights region of the *handle slot's* set
+(byte ``w_off``; set k serves handle slot k), and its signal releases them with the rows; the
+combine then skips stage A and its wait (the dispatch's wait already covered the weights) and
+reads them at ``w_off``. Slot k is written again by dispatch k + 2, which a rank starts only
+after its combine k, which waited for every rank's partials of k, each pushed after that rank
+read its weights: the same argument as the sets'. Without the weights wait the combine's first
+wait is the partials wait; the partials region is safe by the argument below (combine k - 1's
+exit wait).
+
 Why two buffer sets suffice (set = op counter % 2, on the device, separately for dispatch and
 combine): every op waits for every rank. When rank r starts dispatch k it has finished dispatch
 k-1, which needed every peer to have signalled k-1, i.e. to have finished dispatch k-2 (kernels
@@ -543,6 +553,8 @@ def dispatch_kernel(
         ctrl,           # [NB] int64: dispatch counter of each block
         err,            # [3] int64: device error word, host error address, host input-error address
         rank, tag, timeout_us,
+        wts,            # [n_tok, K] fp32 top-k weights (CARRY only; any pointer otherwise)
+        w_off,          # CARRY: byte offset of the handle slot's weights region, every rank
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
         K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
         E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
@@ -561,7 +573,8 @@ def dispatch_kernel(
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
-        PROFILE: tl.constexpr = 0):     # 1: stage stamps into err (ERR_PROF; _stamp)
+        PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
+        CARRY: tl.constexpr = 0):       # 1: the top-k weights travel too (module doc)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -569,6 +582,8 @@ def dispatch_kernel(
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     if STAGES & 1:
+        if CARRY:       # released with the rows by this dispatch's signal
+            _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
               PROFILE)
@@ -610,7 +625,8 @@ def dispatch_kernel(
 def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
                   OFF_CW: tl.constexpr):
-    """Combine stage A: this rank's top-k weights into slot (rank, t) of every rank."""
+    """Combine stage A (or the dispatch with CARRY): this rank's top-k weights into slot
+    (rank, t) of the weights region at byte ``set_off + OFF_CW`` of every rank."""
     b = tl.program_id(0)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -646,19 +662,19 @@ def _reduce_pair(eo, rows, wp, pp, H: tl.constexpr, HP: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _reduce_partials(eo, wts, row_of, ntok_in, tab, rank, set_off, msk, T: tl.constexpr,
+def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, w_at, msk, T: tl.constexpr,
                      H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                     NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_CX: tl.constexpr,
-                     OFF_CW: tl.constexpr):
+                     NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_CX: tl.constexpr):
     """Combine stage B: per received pair (s, t), its local experts' outputs weighted and summed
-    in k order in fp32, rounded once, pushed into slot (rank, t) of rank s. Sources in the
-    bit mask ``msk`` (masked ranks) are skipped: their weights may not have come.
+    in k order in fp32, rounded once, pushed into slot (rank, t) of rank s. The weights are read
+    from this rank's region at byte ``w_at``. Sources in the bit mask ``msk`` (masked ranks) are
+    skipped: their weights may not have come.
 
     (Reducing this rank's own pairs before the weights wait, with the weights from the caller's
     ``wts``, was measured in session 5: no faster, 19.4-19.5 -> 20.1 us at 128 tokens.)"""
     b = tl.program_id(0)
     eo_dt = eo.dtype.element_ty
-    wl = _at(tab, rank, set_off + OFF_CW, tl.float32)
+    wl = _at(tab, rank, w_at, tl.float32)
     for s in range(W):
         n_s = tl.where(_masked(msk, s), 0, tl.load(ntok_in + s))
         cx = _at(tab, s, set_off + OFF_CX, eo_dt)
@@ -695,7 +711,7 @@ def _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T: tl.constexpr, H:
 def combine_kernel(
         eo,             # [L, W * T, H] expert outputs (buffer dtype)
         topk,           # [n_tok, K] int64, as given to the dispatch
-        wts,            # [n_tok, K] fp32 top-k weights
+        wts,            # [n_tok, K] fp32 top-k weights (not CARRIED; any pointer otherwise)
         n_tok,          # tokens of this rank (the dispatch's)
         out,            # [n_tok, H] output
         row_of,         # [W, T, K] int32 from the dispatch's handle
@@ -704,6 +720,7 @@ def combine_kernel(
         ctrl,           # [NB] int64: combine counter of each block
         err,            # [3] int64: see dispatch_kernel
         rank, tag, timeout_us,
+        w_off,          # CARRIED: byte offset of the handle slot's weights region (this rank)
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
         KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
@@ -712,7 +729,8 @@ def combine_kernel(
         STAGES: tl.constexpr,           # C_* bits (module doc)
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
-        PROFILE: tl.constexpr = 0):     # 1: stage stamps into err (ERR_PROF; _stamp)
+        PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
+        CARRIED: tl.constexpr = 0):     # 1: the dispatch carried the weights (module doc)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 1, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -722,13 +740,14 @@ def combine_kernel(
     sig0 = (set_off + OFF_SIG) // 8
     flags = _at(tab, rank, set_off + OFF_SIG, tl.int64)
     if STAGES & 1:
-        _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
+        if not CARRIED:
+            _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
         _stamp(err, 1, PROFILE, 1, NB)  # weights pushed
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
     ok = 1
-    if STAGES & 8:      # C_SYNC_W
+    if (STAGES & 8) and not CARRIED:    # C_SYNC_W (the dispatch's signal carried them)
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok, late = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err,
@@ -740,8 +759,11 @@ def combine_kernel(
         _stamp(err, 2, PROFILE, 1, NB)  # weights of every rank arrived
     if STAGES & 2:      # C_REDUCE
         if ok:
-            _reduce_partials(eo, wts, row_of, ntok_in, tab, rank, set_off, msk, T, H, HP, K, W,
-                             NB, MAX_TOPK, OFF_CX, OFF_CW)
+            w_at = set_off + OFF_CW
+            if CARRIED:
+                w_at = w_off
+            _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, w_at, msk, T, H, HP, K, W,
+                             NB, MAX_TOPK, OFF_CX)
     if STAGES & 16:     # C_SIGNAL_P
         tl.debug_barrier()              # outside ``if ok``: see _wait_flags
         if ok:
