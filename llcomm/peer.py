@@ -39,6 +39,11 @@ LAMPORT_TAG_BYTES = 4
 #: -> 3.2 us at 8 KiB, both 5.0 -> 3.3-3.4 us at 64 KiB. Every rank must use the same value.
 #: At most LL_MAX_BYTES: the LL region holds 2 halves x W sources x twice the bytes.
 LL_BYTES_ENV = "LLCOMM_LL_BYTES"
+#: LLCOMM_LAMPORT_OWN_LOCAL=1: the Lamport kernels take this rank's own term from its operand
+#: instead of pushing it into (and polling, re-arming) its own slot: the same bits, a third less
+#: local traffic (_lamport.receive). Off until measured on GPUs (written in session 5); ranks
+#: may differ.
+LAMPORT_OWN_LOCAL_ENV = "LLCOMM_LAMPORT_OWN_LOCAL"
 LL_MAX_BYTES = 64 << 10
 #: Bytes of an LL word: a 4-byte data word and its 4-byte epoch.
 LL_WORD_BYTES = 8
@@ -71,6 +76,14 @@ def ll_bytes_setting() -> int:
     if not raw.isdigit():
         raise ValueError(f"{LL_BYTES_ENV}={raw!r}: expected a byte count (0 turns LL off)")
     return min(int(raw), LL_MAX_BYTES)
+
+
+def lamport_own_local_setting() -> int:
+    """LLCOMM_LAMPORT_OWN_LOCAL: 0 (default) or 1."""
+    raw = os.environ.get(LAMPORT_OWN_LOCAL_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{LAMPORT_OWN_LOCAL_ENV}={raw!r}: expected 0 or 1")
+    return int(raw)
 
 
 def _launch_shape(n: int, itemsize: int, nb: int) -> tuple[int, int]:
@@ -112,6 +125,7 @@ class PeerBackend:
         self.timeout_us = timeout_ms * P.US_PER_MS
         self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
         self.ll_bytes = min(max_bytes, ll_bytes_setting()) // 4 * 4
+        self.own_local = lamport_own_local_setting()
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
@@ -185,7 +199,7 @@ class PeerBackend:
                 self.rank, self._lamport_tag(P.OP_LAMPORT, n, x.dtype), self.timeout_us,
                 self.lamport_bytes // x.element_size()), warps,
                 SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, WP=self.WP, NB=self.nb,
-                BLOCK=block, STAGES=self._k_ar.ALL_STAGES)
+                BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local)
         elif algo == "one_shot":
             self._launch(self._k_ar.one_shot_kernel, self.nb, (
                 x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
@@ -225,7 +239,7 @@ class PeerBackend:
                 self.tabs["lamport_tags"], self.ctrl, self.err, self.rank, tag, self.timeout_us,
                 self.lamport_bytes // x.element_size()), warps,
                 SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
-                STAGES=self._k_fn.ALL_STAGES)
+                STAGES=self._k_fn.ALL_STAGES, OWN_LOCAL=self.own_local)
         else:
             tag = self._tag(P.OP_FUSED_ONE_SHOT, self._rows_numel(tokens, hidden), x.dtype)
             self._launch(self._k_fn.one_shot_norm_kernel, self.nb, (

@@ -24,11 +24,12 @@ from _interp import run_in_interpreter
 class Regions:
     """W virtual ranks' Lamport regions, op counters and error words (CPU tensors)."""
 
-    def __init__(self, W: int, NB: int, slot_bytes: int):
+    def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None):
         import torch
         from llcomm import peer
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
+        self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
         self.data = [torch.full((peer.HALVES * W * slot_bytes // 2,), peer.SENTINEL16,
                                 dtype=torch.int16) for _ in range(W)]
         self.tags = [torch.zeros(peer.HALVES * NB * W, dtype=torch.int32) for _ in range(W)]
@@ -89,7 +90,8 @@ class Call:
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize
         wp = 1 << (R.W - 1).bit_length()
-        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage)
+        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage,
+                      OWN_LOCAL=R.own_local[rank])
         if self.kind == "all_reduce":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
@@ -136,9 +138,10 @@ def _round(R: Regions, specs, seed: int, pushers=None):
     return calls
 
 
-def simulate_matched(W, NB, rounds):
-    """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures."""
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds))
+def simulate_matched(W, NB, rounds, own_local=None):
+    """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures.
+    ``own_local``: OWN_LOCAL per rank (default 0 everywhere)."""
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local)
     fails = []
     for i, spec in enumerate(rounds):
         calls = _round(R, [spec] * W, seed=i)
@@ -157,11 +160,11 @@ def simulate_matched(W, NB, rounds):
     return fails
 
 
-def simulate_mismatch(W, NB, warmup, specs, pushers=None):
+def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None):
     """A matched warm-up round, then one round where rank r calls specs[r]. Returns per rank
     (exception type name, op, phase, ranks) decoded from its error word, or None."""
     from llcomm import protocol as P
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]))
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), own_local=own_local)
     _round(R, [warmup] * W, seed=0)
     assert not any(int(h[0]) for h in R.host), "the warm-up round failed"
     _round(R, specs, seed=1, pushers=None if pushers is None else set(pushers))
@@ -194,9 +197,12 @@ MATCHED = [
 ]
 
 
-@pytest.mark.parametrize("W,NB", [(2, 2), (3, 4)])
-def test_matched_rounds_sum_and_leave_everything_idle(W, NB):
-    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED)
+@pytest.mark.parametrize("W,NB,own_local", [(2, 2, None), (3, 4, None), (2, 2, [1, 1]),
+                                             (3, 4, [1, 0, 1])])
+def test_matched_rounds_sum_and_leave_everything_idle(W, NB, own_local):
+    """Also with LLCOMM_LAMPORT_OWN_LOCAL (own term from the operand, own slot untouched) on
+    every rank or some: the same sums, everything idle (the own slot was never written)."""
+    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, own_local)
     assert not fails, "\n".join(fails[:20])
 
 
@@ -211,11 +217,12 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
 }
 
 
+@pytest.mark.parametrize("own_local", [None, [1, 1]])
 @pytest.mark.parametrize("name", list(MISMATCHES))
-def test_mismatch_is_reported_on_every_rank(name):
+def test_mismatch_is_reported_on_every_rank(name, own_local):
     from llcomm import protocol as P
     other = MISMATCHES[name]
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other])
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local)
     ops = [P.OPS[P.OP_LAMPORT], P.OPS[P.OP_LAMPORT if other[0] == "all_reduce" else
                                        P.OP_FUSED_LAMPORT]]
     for r in range(2):
@@ -248,3 +255,15 @@ def test_rank_that_never_pushed_is_a_timeout():
     from llcomm import protocol as P
     seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, A], [0])
     assert seen[0] == ["CommTimeoutError", P.OPS[P.OP_LAMPORT], P.PHASES[P.PHASE_DATA], [1]]
+
+
+def test_own_local_setting(monkeypatch):
+    """LLCOMM_LAMPORT_OWN_LOCAL: 0 by default, 0 or 1, anything else refused by name."""
+    from llcomm.peer import LAMPORT_OWN_LOCAL_ENV, lamport_own_local_setting
+    monkeypatch.delenv(LAMPORT_OWN_LOCAL_ENV, raising=False)
+    assert lamport_own_local_setting() == 0
+    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "1")
+    assert lamport_own_local_setting() == 1
+    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "yes")
+    with pytest.raises(ValueError, match=LAMPORT_OWN_LOCAL_ENV):
+        lamport_own_local_setting()

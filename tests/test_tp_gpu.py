@@ -203,6 +203,61 @@ def test_ll_movement_byte_exact_eager_and_graph():
     run_distributed(_ll_body, 2, backend="nccl", timeout=300)
 
 
+def _own_local_body(rank, ws, own):
+    """LLCOMM_LAMPORT_OWN_LOCAL per rank (``own[rank]``; ranks may differ): Lamport all_reduce
+    and the fused Lamport join give the bits of the flag one-shot / the default, in place too,
+    eager and in a replayed graph, sizes changing every call."""
+    import os
+
+    from llcomm.peer import LAMPORT_OWN_LOCAL_ENV
+    os.environ[LAMPORT_OWN_LOCAL_ENV] = str(own[rank])
+    comm = _comm()
+    assert comm._impl.own_local == own[rank]
+    for i, n in enumerate((1, 7, 4096, 5000, 65536 + 3, LAMPORT_MAX // 2, 4096, 1)):
+        for dtype in DTYPES:
+            x, xs = _inputs(n, dtype, 50 + i, rank)
+            want = _oracle_sum(xs)
+            assert torch.equal(_bits(comm.all_reduce(x, algo="lamport")), _bits(want)), (n, dtype)
+            y = x.clone()
+            comm.all_reduce(y, out=y, algo="lamport")                   # in place
+            assert torch.equal(_bits(y), _bits(want)), ("in place", n, dtype)
+    tokens, hidden = 8, 8192
+    x, _ = _inputs(tokens * hidden, torch.bfloat16, 90, rank)
+    x = x.view(tokens, hidden)
+    res = torch.randn(tokens, hidden, device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(91)).to(torch.bfloat16)
+    w = torch.rand(hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(92))
+    w = (w + 0.5).to(torch.bfloat16)
+    got = comm.all_reduce_residual_rmsnorm(x, res, w, algo="lamport")
+    want = comm.all_reduce_residual_rmsnorm(x, res, w, algo="one_shot")
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), "fused"
+    static, outs = torch.zeros(3000, dtype=torch.bfloat16, device="cuda"), {}
+
+    def step():
+        outs["y"] = comm.all_reduce(static, algo="lamport")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for i in range(20):
+        x, xs = _inputs(3000, torch.bfloat16, 200 + i, rank)
+        static.copy_(x)
+        g.replay()
+        assert torch.equal(_bits(outs["y"]), _bits(_oracle_sum(xs))), i
+    comm.check()
+    comm.close()
+
+
+@pytest.mark.parametrize("own", [(1, 1), (1, 0)])
+def test_lamport_own_term_from_the_operand(own):
+    run_distributed(_own_local_body, 2, own, backend="nccl", timeout=300)
+
+
 def _second_comm_body(rank, ws):
     a = _comm()
     b = _comm(max_bytes=1 << 20)

@@ -6,6 +6,7 @@ Prints, per kernel, whether the peer loads/stores are 16 bytes wide (ld/st.globa
 system-scope atomics, and register use when known. PTX reading costs no device time.
 """
 import argparse
+import inspect
 import os
 import re
 
@@ -53,6 +54,13 @@ KERNELS = {
                          "timeout_us": "i32", "cap": "i64"},
                         {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128, "BLOCK": 256,
                          "STAGES": all_reduce.ALL_STAGES}, 1),
+    # the same with the own term read from x (LLCOMM_LAMPORT_OWN_LOCAL=1)
+    "lamport_bf16_8k_own": (all_reduce.lamport_kernel,
+                            {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64",
+                             "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
+                             "tag": "i32", "timeout_us": "i32", "cap": "i64"},
+                            {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
+                             "BLOCK": 256, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1}, 1),
     "broadcast_i32": (movement.broadcast_kernel,
                       {"x": "*i32", "n": "i32", "src": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
                        "flags": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
@@ -103,6 +111,10 @@ def compile_one(fn, sig, consts, num_warps=4):
     full = dict(sig)
     for k in cs:
         full[k] = "constexpr"
+    for prm in fn.params:       # constexprs left at their defaults (they come last)
+        if prm.name not in full and prm.is_constexpr and prm.default is not inspect.Parameter.empty:
+            cs[prm.name] = prm.default
+            full[prm.name] = "constexpr"
     # pointer args and ints are assumed 16-divisible as Triton specialises them at run time
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(full.items())
              if v.startswith("*") or k in ("n", "cap", "shard", "m_out", "part", "hidden")}

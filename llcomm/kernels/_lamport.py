@@ -154,24 +154,53 @@ def _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL: tl.constexpr
 
 
 @triton.jit
-def receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err, op,
+def receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err, op, own, rank,
             SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
-            POLL: tl.constexpr):
+            POLL: tl.constexpr, OWN_LOCAL: tl.constexpr):
     """The fp32 rank-order sum of the W sources' words at ``offs`` (lanes ``m``) of this rank's
     half ``local``, each source's words re-armed with SENTINEL (and, if ``check_tag``: the
     block's first chunk or row, its tag ``tags[p]`` checked against ``tag`` and reset to 0).
     Returns (sum, failed): a wait that fails (a mismatched tag, or a timeout) writes the error
     word (``op``, data phase, the source's bit) and this block waits for nothing after it, so
     no rank waits for data that a mismatched call may never send. The sum is then meaningless
-    and the host raises instead of returning it."""
+    and the host raises instead of returning it.
+
+    OWN_LOCAL: this rank's own term is ``own`` (its operand's words, SENTINEL already replaced
+    as the push replaces it), not its slot: the push skipped that slot, so nothing is polled or
+    re-armed there (its tag word is still reset). The same values in the same order: the same
+    bits. Ranks may differ in OWN_LOCAL (a rank's own slot is its own business)."""
     acc = tl.zeros([BLOCK], tl.float32)
     for p in tl.static_range(W):
         src = local + p * cap + offs
-        v, status = _poll(src, m, tags + p, tag, check_tag, failed, limit, SENTINEL, POLL)
-        if status > 0:  # STATUS_TIMEOUT or STATUS_MISMATCH; block-uniform
-            report_error(err, status, op, PHASE_DATA, tl.full([], 1 << p, tl.int64))
-            failed = 1
-        acc += v.to(FT, bitcast=True).to(tl.float32)
-        tl.store(src, tl.full([BLOCK], SENTINEL, v.dtype), mask=m)  # idle again
+        if OWN_LOCAL:
+            if p == rank:               # block-uniform; nothing was pushed to this slot
+                acc += own.to(FT, bitcast=True).to(tl.float32)
+            else:
+                acc, failed = _take(acc, src, m, tags + p, tag, check_tag, failed, limit, err,
+                                    op, p, SENTINEL, FT, BLOCK, POLL)
+        else:
+            acc, failed = _take(acc, src, m, tags + p, tag, check_tag, failed, limit, err, op, p,
+                                SENTINEL, FT, BLOCK, POLL)
         tl.store(tags + p, 0, mask=check_tag)                       # idle again
     return acc, failed
+
+
+@triton.jit
+def _take(acc, src, m, tag_ptr, tag, check_tag, failed, limit, err, op, p: tl.constexpr,
+          SENTINEL: tl.constexpr, FT: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
+    """``acc`` plus source p's words at ``src`` (``_poll``); a failed wait reported; the words
+    re-armed with SENTINEL."""
+    v, status = _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL, POLL)
+    if status > 0:  # STATUS_TIMEOUT or STATUS_MISMATCH; block-uniform
+        report_error(err, status, op, PHASE_DATA, tl.full([], 1 << p, tl.int64))
+        failed = 1
+    acc += v.to(FT, bitcast=True).to(tl.float32)
+    tl.store(src, tl.full([BLOCK], SENTINEL, v.dtype), mask=m)  # idle again
+    return acc, failed
+
+
+@triton.jit
+def own_words(x, offs, m, SENTINEL: tl.constexpr):
+    """This rank's operand words at ``offs`` as the push sends them (SENTINEL -> +0.0)."""
+    v = tl.load(x + offs, mask=m)
+    return tl.where(v == SENTINEL, 0, v)

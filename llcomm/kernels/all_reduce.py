@@ -25,7 +25,7 @@ import triton.language as tl
 # PUSH, REDUCE, ALL_STAGES: lamport_kernel's stage bits, for the host and the tests
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ._lamport import push_tag, receive, receive_context
+from ._lamport import own_words, push_tag, receive, receive_context
 from ._sync import (EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us,
                     wait_peers)
 from .. import protocol as P
@@ -140,7 +140,8 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    SENTINEL: tl.constexpr,  # bit pattern of "not yet written" in the int view
                    FT: tl.constexpr,        # the float dtype the int view holds
                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr):   # PUSH | REDUCE; only ALL_STAGES polls
+                   STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
+                   OWN_LOCAL: tl.constexpr = 0):    # own term from x, not its slot (receive)
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
@@ -169,7 +170,11 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
             v = tl.where(v == SENTINEL, 0, v)
             for p in tl.static_range(W):
                 dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
-                tl.store(dst + offs, v, mask=m)
+                if OWN_LOCAL:
+                    if p != rank:       # the own term is read from x (receive)
+                        tl.store(dst + offs, v, mask=m)
+                else:
+                    tl.store(dst + offs, v, mask=m)
     if STAGES & 2:      # REDUCE
         POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
         local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us, cap,
@@ -180,7 +185,11 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
         for start in range(b * BLOCK, tl.maximum(n, b * BLOCK + 1), NB * BLOCK):
             offs = start + lanes
             m = offs < n
+            own = offs * 0      # (unused unless OWN_LOCAL)
+            if OWN_LOCAL:
+                own = own_words(x, offs, m, SENTINEL)
             acc, failed = receive(local, cap, offs, m, tags, tag, start == b * BLOCK, failed,
-                                  limit, err, OP_LAMPORT, SENTINEL, FT, W, BLOCK, POLL)
+                                  limit, err, OP_LAMPORT, own.to(IT), rank, SENTINEL, FT, W,
+                                  BLOCK, POLL, OWN_LOCAL)
             tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
         tl.store(ctrl + b, seq + 1)

@@ -35,7 +35,7 @@ import triton.language as tl
 # PUSH, REDUCE, ALL_STAGES: the stage bits, for the host and the tests as before
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ._lamport import limit_ticks, push_tag, receive, tag_slots
+from ._lamport import limit_ticks, own_words, push_tag, receive, tag_slots
 from ._sync import EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us, wait_peers
 from .. import protocol as P
 
@@ -66,7 +66,8 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
                         FT: tl.constexpr,        # the float dtype the int view holds
                         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                         BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
-                        STAGES: tl.constexpr):   # PUSH | REDUCE; only ALL_STAGES polls
+                        STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
+                        OWN_LOCAL: tl.constexpr = 0):   # own term from x (_lamport.receive)
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
     Slot and tag layout as ``all_reduce.lamport_kernel`` (element i of rank r's operand at
@@ -89,7 +90,11 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
             v = tl.where(v == SENTINEL, 0, v)  # -0.0 -> +0.0: same sum, never looks idle
             for p in tl.static_range(W):
                 dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
-                tl.store(dst + t * hidden + cols, v, mask=m)
+                if OWN_LOCAL:
+                    if p != rank:       # the own term is read from x (receive)
+                        tl.store(dst + t * hidden + cols, v, mask=m)
+                else:
+                    tl.store(dst + t * hidden + cols, v, mask=m)
     if STAGES & 2:      # REDUCE
         POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
         local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
@@ -100,8 +105,12 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
         failed = tl.zeros([], tl.int32)
         for t in range(b, tl.maximum(tokens, b + 1), NB):
             mt = cols < tl.where(t < tokens, hidden, 0)     # a row past the last: no columns
+            own = cols * 0      # (unused unless OWN_LOCAL)
+            if OWN_LOCAL:
+                own = own_words(x, t * hidden + cols, mt, SENTINEL)
             acc, failed = receive(local, cap, t * hidden + cols, mt, tags, tag, t == b, failed,
-                                  limit, err, OP_FUSED_LAMPORT, SENTINEL, FT, W, BLOCK, POLL)
+                                  limit, err, OP_FUSED_LAMPORT, own.to(IT), rank, SENTINEL, FT,
+                                  W, BLOCK, POLL, OWN_LOCAL)
             _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, mt, hidden, eps,
                           FT)
         tl.store(ctrl + b, seq + 1)
