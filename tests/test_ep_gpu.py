@@ -51,6 +51,32 @@ def _poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
+def _statics(n, E, H, T, topk, W):
+    """A captured step's static tensors: x, topk_idx (empty: -1), weights, recv_x and out
+    (poisoned) for ``n`` tokens of a buffer of ``T``."""
+    return (torch.zeros(n, H, dtype=torch.bfloat16, device="cuda"),
+            torch.full((n, topk), -1, dtype=torch.int64, device="cuda"),
+            torch.zeros(n, topk, dtype=torch.float32, device="cuda"),
+            _poisoned((E // W, W * T, H), torch.bfloat16), _poisoned((n, H), torch.bfloat16))
+
+
+def _capture(step, first=None):
+    """``first`` (if any) and ``step`` run once on a side stream (kernels compile outside the
+    capture), then ``step`` captured into a CUDA graph, which is returned."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        if first is not None:
+            first()
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g
+
+
 def _compare_dispatch(got, want, what):
     (rx, rc, h), (wx, wc, wh) = got, want
     assert torch.equal(rc, wc), f"{what}: recv_count {rc.tolist()} != {wc.tolist()}"
@@ -178,14 +204,9 @@ def _fill_static(rank, W, cfg, seed, kind, sx, sidx, sw):
 def _graph_body(rank, W):
     cfg = dict(E=64, H=2048, T=32, topk=8)
     E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
-    L = E // W
     peer, ref = _buffers(E, H, T)
     n = T - 3 * rank                       # token counts differ per rank
-    sx = torch.zeros(n, H, dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros(n, topk, dtype=torch.float32, device="cuda")
-    srecv = _poisoned((L, W * T, H), torch.bfloat16)
-    sy = _poisoned((n, H), torch.bfloat16)
+    sx, sidx, sw, srecv, sy = _statics(n, E, H, T, topk, W)
     keep = {}
 
     def step():
@@ -197,16 +218,7 @@ def _graph_body(rank, W):
     def fill(seed):
         _fill_static(rank, W, cfg, seed, KINDS[seed % len(KINDS)], sx, sidx, sw)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fill(1)
-        step()                             # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = _capture(step, lambda: fill(1))
     for i in range(REPLAYS):
         fill(100 + i)
         srecv.fill_(float("nan"))
@@ -264,29 +276,14 @@ def _carried_body(rank, W):
     # a replayed graph of a carried dispatch + combine, eager calls between replays
     cfg = dict(E=64, H=2048, T=32, topk=8)
     E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
-    L = E // W
     peer, ref = _buffers(E, H, T)
-    n = T - 3 * rank
-    sx = torch.zeros(n, H, dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros(n, topk, dtype=torch.float32, device="cuda")
-    srecv = _poisoned((L, W * T, H), torch.bfloat16)
-    sy = _poisoned((n, H), torch.bfloat16)
+    sx, sidx, sw, srecv, sy = _statics(T - 3 * rank, E, H, T, topk, W)
 
     def step():
         rx, _, h = peer.dispatch(sx, sidx, out=srecv, topk_weights=sw)
         peer.combine(_experts(rx, rank), sidx, None, h, out=sy)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _fill_static(rank, W, cfg, 1, "random", sx, sidx, sw)
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = _capture(step, lambda: _fill_static(rank, W, cfg, 1, "random", sx, sidx, sw))
     for i in range(20):
         _fill_static(rank, W, cfg, 700 + i, KINDS[i % len(KINDS)], sx, sidx, sw)
         sy.fill_(float("nan"))
@@ -413,7 +410,6 @@ def _hook_body(rank, W):
     from llcomm.ep_fp8 import dequantize
     cfg = SMALL
     E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
-    L = E // W
     peer, ref = _buffers(E, H, T)
     busy = torch.randn(2048, 2048, device="cuda")
     for seed in (1, 2, 3):
@@ -439,12 +435,7 @@ def _hook_body(rank, W):
                 chook()
                 assert torch.equal(_bits(y), _bits(ref.combine(eo, idx, w, want[2]))), what
     # graph: send halves and hooks captured together, replayed with fresh inputs
-    n = T - 2 * rank
-    sx = torch.zeros(n, H, dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros(n, topk, dtype=torch.float32, device="cuda")
-    srecv = _poisoned((L, W * T, H), torch.bfloat16)
-    sy = _poisoned((n, H), torch.bfloat16)
+    sx, sidx, sw, srecv, sy = _statics(T - 2 * rank, E, H, T, topk, W)
 
     def step():
         rx, rc, h, hook = peer.dispatch(sx, sidx, out=srecv, return_recv_hook=True)
@@ -452,15 +443,7 @@ def _hook_body(rank, W):
         y, chook = peer.combine(_experts(rx, rank), sidx, sw, h, out=sy, return_recv_hook=True)
         chook()
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = _capture(step)
     for i in range(10):
         _fill_static(rank, W, cfg, 300 + i, KINDS[i % len(KINDS)], sx, sidx, sw)
         g.replay()

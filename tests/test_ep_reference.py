@@ -13,6 +13,21 @@ def _bits(t):
     return t.contiguous().view(torch.uint8)
 
 
+def _expect(errors, what, exc, words, fn):
+    """Run ``fn``; append to ``errors`` unless it raises ``exc`` with every one of ``words``."""
+    try:
+        fn()
+    except exc as e:
+        missing = [wd for wd in words if wd not in str(e)]
+        if missing:
+            errors.append(f"{what}: message lacks {missing}: {e}")
+        return
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"{what}: raised {type(e).__name__}: {e}")
+        return
+    errors.append(f"{what}: did not raise {exc.__name__}")
+
+
 def _check_one(buf, rank, W, E, T, H, topk, seed, kind, dtype):
     """Dispatch + experts + combine of one case; returns a list of failure strings."""
     xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
@@ -384,14 +399,7 @@ def _hook_body(rank, W):
     errors = []
 
     def expect(what, exc, words, fn):
-        try:
-            fn()
-        except exc as e:
-            missing = [wd for wd in words if wd not in str(e)]
-            if missing:
-                errors.append(f"{what}: message lacks {missing}: {e}")
-            return
-        errors.append(f"{what}: did not raise {exc.__name__}")
+        _expect(errors, what, exc, words, fn)
 
     xs, topks, ws = make_case(W, E, T, H, K, 3, "random")
     x, idx, w = xs[rank], topks[rank], ws[rank]
@@ -469,17 +477,7 @@ def _carried_weights_body(rank, W):
              lambda: buf.dispatch(x, idx, topk_weights=w[:1].contiguous())),
             ("dispatch weights dtype", TypeError, ["topk_weights has dtype float16"],
              lambda: buf.dispatch(x, idx, topk_weights=w.half()))):
-        try:
-            fn()
-        except exc as e:
-            missing = [wd for wd in words if wd not in str(e)]
-            if missing:
-                errors.append(f"{what}: message lacks {missing}: {e}")
-            continue
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{what}: raised {type(e).__name__}: {e}")
-            continue
-        errors.append(f"{what}: did not raise {exc.__name__}")
+        _expect(errors, what, exc, words, fn)
     return fails + errors
 
 

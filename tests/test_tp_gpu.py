@@ -38,6 +38,20 @@ def _oracle_sum(xs):
     return acc.to(xs[0].dtype)
 
 
+def _capture(step):
+    """``step`` run once on a side stream (kernels compile outside the capture), then captured
+    into a CUDA graph, which is returned."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g
+
+
 def _same_on_all_ranks(t):
     got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(got, t.contiguous())
@@ -178,14 +192,7 @@ def _ll_body(rank, ws):
         outs.append(comm.all_reduce(a, algo="lamport"))
         outs.append(comm.all_gather_2d(xs.view(16, -1)))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = _capture(step)
     for i in range(20):
         xs.copy_(_random_words(8 << 10, 100 + i, rank))
         a.copy_(_inputs(2048, torch.bfloat16, 100 + i, rank)[0])
@@ -236,14 +243,7 @@ def _own_local_body(rank, ws, own):
     def step():
         outs["y"] = comm.all_reduce(static, algo="lamport")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = _capture(step)
     for i in range(20):
         x, xs = _inputs(3000, torch.bfloat16, 200 + i, rank)
         static.copy_(x)
@@ -296,14 +296,7 @@ def _graph_body(rank, ws):
         outs["all_gather_2d"] = comm.all_gather_2d(static_2d)
         outs["reduce_scatter"] = comm.reduce_scatter(static_x)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ops()  # warm-up compiles outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ops()
+    g = _capture(ops)
     for i in range(REPLAYS):
         x, xs = _inputs(n, dtype, 10_000 + i, rank)
         static_x.copy_(x)
