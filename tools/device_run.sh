@@ -19,7 +19,7 @@ SUMMARY=$DIR/summary.txt
 : > "$SUMMARY"
 
 # Seconds each step may take (whole file / whole benchmark), measured on 2xH200 (docs/gpu-machine.md).
-declare -A TEST_S=([tests/test_tp_gpu.py]=240 [tests/test_ep_gpu.py]=330 [tests/test_fused_gpu.py]=120
+declare -A TEST_S=([tests/test_tp_gpu.py]=300 [tests/test_ep_gpu.py]=330 [tests/test_fused_gpu.py]=120
                    [tests/test_faults_gpu.py]=400 [tests/test_compile_gpu.py]=180
                    [tests/test_tune.py]=180 [tests/test_cli.py]=240 [tests/test_ep_masks_gpu.py]=120)
 declare -A BENCH_S=([tp]=200 [ep]=120 [fused]=120 [decode]=200 [soak]=420)
