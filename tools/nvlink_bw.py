@@ -14,7 +14,9 @@ back-to-back launches, and prints GB/s per direction (the slowest rank). The way
 - ``tma``: the block stages a tile in shared memory and a TMA bulk store writes it to the peer
   (``tl.make_tensor_descriptor`` on the peer's address; Triton >= 3.4);
 - ``copy_engine``: ``Tensor.copy_`` into the peer's buffer (cudaMemcpyAsync; GPU-NOTES.md
-  measured 393 GB/s).
+  measured 393 GB/s);
+- first, ``noop``: a kernel that moves nothing, 1 and 128 blocks: the floor of one graph node,
+  which every small op pays (issue 3's 2 µs at 8 KB is that plus one NVLink crossing).
 
 This is a measurement tool for choosing how llcomm's kernels should move data (issues 2-5: all
 of their large-message costs are push rates); nothing in the library depends on it.
@@ -61,6 +63,14 @@ def _move(src, dst, n, BLOCK: tl.constexpr, CS: tl.constexpr):
 
 
 @triton.jit
+def _noop(flag):
+    """Nothing but a store by block 0: the cost of one kernel in a graph (the floor every op
+    pays)."""
+    if tl.program_id(0) == 0:
+        tl.store(flag, 1)
+
+
+@triton.jit
 def _tma_push(src, dst, rows, ROWS: tl.constexpr, COLS: tl.constexpr):
     """``rows`` x COLS int32 from ``src`` to ``dst`` (the peer's), one TMA store per tile."""
     b = tl.program_id(0)
@@ -99,6 +109,11 @@ def rank_main(rank: int, world: int, cfg: dict) -> list[dict]:
         triton.set_allocator(scratch)
 
     rows = []
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    for blocks in (1, 128):             # the launch floor of a graph kernel, no data
+        row = {"size": 0, "way": "noop", "grid": f"{blocks} blocks"}
+        row["us"] = _time(lambda blocks=blocks: _noop[(blocks,)](flag), cfg["reps"], device)
+        rows.append(row)
     for size in cfg["sizes"]:
         n = size // 4
         ways = []
