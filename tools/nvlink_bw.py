@@ -114,21 +114,25 @@ def rank_main(rank: int, world: int, cfg: dict) -> list[dict]:
         row = {"size": 0, "way": "noop", "grid": f"{blocks} blocks"}
         row["us"] = _time(lambda blocks=blocks: _noop[(blocks,)](flag), cfg["reps"], device)
         rows.append(row)
-    for size in cfg["sizes"]:
+    # TMA last, after every size: a fault there (peer addresses in a descriptor) would end
+    # the process and lose what follows
+    plan = [(size, kind) for kind in ("sm", "tma") for size in cfg["sizes"]]
+    for size, kind in plan:
         n = size // 4
         ways = []
-        for blocks, warps, vec in GRIDS:
+        for blocks, warps, vec in GRIDS if kind == "sm" else ():
             block = warps * 32 * 4 * vec
             for name, s, d, cs in (("push", src_local, peer_dst, 0), ("push_cs", src_local, peer_dst, 1),
                                    ("pull", peer_src, dst_local, 0)):
                 ways.append((name, f"{blocks}x{warps}w x{vec}", lambda s=s, d=d, cs=cs, blocks=blocks,
                              warps=warps, block=block: _move[(blocks,)](
                                  s, d, n, BLOCK=block, CS=cs, num_warps=warps)))
-        for tr in TMA_ROWS:
+        for tr in TMA_ROWS if kind == "tma" else ():
             nrows = n // TMA_COLS
             ways.append(("tma", f"132x4w {tr}x{TMA_COLS}", lambda tr=tr, nrows=nrows: _tma_push[(132,)](
                 src_local, peer_dst, nrows, ROWS=tr, COLS=TMA_COLS, num_warps=4)))
-        ways.append(("copy_engine", "-", lambda: peer_dst[:n].copy_(src_local[:n])))
+        if kind == "sm":
+            ways.append(("copy_engine", "-", lambda n=n: peer_dst[:n].copy_(src_local[:n])))
         for name, grid, fn in ways:
             row = {"size": size, "way": name, "grid": grid}
             what = [None]
@@ -136,7 +140,7 @@ def rank_main(rank: int, world: int, cfg: dict) -> list[dict]:
                 row["gbps"] = size / row["us"] / 1e3
             else:
                 row["error"] = what[0]
-            if name == "push":      # the bytes arrived (a broken push would look fast)
+            if name in ("push", "tma"):     # the bytes arrived (a broken push would look fast)
                 torch.cuda.synchronize()
                 dist.barrier()
                 want = torch.arange(n, device=device, dtype=torch.int32)
