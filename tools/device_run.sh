@@ -4,6 +4,8 @@
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh tests [FILE ...]   # GPU test files, each bounded
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh bench [NAME ...]   # benchmarks -> $OUT/results/
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh timeline [ARGS]     # EP stage timeline (ep_timeline.py)
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh link                # tools/nvlink_bw.py (link rates)
 #
 # The device copy of the tree has no .git: LLCOMM_COMMIT names what the results measured.
 # Each step gets its own `timeout` and pytest its own per-test `--timeout`, so one hang costs
@@ -16,7 +18,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
 DIR=${OUT:-out/device}
 mkdir -p "$DIR/tests" "$DIR/results"
 SUMMARY=$DIR/summary.txt
-: > "$SUMMARY"
+echo "== $*" >> "$SUMMARY"      # several invocations in one device call append
 
 # Seconds each step may take (whole file / whole benchmark), measured on 2xH200 (docs/gpu-machine.md).
 declare -A TEST_S=([tests/test_tp_gpu.py]=300 [tests/test_ep_gpu.py]=330 [tests/test_fused_gpu.py]=120
@@ -61,16 +63,51 @@ run_timeline() {   # EP stage timeline (tools/ep_timeline.py), bf16 then FP8
     echo "ep timeline fp8: exit $?" | tee -a "$SUMMARY"
 }
 
+# One A/B: the same benchmark under each environment, one text file each ($DIR/results/ab-*).
+ab_run() {   # ab_run NAME "ENV ..." ARGS...   (ENV "-" for none)
+    local name=$1 envs=$2; shift 2
+    [[ $envs == - ]] && envs=
+    env $envs timeout 120 python -m llcomm "$@" --no-progress > "$DIR/results/ab-$name.txt" 2>&1
+    echo "ab $name: exit $?" | tee -a "$SUMMARY"
+}
+
+run_ab() {   # A/B runs named in docs/gpu-machine.md
+    for what in "$@"; do
+        case $what in
+            carry)      # EPBuffer.dispatch(topk_weights=...): combine without its weights exchange
+                ab_run carry-off - bench ep --tokens 1,128 --iters 30
+                ab_run carry-on - bench ep --tokens 1,128 --iters 30 --carry-weights ;;
+            own-local)  # LLCOMM_LAMPORT_OWN_LOCAL: the Lamport own term from the operand
+                for o in 0 1; do ab_run own-local-$o "LLCOMM_LAMPORT_OWN_LOCAL=$o" bench tp \
+                    --ops all_reduce --sizes 8192,65536,262144,1048576 --algos all; done ;;
+            small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
+                for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
+                    --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid)" | tee -a "$SUMMARY" ;;
+        esac
+    done
+}
+
+run_link() {   # link rates: push / pull / TMA / copy engine, and the launch floor
+    timeout 200 python tools/nvlink_bw.py --json "$DIR/results/nvlink-bw.json" \
+        > "$DIR/results/nvlink-bw.txt" 2>&1
+    echo "nvlink_bw: exit $?" | tee -a "$SUMMARY"
+}
+
 case "${1:-}" in
     tests) shift; run_tests "$@" ;;
     bench) shift; run_benches "$@" ;;
     timeline) shift; run_timeline "$@" ;;
-    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline [what ...]" >&2; exit 2 ;;
+    ab) shift; run_ab "$@" ;;
+    link) shift; run_link ;;
+    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline|ab|link [what ...]" >&2; exit 2 ;;
 esac
 # The device tool brings back at most 8 files from $OUT per call (more are dropped): past that,
-# everything but the summary travels as one archive (tar xzf device-files.tgz here).
+# this invocation's logs and results travel as one archive of their own (a later invocation in
+# the same call adds another; tar xzf device-files-*.tgz here).
 if [[ $(find "$DIR" -type f | wc -l) -gt 8 ]]; then
-    tar czf "$DIR/device-files.tgz" -C "$DIR" tests results && rm -rf "$DIR/tests" "$DIR/results"
-    echo "(logs and results packed into $DIR/device-files.tgz)" >> "$SUMMARY"
+    pack=device-files-$(date +%s%N).tgz
+    tar czf "$DIR/$pack" -C "$DIR" tests results && rm -rf "$DIR/tests" "$DIR/results"
+    echo "(logs and results packed into $DIR/$pack)" >> "$SUMMARY"
 fi
 echo "--- summary ($DIR)"; cat "$SUMMARY"
