@@ -115,8 +115,9 @@ def test_bench_ep_max_tokens_sizes_the_buffer(tmp_path):
     rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
     assert rows and all(r["max_tokens"] == 16 and r["wrong"] == 0 for r in rows), rows
     assert "buffer for 16 tokens per rank" in p.stdout
-    p = llcomm("bench", "ep", "--cpu", "--tokens", "1,8", "--max-tokens", "4", cwd=tmp_path)
-    assert p.returncode == 2 and "--max-tokens 4" in p.stdout, p.stdout
+    for bad in ("4", "-3"):
+        p = llcomm("bench", "ep", "--cpu", "--tokens", "1,8", "--max-tokens", bad, cwd=tmp_path)
+        assert p.returncode == 2 and f"--max-tokens {bad}" in p.stdout, p.stdout
 
 
 def test_bench_ep_carry_weights_cpu(tmp_path):

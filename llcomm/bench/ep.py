@@ -597,9 +597,9 @@ def config_from_args(a, on_cpu: bool) -> Config:
     if a.fp8 and hidden % FP8_BLOCK:
         problems.append(f"--fp8 needs --hidden to be a multiple of {FP8_BLOCK} (one scale per "
                         f"{FP8_BLOCK} channels), got {hidden}")
-    if tokens and a.max_tokens and a.max_tokens < max(tokens):
-        problems.append(f"--max-tokens {a.max_tokens}: expected at least the largest --tokens "
-                        f"({max(tokens)})")
+    if a.max_tokens < 0 or (tokens and a.max_tokens and a.max_tokens < max(tokens)):
+        problems.append(f"--max-tokens {a.max_tokens}: expected 0 (the largest --tokens) or at "
+                        f"least the largest --tokens ({max(tokens) if tokens else '?'})")
     if a.round_scale and not a.fp8:
         problems.append("--round-scale needs --fp8 (it rounds the FP8 scales)")
     C.check_run_arguments(a, problems)
