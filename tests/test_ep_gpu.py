@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import absent_peer_error, run_distributed
+from llcomm.bench.common import capture
 from test_ep_oracle import KINDS, make_case, oracle_combine_f64
 
 pytestmark = pytest.mark.gpu
@@ -58,23 +59,6 @@ def _statics(n, E, H, T, topk, W):
             torch.full((n, topk), -1, dtype=torch.int64, device="cuda"),
             torch.zeros(n, topk, dtype=torch.float32, device="cuda"),
             _poisoned((E // W, W * T, H), torch.bfloat16), _poisoned((n, H), torch.bfloat16))
-
-
-def _capture(step, first=None):
-    """``first`` (if any) and ``step`` run once on a side stream (kernels compile outside the
-    capture), then ``step`` captured into a CUDA graph, which is returned."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        if first is not None:
-            first()
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g
 
 
 def _compare_dispatch(got, want, what):
@@ -218,7 +202,8 @@ def _graph_body(rank, W):
     def fill(seed):
         _fill_static(rank, W, cfg, seed, KINDS[seed % len(KINDS)], sx, sidx, sw)
 
-    g = _capture(step, lambda: fill(1))
+    fill(1)
+    g = capture(step, 1)                   # compiles outside the capture
     for i in range(REPLAYS):
         fill(100 + i)
         srecv.fill_(float("nan"))
@@ -283,7 +268,8 @@ def _carried_body(rank, W):
         rx, _, h = peer.dispatch(sx, sidx, out=srecv, topk_weights=sw)
         peer.combine(_experts(rx, rank), sidx, None, h, out=sy)
 
-    g = _capture(step, lambda: _fill_static(rank, W, cfg, 1, "random", sx, sidx, sw))
+    _fill_static(rank, W, cfg, 1, "random", sx, sidx, sw)
+    g = capture(step, 1)
     for i in range(20):
         _fill_static(rank, W, cfg, 700 + i, KINDS[i % len(KINDS)], sx, sidx, sw)
         sy.fill_(float("nan"))
@@ -443,7 +429,7 @@ def _hook_body(rank, W):
         y, chook = peer.combine(_experts(rx, rank), sidx, sw, h, out=sy, return_recv_hook=True)
         chook()
 
-    g = _capture(step)
+    g = capture(step, 1)
     for i in range(10):
         _fill_static(rank, W, cfg, 300 + i, KINDS[i % len(KINDS)], sx, sidx, sw)
         g.replay()

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import absent_peer_error, run_distributed
+from llcomm.bench.common import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -36,20 +37,6 @@ def _oracle_sum(xs):
     for x in xs:
         acc += x.float()
     return acc.to(xs[0].dtype)
-
-
-def _capture(step):
-    """``step`` run once on a side stream (kernels compile outside the capture), then captured
-    into a CUDA graph, which is returned."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g
 
 
 def _same_on_all_ranks(t):
@@ -192,7 +179,7 @@ def _ll_body(rank, ws):
         outs.append(comm.all_reduce(a, algo="lamport"))
         outs.append(comm.all_gather_2d(xs.view(16, -1)))
 
-    g = _capture(step)
+    g = capture(step, 1)
     for i in range(20):
         xs.copy_(_random_words(8 << 10, 100 + i, rank))
         a.copy_(_inputs(2048, torch.bfloat16, 100 + i, rank)[0])
@@ -243,7 +230,7 @@ def _own_local_body(rank, ws, own):
     def step():
         outs["y"] = comm.all_reduce(static, algo="lamport")
 
-    g = _capture(step)
+    g = capture(step, 1)
     for i in range(20):
         x, xs = _inputs(3000, torch.bfloat16, 200 + i, rank)
         static.copy_(x)
@@ -296,7 +283,7 @@ def _graph_body(rank, ws):
         outs["all_gather_2d"] = comm.all_gather_2d(static_2d)
         outs["reduce_scatter"] = comm.reduce_scatter(static_x)
 
-    g = _capture(ops)
+    g = capture(ops, 1)
     for i in range(REPLAYS):
         x, xs = _inputs(n, dtype, 10_000 + i, rank)
         static_x.copy_(x)
