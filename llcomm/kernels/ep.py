@@ -12,7 +12,8 @@ the local work that follows:
        ``(local expert << 16) | prefix``, prefix = number of earlier tokens of this rank that
        route to the same expert (computed here, on the source, by comparing top-k rows).
     3. signal ``flag[dispatch][b][src]`` on every rank, then wait for every (block, rank) flag.
-    4. expand: block b takes pairs ``(s, t)`` with ``t = b, b + NB, ...``; the row of
+    4. expand: block b takes the pairs ``(s, t)`` it owns (``_first_token``: token t of source
+       s belongs to block ``(t + s * NB // W) % NB``); the row of
        ``(expert e, s, t)`` is ``sum(count[s'][e] for s' < s) + prefix``, so rows are source
        rank major, then source token order, packed from 0, whatever the arrival order, and no
        atomics are involved. Each row is copied from the receive slot into ``recv_x``.
@@ -25,8 +26,9 @@ the local work that follows:
     does not round to nearest even) and byte-equal to torch's ``.to(torch.float8_e4m3fn)``.
 
 ``combine_kernel``
-    A. weights: block b pushes ``topk_weights[t]`` of its tokens to every rank; signal; wait
-       for block b of every rank (block b of a receiver only needs tokens ``t = b mod NB``).
+    A. weights: block b pushes ``topk_weights[t]`` of the tokens it owns (the rule of
+       ``_first_token``, with s = this rank) to every rank; signal; wait for block b of every
+       rank (block b of a receiver only reduces the pairs (s, t) that block b of s owns).
     B. reduce: for each pair (s, t) of its tokens with a local expert, the expert outputs of
        the pair's local top-k entries are weighted and summed **in k order in fp32**
        (``acc = acc + w_k * y_k``, no FMA contraction), rounded once to the buffer dtype, and
@@ -298,6 +300,17 @@ def _masked(msk, s):
 
 
 @triton.jit
+def _first_token(b, s, NB: tl.constexpr, W: tl.constexpr):
+    """The first token of source rank s that block b owns after the dispatch's wait (expand,
+    and every stage of combine): token t of source s belongs to block ``(t + s * (NB // W)) %
+    NB``, so at small token counts the sources' tokens land on different blocks instead of all
+    on block 0 (one token per rank: two chains of dependent loads in parallel, not in a row).
+    Every stage of combine uses this one rule: block b of a receiver waits only for block b of
+    the senders (module doc)."""
+    return (b + NB - (s * (NB // W)) % NB) % NB
+
+
+@triton.jit
 def _routed(tile, ids):
     """``[TT, N]``: token row t of ``tile`` (``[TT, KP]``, invalid entries -2) names expert
     ``ids[n]``. A token that lists an expert twice still counts once (it gets one row; combine
@@ -493,7 +506,10 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
     scp = _at(tab, rank, set_off + OFF_SC, tl.float32)
     ns = tl.arange(0, NSP)
     nsm = ns < NS
-    if b == 0:
+    ps = tl.arange(0, WP)
+    # tokens each source sent, loaded once (masked sources: none)
+    nts = tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W, other=0))
+    if b == NB - 1:     # the last block: at small token counts it owns no pair
         for l0 in range(0, L, LB):
             ls = l0 + tl.arange(0, LB)
             lm = ls < L
@@ -501,16 +517,19 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
             for s in range(W):
                 tot += tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
             tl.store(recv_count + ls, tot, mask=lm)
-        ps = tl.arange(0, WP)
-        tl.store(ntok_out + ps, tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W,
-                                                                     other=0)), mask=ps < W)
+        tl.store(ntok_out + ps, nts, mask=ps < W)
     ks = tl.arange(0, KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
     for s in range(W):
-        n_s = tl.where(_masked(msk, s), 0, tl.load(ntp + s))
-        for t in range(b, n_s, NB):
+        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
+        for t in range(_first_token(b, s, NB, W), n_s, NB):
             slot = s * T + t
+            # the row first: its address needs no metadata, so its load overlaps the metadata's
+            # (a token reaches a rank only when one of its experts is there: the row is used)
+            v = tl.load(xp + slot * H + hs, mask=hm)
+            if FP8:
+                sv = tl.load(scp + slot * NS + ns, mask=nsm)
             # the pair's top-k entries as one vector: every load of a pair is issued at once
             # (a chain of scalar loads per entry cost ~0.3 us each, the slope of the dispatch)
             m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
@@ -524,18 +543,14 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
                     row += tl.load(cntp + s2 * L + le, mask=valid, other=0)
             flat = le * (W * T) + row
             tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
-            if tl.max(m, axis=0) >= 0:
-                tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
-                v = tl.load(xp + slot * H + hs, mask=hm)
-                if FP8:
-                    sv = tl.load(scp + slot * NS + ns, mask=nsm)
-                for k in tl.static_range(K):
-                    pick = ks == k
-                    if tl.sum((pick & first).to(tl.int32), axis=0) > 0:
-                        flat_k = tl.sum(tl.where(pick, flat, 0), axis=0).to(tl.int64)
-                        tl.store(recv_x + flat_k * H + hs, v, mask=hm)
-                        if FP8:
-                            tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
+            tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+            for k in tl.static_range(K):
+                pick = ks == k
+                if tl.sum((pick & first).to(tl.int32), axis=0) > 0:
+                    flat_k = tl.sum(tl.where(pick, flat, 0), axis=0).to(tl.int64)
+                    tl.store(recv_x + flat_k * H + hs, v, mask=hm)
+                    if FP8:
+                        tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -630,7 +645,7 @@ def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constex
     b = tl.program_id(0)
     ks = tl.arange(0, KP)
     kmask = ks < K
-    for t in range(b, n_tok, NB):
+    for t in range(_first_token(b, rank, NB, W), n_tok, NB):
         w = tl.load(wts + t * K + ks, mask=kmask, other=0.0)
         for d in tl.static_range(W):
             wp = _at(tab, d, set_off + OFF_CW, tl.float32) + (rank * T + t) * MAX_TOPK
@@ -664,21 +679,30 @@ def _reduce_pair(eo, rows, wp, pp, H: tl.constexpr, HP: tl.constexpr, K: tl.cons
 @triton.jit
 def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, w_at, msk, T: tl.constexpr,
                      H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                     NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_CX: tl.constexpr):
+                     WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
+                     OFF_CX: tl.constexpr):
     """Combine stage B: per received pair (s, t), its local experts' outputs weighted and summed
     in k order in fp32, rounded once, pushed into slot (rank, t) of rank s. The weights are read
     from this rank's region at byte ``w_at``. Sources in the bit mask ``msk`` (masked ranks) are
     skipped: their weights may not have come.
+
+    Order (session 6): rank 0 went own-first and took 11.3 us here at 128 tokens, rank 1 (peer
+    first) 9.3 us (tools/ep_timeline.py).
 
     (Reducing this rank's own pairs before the weights wait, with the weights from the caller's
     ``wts``, was measured in session 5: no faster, 19.4-19.5 -> 20.1 us at 128 tokens.)"""
     b = tl.program_id(0)
     eo_dt = eo.dtype.element_ty
     wl = _at(tab, rank, w_at, tl.float32)
-    for s in range(W):
-        n_s = tl.where(_masked(msk, s), 0, tl.load(ntok_in + s))
+    ps = tl.arange(0, WP)
+    nts = tl.where(_masked(msk, ps), 0, tl.load(ntok_in + ps, mask=ps < W, other=0))
+    for i in range(W):
+        # peers first, this rank's own pairs last: their partials cross NVLink while the own
+        # pairs are reduced (the release before the signal waits for them to land)
+        s = (rank + 1 + i) % W
+        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
         cx = _at(tab, s, set_off + OFF_CX, eo_dt)
-        for t in range(b, n_s, NB):
+        for t in range(_first_token(b, s, NB, W), n_s, NB):
             _reduce_pair(eo, row_of + (s * T + t) * K, wl + (s * T + t) * MAX_TOPK,
                          cx + (rank * T + t) * H, H, HP, K)
 
@@ -695,7 +719,7 @@ def _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T: tl.constexpr, H:
     hs = tl.arange(0, HP)
     hm = hs < H
     cl = _at(tab, rank, set_off + OFF_CX, DT)
-    for t in range(b, n_tok, NB):
+    for t in range(_first_token(b, rank, NB, W), n_tok, NB):
         bits = _rank_bits(topk + t * K, K, E, L)
         acc = tl.zeros([HP], tl.float32)
         for d in tl.static_range(W):
@@ -763,7 +787,7 @@ def combine_kernel(
             if CARRIED:
                 w_at = w_off
             _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, w_at, msk, T, H, HP, K, W,
-                             NB, MAX_TOPK, OFF_CX)
+                             WP, NB, MAX_TOPK, OFF_CX)
     if STAGES & 16:     # C_SIGNAL_P
         tl.debug_barrier()              # outside ``if ok``: see _wait_flags
         if ok:
