@@ -24,10 +24,10 @@ HBM as a real model does, without holding 68 GB of random numbers.
 **MoE EP step** (``MoEEP``), DeepSeek-V3's MoE dims (hidden 7168, 256 routed experts, top-8) at
 EP = world size, T tokens per rank (``h [T, hidden]``, different on every rank). Per layer::
 
-    recv_x, recv_count, handle = dispatch(h, topk_idx[l])        [L, W*T, hidden], L = 256 / W
+    recv_x, recv_count, handle = dispatch(h, topk_idx[l], topk_weights=topk_weights[l])
     a = silu(recv_x[:, :R] @ W1)      batched over the L local experts, [R, hidden] @ [hidden, I]
     y[:, :R] = a @ W2                 [R, I] @ [I, hidden]
-    h = h + combine(y, topk_idx[l], topk_weights[l], handle)
+    h = h + combine(y, topk_idx[l], None, handle)     # the weights came with the dispatch
 
 Routing is uniform and fixed per layer (no router matmul). R, the rows computed per expert, is
 fixed (twice the mean W*T*topk/256 rows, rounded up to 8) so the step is capturable: rows past R
@@ -171,7 +171,8 @@ class MoEEP:
             if buf is None:
                 self._experts(layer, recv, y)
                 continue
-            rx, _, handle = buf.dispatch(h, idx, out=recv)
+            # the weights travel with the dispatch (the combine then skips their exchange)
+            rx, _, handle = buf.dispatch(h, idx, out=recv, topk_weights=w)
             self._experts(layer, rx, y)
-            h = h + buf.combine(y, idx, w, handle)
+            h = h + buf.combine(y, idx, None, handle)
         return h
