@@ -258,12 +258,12 @@ def test_rank_that_never_pushed_is_a_timeout():
 
 
 def test_own_local_setting(monkeypatch):
-    """LLCOMM_LAMPORT_OWN_LOCAL: 0 by default, 0 or 1, anything else refused by name."""
+    """LLCOMM_LAMPORT_OWN_LOCAL: 1 by default, 0 or 1, anything else refused by name."""
     from llcomm.peer import LAMPORT_OWN_LOCAL_ENV, lamport_own_local_setting
     monkeypatch.delenv(LAMPORT_OWN_LOCAL_ENV, raising=False)
-    assert lamport_own_local_setting() == 0
-    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "1")
     assert lamport_own_local_setting() == 1
+    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "0")
+    assert lamport_own_local_setting() == 0
     monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "yes")
     with pytest.raises(ValueError, match=LAMPORT_OWN_LOCAL_ENV):
         lamport_own_local_setting()
