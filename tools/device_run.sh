@@ -4,8 +4,7 @@
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh tests [FILE ...]   # GPU test files, each bounded
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh bench [NAME ...]   # benchmarks -> $OUT/results/
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh timeline [ARGS]     # EP stage timeline (ep_timeline.py)
-#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local,
-#                                                                small-grid, ep-blocks
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh link                # tools/nvlink_bw.py (link rates)
 #
 # The device copy of the tree has no .git: LLCOMM_COMMIT names what the results measured.
@@ -84,10 +83,7 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            ep-blocks)  # LLCOMM_EP_NUM_BLOCKS: one pair per block at 128 tokens (256 blocks)
-                for nb in 128 256; do ab_run ep-nb-$nb "LLCOMM_EP_NUM_BLOCKS=$nb" bench ep \
-                    --tokens 1,128 --iters 30 --carry-weights; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, ep-blocks)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid)" | tee -a "$SUMMARY" ;;
         esac
     done
 }
