@@ -25,8 +25,13 @@ NUM_BLOCKS_ENV = "LLCOMM_NUM_BLOCKS"
 #: at 8 warps, enough outstanding NVLink stores to approach the link's bandwidth.
 MAX_BLOCK_BYTES = 16 << 10
 MAX_WARPS = 8
-#: Bytes per Lamport slot at most: the barrier-free one-shot is for small messages only.
+#: Bytes per Lamport slot by default (the largest Lamport all_reduce; the region holds
+#: HALVES * world_size slots). LLCOMM_LAMPORT_BYTES overrides it (every rank the same value).
 LAMPORT_MAX_BYTES = 1 << 20
+LAMPORT_BYTES_ENV = "LLCOMM_LAMPORT_BYTES"
+#: The fused all-reduce + norm's "auto" takes Lamport up to this many bytes (measured there),
+#: the flag one-shot above, whatever the slot size.
+FUSED_LAMPORT_MAX_BYTES = 1 << 20
 #: Idle Lamport words hold this 16-bit pattern (-0.0 in bf16 / fp16).
 SENTINEL16 = -32768                      # 0x8000
 SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words seen as int32
@@ -80,6 +85,21 @@ def ll_bytes_setting() -> int:
     return min(int(raw), LL_MAX_BYTES)
 
 
+def lamport_bytes_setting() -> int:
+    """LLCOMM_LAMPORT_BYTES (default LAMPORT_MAX_BYTES): bytes per Lamport slot."""
+    raw = os.environ.get(LAMPORT_BYTES_ENV, str(LAMPORT_MAX_BYTES))
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"{LAMPORT_BYTES_ENV}={raw!r}: expected a positive byte count")
+    return int(raw)
+
+
+def lamport_pipeline(n: int, block: int, nb: int) -> int:
+    """PIPELINE of ``all_reduce.lamport_kernel``: 1 when a block has several chunks of the
+    operand (n elements, ``block`` per chunk, ``nb`` blocks), so it can receive one chunk while
+    the next crosses; 0 keeps the single-chunk code unchanged."""
+    return int(n > nb * block)
+
+
 def lamport_own_local_setting() -> int:
     """LLCOMM_LAMPORT_OWN_LOCAL: 1 (default) or 0."""
     raw = os.environ.get(LAMPORT_OWN_LOCAL_ENV, "1")
@@ -125,7 +145,7 @@ class PeerBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_bytes = max_bytes
         self.timeout_us = timeout_ms * P.US_PER_MS
-        self.lamport_bytes = min(max_bytes, LAMPORT_MAX_BYTES)
+        self.lamport_bytes = min(max_bytes, lamport_bytes_setting())
         self.ll_bytes = min(max_bytes, ll_bytes_setting()) // 4 * 4
         self.own_local = lamport_own_local_setting()
         self.cap_bytes = (max_bytes + 255) // 256 * 256
@@ -201,7 +221,8 @@ class PeerBackend:
                 self.rank, self._lamport_tag(P.OP_LAMPORT, n, x.dtype), self.timeout_us,
                 self.lamport_bytes // x.element_size()), warps,
                 SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, WP=self.WP, NB=self.nb,
-                BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local)
+                BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
+                PIPELINE=lamport_pipeline(n, block, self.nb))
         elif algo == "one_shot":
             self._launch(self._k_ar.one_shot_kernel, self.nb, (
                 x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
@@ -221,8 +242,9 @@ class PeerBackend:
 
     # -- fused all-reduce + residual + RMSNorm -------------------------------------------------
     def fused_algo(self, nbytes: int) -> str:
-        """Lamport while the operand fits a Lamport slot, the flag one-shot beyond."""
-        return "lamport" if nbytes <= self.lamport_bytes else "one_shot"
+        """Lamport up to FUSED_LAMPORT_MAX_BYTES (and the slot), the flag one-shot beyond."""
+        return "lamport" if nbytes <= min(self.lamport_bytes, FUSED_LAMPORT_MAX_BYTES) \
+            else "one_shot"
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
         tokens, hidden = x.shape

@@ -237,6 +237,13 @@ class Communicator:
                 algo = "one_shot"
         return self._impl.all_reduce(x, out, algo)
 
+    @property
+    def lamport_bytes(self) -> int:
+        """The largest input of ``all_reduce(algo="lamport")`` in bytes: the peer backend's
+        Lamport slot (1 MiB, or ``LLCOMM_LAMPORT_BYTES``; at most ``max_bytes``). 0 on the
+        reference backend, which runs its own algorithm whatever ``algo`` says."""
+        return self._impl.lamport_bytes if self.backend == "peer" else 0
+
     def choose_algo(self, nbytes: int) -> str:
         """The algorithm ``all_reduce(algo="auto")`` runs for ``nbytes`` (from the table
         resolved at construction, ``algo_source``; float32 with ``deterministic=True`` runs

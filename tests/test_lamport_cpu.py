@@ -97,7 +97,8 @@ class Call:
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
             all_reduce.lamport_kernel[(R.NB,)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
-                R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block, **common)
+                R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
+                PIPELINE=peer.lamport_pipeline(self.n, block, R.NB), **common)
         else:
             numel = peer.PeerBackend._rows_numel(self.tokens, self.hidden)
             tag = peer.PeerBackend._lamport_tag(self.op(), numel, self.dtype)
@@ -189,10 +190,12 @@ def _run_in_interpreter(fn_name, *args):
 BF, F16, F32 = "bfloat16", "float16", "float32"
 #: Matched rounds on one set of regions: sizes and dtypes change every round (so a tag left over
 #: from an earlier round would be caught as a mismatch), plain and fused interleave, a block
-#: count above and below the data, 20000 bf16 elements give block 0 two chunks at NB=2.
+#: count above and below the data, 20000 bf16 elements give block 0 two chunks at NB=2, 70000
+#: three chunks to some blocks and two to others at NB=2 and 4 (the pipelined kernel, PIPELINE).
 MATCHED = [
     ("all_reduce", 5, BF), ("all_reduce", 4096, BF), ("fused", 3, 40, F16),
     ("all_reduce", 5, BF), ("all_reduce", 20000, BF), ("all_reduce", 300, F32),
+    ("all_reduce", 70000, BF), ("all_reduce", 40000, F32),
     ("fused", 5, 16, BF), ("all_reduce", 4096, F16), ("all_reduce", 4096, F16),
 ]
 
@@ -214,6 +217,7 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
     "dtype-widths": ("all_reduce", 4096, F32),
     "same-bytes": ("all_reduce", 2048, F32),
     "fused-vs-plain": ("fused", 64, 64, BF),
+    "pipelined": ("all_reduce", 70000, BF),     # several chunks per block (PIPELINE)
 }
 
 
@@ -251,9 +255,10 @@ def test_mismatch_names_the_first_disagreeing_source():
                            want[r]], (r, seen)
 
 
-def test_rank_that_never_pushed_is_a_timeout():
+@pytest.mark.parametrize("spec", [A, ("all_reduce", 70000, BF)], ids=["one-chunk", "pipelined"])
+def test_rank_that_never_pushed_is_a_timeout(spec):
     from llcomm import protocol as P
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, A], [0])
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [spec, spec], [0])
     assert seen[0] == ["CommTimeoutError", P.OPS[P.OP_LAMPORT], P.PHASES[P.PHASE_DATA], [1]]
 
 

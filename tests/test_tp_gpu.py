@@ -14,7 +14,6 @@ pytestmark = pytest.mark.gpu
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BYTES = 4 << 20
 ALGOS = ("one_shot", "two_shot", "lamport")
-LAMPORT_MAX = 1 << 20
 
 
 def _comm(**kw):
@@ -68,7 +67,7 @@ def _all_ops_body(rank, ws):
             want = _oracle_sum(xs)
             results = []
             for algo in ALGOS:
-                if algo == "lamport" and n * x.element_size() > LAMPORT_MAX:
+                if algo == "lamport" and n * x.element_size() > comm.lamport_bytes:
                     continue
                 for _ in range(2):  # a repeat must give the same bits (read-after-write edge)
                     out = torch.full_like(x, float("nan"))
@@ -243,6 +242,49 @@ def _own_local_body(rank, ws, own):
 @pytest.mark.parametrize("own", [(1, 1), (1, 0)])
 def test_lamport_own_term_from_the_operand(own):
     run_distributed(_own_local_body, 2, own, backend="nccl", timeout=300)
+
+
+#: Pipelined Lamport (several chunks per block): slot and sizes up to 16 MiB, odd sizes too.
+BIG_LAMPORT_BYTES = 16 << 20
+BIG_SIZES = (((2 << 20) + 7, torch.bfloat16), (4 << 20, torch.bfloat16), ((1 << 20) + 3, torch.float32),
+             (8 << 20, torch.bfloat16), ((3 << 20) - 1, torch.float16), (2 << 20, torch.float32))
+
+
+def _big_lamport_body(rank, ws):
+    import os
+
+    from llcomm.peer import LAMPORT_BYTES_ENV
+    os.environ[LAMPORT_BYTES_ENV] = str(BIG_LAMPORT_BYTES)
+    comm = _comm(max_bytes=BIG_LAMPORT_BYTES)
+    assert comm.lamport_bytes == BIG_LAMPORT_BYTES
+    for i, (n, dtype) in enumerate(BIG_SIZES):
+        x, xs = _inputs(n, dtype, 100 + i, rank)
+        want = _oracle_sum(xs)
+        for _ in range(3):      # repeats alternate the halves and must re-arm every word
+            out = torch.full_like(x, float("nan"))
+            comm.all_reduce(x, out=out, algo="lamport")
+            assert torch.equal(_bits(out), _bits(want)), (n, dtype)
+        assert torch.equal(_bits(comm.all_reduce(x, algo="one_shot")), _bits(want)), (n, dtype)
+    # graph replay with fresh inputs each time, sizes interleaved with an eager call
+    n = (6 << 20) + 5
+    static = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    outs = {}
+    graph = capture(lambda: outs.__setitem__("y", comm.all_reduce(static, algo="lamport")), 1)
+    for i in range(20):
+        x, xs = _inputs(n, torch.bfloat16, 200 + i, rank)
+        static.copy_(x)
+        graph.replay()
+        assert torch.equal(_bits(outs["y"]), _bits(_oracle_sum(xs))), i
+        if i % 5 == 0:
+            y, ys = _inputs(4096, torch.bfloat16, 300 + i, rank)
+            assert torch.equal(_bits(comm.all_reduce(y, algo="lamport")), _bits(_oracle_sum(ys)))
+    assert _same_on_all_ranks(outs["y"])
+    comm.check()
+    comm.close()
+
+
+def test_lamport_pipelined_large_sizes():
+    run_distributed(_big_lamport_body, 2, backend="nccl", timeout=300)
 
 
 def _second_comm_body(rank, ws):

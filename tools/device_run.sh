@@ -4,7 +4,7 @@
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh tests [FILE ...]   # GPU test files, each bounded
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh bench [NAME ...]   # benchmarks -> $OUT/results/
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh timeline [ARGS]     # EP stage timeline (ep_timeline.py)
-#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid, lamport-big
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh link                # tools/nvlink_bw.py (link rates)
 #
 # The device copy of the tree has no .git: LLCOMM_COMMIT names what the results measured.
@@ -80,10 +80,13 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             own-local)  # LLCOMM_LAMPORT_OWN_LOCAL: the Lamport own term from the operand
                 for o in 0 1; do ab_run own-local-$o "LLCOMM_LAMPORT_OWN_LOCAL=$o" bench tp \
                     --ops all_reduce --sizes 8192,65536,262144,1048576 --algos all; done ;;
+            lamport-big) # LLCOMM_LAMPORT_BYTES: the pipelined Lamport all_reduce up to 16 MiB
+                ab_run lamport-16m "LLCOMM_LAMPORT_BYTES=16777216" bench tp --ops all_reduce \
+                    --sizes 1048576,2097152,4194304,8388608,16777216 --algos all ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

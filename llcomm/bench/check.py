@@ -19,7 +19,6 @@ from . import common as C
 COUNTS = (1, 4099, 262147)
 DTYPES = ("bfloat16", "float16", "float32")
 EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
-LAMPORT_MAX_BYTES = 1 << 20
 #: all_gather_2d rows have this many elements (odd, so rows are not 16-byte aligned).
 PART_2D = 131
 #: Replays of each captured graph before its output is checked.
@@ -56,7 +55,7 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
     nbytes = count * x.element_size()
     algos = ["auto"]
     if comm.backend == "peer":
-        algos += [a for a in EXPLICIT_ALGOS if a != "lamport" or nbytes <= LAMPORT_MAX_BYTES]
+        algos += [a for a in EXPLICIT_ALGOS if a != "lamport" or nbytes <= comm.lamport_bytes]
     expected, bound = reduced(stack)
     for algo in algos:
         out = torch.empty_like(x)

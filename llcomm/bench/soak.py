@@ -212,8 +212,8 @@ def rank_main(rank: int, world: int, cfg: SoakConfig) -> dict:
                    num_max_dispatch_tokens_per_rank=EP_TOKENS, backend=cfg.backend,
                    timeout_ms=SOAK_TIMEOUT_MS)
     peer = comm.backend == "peer"
-    lamport_ok = (lambda nbytes: nbytes <= comm._impl.lamport_bytes) if peer else \
-        (lambda nbytes: nbytes <= LAMPORT_MAX_BYTES)
+    lamport_max = comm.lamport_bytes if peer else LAMPORT_MAX_BYTES
+    lamport_ok = lambda nbytes: nbytes <= lamport_max     # noqa: E731
     chk = _Checker(device, exact_sums=peer)
     pool = _Pool(world, cfg.max_elems, device, cfg.seed)
     rng = random.Random(cfg.seed)

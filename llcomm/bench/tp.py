@@ -36,8 +36,6 @@ from .common import Impl
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter")
 EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
-#: The barrier-free Lamport all-reduce is for small messages only.
-LAMPORT_MAX_BYTES = 1 << 20
 DEFAULT_ITERS = 100
 DEFAULT_WARMUP = 10
 #: all_gather_2d input is [tokens, part] with part = gcd(per-rank elements, this).
@@ -119,7 +117,7 @@ def _all_reduce(R: Rank, count: int) -> list[Impl]:
     nbytes = count * R.itemsize
     requested = ["auto"]
     if R.cfg.algos == "all" and R.comm.backend == "peer":
-        requested += [a for a in EXPLICIT_ALGOS if a != "lamport" or nbytes <= LAMPORT_MAX_BYTES]
+        requested += [a for a in EXPLICIT_ALGOS if a != "lamport" or nbytes <= R.comm.lamport_bytes]
     impls = []
     for req in requested:
         out = torch.empty_like(x)

@@ -93,7 +93,7 @@ def rank_main(rank: int, world: int, cfg: B.Config):
             x = R.rand(nbytes // R.itemsize)
             expected, bound = R.reduced(C.gather_inputs(x))
             for algo in T.TABLE_ALGOS:
-                if algo == "lamport" and nbytes > B.LAMPORT_MAX_BYTES:
+                if algo == "lamport" and nbytes > R.comm.lamport_bytes:
                     continue
                 out = torch.empty_like(x)
                 impl = R.llcomm_impl(algo, lambda out=out, algo=algo: R.comm.all_reduce(

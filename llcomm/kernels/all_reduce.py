@@ -141,7 +141,8 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    FT: tl.constexpr,        # the float dtype the int view holds
                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                   OWN_LOCAL: tl.constexpr = 0):    # own term from x, not its slot (receive)
+                   OWN_LOCAL: tl.constexpr = 0,     # own term from x, not its slot (receive)
+                   PIPELINE: tl.constexpr = 0):     # interleave push and receive (below)
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
@@ -154,6 +155,11 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     the protocol). A fast peer's next op writes the other half; the op after that cannot start
     before this rank's next push, which comes after this kernel finished resetting.
     ``x`` and ``out`` are given as integer views (int16 or int32) of the float data.
+
+    PIPELINE (messages of several chunks per block): a block receives its chunk i-1 right after
+    pushing chunk i, so its local passes (poll, sum, re-arm) run while its later chunks and the
+    other blocks' are still crossing, instead of after the whole push. No flag or fence is added:
+    each word is still its own flag. Same words, same order per element: the same bits.
     """
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -161,35 +167,76 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     seq = tl.load(ctrl + b)
     half = seq % 2
     lanes = tl.arange(0, BLOCK)
-    if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
-        push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
-        for start in range(b * BLOCK, n, NB * BLOCK):
-            offs = start + lanes
-            m = offs < n
-            v = tl.load(x + offs, mask=m)
-            v = tl.where(v == SENTINEL, 0, v)
-            for p in tl.static_range(W):
-                dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
-                if OWN_LOCAL:
-                    if p != rank:       # the own term is read from x (receive)
-                        tl.store(dst + offs, v, mask=m)
-                else:
-                    tl.store(dst + offs, v, mask=m)
-    if STAGES & 2:      # REDUCE
-        POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
+    STEP: tl.constexpr = NB * BLOCK
+    first = b * BLOCK
+    if PIPELINE:        # several chunks per block: receive chunk i-1 right after pushing i
+        POLL_P: tl.constexpr = STAGES == 3  # ALL_STAGES
+        if STAGES & 1:
+            push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
         local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us, cap,
-                                             IT, NB, W, POLL)
-        # The first chunk's waits take the tags too: a block without data still runs that
-        # chunk (all lanes masked) to take its tags, and the tags cost no poll of their own.
+                                             IT, NB, W, POLL_P)
         failed = tl.zeros([], tl.int32)
-        for start in range(b * BLOCK, tl.maximum(n, b * BLOCK + 1), NB * BLOCK):
-            offs = start + lanes
-            m = offs < n
-            own = offs * 0      # (unused unless OWN_LOCAL)
-            if OWN_LOCAL:
-                own = own_words(x, offs, m, SENTINEL)
-            acc, failed = receive(local, cap, offs, m, tags, tag, start == b * BLOCK, failed,
-                                  limit, err, OP_LAMPORT, own.to(IT), rank, SENTINEL, FT, W,
-                                  BLOCK, POLL, OWN_LOCAL)
-            tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
+        for start in range(first, tl.maximum(n, first + 1) + STEP, STEP):
+            if STAGES & 1:
+                if start < n:
+                    _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
+                                OWN_LOCAL)
+            if STAGES & 2:
+                if start > first:
+                    failed = _receive_chunk(x, out, local, cap, start - STEP + lanes, n, tags,
+                                            tag, start - STEP == first, failed, limit, err,
+                                            rank, SENTINEL, FT, W, BLOCK, POLL_P, OWN_LOCAL)
+    else:
+        if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
+            push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
+            for start in range(first, n, STEP):
+                _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
+                            OWN_LOCAL)
+        if STAGES & 2:      # REDUCE
+            POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
+            local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us,
+                                                 cap, IT, NB, W, POLL)
+            # The first chunk's waits take the tags too: a block without data still runs that
+            # chunk (all lanes masked) to take its tags, and the tags cost no poll of their own.
+            failed = tl.zeros([], tl.int32)
+            for start in range(first, tl.maximum(n, first + 1), STEP):
+                failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
+                                        start == first, failed, limit, err, rank, SENTINEL, FT,
+                                        W, BLOCK, POLL, OWN_LOCAL)
+    if STAGES & 2:
         tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W: tl.constexpr,
+                OWN_LOCAL: tl.constexpr):
+    """Lamport push of this rank's words at ``offs`` into slot ``rank`` of half ``half`` of
+    every rank (its own slot skipped under OWN_LOCAL), SENTINEL sent as +0.0."""
+    IT = x.dtype.element_ty
+    m = offs < n
+    v = tl.load(x + offs, mask=m)
+    v = tl.where(v == SENTINEL, 0, v)
+    for p in tl.static_range(W):
+        dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
+        if OWN_LOCAL:
+            if p != rank:       # the own term is read from x (receive)
+                tl.store(dst + offs, v, mask=m)
+        else:
+            tl.store(dst + offs, v, mask=m)
+
+
+@triton.jit
+def _receive_chunk(x, out, local, cap, offs, n, tags, tag, check_tag, failed, limit, err, rank,
+                   SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
+                   BLOCK: tl.constexpr, POLL: tl.constexpr, OWN_LOCAL: tl.constexpr):
+    """Wait for, sum and re-arm the words at ``offs`` of every source (``_lamport.receive``),
+    store the sum to ``out``; returns ``failed``."""
+    IT = x.dtype.element_ty
+    m = offs < n
+    own = offs * 0      # (unused unless OWN_LOCAL)
+    if OWN_LOCAL:
+        own = own_words(x, offs, m, SENTINEL)
+    acc, failed = receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err,
+                          OP_LAMPORT, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL, OWN_LOCAL)
+    tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
+    return failed
