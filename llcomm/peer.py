@@ -29,6 +29,14 @@ MAX_WARPS = 8
 #: HALVES * world_size slots). LLCOMM_LAMPORT_BYTES overrides it (every rank the same value).
 LAMPORT_MAX_BYTES = 1 << 20
 LAMPORT_BYTES_ENV = "LLCOMM_LAMPORT_BYTES"
+#: Multi-chunk Lamport all_reduce (lamport_pipeline): LLCOMM_LAMPORT_SPLIT=1 runs it on 2 * NB
+#: programs, pushers and receivers apart (all_reduce.lamport_kernel, SPLIT); 0 interleaves push
+#: and receive in each of NB programs (PIPELINE). LLCOMM_LAMPORT_CHUNK_BYTES: bytes per
+#: block-iteration of either (default LAMPORT_CHUNK_BYTES; at most MAX_BLOCK_BYTES). Tuning
+#: knobs under measurement (docs/performance.md); every rank must use the same values.
+LAMPORT_SPLIT_ENV = "LLCOMM_LAMPORT_SPLIT"
+LAMPORT_CHUNK_ENV = "LLCOMM_LAMPORT_CHUNK_BYTES"
+LAMPORT_CHUNK_BYTES = 8 << 10
 #: The fused all-reduce + norm's "auto" takes Lamport up to this many bytes (measured there),
 #: the flag one-shot above, whatever the slot size.
 FUSED_LAMPORT_MAX_BYTES = 1 << 20
@@ -93,11 +101,22 @@ def lamport_bytes_setting() -> int:
     return int(raw)
 
 
-def lamport_pipeline(n: int, block: int, nb: int) -> int:
-    """PIPELINE of ``all_reduce.lamport_kernel``: 1 when a block has several chunks of the
-    operand (n elements, ``block`` per chunk, ``nb`` blocks), so it can receive one chunk while
-    the next crosses; 0 keeps the single-chunk code unchanged."""
-    return int(n > nb * block)
+def _env_int(name: str, default: int, allowed=None) -> int:
+    """Integer setting ``name`` (default ``default``): one of ``allowed``, or positive."""
+    raw = os.environ.get(name, str(default))
+    ok = raw.isdigit() and (int(raw) in allowed if allowed is not None else int(raw) > 0)
+    if not ok:
+        want = f"one of {sorted(allowed)}" if allowed is not None else "a positive integer"
+        raise ValueError(f"{name}={raw!r}: expected {want}")
+    return int(raw)
+
+
+def lamport_modes(n: int, block: int, nb: int, split: int) -> tuple[int, int]:
+    """(PIPELINE, SPLIT) of ``all_reduce.lamport_kernel`` for n elements in chunks of ``block``
+    over ``nb`` blocks: both 0 when every block has one chunk at most (the plain kernel), else
+    SPLIT if ``split`` (LLCOMM_LAMPORT_SPLIT), PIPELINE otherwise. SPLIT launches 2 * nb."""
+    several = int(n > nb * block)
+    return several * (1 - split), several * split
 
 
 def lamport_own_local_setting() -> int:
@@ -108,13 +127,14 @@ def lamport_own_local_setting() -> int:
     return int(raw)
 
 
-def _launch_shape(n: int, itemsize: int, nb: int) -> tuple[int, int]:
+def _launch_shape(n: int, itemsize: int, nb: int,
+                  max_block_bytes: int = MAX_BLOCK_BYTES) -> tuple[int, int]:
     """(BLOCK elements, num_warps): 16 bytes per thread per access, all ``nb`` blocks busy
-    when there is enough work, at most MAX_BLOCK_BYTES per block-iteration."""
+    when there is enough work, at most ``max_block_bytes`` per block-iteration."""
     per_thread = max(16 // itemsize, 1)
     chunks = max(-(-n // nb), 1)
     block = 1 << (chunks - 1).bit_length()
-    block = min(max(block, 32 * per_thread), MAX_BLOCK_BYTES // itemsize)
+    block = min(max(block, 32 * per_thread), max(max_block_bytes // itemsize, 32 * per_thread))
     return block, max(1, min(MAX_WARPS, block // (32 * per_thread)))
 
 
@@ -148,6 +168,8 @@ class PeerBackend:
         self.lamport_bytes = min(max_bytes, lamport_bytes_setting())
         self.ll_bytes = min(max_bytes, ll_bytes_setting()) // 4 * 4
         self.own_local = lamport_own_local_setting()
+        self.lamport_split = _env_int(LAMPORT_SPLIT_ENV, 1, (0, 1))
+        self.lamport_chunk = min(_env_int(LAMPORT_CHUNK_ENV, LAMPORT_CHUNK_BYTES), MAX_BLOCK_BYTES)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
@@ -164,9 +186,10 @@ class PeerBackend:
         dist.barrier(group=group)
         # Op counters and error words live in private device memory, not in the workspace: no
         # peer can rewrite this rank's round index or the address its error word is stored to.
-        ctrl = torch.zeros(nb + CTRL_ERR_WORDS, dtype=torch.int64, device=self.device)
+        # ctrl[:nb] op counters, ctrl[nb:2nb] the split Lamport's pair words (lamport_kernel).
+        ctrl = torch.zeros(2 * nb + CTRL_ERR_WORDS, dtype=torch.int64, device=self.device)
         self.ctrl = ctrl[:nb]
-        self.err = ctrl[nb:]
+        self.err = ctrl[2 * nb:]
         self.flags = self.ws.local("flags", torch.int64)
         self.tabs = {name: self.ws.table(name)
                      for name in ("flags", "stage", "gather", "lamport", "ll")}
@@ -212,17 +235,19 @@ class PeerBackend:
         W = self.world_size
         cap = self.cap_bytes // x.element_size()
         if algo == "lamport":
+            block, warps = _launch_shape(n, x.element_size(), self.nb, self.lamport_chunk)
+            pipe, split = lamport_modes(n, block, self.nb, self.lamport_split)
             if x.element_size() == 2:
                 xi, oi, sent = x.view(torch.int16), out.view(torch.int16), SENTINEL16
             else:
                 xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
-            self._launch(self._k_ar.lamport_kernel, self.nb, (
+            self._launch(self._k_ar.lamport_kernel, self.nb * (2 if split else 1), (
                 xi, oi, n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
                 self.rank, self._lamport_tag(P.OP_LAMPORT, n, x.dtype), self.timeout_us,
                 self.lamport_bytes // x.element_size()), warps,
                 SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, WP=self.WP, NB=self.nb,
                 BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
-                PIPELINE=lamport_pipeline(n, block, self.nb))
+                PIPELINE=pipe, SPLIT=split)
         elif algo == "one_shot":
             self._launch(self._k_ar.one_shot_kernel, self.nb, (
                 x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,

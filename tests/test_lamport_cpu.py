@@ -24,12 +24,13 @@ from _interp import run_in_interpreter
 class Regions:
     """W virtual ranks' Lamport regions, op counters and error words (CPU tensors)."""
 
-    def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None):
+    def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None, split=0):
         import torch
         from llcomm import peer
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
         self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
+        self.split = split                              # LLCOMM_LAMPORT_SPLIT
         self.data = [torch.full((peer.HALVES * W * slot_bytes // 2,), peer.SENTINEL16,
                                 dtype=torch.int16) for _ in range(W)]
         self.tags = [torch.zeros(peer.HALVES * NB * W, dtype=torch.int32) for _ in range(W)]
@@ -37,7 +38,8 @@ class Regions:
         self.tag_tab = torch.tensor([t.data_ptr() for t in self.tags], dtype=torch.int64)
         self.host = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
         self.err = [torch.tensor([0, h.data_ptr()], dtype=torch.int64) for h in self.host]
-        self.ctrl = [torch.zeros(NB, dtype=torch.int64) for _ in range(W)]
+        # op counters, then the split kernel's pair words (as peer.PeerBackend allocates them)
+        self.ctrl = [torch.zeros(2 * NB, dtype=torch.int64) for _ in range(W)]
 
     def idle(self) -> bool:
         from llcomm import peer
@@ -95,10 +97,11 @@ class Call:
         if self.kind == "all_reduce":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
-            all_reduce.lamport_kernel[(R.NB,)](
+            pipe, split = peer.lamport_modes(self.n, block, R.NB, R.split)
+            all_reduce.lamport_kernel[(R.NB * (1 + split),)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
-                R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
-                PIPELINE=peer.lamport_pipeline(self.n, block, R.NB), **common)
+                R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block, PIPELINE=pipe,
+                SPLIT=split, **common)
         else:
             numel = peer.PeerBackend._rows_numel(self.tokens, self.hidden)
             tag = peer.PeerBackend._lamport_tag(self.op(), numel, self.dtype)
@@ -139,10 +142,11 @@ def _round(R: Regions, specs, seed: int, pushers=None):
     return calls
 
 
-def simulate_matched(W, NB, rounds, own_local=None):
+def simulate_matched(W, NB, rounds, own_local=None, split=0):
     """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures.
-    ``own_local``: OWN_LOCAL per rank (default 0 everywhere)."""
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local)
+    ``own_local``: OWN_LOCAL per rank (default 0 everywhere); ``split``: LLCOMM_LAMPORT_SPLIT."""
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local,
+                split=split)
     fails = []
     for i, spec in enumerate(rounds):
         calls = _round(R, [spec] * W, seed=i)
@@ -156,16 +160,17 @@ def simulate_matched(W, NB, rounds, own_local=None):
             if int(R.host[r][0]):
                 fails.append(f"round {i} rank {r}: error word {int(R.host[r][0]):#x} without cause")
     for r in range(W):
-        if R.ctrl[r].tolist() != [len(rounds)] * NB:
-            fails.append(f"rank {r}: op counters {R.ctrl[r].tolist()}")
+        if R.ctrl[r][:NB].tolist() != [len(rounds)] * NB:
+            fails.append(f"rank {r}: op counters {R.ctrl[r][:NB].tolist()}")
     return fails
 
 
-def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None):
+def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None, split=0):
     """A matched warm-up round, then one round where rank r calls specs[r]. Returns per rank
     (exception type name, op, phase, ranks) decoded from its error word, or None."""
     from llcomm import protocol as P
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), own_local=own_local)
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), own_local=own_local,
+                split=split)
     _round(R, [warmup] * W, seed=0)
     assert not any(int(h[0]) for h in R.host), "the warm-up round failed"
     _round(R, specs, seed=1, pushers=None if pushers is None else set(pushers))
@@ -200,12 +205,14 @@ MATCHED = [
 ]
 
 
+@pytest.mark.parametrize("split", [0, 1], ids=["pipeline", "split"])
 @pytest.mark.parametrize("W,NB,own_local", [(2, 2, None), (3, 4, None), (2, 2, [1, 1]),
                                              (3, 4, [1, 0, 1])])
-def test_matched_rounds_sum_and_leave_everything_idle(W, NB, own_local):
+def test_matched_rounds_sum_and_leave_everything_idle(W, NB, own_local, split):
     """Also with LLCOMM_LAMPORT_OWN_LOCAL (own term from the operand, own slot untouched) on
-    every rank or some: the same sums, everything idle (the own slot was never written)."""
-    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, own_local)
+    every rank or some: the same sums, everything idle (the own slot was never written). The
+    multi-chunk sizes run the PIPELINE kernel or the SPLIT one."""
+    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, own_local, split)
     assert not fails, "\n".join(fails[:20])
 
 
@@ -226,7 +233,8 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
 def test_mismatch_is_reported_on_every_rank(name, own_local):
     from llcomm import protocol as P
     other = MISMATCHES[name]
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local)
+    split = int(name == "pipelined" and own_local is not None)   # the SPLIT kernel once
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local, split)
     ops = [P.OPS[P.OP_LAMPORT], P.OPS[P.OP_LAMPORT if other[0] == "all_reduce" else
                                        P.OP_FUSED_LAMPORT]]
     for r in range(2):
@@ -255,10 +263,12 @@ def test_mismatch_names_the_first_disagreeing_source():
                            want[r]], (r, seen)
 
 
-@pytest.mark.parametrize("spec", [A, ("all_reduce", 70000, BF)], ids=["one-chunk", "pipelined"])
-def test_rank_that_never_pushed_is_a_timeout(spec):
+@pytest.mark.parametrize("spec,split", [(A, 0), (("all_reduce", 70000, BF), 0),
+                                        (("all_reduce", 70000, BF), 1)],
+                         ids=["one-chunk", "pipelined", "split"])
+def test_rank_that_never_pushed_is_a_timeout(spec, split):
     from llcomm import protocol as P
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [spec, spec], [0])
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [spec, spec], [0], None, split)
     assert seen[0] == ["CommTimeoutError", P.OPS[P.OP_LAMPORT], P.PHASES[P.PHASE_DATA], [1]]
 
 

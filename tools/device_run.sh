@@ -80,9 +80,13 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             own-local)  # LLCOMM_LAMPORT_OWN_LOCAL: the Lamport own term from the operand
                 for o in 0 1; do ab_run own-local-$o "LLCOMM_LAMPORT_OWN_LOCAL=$o" bench tp \
                     --ops all_reduce --sizes 8192,65536,262144,1048576 --algos all; done ;;
-            lamport-big) # LLCOMM_LAMPORT_BYTES: the pipelined Lamport all_reduce up to 16 MiB
-                ab_run lamport-16m "LLCOMM_LAMPORT_BYTES=16777216" bench tp --ops all_reduce \
-                    --sizes 1048576,2097152,4194304,8388608,16777216 --algos all ;;
+            lamport-big) # the multi-chunk Lamport all_reduce up to 16 MiB: split / pipeline, chunk
+                for v in "1 8192" "1 4096" "1 16384" "0 8192" "0 4096"; do
+                    set -- $v
+                    ab_run lamport-16m-split$1-chunk$2 "LLCOMM_LAMPORT_BYTES=16777216 \
+LLCOMM_LAMPORT_SPLIT=$1 LLCOMM_LAMPORT_CHUNK_BYTES=$2" bench tp --ops all_reduce \
+                        --sizes 1048576,2097152,4194304,8388608,16777216 --algos all
+                done ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;

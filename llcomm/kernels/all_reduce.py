@@ -142,7 +142,8 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
                    OWN_LOCAL: tl.constexpr = 0,     # own term from x, not its slot (receive)
-                   PIPELINE: tl.constexpr = 0):     # interleave push and receive (below)
+                   PIPELINE: tl.constexpr = 0,      # interleave push and receive (below)
+                   SPLIT: tl.constexpr = 0):        # 2 * NB programs: pushers, receivers
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
@@ -160,8 +161,15 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     pushing chunk i, so its local passes (poll, sum, re-arm) run while its later chunks and the
     other blocks' are still crossing, instead of after the whole push. No flag or fence is added:
     each word is still its own flag. Same words, same order per element: the same bits.
+
+    SPLIT (instead of PIPELINE): the grid is 2 * NB programs. Program b only pushes block b's
+    chunks and program NB + b only receives them, so the pushes stream without pausing for the
+    local passes (two blocks per SM on 132-SM parts: the kernel must fit two per SM). Block b's
+    counter ``ctrl[b]`` is advanced by whichever of the two finishes second, decided by an
+    atomic on ``ctrl[NB + b]`` (the peer backend allocates 2 * NB counters).
     """
-    b = tl.program_id(0)
+    pid = tl.program_id(0)
+    b = pid % NB        # SPLIT: pusher b and receiver NB + b share block b's chunks and counter
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
@@ -169,7 +177,29 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     lanes = tl.arange(0, BLOCK)
     STEP: tl.constexpr = NB * BLOCK
     first = b * BLOCK
-    if PIPELINE:        # several chunks per block: receive chunk i-1 right after pushing i
+    if SPLIT:           # 2 * NB programs: NB that only push, NB that only receive
+        if pid < NB:
+            if STAGES & 1:
+                push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
+                for start in range(first, n, STEP):
+                    _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
+                                OWN_LOCAL)
+        else:
+            if STAGES & 2:
+                POLL_S: tl.constexpr = STAGES == 3  # ALL_STAGES
+                local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b,
+                                                     timeout_us, cap, IT, NB, W, POLL_S)
+                failed = tl.zeros([], tl.int32)
+                for start in range(first, tl.maximum(n, first + 1), STEP):
+                    failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
+                                            start == first, failed, limit, err, rank,
+                                            SENTINEL, FT, W, BLOCK, POLL_S, OWN_LOCAL)
+                if STAGES != 3:     # a receive-only launch (CPU tests) advances the counter
+                    tl.store(ctrl + b, seq + 1)
+        if STAGES == 3:     # the second of the pair to finish advances block b's counter
+            if tl.atomic_add(ctrl + NB + b, 1, sem="relaxed", scope="gpu") % 2 == 1:
+                tl.store(ctrl + b, seq + 1)
+    elif PIPELINE:      # several chunks per block: receive chunk i-1 right after pushing i
         POLL_P: tl.constexpr = STAGES == 3  # ALL_STAGES
         if STAGES & 1:
             push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
@@ -203,8 +233,9 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                 failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
                                         start == first, failed, limit, err, rank, SENTINEL, FT,
                                         W, BLOCK, POLL, OWN_LOCAL)
-    if STAGES & 2:
-        tl.store(ctrl + b, seq + 1)
+    if not SPLIT:
+        if STAGES & 2:
+            tl.store(ctrl + b, seq + 1)
 
 
 @triton.jit
