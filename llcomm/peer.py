@@ -25,18 +25,25 @@ NUM_BLOCKS_ENV = "LLCOMM_NUM_BLOCKS"
 #: at 8 warps, enough outstanding NVLink stores to approach the link's bandwidth.
 MAX_BLOCK_BYTES = 16 << 10
 MAX_WARPS = 8
-#: Bytes per Lamport slot by default (the largest Lamport all_reduce; the region holds
-#: HALVES * world_size slots). LLCOMM_LAMPORT_BYTES overrides it (every rank the same value).
+#: Bytes per Lamport slot by default (the largest Lamport all_reduce, and the largest output of
+#: a Lamport reduce_scatter; the region holds HALVES * world_size slots, at most max_bytes
+#: each): LAMPORT_MAX_BYTES_W2 at world size 2, where the pipelined Lamport all_reduce beat the
+#: flag kernels from 2 to 8 MiB (session 7), LAMPORT_MAX_BYTES elsewhere (not measured there).
+#: LLCOMM_LAMPORT_BYTES overrides it (every rank the same value).
 LAMPORT_MAX_BYTES = 1 << 20
+LAMPORT_MAX_BYTES_W2 = 16 << 20
 LAMPORT_BYTES_ENV = "LLCOMM_LAMPORT_BYTES"
-#: Multi-chunk Lamport all_reduce (lamport_pipeline): LLCOMM_LAMPORT_SPLIT=1 runs it on 2 * NB
-#: programs, pushers and receivers apart (all_reduce.lamport_kernel, SPLIT); 0 interleaves push
-#: and receive in each of NB programs (PIPELINE). LLCOMM_LAMPORT_CHUNK_BYTES: bytes per
-#: block-iteration of either (default LAMPORT_CHUNK_BYTES; at most MAX_BLOCK_BYTES). Tuning
-#: knobs under measurement (docs/performance.md); every rank must use the same values.
-LAMPORT_SPLIT_ENV = "LLCOMM_LAMPORT_SPLIT"
+#: Lamport kernels move LAMPORT_CHUNK_BYTES per block-iteration (LLCOMM_LAMPORT_CHUNK_BYTES,
+#: at most MAX_BLOCK_BYTES), and with several chunks per block receive chunk i - LAMPORT_LAG
+#: right after pushing chunk i (LLCOMM_LAMPORT_LAG; all_reduce.lamport_kernel, LAG). Tuning
+#: knobs (docs/performance.md has the A/B); every rank must use the same values.
 LAMPORT_CHUNK_ENV = "LLCOMM_LAMPORT_CHUNK_BYTES"
-LAMPORT_CHUNK_BYTES = 8 << 10
+LAMPORT_CHUNK_BYTES = 4 << 10
+LAMPORT_LAG_ENV = "LLCOMM_LAMPORT_LAG"
+LAMPORT_LAG = 1
+#: reduce_scatter runs the Lamport kernel (SCATTER) for outputs up to this many bytes and the
+#: Lamport slot, the flag kernel above (LLCOMM_RS_LAMPORT_BYTES; 0: never).
+RS_LAMPORT_ENV = "LLCOMM_RS_LAMPORT_BYTES"
 #: The fused all-reduce + norm's "auto" takes Lamport up to this many bytes (measured there),
 #: the flag one-shot above, whatever the slot size.
 FUSED_LAMPORT_MAX_BYTES = 1 << 20
@@ -93,30 +100,26 @@ def ll_bytes_setting() -> int:
     return min(int(raw), LL_MAX_BYTES)
 
 
-def lamport_bytes_setting() -> int:
-    """LLCOMM_LAMPORT_BYTES (default LAMPORT_MAX_BYTES): bytes per Lamport slot."""
-    raw = os.environ.get(LAMPORT_BYTES_ENV, str(LAMPORT_MAX_BYTES))
-    if not raw.isdigit() or int(raw) <= 0:
-        raise ValueError(f"{LAMPORT_BYTES_ENV}={raw!r}: expected a positive byte count")
-    return int(raw)
+def lamport_bytes_setting(world_size: int) -> int:
+    """LLCOMM_LAMPORT_BYTES (default LAMPORT_MAX_BYTES_W2 at world size 2, else
+    LAMPORT_MAX_BYTES): bytes per Lamport slot."""
+    default = LAMPORT_MAX_BYTES_W2 if world_size == 2 else LAMPORT_MAX_BYTES
+    return _env_int(LAMPORT_BYTES_ENV, default)
 
 
-def _env_int(name: str, default: int, allowed=None) -> int:
-    """Integer setting ``name`` (default ``default``): one of ``allowed``, or positive."""
+def _env_int(name: str, default: int, zero_ok: bool = False) -> int:
+    """Integer setting ``name`` (default ``default``): positive, or also 0 if ``zero_ok``."""
     raw = os.environ.get(name, str(default))
-    ok = raw.isdigit() and (int(raw) in allowed if allowed is not None else int(raw) > 0)
-    if not ok:
-        want = f"one of {sorted(allowed)}" if allowed is not None else "a positive integer"
-        raise ValueError(f"{name}={raw!r}: expected {want}")
+    if not raw.isdigit() or (int(raw) == 0 and not zero_ok):
+        raise ValueError(f"{name}={raw!r}: expected a {'non-negative' if zero_ok else 'positive'}"
+                         " integer")
     return int(raw)
 
 
-def lamport_modes(n: int, block: int, nb: int, split: int) -> tuple[int, int]:
-    """(PIPELINE, SPLIT) of ``all_reduce.lamport_kernel`` for n elements in chunks of ``block``
-    over ``nb`` blocks: both 0 when every block has one chunk at most (the plain kernel), else
-    SPLIT if ``split`` (LLCOMM_LAMPORT_SPLIT), PIPELINE otherwise. SPLIT launches 2 * nb."""
-    several = int(n > nb * block)
-    return several * (1 - split), several * split
+def lamport_lag(n: int, block: int, nb: int, lag: int) -> int:
+    """LAG of ``all_reduce.lamport_kernel`` for n elements in chunks of ``block`` over ``nb``
+    blocks: 0 (the single-chunk kernel) unless some block has several chunks, else ``lag``."""
+    return lag if n > nb * block else 0
 
 
 def lamport_own_local_setting() -> int:
@@ -165,11 +168,13 @@ class PeerBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_bytes = max_bytes
         self.timeout_us = timeout_ms * P.US_PER_MS
-        self.lamport_bytes = min(max_bytes, lamport_bytes_setting())
+        self.lamport_bytes = min(max_bytes, lamport_bytes_setting(W))
         self.ll_bytes = min(max_bytes, ll_bytes_setting()) // 4 * 4
         self.own_local = lamport_own_local_setting()
-        self.lamport_split = _env_int(LAMPORT_SPLIT_ENV, 1, (0, 1))
         self.lamport_chunk = min(_env_int(LAMPORT_CHUNK_ENV, LAMPORT_CHUNK_BYTES), MAX_BLOCK_BYTES)
+        self.lamport_lag = _env_int(LAMPORT_LAG_ENV, LAMPORT_LAG)
+        self.rs_lamport_bytes = min(_env_int(RS_LAMPORT_ENV, self.lamport_bytes, zero_ok=True),
+                                    self.lamport_bytes)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
@@ -186,10 +191,9 @@ class PeerBackend:
         dist.barrier(group=group)
         # Op counters and error words live in private device memory, not in the workspace: no
         # peer can rewrite this rank's round index or the address its error word is stored to.
-        # ctrl[:nb] op counters, ctrl[nb:2nb] the split Lamport's pair words (lamport_kernel).
-        ctrl = torch.zeros(2 * nb + CTRL_ERR_WORDS, dtype=torch.int64, device=self.device)
+        ctrl = torch.zeros(nb + CTRL_ERR_WORDS, dtype=torch.int64, device=self.device)
         self.ctrl = ctrl[:nb]
-        self.err = ctrl[2 * nb:]
+        self.err = ctrl[nb:]
         self.flags = self.ws.local("flags", torch.int64)
         self.tabs = {name: self.ws.table(name)
                      for name in ("flags", "stage", "gather", "lamport", "ll")}
@@ -235,19 +239,7 @@ class PeerBackend:
         W = self.world_size
         cap = self.cap_bytes // x.element_size()
         if algo == "lamport":
-            block, warps = _launch_shape(n, x.element_size(), self.nb, self.lamport_chunk)
-            pipe, split = lamport_modes(n, block, self.nb, self.lamport_split)
-            if x.element_size() == 2:
-                xi, oi, sent = x.view(torch.int16), out.view(torch.int16), SENTINEL16
-            else:
-                xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
-            self._launch(self._k_ar.lamport_kernel, self.nb * (2 if split else 1), (
-                xi, oi, n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
-                self.rank, self._lamport_tag(P.OP_LAMPORT, n, x.dtype), self.timeout_us,
-                self.lamport_bytes // x.element_size()), warps,
-                SENTINEL=sent, FT=self._tl_float[x.dtype], W=W, WP=self.WP, NB=self.nb,
-                BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
-                PIPELINE=pipe, SPLIT=split)
+            self._lamport(x, out, n, P.OP_LAMPORT, scatter=0)
         elif algo == "one_shot":
             self._launch(self._k_ar.one_shot_kernel, self.nb, (
                 x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
@@ -264,6 +256,22 @@ class PeerBackend:
                 self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_us, cap), warps,
                 W=W, WP=self.WP, NB=self.nb, BLOCK=block)
         return out
+
+    def _lamport(self, x: torch.Tensor, out: torch.Tensor, n: int, op: int, scatter: int) -> None:
+        """Launch ``all_reduce.lamport_kernel`` on n elements per source (all_reduce; or, with
+        ``scatter``, reduce_scatter's parts of n elements)."""
+        block, warps = _launch_shape(n, x.element_size(), self.nb, self.lamport_chunk)
+        if x.element_size() == 2:
+            xi, oi, sent = x.view(torch.int16), out.view(torch.int16), SENTINEL16
+        else:
+            xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
+        self._launch(self._k_ar.lamport_kernel, self.nb, (
+            xi, oi, n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
+            self.rank, self._lamport_tag(op, n, x.dtype), self.timeout_us,
+            self.lamport_bytes // x.element_size()), warps,
+            SENTINEL=sent, FT=self._tl_float[x.dtype], W=self.world_size, WP=self.WP,
+            NB=self.nb, BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
+            LAG=lamport_lag(n, block, self.nb, self.lamport_lag), SCATTER=scatter, OP=op)
 
     # -- fused all-reduce + residual + RMSNorm -------------------------------------------------
     def fused_algo(self, nbytes: int) -> str:
@@ -367,6 +375,9 @@ class PeerBackend:
         if m == 0:
             return out
         self._precheck()
+        if m * x.element_size() <= self.rs_lamport_bytes:
+            self._lamport(x, out, m, P.OP_LAMPORT_REDUCE_SCATTER, scatter=1)
+            return out
         block, warps = _launch_shape(m, x.element_size(), self.nb)
         self._launch(self._k_mv.reduce_scatter_kernel, self.nb, (
             x, out, m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,

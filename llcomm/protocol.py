@@ -67,10 +67,12 @@ OPS = {
     8: "combine",
     9: "all_reduce_residual_rmsnorm(lamport)",
     10: "all_reduce_residual_rmsnorm(one_shot)",
+    11: "reduce_scatter(lamport)",
 }
 OP_ONE_SHOT, OP_TWO_SHOT, OP_LAMPORT, OP_BROADCAST, OP_ALL_GATHER, OP_REDUCE_SCATTER = 1, 2, 3, 4, 5, 6
 OP_DISPATCH, OP_COMBINE = 7, 8
 OP_FUSED_LAMPORT, OP_FUSED_ONE_SHOT = 9, 10
+OP_LAMPORT_REDUCE_SCATTER = 11
 
 # Phase codes: which wait gave up. Entry and exit barriers have distinct codes (seed contract).
 PHASES = {1: "entry barrier", 2: "exit barrier", 3: "data poll"}

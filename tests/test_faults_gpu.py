@@ -192,9 +192,10 @@ def test_broken_then_new_communicator(algo):
 # -- (c) mismatched calls ---------------------------------------------------------------------
 def _call(comm, spec):
     """spec = (kind, numel or shape, dtype name); launches it with a fresh operand. An ``ll_``
-    kind is the op itself on a communicator made with the LL kernels on."""
+    kind is the op itself on a communicator made with the LL kernels on, ``lamport_`` with the
+    Lamport reduce_scatter on."""
     kind, n, dt = spec
-    kind = kind.removeprefix("ll_")
+    kind = kind.removeprefix("ll_").removeprefix("lamport_")
     x = torch.randn(n, device="cuda").to(getattr(torch, dt))
     if kind in ("one_shot", "two_shot", "lamport"):
         return comm.all_reduce(x, algo=kind)
@@ -213,11 +214,16 @@ def _call(comm, spec):
 def _mismatch_round(rank, name):
     """One round in which rank r calls ``MISMATCHES[name][r]``, on a fresh communicator; what it
     raised. Cases named ``ll_...`` run with the LL movement kernels (the default up to 64 KiB),
-    the others with them off, so the flagged movement kernels meet each other."""
+    the others with them off, so the flagged movement kernels meet each other; likewise the
+    Lamport reduce_scatter runs only where a spec says ``lamport_reduce_scatter``."""
     import llcomm
-    from llcomm.peer import LL_BYTES_ENV, LL_MAX_BYTES
+    from llcomm.peer import LL_BYTES_ENV, LL_MAX_BYTES, RS_LAMPORT_ENV
     specs = MISMATCHES[name]
     os.environ[LL_BYTES_ENV] = str(LL_MAX_BYTES) if name.startswith("ll_") else "0"
+    if any(kind == "lamport_reduce_scatter" for kind, _, _ in specs):
+        os.environ.pop(RS_LAMPORT_ENV, None)        # the default: Lamport up to its slot
+    else:
+        os.environ[RS_LAMPORT_ENV] = "0"
     comm = _comm(timeout_ms=TIMEOUT_MS)
     # good rounds of both calls first: a kernel's first launch waits up to 60 s for a peer that
     # may still be compiling (llcomm/launch.py), which would outlast the test's timeout
@@ -275,6 +281,13 @@ MISMATCHES = {
     "ll_all_gather-dtypes": (("ll_all_gather", 4096, BF), ("ll_all_gather", 2048, F32)),
     "ll_all_gather-vs-lamport": (("ll_all_gather", 4096, BF), ("lamport", 4096, BF)),
     "ll_broadcast-vs-one_shot": (("ll_broadcast", 4096, BF), ("one_shot", 4096, BF)),
+    # the Lamport reduce_scatter (kernels/all_reduce.py, SCATTER) shares the Lamport tag words
+    "lamport_reduce_scatter-sizes": (("lamport_reduce_scatter", 4096, BF),
+                                     ("lamport_reduce_scatter", 8192, BF)),
+    "lamport_reduce_scatter-dtypes": (("lamport_reduce_scatter", 4096, BF),
+                                      ("lamport_reduce_scatter", 4096, F32)),
+    "lamport_reduce_scatter-vs-lamport": (("lamport_reduce_scatter", 4096, BF),
+                                          ("lamport", 2048, BF)),
 }
 #: Pairs where neither side carries a flag the other can compare: both time out, no mismatch.
 TIMEOUT_ONLY = {"lamport-vs-one_shot", "ll_broadcast-vs-one_shot"}
@@ -284,7 +297,8 @@ TIMEOUT_ONLY = {"lamport-vs-one_shot", "ll_broadcast-vs-one_shot"}
 BOTH_MISMATCH = {"lamport-sizes", "lamport-vs-fused", "fused_lamport-rows", "lamport-dtypes",
                  "lamport-dtype-widths", "ll_broadcast-vs-ll_all_gather", "ll_broadcast-sizes",
                  "ll_all_gather-vs-ll_all_gather_2d", "ll_all_gather-dtypes",
-                 "ll_all_gather-vs-lamport"}
+                 "ll_all_gather-vs-lamport", "lamport_reduce_scatter-sizes",
+                 "lamport_reduce_scatter-dtypes", "lamport_reduce_scatter-vs-lamport"}
 
 
 def _outcome_problem(name, outcomes):

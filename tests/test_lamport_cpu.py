@@ -24,13 +24,13 @@ from _interp import run_in_interpreter
 class Regions:
     """W virtual ranks' Lamport regions, op counters and error words (CPU tensors)."""
 
-    def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None, split=0):
+    def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None, lag=1):
         import torch
         from llcomm import peer
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
         self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
-        self.split = split                              # LLCOMM_LAMPORT_SPLIT
+        self.lag = lag                                  # LLCOMM_LAMPORT_LAG
         self.data = [torch.full((peer.HALVES * W * slot_bytes // 2,), peer.SENTINEL16,
                                 dtype=torch.int16) for _ in range(W)]
         self.tags = [torch.zeros(peer.HALVES * NB * W, dtype=torch.int32) for _ in range(W)]
@@ -38,8 +38,7 @@ class Regions:
         self.tag_tab = torch.tensor([t.data_ptr() for t in self.tags], dtype=torch.int64)
         self.host = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
         self.err = [torch.tensor([0, h.data_ptr()], dtype=torch.int64) for h in self.host]
-        # op counters, then the split kernel's pair words (as peer.PeerBackend allocates them)
-        self.ctrl = [torch.zeros(2 * NB, dtype=torch.int64) for _ in range(W)]
+        self.ctrl = [torch.zeros(NB, dtype=torch.int64) for _ in range(W)]
 
     def idle(self) -> bool:
         from llcomm import peer
@@ -60,18 +59,21 @@ def _tl_float(dtype):
 
 
 class Call:
-    """One rank's call of a round: ``("all_reduce", n, dtype)`` or ``("fused", tokens, hidden,
-    dtype)``, with its operand and outputs."""
+    """One rank's call of a round: ``("all_reduce", n, dtype)``, ``("reduce_scatter", n,
+    dtype)`` (n elements out, W * n in) or ``("fused", tokens, hidden, dtype)``, with its
+    operand and outputs."""
 
-    def __init__(self, spec, seed: int, rank: int):
+    def __init__(self, spec, seed: int, rank: int, W: int = 2):
         import torch
         self.kind, *shape, dname = spec
+        self.rank = rank
         self.dtype = getattr(torch, dname)
         self.dname = dname
         g = torch.Generator().manual_seed(seed * 101 + rank)
-        if self.kind == "all_reduce":
+        if self.kind != "fused":
             (self.n,) = shape
-            self.x = torch.randn(self.n, generator=g).to(self.dtype)
+            parts = W if self.kind == "reduce_scatter" else 1
+            self.x = torch.randn(parts * self.n, generator=g).to(self.dtype)
         else:
             self.tokens, self.hidden = shape
             self.x = torch.randn(self.tokens, self.hidden, generator=g).to(self.dtype)
@@ -80,11 +82,13 @@ class Call:
             self.w = (torch.rand(self.hidden, generator=gs) + 0.5).to(self.dtype)
             self.h = torch.full_like(self.x, float("nan"))
         self.x.view(-1)[0] = -0.0  # the 16-bit idle pattern must still arrive
-        self.out = torch.full_like(self.x, float("nan"))
+        self.out = torch.full_like(self.x[:self.n] if self.kind == "reduce_scatter" else self.x,
+                                   float("nan"))
 
     def op(self) -> int:
         from llcomm import protocol as P
-        return P.OP_LAMPORT if self.kind == "all_reduce" else P.OP_FUSED_LAMPORT
+        return {"all_reduce": P.OP_LAMPORT, "reduce_scatter": P.OP_LAMPORT_REDUCE_SCATTER,
+                "fused": P.OP_FUSED_LAMPORT}[self.kind]
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
         from llcomm import peer
@@ -94,14 +98,14 @@ class Call:
         wp = 1 << (R.W - 1).bit_length()
         common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage,
                       OWN_LOCAL=R.own_local[rank])
-        if self.kind == "all_reduce":
+        if self.kind != "fused":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
-            pipe, split = peer.lamport_modes(self.n, block, R.NB, R.split)
-            all_reduce.lamport_kernel[(R.NB * (1 + split),)](
+            all_reduce.lamport_kernel[(R.NB,)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
-                R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block, PIPELINE=pipe,
-                SPLIT=split, **common)
+                R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
+                LAG=peer.lamport_lag(self.n, block, R.NB, R.lag),
+                SCATTER=int(self.kind == "reduce_scatter"), OP=self.op(), **common)
         else:
             numel = peer.PeerBackend._rows_numel(self.tokens, self.hidden)
             tag = peer.PeerBackend._lamport_tag(self.op(), numel, self.dtype)
@@ -118,9 +122,11 @@ class Call:
         acc = torch.zeros(self.x.shape)
         for c in calls:
             acc += c.x.float()
-        got = self.out if self.kind == "all_reduce" else self.h
+        got = self.h if self.kind == "fused" else self.out
         want = acc.to(self.dtype)
-        if self.kind != "all_reduce":
+        if self.kind == "reduce_scatter":       # this rank's part of the sum
+            want = want[self.rank * self.n:(self.rank + 1) * self.n]
+        if self.kind == "fused":
             want = (want.float() + self.res.float()).to(self.dtype)
         if self.dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 (GPU rounds)
             ok = torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
@@ -133,7 +139,7 @@ def _round(R: Regions, specs, seed: int, pushers=None):
     """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push, then every
     rank reduces. Returns the calls."""
     from llcomm.kernels import all_reduce
-    calls = [Call(s, seed, r) for r, s in enumerate(specs)]
+    calls = [Call(s, seed, r, R.W) for r, s in enumerate(specs)]
     for r, c in enumerate(calls):
         if pushers is None or r in pushers:
             c.launch(R, r, all_reduce.PUSH)
@@ -142,11 +148,10 @@ def _round(R: Regions, specs, seed: int, pushers=None):
     return calls
 
 
-def simulate_matched(W, NB, rounds, own_local=None, split=0):
+def simulate_matched(W, NB, rounds, own_local=None, lag=1):
     """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures.
-    ``own_local``: OWN_LOCAL per rank (default 0 everywhere); ``split``: LLCOMM_LAMPORT_SPLIT."""
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local,
-                split=split)
+    ``own_local``: OWN_LOCAL per rank (default 0 everywhere); ``lag``: LLCOMM_LAMPORT_LAG."""
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local, lag=lag)
     fails = []
     for i, spec in enumerate(rounds):
         calls = _round(R, [spec] * W, seed=i)
@@ -160,17 +165,17 @@ def simulate_matched(W, NB, rounds, own_local=None, split=0):
             if int(R.host[r][0]):
                 fails.append(f"round {i} rank {r}: error word {int(R.host[r][0]):#x} without cause")
     for r in range(W):
-        if R.ctrl[r][:NB].tolist() != [len(rounds)] * NB:
-            fails.append(f"rank {r}: op counters {R.ctrl[r][:NB].tolist()}")
+        if R.ctrl[r].tolist() != [len(rounds)] * NB:
+            fails.append(f"rank {r}: op counters {R.ctrl[r].tolist()}")
     return fails
 
 
-def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None, split=0):
+def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None, lag=1):
     """A matched warm-up round, then one round where rank r calls specs[r]. Returns per rank
     (exception type name, op, phase, ranks) decoded from its error word, or None."""
     from llcomm import protocol as P
     R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), own_local=own_local,
-                split=split)
+                lag=lag)
     _round(R, [warmup] * W, seed=0)
     assert not any(int(h[0]) for h in R.host), "the warm-up round failed"
     _round(R, specs, seed=1, pushers=None if pushers is None else set(pushers))
@@ -184,7 +189,7 @@ def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None, split=
 def _nbytes(spec) -> int:
     import torch
     size = getattr(torch, spec[-1]).itemsize
-    n = spec[1] if spec[0] == "all_reduce" else spec[1] * spec[2]
+    n = spec[1] * spec[2] if spec[0] == "fused" else spec[1]
     return -(-n * size // 256) * 256
 
 
@@ -196,23 +201,24 @@ BF, F16, F32 = "bfloat16", "float16", "float32"
 #: Matched rounds on one set of regions: sizes and dtypes change every round (so a tag left over
 #: from an earlier round would be caught as a mismatch), plain and fused interleave, a block
 #: count above and below the data, 20000 bf16 elements give block 0 two chunks at NB=2, 70000
-#: three chunks to some blocks and two to others at NB=2 and 4 (the pipelined kernel, PIPELINE).
+#: three chunks to some blocks and two to others at NB=2 and 4 (the pipelined kernel, LAG);
+#: reduce_scatter (SCATTER) with one chunk and with several.
 MATCHED = [
     ("all_reduce", 5, BF), ("all_reduce", 4096, BF), ("fused", 3, 40, F16),
     ("all_reduce", 5, BF), ("all_reduce", 20000, BF), ("all_reduce", 300, F32),
-    ("all_reduce", 70000, BF), ("all_reduce", 40000, F32),
+    ("all_reduce", 70000, BF), ("reduce_scatter", 999, F16), ("all_reduce", 40000, F32),
+    ("reduce_scatter", 40000, BF), ("reduce_scatter", 7, F32),
     ("fused", 5, 16, BF), ("all_reduce", 4096, F16), ("all_reduce", 4096, F16),
 ]
 
 
-@pytest.mark.parametrize("split", [0, 1], ids=["pipeline", "split"])
-@pytest.mark.parametrize("W,NB,own_local", [(2, 2, None), (3, 4, None), (2, 2, [1, 1]),
-                                             (3, 4, [1, 0, 1])])
-def test_matched_rounds_sum_and_leave_everything_idle(W, NB, own_local, split):
+@pytest.mark.parametrize("W,NB,own_local,lag", [(2, 2, None, 1), (3, 4, None, 2),
+                                                 (2, 2, [1, 1], 2), (3, 4, [1, 0, 1], 1)])
+def test_matched_rounds_sum_and_leave_everything_idle(W, NB, own_local, lag):
     """Also with LLCOMM_LAMPORT_OWN_LOCAL (own term from the operand, own slot untouched) on
     every rank or some: the same sums, everything idle (the own slot was never written). The
-    multi-chunk sizes run the PIPELINE kernel or the SPLIT one."""
-    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, own_local, split)
+    multi-chunk sizes run the pipelined kernel with a lag of 1 or 2 chunks."""
+    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, own_local, lag)
     assert not fails, "\n".join(fails[:20])
 
 
@@ -224,7 +230,8 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
     "dtype-widths": ("all_reduce", 4096, F32),
     "same-bytes": ("all_reduce", 2048, F32),
     "fused-vs-plain": ("fused", 64, 64, BF),
-    "pipelined": ("all_reduce", 70000, BF),     # several chunks per block (PIPELINE)
+    "pipelined": ("all_reduce", 70000, BF),     # several chunks per block (LAG)
+    "reduce-scatter": ("reduce_scatter", 4096, BF),     # the same count, another op
 }
 
 
@@ -233,10 +240,10 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
 def test_mismatch_is_reported_on_every_rank(name, own_local):
     from llcomm import protocol as P
     other = MISMATCHES[name]
-    split = int(name == "pipelined" and own_local is not None)   # the SPLIT kernel once
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local, split)
-    ops = [P.OPS[P.OP_LAMPORT], P.OPS[P.OP_LAMPORT if other[0] == "all_reduce" else
-                                       P.OP_FUSED_LAMPORT]]
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local)
+    other_op = {"all_reduce": P.OP_LAMPORT, "reduce_scatter": P.OP_LAMPORT_REDUCE_SCATTER,
+                "fused": P.OP_FUSED_LAMPORT}[other[0]]
+    ops = [P.OPS[P.OP_LAMPORT], P.OPS[other_op]]
     for r in range(2):
         assert seen[r] == ["CommMismatchError", ops[r], P.PHASES[P.PHASE_DATA], [1 - r]], (r, seen)
 
@@ -263,13 +270,13 @@ def test_mismatch_names_the_first_disagreeing_source():
                            want[r]], (r, seen)
 
 
-@pytest.mark.parametrize("spec,split", [(A, 0), (("all_reduce", 70000, BF), 0),
-                                        (("all_reduce", 70000, BF), 1)],
-                         ids=["one-chunk", "pipelined", "split"])
-def test_rank_that_never_pushed_is_a_timeout(spec, split):
+@pytest.mark.parametrize("spec", [A, ("all_reduce", 70000, BF), ("reduce_scatter", 70000, BF)],
+                         ids=["one-chunk", "pipelined", "reduce-scatter"])
+def test_rank_that_never_pushed_is_a_timeout(spec):
     from llcomm import protocol as P
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [spec, spec], [0], None, split)
-    assert seen[0] == ["CommTimeoutError", P.OPS[P.OP_LAMPORT], P.PHASES[P.PHASE_DATA], [1]]
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [spec, spec], [0])
+    op = P.OP_LAMPORT_REDUCE_SCATTER if spec[0] == "reduce_scatter" else P.OP_LAMPORT
+    assert seen[0] == ["CommTimeoutError", P.OPS[op], P.PHASES[P.PHASE_DATA], [1]]
 
 
 def test_own_local_setting(monkeypatch):

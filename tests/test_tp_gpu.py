@@ -244,7 +244,8 @@ def test_lamport_own_term_from_the_operand(own):
     run_distributed(_own_local_body, 2, own, backend="nccl", timeout=300)
 
 
-#: Pipelined Lamport (several chunks per block): slot and sizes up to 16 MiB, odd sizes too.
+#: Pipelined Lamport (several chunks per block): slot and sizes up to 16 MiB, odd sizes too;
+#: all_reduce and reduce_scatter.
 BIG_LAMPORT_BYTES = 16 << 20
 BIG_SIZES = (((2 << 20) + 7, torch.bfloat16), (4 << 20, torch.bfloat16), ((1 << 20) + 3, torch.float32),
              (8 << 20, torch.bfloat16), ((3 << 20) - 1, torch.float16), (2 << 20, torch.float32))
@@ -253,8 +254,9 @@ BIG_SIZES = (((2 << 20) + 7, torch.bfloat16), (4 << 20, torch.bfloat16), ((1 << 
 def _big_lamport_body(rank, ws):
     import os
 
-    from llcomm.peer import LAMPORT_BYTES_ENV
+    from llcomm.peer import LAMPORT_BYTES_ENV, RS_LAMPORT_ENV
     os.environ[LAMPORT_BYTES_ENV] = str(BIG_LAMPORT_BYTES)
+    os.environ.pop(RS_LAMPORT_ENV, None)
     comm = _comm(max_bytes=BIG_LAMPORT_BYTES)
     assert comm.lamport_bytes == BIG_LAMPORT_BYTES
     for i, (n, dtype) in enumerate(BIG_SIZES):
@@ -279,11 +281,23 @@ def _big_lamport_body(rank, ws):
             y, ys = _inputs(4096, torch.bfloat16, 300 + i, rank)
             assert torch.equal(_bits(comm.all_reduce(y, algo="lamport")), _bits(_oracle_sum(ys)))
     assert _same_on_all_ranks(outs["y"])
+    # reduce_scatter: the Lamport kernel (SCATTER) and the flag kernel give the same bits
+    os.environ[RS_LAMPORT_ENV] = "0"
+    flag = _comm(max_bytes=BIG_LAMPORT_BYTES)
+    for i, (n, dtype) in enumerate(BIG_SIZES):
+        n = n // ws * ws
+        x, xs = _inputs(n, dtype, 400 + i, rank)
+        want = _oracle_sum(xs).view(ws, -1)[rank]
+        for c in (comm, flag, comm):
+            rs = c.reduce_scatter(x, out=torch.full((n // ws,), float("nan"), dtype=dtype,
+                                                    device="cuda"))
+            assert torch.equal(_bits(rs), _bits(want)), ("reduce_scatter", n, dtype)
+    flag.close()
     comm.check()
     comm.close()
 
 
-def test_lamport_pipelined_large_sizes():
+def test_lamport_pipelined_large_sizes():  # all_reduce and reduce_scatter
     run_distributed(_big_lamport_body, 2, backend="nccl", timeout=300)
 
 

@@ -80,17 +80,22 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             own-local)  # LLCOMM_LAMPORT_OWN_LOCAL: the Lamport own term from the operand
                 for o in 0 1; do ab_run own-local-$o "LLCOMM_LAMPORT_OWN_LOCAL=$o" bench tp \
                     --ops all_reduce --sizes 8192,65536,262144,1048576 --algos all; done ;;
-            lamport-big) # the multi-chunk Lamport all_reduce up to 16 MiB: split / pipeline, chunk
-                for v in "1 8192" "1 4096" "1 16384" "0 8192" "0 4096"; do
+            lamport-big) # the multi-chunk Lamport all_reduce up to 16 MiB: chunk bytes x lag
+                for v in "4096 1" "4096 2" "2048 1" "2048 2" "1024 2"; do
                     set -- $v
-                    ab_run lamport-16m-split$1-chunk$2 "LLCOMM_LAMPORT_BYTES=16777216 \
-LLCOMM_LAMPORT_SPLIT=$1 LLCOMM_LAMPORT_CHUNK_BYTES=$2" bench tp --ops all_reduce \
-                        --sizes 1048576,2097152,4194304,8388608,16777216 --algos all
+                    ab_run lamport-chunk$1-lag$2 "LLCOMM_LAMPORT_CHUNK_BYTES=$1 LLCOMM_LAMPORT_LAG=$2" \
+                        bench tp --ops all_reduce --algos all \
+                        --sizes 1048576,2097152,4194304,8388608,16777216
+                done ;;
+            rs-lamport) # reduce_scatter: the Lamport kernel (default) against the flag kernel
+                for v in default 0; do
+                    ab_run rs-lamport-$v "$([[ $v == 0 ]] && echo LLCOMM_RS_LAMPORT_BYTES=0 || echo -)" \
+                        bench tp --ops reduce_scatter --sizes 65536,1048576,4194304,8388608,16777216
                 done ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

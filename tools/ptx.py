@@ -61,24 +61,23 @@ KERNELS = {
                              "tag": "i32", "timeout_us": "i32", "cap": "i64"},
                             {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
                              "BLOCK": 256, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1}, 1),
-    # an 8 MiB bf16 all_reduce (LLCOMM_LAMPORT_BYTES): 8 chunks of 4096 elements per block,
-    # each received right after the next one is pushed (PIPELINE)
+    # an 8 MiB bf16 all_reduce: 16 chunks of 2048 elements per block, each received right
+    # after the next one is pushed (LAG)
     "lamport_bf16_8m_pipe": (all_reduce.lamport_kernel,
                              {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64",
                               "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
                               "tag": "i32", "timeout_us": "i32", "cap": "i64"},
                              {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
-                              "BLOCK": 4096, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1,
-                              "PIPELINE": 1}, 8),
-    # the same on 2 * NB programs, pushers and receivers apart (SPLIT, the default): two
-    # blocks must fit one SM (at most 128 registers a thread at 8 warps)
-    "lamport_bf16_8m_split": (all_reduce.lamport_kernel,
-                              {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64",
-                               "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
-                               "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                              {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
-                               "BLOCK": 4096, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1,
-                               "PIPELINE": 0, "SPLIT": 1}, 8),
+                              "BLOCK": 2048, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1,
+                              "LAG": 1}, 8),
+    # reduce_scatter of 8 MiB (4 MiB out) on the same kernel (SCATTER)
+    "lamport_rs_bf16_8m": (all_reduce.lamport_kernel,
+                           {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64",
+                            "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
+                            "tag": "i32", "timeout_us": "i32", "cap": "i64"},
+                           {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
+                            "BLOCK": 2048, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1,
+                            "LAG": 1, "SCATTER": 1, "OP": P.OP_LAMPORT_REDUCE_SCATTER}, 8),
     "broadcast_i32": (movement.broadcast_kernel,
                       {"x": "*i32", "n": "i32", "src": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
                        "flags": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",

@@ -142,13 +142,14 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
                    OWN_LOCAL: tl.constexpr = 0,     # own term from x, not its slot (receive)
-                   PIPELINE: tl.constexpr = 0,      # interleave push and receive (below)
-                   SPLIT: tl.constexpr = 0):        # 2 * NB programs: pushers, receivers
+                   LAG: tl.constexpr = 0,           # > 0: pipelined (below)
+                   SCATTER: tl.constexpr = 0,       # reduce_scatter (below)
+                   OP: tl.constexpr = OP_LAMPORT):  # the op its error words name
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
-    0. Each block stores its tag (``protocol.lamport_tag`` of OP_LAMPORT, n and the dtype) for
-    every rank, then its operand (with SENTINEL replaced by +0.0 bits, which changes no sum since
+    0. Each block stores its tag (``protocol.lamport_tag`` of OP, n and the dtype) for every
+    rank, then its operand (with SENTINEL replaced by +0.0 bits, which changes no sum since
     accumulation starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every rank; then it
     polls its own half until every source's tag is written and no element is SENTINEL, checks
     the tags against its own, sums in rank order, and writes SENTINEL and 0 back so the half is
@@ -157,19 +158,16 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     before this rank's next push, which comes after this kernel finished resetting.
     ``x`` and ``out`` are given as integer views (int16 or int32) of the float data.
 
-    PIPELINE (messages of several chunks per block): a block receives its chunk i-1 right after
-    pushing chunk i, so its local passes (poll, sum, re-arm) run while its later chunks and the
-    other blocks' are still crossing, instead of after the whole push. No flag or fence is added:
-    each word is still its own flag. Same words, same order per element: the same bits.
+    LAG > 0 (messages of several chunks per block): a block receives its chunk i-LAG right
+    after pushing chunk i, so its local passes (poll, sum, re-arm) run while its later chunks
+    and the other blocks' are still crossing, instead of after the whole push. No flag or fence
+    is added: each word is still its own flag. Same words, same order per element: the same
+    bits.
 
-    SPLIT (instead of PIPELINE): the grid is 2 * NB programs. Program b only pushes block b's
-    chunks and program NB + b only receives them, so the pushes stream without pausing for the
-    local passes (two blocks per SM on 132-SM parts: the kernel must fit two per SM). Block b's
-    counter ``ctrl[b]`` is advanced by whichever of the two finishes second, decided by an
-    atomic on ``ctrl[NB + b]`` (the peer backend allocates 2 * NB counters).
+    SCATTER (reduce_scatter): x holds W parts of n elements; part q goes to rank q only, and
+    this rank sums part ``rank`` of every source into ``out`` (n elements).
     """
-    pid = tl.program_id(0)
-    b = pid % NB        # SPLIT: pusher b and receiver NB + b share block b's chunks and counter
+    b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty
     seq = tl.load(ctrl + b)
@@ -177,51 +175,30 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     lanes = tl.arange(0, BLOCK)
     STEP: tl.constexpr = NB * BLOCK
     first = b * BLOCK
-    if SPLIT:           # 2 * NB programs: NB that only push, NB that only receive
-        if pid < NB:
-            if STAGES & 1:
-                push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
-                for start in range(first, n, STEP):
-                    _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
-                                OWN_LOCAL)
-        else:
-            if STAGES & 2:
-                POLL_S: tl.constexpr = STAGES == 3  # ALL_STAGES
-                local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b,
-                                                     timeout_us, cap, IT, NB, W, POLL_S)
-                failed = tl.zeros([], tl.int32)
-                for start in range(first, tl.maximum(n, first + 1), STEP):
-                    failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
-                                            start == first, failed, limit, err, rank,
-                                            SENTINEL, FT, W, BLOCK, POLL_S, OWN_LOCAL)
-                if STAGES != 3:     # a receive-only launch (CPU tests) advances the counter
-                    tl.store(ctrl + b, seq + 1)
-        if STAGES == 3:     # the second of the pair to finish advances block b's counter
-            if tl.atomic_add(ctrl + NB + b, 1, sem="relaxed", scope="gpu") % 2 == 1:
-                tl.store(ctrl + b, seq + 1)
-    elif PIPELINE:      # several chunks per block: receive chunk i-1 right after pushing i
+    if LAG > 0:         # several chunks per block: receive chunk i-LAG right after pushing i
         POLL_P: tl.constexpr = STAGES == 3  # ALL_STAGES
         if STAGES & 1:
             push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
         local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us, cap,
                                              IT, NB, W, POLL_P)
         failed = tl.zeros([], tl.int32)
-        for start in range(first, tl.maximum(n, first + 1) + STEP, STEP):
+        for start in range(first, tl.maximum(n, first + 1) + LAG * STEP, STEP):
             if STAGES & 1:
                 if start < n:
                     _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
-                                OWN_LOCAL)
+                                OWN_LOCAL, SCATTER)
             if STAGES & 2:
-                if start > first:
-                    failed = _receive_chunk(x, out, local, cap, start - STEP + lanes, n, tags,
-                                            tag, start - STEP == first, failed, limit, err,
-                                            rank, SENTINEL, FT, W, BLOCK, POLL_P, OWN_LOCAL)
+                back = start - LAG * STEP
+                if back >= first:
+                    failed = _receive_chunk(x, out, local, cap, back + lanes, n, tags, tag,
+                                            back == first, failed, limit, err, rank, SENTINEL,
+                                            FT, W, BLOCK, POLL_P, OWN_LOCAL, SCATTER, OP)
     else:
         if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
             push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
             for start in range(first, n, STEP):
                 _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
-                            OWN_LOCAL)
+                            OWN_LOCAL, SCATTER)
         if STAGES & 2:      # REDUCE
             POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
             local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us,
@@ -232,22 +209,29 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
             for start in range(first, tl.maximum(n, first + 1), STEP):
                 failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
                                         start == first, failed, limit, err, rank, SENTINEL, FT,
-                                        W, BLOCK, POLL, OWN_LOCAL)
-    if not SPLIT:
-        if STAGES & 2:
-            tl.store(ctrl + b, seq + 1)
+                                        W, BLOCK, POLL, OWN_LOCAL, SCATTER, OP)
+    if STAGES & 2:
+        tl.store(ctrl + b, seq + 1)
 
 
 @triton.jit
 def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W: tl.constexpr,
-                OWN_LOCAL: tl.constexpr):
+                OWN_LOCAL: tl.constexpr, SCATTER: tl.constexpr):
     """Lamport push of this rank's words at ``offs`` into slot ``rank`` of half ``half`` of
-    every rank (its own slot skipped under OWN_LOCAL), SENTINEL sent as +0.0."""
+    every rank (its own slot skipped under OWN_LOCAL), SENTINEL sent as +0.0. SCATTER: rank p
+    gets part p of x, not all of it."""
     IT = x.dtype.element_ty
     m = offs < n
-    v = tl.load(x + offs, mask=m)
-    v = tl.where(v == SENTINEL, 0, v)
+    if not SCATTER:
+        v = tl.load(x + offs, mask=m)
+        v = tl.where(v == SENTINEL, 0, v)
     for p in tl.static_range(W):
+        if SCATTER:
+            mp = m
+            if OWN_LOCAL:
+                mp = m & (p != rank)    # the own part is read by the receive
+            v = tl.load(x + p * n + offs, mask=mp)
+            v = tl.where(v == SENTINEL, 0, v)
         dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
         if OWN_LOCAL:
             if p != rank:       # the own term is read from x (receive)
@@ -259,15 +243,16 @@ def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W:
 @triton.jit
 def _receive_chunk(x, out, local, cap, offs, n, tags, tag, check_tag, failed, limit, err, rank,
                    SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
-                   BLOCK: tl.constexpr, POLL: tl.constexpr, OWN_LOCAL: tl.constexpr):
+                   BLOCK: tl.constexpr, POLL: tl.constexpr, OWN_LOCAL: tl.constexpr,
+                   SCATTER: tl.constexpr, OP: tl.constexpr):
     """Wait for, sum and re-arm the words at ``offs`` of every source (``_lamport.receive``),
-    store the sum to ``out``; returns ``failed``."""
+    store the sum to ``out``; returns ``failed``. SCATTER: the own term is part ``rank``."""
     IT = x.dtype.element_ty
     m = offs < n
     own = offs * 0      # (unused unless OWN_LOCAL)
     if OWN_LOCAL:
-        own = own_words(x, offs, m, SENTINEL)
+        own = own_words(x + rank * n * SCATTER, offs, m, SENTINEL)
     acc, failed = receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err,
-                          OP_LAMPORT, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL, OWN_LOCAL)
+                          OP, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL, OWN_LOCAL)
     tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
     return failed
