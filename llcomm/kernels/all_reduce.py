@@ -229,7 +229,7 @@ def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W:
         if SCATTER:
             mp = m
             if OWN_LOCAL:
-                mp = m & (p != rank)    # the own part is read by the receive
+                mp = m & (offs * 0 + rank != p)    # the own part is read by the receive
             v = tl.load(x + p * n + offs, mask=mp)
             v = tl.where(v == SENTINEL, 0, v)
         dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
