@@ -39,12 +39,11 @@ FUSED_MAX_HIDDEN = 16384
 #: all_reduce(algo="auto") where no measured table applies (llcomm/algo_table.py: the user's
 #: `llcomm tune` table, then llcomm/tables/*.json, then this rule): (world_size, largest bytes,
 #: algo) rows, first match wins, two_shot beyond. World size 2 is measured on 2xH200
-#: (bench/results/h200x2-tp.json: Lamport fastest to 1 MiB, one-shot to 8 MiB, two-shot above).
-#: Other world sizes are a rule until measured: the one-shot's remote traffic grows as
-#: (W - 1) * bytes, so it gives way to two-shot earlier.
+#: (session 7, bench/results/session7-ab: the pipelined Lamport fastest to 8 MiB, two-shot
+#: above). Other world sizes are a rule until measured: the one-shot's remote traffic grows
+#: as (W - 1) * bytes, so it gives way to two-shot earlier.
 AUTO_TABLE = (
-    (2, 1 << 20, "lamport"),
-    (2, 8 << 20, "one_shot"),
+    (2, 8 << 20, "lamport"),
     (None, 256 << 10, "lamport"),
     (None, 1 << 20, "one_shot"),
 )
@@ -104,8 +103,12 @@ class Communicator:
     Args:
         group: the process group (default: the world). One process per GPU.
         max_bytes: the largest input of any op, in bytes. The peer backend allocates about
-            ``2 * (world_size + 1) * max_bytes`` of symmetric memory once; larger inputs are
-            refused with ValueError. The reference backend enforces the same bound.
+            ``2 * (world_size + 1) * max_bytes`` of symmetric memory once for the flag kernels
+            plus ``2 * world_size * L`` for the Lamport ones, L = min(max_bytes, 16 MiB) at
+            world size 2 and min(max_bytes, 1 MiB) elsewhere (``LLCOMM_LAMPORT_BYTES`` sets
+            L; ``lamport_bytes`` reports it): 160 MiB at 2 ranks and the default 16 MiB.
+            Larger inputs are refused with ValueError. The reference backend enforces the
+            same bound.
         backend: ``"auto"``, ``"peer"`` or ``"reference"``.
         timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
             on the reference backend over gloo, of every host-side wait (default
@@ -205,7 +208,8 @@ class Communicator:
                 at most ``max_bytes``. Not modified (unless ``out is x``).
             out: optional result tensor, same shape and dtype as x (may be x itself).
             algo: ``"one_shot"`` (push + one barrier), ``"lamport"`` (one-shot, barrier-free,
-                inputs up to 1 MiB), ``"two_shot"`` (reduce-scatter + all-gather) or ``"auto"``.
+                inputs up to ``lamport_bytes``), ``"two_shot"`` (reduce-scatter + all-gather)
+                or ``"auto"``.
         Returns:
             ``out`` (a new tensor if not given). The peer backend accumulates in fp32 in global
             rank order and rounds once, so every rank gets the same bits, and bf16 / fp16 give
@@ -240,8 +244,9 @@ class Communicator:
     @property
     def lamport_bytes(self) -> int:
         """The largest input of ``all_reduce(algo="lamport")`` in bytes: the peer backend's
-        Lamport slot (1 MiB, or ``LLCOMM_LAMPORT_BYTES``; at most ``max_bytes``). 0 on the
-        reference backend, which runs its own algorithm whatever ``algo`` says."""
+        Lamport slot (16 MiB at world size 2, else 1 MiB, or ``LLCOMM_LAMPORT_BYTES``; at most
+        ``max_bytes``). reduce_scatter runs its Lamport kernel for outputs up to this size.
+        0 on the reference backend, which runs its own algorithm whatever ``algo`` says."""
         return self._impl.lamport_bytes if self.backend == "peer" else 0
 
     def choose_algo(self, nbytes: int) -> str:
@@ -279,8 +284,8 @@ class Communicator:
             out: optional ``[tokens, hidden]`` of x's dtype for the normalised rows (may be x).
             residual_out: optional ``[tokens, hidden]`` of x's dtype for ``h`` (may be
                 ``residual``: in-place update of the residual stream). Must not be ``out``.
-            algo: ``"lamport"`` (barrier-free, x up to 1 MiB), ``"one_shot"`` (one flag
-                barrier, up to ``max_bytes``) or ``"auto"`` (lamport where it fits).
+            algo: ``"lamport"`` (barrier-free, x up to ``lamport_bytes``), ``"one_shot"`` (one
+                flag barrier, up to ``max_bytes``) or ``"auto"`` (lamport up to 1 MiB).
         Returns:
             ``(out, residual_out)``, allocated where not given. Stream, graph capture and error
             semantics as ``all_reduce``. The peer backend runs one kernel and gives every rank
