@@ -206,7 +206,7 @@ def _own_local_body(rank, ws, own):
     os.environ[LAMPORT_OWN_LOCAL_ENV] = str(own[rank])
     comm = _comm()
     assert comm._impl.own_local == own[rank]
-    for i, n in enumerate((1, 7, 4096, 5000, 65536 + 3, LAMPORT_MAX // 4, 4096, 1)):
+    for i, n in enumerate((1, 7, 4096, 5000, 65536 + 3, comm.lamport_bytes // 4, 4096, 1)):
         for dtype in DTYPES:
             x, xs = _inputs(n, dtype, 50 + i, rank)
             want = _oracle_sum(xs)
