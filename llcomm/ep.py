@@ -45,10 +45,6 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_EARLY_META=1``: the dispatch releases counts and metadata under a flag of their
-#: own before it pushes the rows, and the expand waits per source block for rows (EARLY_META in
-#: kernels/ep.py). In the tag, so ranks that disagree get a mismatch; not with rank masks.
-EARLY_META_ENV = "LLCOMM_EP_EARLY_META"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -101,11 +97,6 @@ def rows_first() -> int:
     return _env_bit(ROWS_FIRST_ENV, "1")
 
 
-def early_meta() -> int:
-    """EARLY_META of the dispatch kernel: 1 if ``LLCOMM_EP_EARLY_META=1`` (default 0)."""
-    return _env_bit(EARLY_META_ENV, "0")
-
-
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
@@ -136,7 +127,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(), CARRY=0, EARLY_META=early_meta())
+             ROWS_FIRST=rows_first(), CARRY=0)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
     return d, c, num_warps
@@ -748,22 +739,18 @@ class _PeerEP:
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            if self.masks:          # the early-metadata dispatch has no mask logic
-                d["EARLY_META"] = 0
             hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))
         return hit
 
     def _tag(self, op: int, topk: int, fp8: int = 0, carry: int = 0) -> int:
-        early = self._kconsts(topk)[0]["EARLY_META"] if op == P.OP_DISPATCH else 0
-        key = (op, topk, fp8, carry, early)
+        key = (op, topk, fp8, carry)
         if key not in self._tags:
-            # fp8, carry and early in the tag: ranks that disagree about use_fp8 / round_scale,
-            # about whether the weights travel with the dispatch, or about LLCOMM_EP_EARLY_META
-            # are a mismatch
-            self._tags[key] = P.size_tag(op, (((self.buf.hidden * 4 + fp8) * 2 + carry) * 2
-                                              + early) * 64 + topk, _name(self.buf.dtype))
+            # fp8 and carry in the tag: ranks that disagree about use_fp8 / round_scale, or
+            # about whether the weights travel with the dispatch, are a mismatch
+            self._tags[key] = P.size_tag(op, ((self.buf.hidden * 4 + fp8) * 2 + carry) * 64
+                                         + topk, _name(self.buf.dtype))
         return self._tags[key]
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,

@@ -57,11 +57,8 @@ MAX_WAIT_FLAGS = 1024
 #: ``size_hint`` and the constructor read it, so they still agree.
 NUM_BLOCKS_ENV = "LLCOMM_EP_NUM_BLOCKS"
 #: Flag phases per set: dispatch arrival, combine weights arrival, combine partials arrival.
-SIGNAL_PHASES = 4
+SIGNAL_PHASES = 3
 PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
-#: The dispatch's early metadata flag (LLCOMM_EP_EARLY_META: counts and metadata released
-#: before the rows, whose own flag is then PHASE_DISPATCH; kernels/ep.py).
-PHASE_DISPATCH_META = 3
 #: Buffer sets used alternately (double buffering; kernels/ep.py says why two are enough).
 NUM_SETS = 2
 #: Metadata word: local expert index in the high half, within-source prefix in the low half.

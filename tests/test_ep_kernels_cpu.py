@@ -38,7 +38,7 @@ def _same_up_to_interpreter_rounding(got, want):
 
 
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
-             carry=False, early=False):
+             carry=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
@@ -46,8 +46,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     flag a wait would poll holds the expected word (the waits themselves read the GPU clock,
     which the interpreter lacks). ``carry``: the dispatch carries the weights (CARRY) into the
     handle slot's region (call i uses slot i % 2, as EPBuffer does) and the combine reads them
-    there (CARRIED); the combine's own weights are then poisoned, so using them would show.
-    ``early``: the early-metadata dispatch (EARLY_META; its metadata flag is checked too)."""
+    there (CARRIED); the combine's own weights are then poisoned, so using them would show."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
     from llcomm.ep_fp8 import dequantize, quantize
@@ -67,13 +66,12 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
     # TT=4: several top-k tiles even at these small token counts
     dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4)
-    dc["EARLY_META"] = int(early)
     fails = []
     call = 0
     for seed in seeds:
         for kind in kinds:
             tag = (f"[W={W} E={E} T={T} H={H} topk={topk} NB={NB} {dtype_name} fp8={fp8} "
-                   f"carry={carry} early={early} seed={seed} {kind}]")
+                   f"carry={carry} seed={seed} {kind}]")
             xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
             w_off = lay.sets[call % 2].dispatch_weights
             call += 1
@@ -89,8 +87,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
             for stage in d_stages:
                 if stage == K.D_RECV and signals:
-                    fails += _check_flags(regions, lay, ctrl, 0, [0, 3] if early else [0], NB,
-                                          W, tag)
+                    fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
                 for r in range(W):
                     K.dispatch_kernel[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
@@ -164,14 +161,12 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
 def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
     """Every flag ``[phase][block][source]`` of the set in use holds ``(seq + 1) << EPOCH_SHIFT``
     (the kernels ran with tag 0), as the receive half's wait requires."""
-    from llcomm.ep_layout import SIGNAL_PHASES
     from llcomm.protocol import EPOCH_SHIFT
     fails = []
     for r in range(W):
         seq = int(ctrl[r][op][0])
         base = (seq % 2) * lay.set_bytes + lay.offsets()["signal"]
-        flags = regions[r][base:base + 8 * SIGNAL_PHASES * NB * W].view(torch.int64).view(
-            SIGNAL_PHASES, NB, W)
+        flags = regions[r][base:base + 8 * 3 * NB * W].view(torch.int64).view(3, NB, W)
         for ph in phases:
             want = (seq + 1) << EPOCH_SHIFT
             if not bool((flags[ph] == want).all()):
@@ -226,21 +221,13 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     # weights carried by the dispatch, both slots (three calls), plain and split-phase stages
     (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True),
     (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups", "none"], 0, True, True),
-    # the early-metadata dispatch (LLCOMM_EP_EARLY_META): plain, split-phase with its flags,
-    # FP8 with carried weights
-    (4, 8, 4, 16, 2, 2, "bfloat16", [4], ["random", "sparse", "zero_and_max"], 0, False, False,
-     True),
-    (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, True, False,
-     True),
-    (3, 6, 3, 128, 2, 2, "float32", [2], ["random", "sparse", "none"], 1, True, True, True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}"
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
                                              + ("-signals" if len(c) > 10 and c[10] else "")
-                                             + ("-carry" if len(c) > 11 and c[11] else "")
-                                             + ("-early" if len(c) > 12 else "")
+                                             + ("-carry" if len(c) > 11 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)
@@ -313,7 +300,6 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
            for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
     dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4)
-    dc["EARLY_META"] = 0            # masks run the plain dispatch (EPBuffer does the same)
     dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)
     tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} masked={masked}]"
     xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)

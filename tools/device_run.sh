@@ -92,15 +92,10 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
                     ab_run rs-lamport-$v "$([[ $v == 0 ]] && echo LLCOMM_RS_LAMPORT_BYTES=0 || echo -)" \
                         bench tp --ops reduce_scatter --sizes 65536,1048576,4194304,8388608,16777216
                 done ;;
-            early-meta) # LLCOMM_EP_EARLY_META: dispatch metadata released before the rows
-                for e in 0 1; do
-                    ab_run early-meta-$e "LLCOMM_EP_EARLY_META=$e" bench ep --tokens 1,128,512 \
-                        --iters 30 --fp8 --carry-weights
-                done ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, early-meta)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

@@ -87,16 +87,12 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         f"combine_{dt}_carried": (K.combine_kernel, c_sig,
                                   dict(c_consts, STAGES=K.COMBINE_ALL, CARRIED=1), warps,
                                   {"enable_fp_fusion": False}),
-        # LLCOMM_EP_EARLY_META=1: metadata flag before the rows, per-block row waits
-        f"dispatch_{dt}_early": (K.dispatch_kernel, d_sig,
-                                 dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, EARLY_META=1),
-                                 warps, None),
         # EPBuffer(enable_masks=True), and LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
         **{f"{kind}_{dt}_{mode}": (fn, sig, dict(consts, **extra), warps, opts)
            for mode, extra in (("masks", {"MASKS": 1}), ("prof", {"PROFILE": 1}))
            for kind, fn, sig, consts, opts in (
                ("dispatch", K.dispatch_kernel, d_sig,
-                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, EARLY_META=0), None),
+                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), None),
                ("combine", K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
                 {"enable_fp_fusion": False}))},
     }

@@ -142,7 +142,6 @@ COMBINE_SEND_HALF = C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
 COMBINE_RECV_HALF = C_WAIT_P | C_SUM
 # Flag phases of a set and the metadata word, from the layout.
 SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
-SIG_META = tl.constexpr(EL.PHASE_DISPATCH_META)
 SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
 SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
 META_SHIFT = tl.constexpr(EL.META_SHIFT)
@@ -411,10 +410,9 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           PROFILE: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
-    ROWS_FIRST 1: the rows go out before the scan (their destinations need only the token's own
+    ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
     top-k), so they cross NVLink while the block scans; the release before the signal then
-    waits for less. 0: they go out last, after the counts and the metadata. 2: not here (the
-    early-metadata dispatch pushes them after its metadata flag).
+    waits for less. Otherwise they go out last, after the counts and the metadata.
 
     Block b owns experts ``b + NB * i`` (counts, and the metadata of every top-k entry that
     names one of them) and tokens ``b + NB * j`` (rows, and the -1 metadata of their entries
@@ -426,7 +424,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     at 512 tokens when the buffer held 512, session 5).
     """
     b = tl.program_id(0)
-    if ROWS_FIRST == 1:
+    if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
                    NS, OFF_SC)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
@@ -456,7 +454,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         for d in tl.static_range(W):
             mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + ts[:, None]) * MAX_TOPK
             tl.store(mp + ks[None, :], meta, mask=m2 & mine & (dv == d))
-    if ROWS_FIRST != 1:
+    if not ROWS_FIRST:
         _stamp(err, 1, PROFILE, 0, NB)  # top-k scan done
 
     # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
@@ -482,27 +480,21 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     for d in tl.static_range(W):
         mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + mt[:, None]) * MAX_TOPK
         tl.store(mp + ks[None, :], tl.full([JP, KP], -1, tl.int32), mask=live2 & (dv2 != d))
-    if ROWS_FIRST == 0:
+    if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
                    NS, OFF_SC)
 
 
 @triton.jit
 def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
-            msk, word, timeout_us, err, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-            K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
-            W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
-            OFF_SIG: tl.constexpr, OFF_X: tl.constexpr, OFF_META: tl.constexpr,
-            OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
-            NSP: tl.constexpr, OFF_SC: tl.constexpr, ROW_WAIT: tl.constexpr):
+            msk, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+            KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
+            WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+            FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr):
     """Dispatch stage 3: this rank's receive slots into the per-expert layout (FP8: recv_x
     is the uint8 view of the e4m3 output, and the scales are copied alongside). Sources in the
-    bit mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts.
-
-    ROW_WAIT (early metadata): the metadata and counts are in, the rows may not be. The pairs
-    of source s this block expands are tokens t = t0 + NB * j, all pushed by block t0 % NB of
-    s, so one wait on that block's row flag (of every source, so the wait's error names the
-    right ranks) covers them; this rank's own rows first, the peers' while they cross."""
+    bit mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
     b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -529,22 +521,9 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
     ks = tl.arange(0, KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
-    if ROW_WAIT:
-        rflags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
-        ok = tl.full([], 1, tl.int1)
-    for i in range(W):
-        s = i
-        if ROW_WAIT:
-            s = (rank + i) % W
+    for s in range(W):
         n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-        t0 = _first_token(b, s, NB, W)
-        if ROW_WAIT:
-            if t0 < n_s:    # block-uniform
-                ok, _ = _wait_flags(rflags + (t0 % NB) * W, word, timeout_us, err, OP_DISPATCH,
-                                    PHASE_DATA, ok, W, WP, W, 0, 0, WP)
-            if not ok:
-                n_s = 0     # no rows after a failed wait (the host raises)
-        for t in range(t0, n_s, NB):
+        for t in range(_first_token(b, s, NB, W), n_s, NB):
             slot = s * T + t
             # the row first: its address needs no metadata, so its load overlaps the metadata's
             # (a token reaches a rank only when one of its experts is there: the row is used)
@@ -610,14 +589,7 @@ def dispatch_kernel(
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
-        CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
-        EARLY_META: tl.constexpr = 0):  # 1: metadata flag before the rows (below); MASKS 0
-    """EARLY_META: each block pushes its counts and metadata (and carried weights), signals the
-    SIG_META flag, then pushes its rows and signals SIG_DISPATCH after them. The wait takes
-    every SIG_META flag; the expand then waits, per source, for the one block whose rows it
-    copies, so it expands rows that have landed while others still cross. Not with MASKS."""
-    tl.static_assert((EARLY_META == 0) | (MASKS == 0))
-    ROW_WAIT: tl.constexpr = (EARLY_META != 0) & ((STAGES & 8) != 0)   # D_WAIT: GPU, not CPU
+        CARRY: tl.constexpr = 0):       # 1: the top-k weights travel too (module doc)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -628,13 +600,8 @@ def dispatch_kernel(
         if CARRY:       # released with the rows by this dispatch's signal
             _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
-              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC,
-              2 if EARLY_META else ROWS_FIRST, PROFILE)
-        if EARLY_META:  # counts, metadata (and weights) released first, then the rows
-            tl.debug_barrier()
-            _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_META * NB + b) * W + rank, word, W, WP)
-            _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X,
-                       FP8, NS, OFF_SC)
+              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
+              PROFILE)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
@@ -645,8 +612,7 @@ def dispatch_kernel(
         msk = tl.load(err + ERR_MASK, volatile=True)
     ok = 1
     if STAGES & 8:      # D_WAIT
-        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + \
-            (SIG_META if EARLY_META else SIG_DISPATCH) * NB * W
+        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
         ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
                                FP, W, msk, MASKS, LANES)
         if MASKS:
@@ -664,9 +630,8 @@ def dispatch_kernel(
     if STAGES & 2:      # D_RECV
         if ok:
             _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
-                    set_off, msk, word, timeout_us, err, T, H, HP, K, KP, L, LB, W, WP, NB,
-                    MAX_TOPK, OFF_SIG, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC,
-                    ROW_WAIT)
+                    set_off, msk, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
+                    OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
