@@ -292,8 +292,10 @@ def test_cli_tune_bad_arguments(tmp_path):
 @pytest.mark.gpu
 def test_cli_tune_gpu_then_communicator_uses_it(tmp_path):
     out = tmp_path / "t.json"
+    # a 1 MiB Lamport slot (the default at world size 2 is 16 MiB), so 2M is above it
     p = _llcomm("tune", "--sizes", "8,64K,2M", "--iters", "5", "--warmup", "2",
-                "--no-progress", "--out", str(out), cwd=tmp_path)
+                "--no-progress", "--out", str(out), cwd=tmp_path,
+                env={"LLCOMM_LAMPORT_BYTES": str(MiB)})
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(out.read_text())
     table = T.parse(doc, str(out))
