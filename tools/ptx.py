@@ -30,6 +30,19 @@ LL_SIG = {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32", "
 #: (constexprs follow the kernel's parameter order: compile_one indexes them by position)
 LL_8K = {"W": 2, "WP": 2, "NB": 128, "BLOCK": 128, "STAGES": all_reduce.ALL_STAGES}
 
+LAMPORT_SIG = {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "tag_tab": "*i64",
+               "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32", "timeout_us": "i32",
+               "cap": "i64"}
+
+
+def _lamport(nb, block, warps=4, **later):
+    """``all_reduce.lamport_kernel`` on bf16 (its int16 view) at 2 ranks; ``later``: the
+    constexprs after STAGES, in the kernel's parameter order (compile_one needs that order)."""
+    return (all_reduce.lamport_kernel, LAMPORT_SIG,
+            {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": nb, "BLOCK": block,
+             "STAGES": all_reduce.ALL_STAGES, **later}, warps)
+
+
 KERNELS = {
     "one_shot_bf16": (all_reduce.one_shot_kernel,
                       {"x": "*bf16", "out": "*bf16", "n": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
@@ -41,43 +54,17 @@ KERNELS = {
                        "gather_tab": "*i64", "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64",
                        "err": "*i64", "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
                       {"W": 2, "WP": 2, "NB": 32, "BLOCK": 1024}),
-    "lamport_bf16": (all_reduce.lamport_kernel,
-                     {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "tag_tab": "*i64",
-                      "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32",
-                      "timeout_us": "i32", "cap": "i64"},
-                     {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 32, "BLOCK": 1024,
-                      "STAGES": all_reduce.ALL_STAGES}),
+    "lamport_bf16": _lamport(32, 1024),
     # the launch of an 8 KiB bf16 all_reduce: 4096 elements over 128 blocks, 1 warp each
-    "lamport_bf16_8k": (all_reduce.lamport_kernel,
-                        {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "tag_tab": "*i64",
-                         "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32",
-                         "timeout_us": "i32", "cap": "i64"},
-                        {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128, "BLOCK": 256,
-                         "STAGES": all_reduce.ALL_STAGES}, 1),
+    "lamport_bf16_8k": _lamport(128, 256, 1),
     # the same with the own term read from x (LLCOMM_LAMPORT_OWN_LOCAL=1)
-    "lamport_bf16_8k_own": (all_reduce.lamport_kernel,
-                            {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64",
-                             "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
-                             "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                            {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
-                             "BLOCK": 256, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1}, 1),
+    "lamport_bf16_8k_own": _lamport(128, 256, 1, OWN_LOCAL=1),
     # an 8 MiB bf16 all_reduce: 16 chunks of 2048 elements per block, each received right
     # after the next one is pushed (LAG)
-    "lamport_bf16_8m_pipe": (all_reduce.lamport_kernel,
-                             {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64",
-                              "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
-                              "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                             {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
-                              "BLOCK": 2048, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1,
-                              "LAG": 1}, 8),
+    "lamport_bf16_8m_pipe": _lamport(128, 2048, 8, OWN_LOCAL=1, LAG=1),
     # reduce_scatter of 8 MiB (4 MiB out) on the same kernel (SCATTER)
-    "lamport_rs_bf16_8m": (all_reduce.lamport_kernel,
-                           {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64",
-                            "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32",
-                            "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                           {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
-                            "BLOCK": 2048, "STAGES": all_reduce.ALL_STAGES, "OWN_LOCAL": 1,
-                            "LAG": 1, "SCATTER": 1, "OP": P.OP_LAMPORT_REDUCE_SCATTER}, 8),
+    "lamport_rs_bf16_8m": _lamport(128, 2048, 8, OWN_LOCAL=1, LAG=1, SCATTER=1,
+                                   OP=P.OP_LAMPORT_REDUCE_SCATTER),
     "broadcast_i32": (movement.broadcast_kernel,
                       {"x": "*i32", "n": "i32", "src": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
                        "flags": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
