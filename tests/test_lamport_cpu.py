@@ -289,3 +289,28 @@ def test_own_local_setting(monkeypatch):
     monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "yes")
     with pytest.raises(ValueError, match=LAMPORT_OWN_LOCAL_ENV):
         lamport_own_local_setting()
+
+
+def test_lamport_slot_setting(monkeypatch):
+    """LLCOMM_LAMPORT_BYTES: 16 MiB at 2 ranks and 1 MiB elsewhere by default; anything but a
+    positive integer refused by name."""
+    from llcomm.peer import (LAMPORT_BYTES_ENV, LAMPORT_MAX_BYTES, LAMPORT_MAX_BYTES_W2,
+                             lamport_bytes_setting)
+    monkeypatch.delenv(LAMPORT_BYTES_ENV, raising=False)
+    assert (lamport_bytes_setting(2), lamport_bytes_setting(4)) == (16 << 20, 1 << 20)
+    assert (LAMPORT_MAX_BYTES_W2, LAMPORT_MAX_BYTES) == (16 << 20, 1 << 20)
+    monkeypatch.setenv(LAMPORT_BYTES_ENV, "4096")
+    assert lamport_bytes_setting(2) == lamport_bytes_setting(8) == 4096
+    for bad in ("0", "-1", "1M", ""):
+        monkeypatch.setenv(LAMPORT_BYTES_ENV, bad)
+        with pytest.raises(ValueError, match=LAMPORT_BYTES_ENV):
+            lamport_bytes_setting(2)
+
+
+def test_lamport_lag_only_with_several_chunks():
+    """LAG is the setting where some block has two chunks or more, else 0 (the plain kernel,
+    the code the small sizes ran before the pipelined one existed)."""
+    from llcomm.peer import lamport_lag
+    assert lamport_lag(n=128 * 2048, block=2048, nb=128, lag=1) == 0      # one chunk each
+    assert lamport_lag(n=128 * 2048 + 1, block=2048, nb=128, lag=1) == 1  # block 0 has two
+    assert lamport_lag(n=4 << 20, block=2048, nb=128, lag=2) == 2
