@@ -41,6 +41,17 @@ def _spec(a):
     return a
 
 
+#: Leading arguments of a planned launch that may change from call to call (the operand and the
+#: output); the rest are the plan's own and are in its ``static_key``.
+PLANNED_DYNAMIC = 2
+
+
+def static_key(fn, num_warps: int, tail: tuple, consts: dict) -> tuple:
+    """The part of a launch's cache key fixed by a plan: kernel, warps, constexprs and the
+    arguments after the first PLANNED_DYNAMIC (``tail``)."""
+    return (fn, num_warps, tuple(consts.items()), tuple(map(_spec, tail)))
+
+
 class Launcher:
     """Per-communicator cache of compiled kernels, launched on the current stream."""
 
@@ -50,7 +61,17 @@ class Launcher:
         self.direct = True
 
     def __call__(self, fn, grid: int, args: tuple, num_warps: int, **consts):
-        key = (fn, num_warps, tuple(consts.items()), tuple(map(_spec, args)))
+        """Launch ``fn`` on ``grid`` blocks of ``num_warps`` warps."""
+        self._go((fn, num_warps, tuple(consts.items()), tuple(map(_spec, args))), fn, grid, args,
+                 num_warps, consts)
+
+    def planned(self, fn, grid: int, args: tuple, num_warps: int, consts: dict, plan_key):
+        """The same launch, where the caller keeps ``plan_key`` (``static_key`` of everything
+        but ``args[:PLANNED_DYNAMIC]``) with its plan: only those tensors are looked at."""
+        self._go((plan_key, *map(_spec, args[:PLANNED_DYNAMIC])), fn, grid, args, num_warps,
+                 consts)
+
+    def _go(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict):
         hit = self._cache.get(key) if self.direct else None
         if hit is not None:
             kernel, tail = hit

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import protocol as P
-from .launch import Launcher
+from .launch import Launcher, static_key
 from .workspace import REGION_ALIGN, SymmetricWorkspace
 
 #: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
@@ -44,6 +44,9 @@ LAMPORT_LAG = 1
 #: reduce_scatter runs the Lamport kernel (SCATTER) for outputs up to this many bytes and the
 #: Lamport slot, the flag kernel above (LLCOMM_RS_LAMPORT_BYTES; 0: never).
 RS_LAMPORT_ENV = "LLCOMM_RS_LAMPORT_BYTES"
+#: Launch plans kept per communicator (_plan: one per algorithm, size and dtype in use); past
+#: this many the cache starts over, so an endless variety of sizes cannot grow it without bound.
+PLAN_CACHE_MAX = 4096
 #: The fused all-reduce + norm's "auto" takes Lamport up to this many bytes (measured there),
 #: the flag one-shot above, whatever the slot size.
 FUSED_LAMPORT_MAX_BYTES = 1 << 20
@@ -176,6 +179,7 @@ class PeerBackend:
         self.rs_lamport_bytes = min(_env_int(RS_LAMPORT_ENV, self.lamport_bytes, zero_ok=True),
                                     self.lamport_bytes)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
+        self._plans: dict = {}      # (algo, n, dtype) -> launch plan (_plan)
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
         lamport_data = -(-HALVES * W * self.lamport_bytes // REGION_ALIGN) * REGION_ALIGN
@@ -235,43 +239,57 @@ class PeerBackend:
         if n == 0:
             return out
         self._precheck()
-        block, warps = _launch_shape(n, x.element_size(), self.nb)
+        self._run(self._plans.get((algo, n, x.dtype)) or self._plan(algo, n, x.dtype), x, out)
+        return out
+
+    def _run(self, plan, x: torch.Tensor, out: torch.Tensor) -> None:
+        fn, tail, warps, consts, view, key = plan
+        if view is not None:
+            x, out = x.view(view), out.view(view)
+        self._launch.planned(fn, self.nb, (x, out, *tail), warps, consts, key)
+
+    def _plan(self, algo: str, n: int, dtype: torch.dtype) -> tuple:
+        """What every call of ``algo`` ("one_shot", "two_shot", "lamport" or "rs_lamport", the
+        Lamport reduce_scatter) on n elements of ``dtype`` launches, bar its two tensors:
+        (kernel, the arguments after x and out, num_warps, constexprs, the int view the kernel
+        takes or None, the launcher's static key). Made once per (algo, n, dtype) and kept
+        (PLAN_CACHE_MAX at most), so the per-call host path does no shape, tag, constexpr or
+        cache-key work beyond the two tensors."""
+        itemsize = dtype.itemsize
         W = self.world_size
-        cap = self.cap_bytes // x.element_size()
-        if algo == "lamport":
-            self._lamport(x, out, n, P.OP_LAMPORT, scatter=0)
+        cap = self.cap_bytes // itemsize
+        if algo in ("lamport", "rs_lamport"):
+            op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
+            block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
+            view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
+            plan = (self._k_ar.lamport_kernel, (
+                n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
+                self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
+                self.lamport_bytes // itemsize), warps, dict(
+                SENTINEL=sent, FT=self._tl_float[dtype], W=W, WP=self.WP, NB=self.nb,
+                BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
+                LAG=lamport_lag(n, block, self.nb, self.lamport_lag),
+                SCATTER=int(algo == "rs_lamport"), OP=op), view)
         elif algo == "one_shot":
-            self._launch(self._k_ar.one_shot_kernel, self.nb, (
-                x, out, n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-                self.err, self.rank, self._tag(P.OP_ONE_SHOT, n, x.dtype), self.timeout_us,
-                cap), warps,
-                W=W, WP=self.WP, NB=self.nb, BLOCK=block)
+            block, warps = _launch_shape(n, itemsize, self.nb)
+            plan = (self._k_ar.one_shot_kernel, (
+                n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
+                self.rank, self._tag(P.OP_ONE_SHOT, n, dtype), self.timeout_us, cap), warps,
+                dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block), None)
         else:
             shard = -(-n // W)
             shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
-            block, warps = _launch_shape(shard, x.element_size(), self.nb)
-            self._launch(self._k_ar.two_shot_kernel, self.nb, (
-                x, out, n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
-                self.flags, self.ctrl, self.err, self.rank,
-                self._tag(P.OP_TWO_SHOT, n, x.dtype), self.timeout_us, cap), warps,
-                W=W, WP=self.WP, NB=self.nb, BLOCK=block)
-        return out
-
-    def _lamport(self, x: torch.Tensor, out: torch.Tensor, n: int, op: int, scatter: int) -> None:
-        """Launch ``all_reduce.lamport_kernel`` on n elements per source (all_reduce; or, with
-        ``scatter``, reduce_scatter's parts of n elements)."""
-        block, warps = _launch_shape(n, x.element_size(), self.nb, self.lamport_chunk)
-        if x.element_size() == 2:
-            xi, oi, sent = x.view(torch.int16), out.view(torch.int16), SENTINEL16
-        else:
-            xi, oi, sent = x.view(torch.int32), out.view(torch.int32), SENTINEL32
-        self._launch(self._k_ar.lamport_kernel, self.nb, (
-            xi, oi, n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
-            self.rank, self._lamport_tag(op, n, x.dtype), self.timeout_us,
-            self.lamport_bytes // x.element_size()), warps,
-            SENTINEL=sent, FT=self._tl_float[x.dtype], W=self.world_size, WP=self.WP,
-            NB=self.nb, BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
-            LAG=lamport_lag(n, block, self.nb, self.lamport_lag), SCATTER=scatter, OP=op)
+            block, warps = _launch_shape(shard, itemsize, self.nb)
+            plan = (self._k_ar.two_shot_kernel, (
+                n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
+                self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
+                self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
+                None)
+        plan = (*plan, static_key(plan[0], plan[2], plan[1], plan[3]))
+        if len(self._plans) >= PLAN_CACHE_MAX:
+            self._plans.clear()
+        self._plans[(algo, n, dtype)] = plan
+        return plan
 
     # -- fused all-reduce + residual + RMSNorm -------------------------------------------------
     def fused_algo(self, nbytes: int) -> str:
@@ -376,7 +394,8 @@ class PeerBackend:
             return out
         self._precheck()
         if m * x.element_size() <= self.rs_lamport_bytes:
-            self._lamport(x, out, m, P.OP_LAMPORT_REDUCE_SCATTER, scatter=1)
+            self._run(self._plans.get(("rs_lamport", m, x.dtype))
+                      or self._plan("rs_lamport", m, x.dtype), x, out)
             return out
         block, warps = _launch_shape(m, x.element_size(), self.nb)
         self._launch(self._k_mv.reduce_scatter_kernel, self.nb, (

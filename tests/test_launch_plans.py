@@ -1,0 +1,181 @@
+"""The peer backend's launch plans and the launcher's planned path, on the CPU.
+
+``PeerBackend.all_reduce`` / ``reduce_scatter`` keep one launch plan per (algorithm, size, dtype)
+so that a call only wraps its two tensors (docs/performance.md, "Host path"). A plan that put an
+argument in the wrong place, or reused one size's tag for another, would launch a kernel that
+waits for the wrong thing: these tests map every launched argument to the kernel's parameter
+name and check it, for every algorithm, dtype and a spread of sizes, on a backend shell whose
+launcher records instead of launching. ``Launcher.planned`` is checked with stand-in kernels:
+one compile per key, the cached kernel for later calls, a new key when an operand's alignment
+changes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llcomm import launch, peer
+from llcomm import protocol as P
+from llcomm.kernels import all_reduce as K
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SIZES = (1, 7, 4096, 65536 + 3, 1 << 20, (4 << 20) + 5)
+W, NB, RANK, TIMEOUT_US = 2, 128, 1, 123_000
+
+
+class Recorder:
+    """Stands in for ``Launcher``: keeps each planned launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def planned(self, fn, grid, args, num_warps, consts, plan_key):
+        self.calls.append((fn, grid, args, num_warps, dict(consts), plan_key))
+
+
+def _backend(launcher):
+    """A PeerBackend with CPU stand-ins for its device tables (no GPU, no workspace)."""
+    import triton.language as tl
+    pb = object.__new__(peer.PeerBackend)
+    pb.nb, pb.world_size, pb.WP, pb.rank = NB, W, 2, RANK
+    pb.max_bytes = pb.cap_bytes = 16 << 20
+    pb.lamport_bytes = pb.rs_lamport_bytes = 32 << 20    # above every size below
+    pb.lamport_chunk, pb.lamport_lag, pb.own_local = peer.LAMPORT_CHUNK_BYTES, 1, 1
+    pb.timeout_us = TIMEOUT_US
+    pb.tabs = {k: torch.full((W,), i, dtype=torch.int64) for i, k in enumerate(
+        ("flags", "stage", "gather", "lamport", "lamport_tags"))}
+    pb.ctrl, pb.err, pb.flags = (torch.zeros(NB, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                                 torch.zeros(8, dtype=torch.int64))
+    pb._err_np = [0]
+    pb._failure = P.FailureLatch(RANK, "communicator")
+    pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    pb._k_ar = K
+    pb._plans = {}
+    pb._launch = launcher
+    return pb
+
+
+def _named(fn, args, consts):
+    """Every parameter of ``fn`` by name: the positional arguments, then the constexprs."""
+    names = fn.arg_names
+    assert len(args) + len(consts) <= len(names)
+    got = dict(zip(names, args))
+    assert not set(consts) & set(got), "a constexpr also passed positionally"
+    assert set(consts) <= set(names[len(args):]), "a constexpr the kernel does not have"
+    got.update(consts)
+    return got
+
+
+def _expect(pb, algo, n, dtype):
+    """What the launch of ``algo`` on n elements of dtype must carry (independent of _plan)."""
+    isz = dtype.itemsize
+    name = str(dtype).removeprefix("torch.")
+    if algo in ("lamport", "rs_lamport"):
+        op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
+        block, warps = peer._launch_shape(n, isz, NB, pb.lamport_chunk)
+        return K.lamport_kernel, warps, dict(
+            n=n, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"], ctrl=pb.ctrl,
+            err=pb.err, rank=RANK, tag=P.lamport_tag(op, n, name), timeout_us=TIMEOUT_US,
+            cap=pb.lamport_bytes // isz, BLOCK=block, OP=op,
+            SCATTER=int(algo == "rs_lamport"), LAG=int(n > NB * block),
+            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32, OWN_LOCAL=1)
+    if algo == "one_shot":
+        block, warps = peer._launch_shape(n, isz, NB)
+        return K.one_shot_kernel, warps, dict(
+            n=n, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
+            ctrl=pb.ctrl, err=pb.err, rank=RANK, tag=P.size_tag(P.OP_ONE_SHOT, n, name),
+            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+    shard = -(-(-(-n // W)) // peer.SHARD_ALIGN) * peer.SHARD_ALIGN
+    block, warps = peer._launch_shape(shard, isz, NB)
+    return K.two_shot_kernel, warps, dict(
+        n=n, shard=shard, stage_tab=pb.tabs["stage"], gather_tab=pb.tabs["gather"],
+        flag_tab=pb.tabs["flags"], flags=pb.flags, ctrl=pb.ctrl, err=pb.err, rank=RANK,
+        tag=P.size_tag(P.OP_TWO_SHOT, n, name), timeout_us=TIMEOUT_US,
+        cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+
+
+@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot", "rs_lamport"])
+def test_every_planned_argument_is_the_right_one(algo):
+    """One backend for every dtype and size, twice over (the second pass takes kept plans):
+    a plan kept under too coarse a key would show as another size's or dtype's arguments."""
+    rec = Recorder()
+    pb = _backend(rec)
+    cases = [(n, dtype) for n in SIZES for dtype in DTYPES]
+    for n, dtype in cases + cases[::-1]:
+        x = torch.randn(n * (W if algo == "rs_lamport" else 1)).to(dtype)
+        out = torch.empty(n, dtype=dtype)
+        if algo == "rs_lamport":
+            pb.reduce_scatter(x, out)
+        else:
+            pb.all_reduce(x, out, algo)
+        fn, grid, args, warps, consts, key = rec.calls[-1]
+        want_fn, want_warps, want = _expect(pb, algo, n, dtype)
+        assert (fn, grid, warps) == (want_fn, NB, want_warps), (algo, n)
+        got = _named(fn, args, consts)
+        for name, value in want.items():
+            same = got[name] is value if isinstance(value, torch.Tensor) else got[name] == value
+            assert same, (algo, n, dtype, name, got[name], value)
+        view = (torch.int16 if dtype.itemsize == 2 else torch.int32) if "lamport" in algo \
+            else dtype
+        assert got["x"].dtype == got["out"].dtype == view
+        assert got["x"].data_ptr() == x.data_ptr() and got["out"].data_ptr() == out.data_ptr()
+        assert key == launch.static_key(fn, warps, args[launch.PLANNED_DYNAMIC:], consts)
+    assert len(pb._plans) == len(cases)
+
+
+def test_plans_are_kept_per_size_and_bounded(monkeypatch):
+    rec = Recorder()
+    pb = _backend(rec)
+    x, out = torch.randn(4096).bfloat16(), torch.empty(4096, dtype=torch.bfloat16)
+    pb.all_reduce(x, out, "lamport")
+    plan = pb._plans[("lamport", 4096, torch.bfloat16)]
+    pb.all_reduce(x, out, "lamport")
+    assert pb._plans[("lamport", 4096, torch.bfloat16)] is plan and len(rec.calls) == 2
+    monkeypatch.setattr(peer, "PLAN_CACHE_MAX", 3)
+    for n in range(1, 8):
+        pb.all_reduce(x[:n], out[:n], "one_shot")
+    assert len(pb._plans) <= 3
+
+
+class _StandIn:
+    """A kernel stand-in: ``fn[grid](...)`` 'compiles' (counted) and returns a kernel whose
+    ``run`` records the arguments it was given."""
+
+    def __init__(self, arg_names):
+        self.arg_names = arg_names
+        self.compiles, self.runs = 0, []
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, num_warps, **consts):
+            self.compiles += 1
+            outer = self
+
+            class Kernel:
+                function = packed_metadata = None
+
+                def run(self, *a):
+                    outer.runs.append(a[9:])        # after grid, stream, function, metadata, hooks
+            return Kernel()
+        return compile_and_launch
+
+
+def test_launcher_planned_path_compiles_once_per_key(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fn = _StandIn(["x", "out", "n", "timeout_us", "BLOCK"])
+    lau = launch.Launcher(torch.device("cpu"))
+    consts = {"BLOCK": 64}
+    key = launch.static_key(fn, 4, (10, 5), consts)
+    buf = torch.zeros(64, dtype=torch.int16)
+    a, b = buf[:16], buf[16:32]             # both 16-byte aligned
+    lau.planned(fn, 8, (a, b, 10, 5), 4, consts, key)
+    assert fn.compiles == 1 and fn.runs == []           # the first call goes through Triton
+    lau.planned(fn, 8, (b, a, 10, 5), 4, consts, key)
+    assert fn.compiles == 1 and len(fn.runs) == 1       # then the cached kernel, new tensors
+    assert fn.runs[-1][0] is b and fn.runs[-1][1] is a and fn.runs[-1][2:] == (10, 5, 64)
+    lau.planned(fn, 8, (buf[1:17], b, 10, 5), 4, consts, key)
+    assert fn.compiles == 2                             # misaligned operand: another key
+    lau(fn, 8, (a, b, 10, 5), 4, **consts)              # the unplanned path keys differently
+    assert fn.compiles == 3
+    lau(fn, 8, (a, b, 10, 5), 4, **consts)
+    assert fn.compiles == 3 and len(fn.runs) == 2

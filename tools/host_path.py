@@ -1,0 +1,92 @@
+"""Host-side cost of one ``Communicator.all_reduce`` call on the peer backend, on any machine.
+
+    python tools/host_path.py
+
+The GPU part is stood in for: a peer backend without a workspace, whose launcher finds every
+kernel already compiled and whose kernels' ``run`` does nothing. What is left is llcomm's own
+Python per call (argument checks, the algorithm lookup, the launch plan, the launcher's cache
+key), which an eager decode step pays on top of the driver's launch. Prints µs per call.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llcomm import algo_table as T  # noqa: E402
+from llcomm import launch, peer, tp  # noqa: E402
+from llcomm import protocol as P  # noqa: E402
+from llcomm.kernels import all_reduce as K  # noqa: E402
+
+CALLS, WARMUP = 20000, 1000
+
+
+class _Kernel:
+    function = packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+
+class _StandIn:
+    """``fn[grid](...)`` returns a kernel whose launch does nothing."""
+
+    def __init__(self, fn):
+        self.arg_names = fn.arg_names
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _Kernel()
+
+
+def shell() -> tp.Communicator:
+    import triton.language as tl
+    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    torch.cuda.is_current_stream_capturing = lambda: False
+    c = object.__new__(tp.Communicator)
+    c.device, c.max_bytes, c.backend, c.deterministic = torch.device("cpu"), 16 << 20, "peer", False
+    c.world_size, c.rank = 2, 0
+    pb = object.__new__(peer.PeerBackend)
+    pb.nb, pb.world_size, pb.WP, pb.rank = peer.NUM_BLOCKS, 2, 2, 0
+    pb.cap_bytes = pb.lamport_bytes = pb.rs_lamport_bytes = 16 << 20
+    pb.lamport_chunk, pb.lamport_lag, pb.own_local = peer.LAMPORT_CHUNK_BYTES, peer.LAMPORT_LAG, 1
+    pb.timeout_us = 10**6
+    pb.tabs = {k: torch.zeros(2, dtype=torch.int64)
+               for k in ("lamport", "lamport_tags", "stage", "flags", "gather")}
+    pb.ctrl = pb.err = pb.flags = torch.zeros(4, dtype=torch.int64)
+    pb._err_np, pb._failure = [0], P.FailureLatch(0, "communicator")
+    pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                    torch.float32: tl.float32}
+    pb._k_ar = type("Kernels", (), {n: _StandIn(getattr(K, n)) for n in
+                                     ("lamport_kernel", "one_shot_kernel", "two_shot_kernel")})
+    pb._k_ar.ALL_STAGES = K.ALL_STAGES
+    pb._plans, pb._launch = {}, launch.Launcher(torch.device("cpu"))
+    c._impl = pb
+    c._auto = T.compile_rows([(8 << 20, "lamport")], "two_shot", "rule")
+    return c
+
+
+def per_call_us(f) -> float:
+    for _ in range(WARMUP):
+        f()
+    t = time.perf_counter()
+    for _ in range(CALLS):
+        f()
+    return (time.perf_counter() - t) / CALLS * 1e6
+
+
+def main() -> None:
+    c = shell()
+    for nbytes in (8 << 10, 1 << 20):
+        x = torch.randn(nbytes // 2).bfloat16()
+        out = torch.empty_like(x)
+        for algo in ("auto", "lamport", "one_shot"):
+            us = per_call_us(lambda: c.all_reduce(x, out=out, algo=algo))
+            print(f"all_reduce {nbytes >> 10:5d} KiB bf16 algo={algo:8s} {us:6.2f} us per call")
+
+
+if __name__ == "__main__":
+    main()
