@@ -21,6 +21,7 @@ import torch.distributed as dist
 from . import _validate as V
 from . import ops
 from . import protocol as P
+from ._env import env_bit, env_pow2
 from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .ep_layout import (ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS, PROF_ENV, PROF_WORDS,
                         check_shape_args, default_num_blocks, ep_layout)
@@ -76,25 +77,9 @@ def wait_lanes_block() -> bool:
     return raw == "block"
 
 
-def _env_pow2(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    if not raw.isdigit() or int(raw) < 1 or int(raw) & (int(raw) - 1):
-        raise ValueError(f"{name}={raw!r}: expected a power of two")
-    return int(raw)
-
-
-def _env_bit(name: str, default: str) -> int:
-    raw = os.environ.get(name, default)
-    if raw not in ("0", "1"):
-        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
-    return int(raw)
-
-
 def rows_first() -> int:
     """ROWS_FIRST of the dispatch kernel: 1 unless ``LLCOMM_EP_ROWS_FIRST=0``."""
-    return _env_bit(ROWS_FIRST_ENV, "1")
+    return env_bit(ROWS_FIRST_ENV, 1)
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
@@ -115,7 +100,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
                   MASKS=0, PROFILE=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
-        tile_tokens = _env_pow2(SCAN_TILE_ENV, 0)
+        tile_tokens = env_pow2(SCAN_TILE_ENV, 0)
     if not tile_tokens:
         per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))

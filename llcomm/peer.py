@@ -7,12 +7,11 @@ is read before each launch and by ``check()``.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from . import protocol as P
+from ._env import env_bit, env_int, env_pow2
 from .launch import Launcher, static_key
 from .workspace import REGION_ALIGN, SymmetricWorkspace
 
@@ -97,26 +96,14 @@ _TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32
 
 def ll_bytes_setting() -> int:
     """LLCOMM_LL_BYTES (default LL_MAX_BYTES; 0: off), at most LL_MAX_BYTES."""
-    raw = os.environ.get(LL_BYTES_ENV, str(LL_MAX_BYTES))
-    if not raw.isdigit():
-        raise ValueError(f"{LL_BYTES_ENV}={raw!r}: expected a byte count (0 turns LL off)")
-    return min(int(raw), LL_MAX_BYTES)
+    return min(env_int(LL_BYTES_ENV, LL_MAX_BYTES, zero_ok=True), LL_MAX_BYTES)
 
 
 def lamport_bytes_setting(world_size: int) -> int:
     """LLCOMM_LAMPORT_BYTES (default LAMPORT_MAX_BYTES_W2 at world size 2, else
     LAMPORT_MAX_BYTES): bytes per Lamport slot."""
     default = LAMPORT_MAX_BYTES_W2 if world_size == 2 else LAMPORT_MAX_BYTES
-    return _env_int(LAMPORT_BYTES_ENV, default)
-
-
-def _env_int(name: str, default: int, zero_ok: bool = False) -> int:
-    """Integer setting ``name`` (default ``default``): positive, or also 0 if ``zero_ok``."""
-    raw = os.environ.get(name, str(default))
-    if not raw.isdigit() or (int(raw) == 0 and not zero_ok):
-        raise ValueError(f"{name}={raw!r}: expected a {'non-negative' if zero_ok else 'positive'}"
-                         " integer")
-    return int(raw)
+    return env_int(LAMPORT_BYTES_ENV, default)
 
 
 def lamport_lag(n: int, block: int, nb: int, lag: int) -> int:
@@ -127,10 +114,7 @@ def lamport_lag(n: int, block: int, nb: int, lag: int) -> int:
 
 def lamport_own_local_setting() -> int:
     """LLCOMM_LAMPORT_OWN_LOCAL: 1 (default) or 0."""
-    raw = os.environ.get(LAMPORT_OWN_LOCAL_ENV, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{LAMPORT_OWN_LOCAL_ENV}={raw!r}: expected 0 or 1")
-    return int(raw)
+    return env_bit(LAMPORT_OWN_LOCAL_ENV, 1)
 
 
 def _launch_shape(n: int, itemsize: int, nb: int,
@@ -167,16 +151,17 @@ class PeerBackend:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = W = dist.get_world_size(group)
-        self.nb = nb = int(os.environ.get(NUM_BLOCKS_ENV, NUM_BLOCKS))
+        self.nb = nb = env_int(NUM_BLOCKS_ENV, NUM_BLOCKS)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_bytes = max_bytes
         self.timeout_us = timeout_ms * P.US_PER_MS
         self.lamport_bytes = min(max_bytes, lamport_bytes_setting(W))
         self.ll_bytes = min(max_bytes, ll_bytes_setting()) // 4 * 4
         self.own_local = lamport_own_local_setting()
-        self.lamport_chunk = min(_env_int(LAMPORT_CHUNK_ENV, LAMPORT_CHUNK_BYTES), MAX_BLOCK_BYTES)
-        self.lamport_lag = _env_int(LAMPORT_LAG_ENV, LAMPORT_LAG)
-        self.rs_lamport_bytes = min(_env_int(RS_LAMPORT_ENV, self.lamport_bytes, zero_ok=True),
+        # a chunk is a Triton block: a power of two
+        self.lamport_chunk = min(env_pow2(LAMPORT_CHUNK_ENV, LAMPORT_CHUNK_BYTES), MAX_BLOCK_BYTES)
+        self.lamport_lag = env_int(LAMPORT_LAG_ENV, LAMPORT_LAG)
+        self.rs_lamport_bytes = min(env_int(RS_LAMPORT_ENV, self.lamport_bytes, zero_ok=True),
                                     self.lamport_bytes)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         self._plans: dict = {}      # (algo, n, dtype) -> launch plan (_plan)
@@ -239,10 +224,12 @@ class PeerBackend:
         if n == 0:
             return out
         self._precheck()
-        self._run(self._plans.get((algo, n, x.dtype)) or self._plan(algo, n, x.dtype), x, out)
+        self._run(algo, n, x, out)
         return out
 
-    def _run(self, plan, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _run(self, algo: str, n: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Launch ``algo`` on n elements (per part) of x into out, by its kept plan."""
+        plan = self._plans.get((algo, n, x.dtype)) or self._plan(algo, n, x.dtype)
         fn, tail, warps, consts, view, key = plan
         if view is not None:
             x, out = x.view(view), out.view(view)
@@ -394,8 +381,7 @@ class PeerBackend:
             return out
         self._precheck()
         if m * x.element_size() <= self.rs_lamport_bytes:
-            self._run(self._plans.get(("rs_lamport", m, x.dtype))
-                      or self._plan("rs_lamport", m, x.dtype), x, out)
+            self._run("rs_lamport", m, x, out)
             return out
         block, warps = _launch_shape(m, x.element_size(), self.nb)
         self._launch(self._k_mv.reduce_scatter_kernel, self.nb, (
