@@ -14,12 +14,19 @@ compiles at the same call; that one launch runs with its ``timeout_us`` raised t
 ``FIRST_LAUNCH_TIMEOUT_US`` (60 s) so a peer's compile is not mistaken for a missing peer:
 a peer missing at a kernel's very first call is reported after 60 s, not ``timeout_ms``. Inside a
 CUDA graph capture the timeout is left alone (the graph would keep the long one).
+
+Programmatic dependent launch (PDL, sm90+, ``LLCOMM_PDL``): kernels with a ``PDL`` constexpr
+are compiled with it set and launched with the PDL attribute, so their blocks become resident
+while the kernel before them still runs and start the moment it ends
+(``kernels/_sync.after_previous_kernel``); in a CUDA graph the capture keeps that edge.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+
+from ._env import env_bit
 
 log = logging.getLogger("llcomm")
 
@@ -29,6 +36,25 @@ _I32 = 1 << 31
 FIRST_LAUNCH_TIMEOUT_US = 60 * 10**6
 #: Name of the kernels' wait-bound argument (the launcher raises it on a first launch).
 TIMEOUT_ARG = "timeout_us"
+#: 1: launch kernels that take a ``PDL`` constexpr with programmatic dependent launch.
+PDL_ENV = "LLCOMM_PDL"
+#: Name of that constexpr.
+PDL_ARG = "PDL"
+#: First compute capability with programmatic dependent launch (Hopper).
+PDL_MIN_MAJOR = 9
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether this GPU and this Triton can launch with PDL (``LLCOMM_PDL`` aside)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton.language.extra.cuda as tl_cuda
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (hasattr(tl_cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
+            and torch.cuda.get_device_capability(device)[0] >= PDL_MIN_MAJOR)
 
 
 def _spec(a):
@@ -59,6 +85,7 @@ class Launcher:
         self.device_index = device.index
         self._cache: dict = {}
         self.direct = True
+        self.pdl = env_bit(PDL_ENV, 1) and pdl_available(device)
 
     def __call__(self, fn, grid: int, args: tuple, num_warps: int, **consts):
         """Launch ``fn`` on ``grid`` blocks of ``num_warps`` warps."""
@@ -87,6 +114,8 @@ class Launcher:
             i = fn.arg_names.index(TIMEOUT_ARG)
             if i < len(args):
                 args = (*args[:i], max(args[i], FIRST_LAUNCH_TIMEOUT_US), *args[i + 1:])
+        if PDL_ARG in fn.arg_names:
+            consts = {**consts, PDL_ARG: int(self.pdl), "launch_pdl": bool(self.pdl)}
         kernel = fn[(grid,)](*args, num_warps=num_warps, **consts)
         if self.direct:
             names = fn.arg_names[len(args):]

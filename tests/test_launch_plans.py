@@ -148,6 +148,7 @@ class _StandIn:
     def __getitem__(self, grid):
         def compile_and_launch(*args, num_warps, **consts):
             self.compiles += 1
+            self.consts = consts
             outer = self
 
             class Kernel:
@@ -179,3 +180,30 @@ def test_launcher_planned_path_compiles_once_per_key(monkeypatch):
     assert fn.compiles == 3
     lau(fn, 8, (a, b, 10, 5), 4, **consts)
     assert fn.compiles == 3 and len(fn.runs) == 2
+
+
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_launcher_sets_pdl_where_the_kernel_takes_it(monkeypatch, pdl):
+    """A kernel with a PDL constexpr is compiled with it and with Triton's launch_pdl option
+    both set to the launcher's choice, and the cached launch passes the same value; a kernel
+    without one gets neither."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    lau = launch.Launcher(torch.device("cpu"))
+    assert lau.pdl is False                 # never on a device without PDL
+    lau.pdl = bool(pdl)
+    a = torch.zeros(16, dtype=torch.int16)
+    fn = _StandIn(["x", "out", "BLOCK", "PDL"])
+    for _ in range(2):
+        lau(fn, 8, (a, a), 4, BLOCK=64)
+    assert fn.consts == {"BLOCK": 64, "PDL": pdl, "launch_pdl": bool(pdl)}
+    assert fn.runs[-1][2:] == (64, pdl)
+    plain = _StandIn(["x", "out", "BLOCK"])
+    lau(plain, 8, (a, a), 4, BLOCK=64)
+    assert plain.consts == {"BLOCK": 64}
+
+
+def test_pdl_setting_is_validated(monkeypatch):
+    monkeypatch.setenv(launch.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="LLCOMM_PDL='yes': expected 0 or 1"):
+        launch.Launcher(torch.device("cpu"))

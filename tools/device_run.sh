@@ -4,7 +4,7 @@
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh tests [FILE ...]   # GPU test files, each bounded
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh bench [NAME ...]   # benchmarks -> $OUT/results/
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh timeline [ARGS]     # EP stage timeline (ep_timeline.py)
-#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid, lamport-big
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid, lamport-big, pdl, ...
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh link                # tools/nvlink_bw.py (link rates)
 #
 # The device copy of the tree has no .git: LLCOMM_COMMIT names what the results measured.
@@ -92,10 +92,19 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
                     ab_run rs-lamport-$v "$([[ $v == 0 ]] && echo LLCOMM_RS_LAMPORT_BYTES=0 || echo -)" \
                         bench tp --ops reduce_scatter --sizes 65536,1048576,4194304,8388608,16777216
                 done ;;
+            pdl)        # LLCOMM_PDL: programmatic dependent launch of the TP kernels
+                for v in 0 1; do ab_run pdl-$v "LLCOMM_PDL=$v" bench tp --algos all \
+                    --ops all_reduce,broadcast,all_gather,reduce_scatter \
+                    --sizes 8192,65536,262144,1048576,8388608; done ;;
+            pdl-ep)     # LLCOMM_PDL on the EP kernels, both buffer shapes
+                for v in 0 1; do
+                    ab_run pdl-ep-$v-b128 "LLCOMM_PDL=$v" bench ep --tokens 1,128 --iters 30
+                    ab_run pdl-ep-$v-b512 "LLCOMM_PDL=$v" bench ep --iters 20
+                done ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

@@ -1,6 +1,6 @@
 """Compile llcomm's kernels for sm_90 on any machine (no GPU needed) and report what matters.
 
-    python tools/ptx.py [--dump DIR]
+    python tools/ptx.py [--dump DIR] [--pdl]
 
 Prints, per kernel, whether the peer loads/stores are 16 bytes wide (ld/st.global.v4), the
 system-scope atomics, and register use when known. PTX reading costs no device time.
@@ -108,23 +108,27 @@ KERNELS = {
 }
 
 
-def compile_one(fn, sig, consts, num_warps=4):
+def compile_one(fn, sig, consts, num_warps=4, pdl=False):
+    """Compile ``fn`` for sm_90: ``sig`` the argument types, ``consts`` the constexprs (those
+    left out keep their defaults); ``pdl``: as launched with LLCOMM_PDL=1."""
     import triton.language as tl
     cs = {k: (getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[v])
               if isinstance(v, str) else v) for k, v in consts.items()}
-    full = dict(sig)
-    for k in cs:
-        full[k] = "constexpr"
-    for prm in fn.params:       # constexprs left at their defaults (they come last)
-        if prm.name not in full and prm.is_constexpr and prm.default is not inspect.Parameter.empty:
-            cs[prm.name] = prm.default
+    if pdl and "PDL" in fn.arg_names:
+        cs["PDL"] = 1
+    full = {}
+    for prm in fn.params:       # in the kernel's parameter order
+        if prm.name in sig:
+            full[prm.name] = sig[prm.name]
+        elif prm.name in cs or (prm.is_constexpr and prm.default is not inspect.Parameter.empty):
+            cs.setdefault(prm.name, prm.default)
             full[prm.name] = "constexpr"
     # pointer args and ints are assumed 16-divisible as Triton specialises them at run time
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(full.items())
              if v.startswith("*") or k in ("n", "cap", "shard", "m_out", "part", "hidden")}
     src = ASTSource(fn, signature=full, constexprs={(list(full).index(k),): v for k, v in cs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "launch_pdl": pdl})
 
 
 def ptxas_usage(ptx: str) -> str:
@@ -156,15 +160,17 @@ def ptx_summary(name: str, ptx: str, dump: str | None) -> str:
     v4 = len(re.findall(r"(ld|st)\.global[^\n]*\.v4", ptx))
     narrow = len(re.findall(r"(ld|st)\.global(\.volatile)?\.(b16|u16)", ptx))
     sys_atom = len(re.findall(r"atom\.[^\n]*sys", ptx))
-    return f"v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  sys atomics {sys_atom:2d}"
+    gdc = len(re.findall(r"griddepcontrol", ptx))
+    return f"v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  sys atomics {sys_atom:2d}  gdc {gdc}"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--pdl", action="store_true", help="compile as LLCOMM_PDL=1 launches them")
     args = ap.parse_args()
     for name, (fn, sig, consts, *warps) in KERNELS.items():
-        ptx = compile_one(fn, sig, consts, *warps).asm["ptx"]
+        ptx = compile_one(fn, sig, consts, *warps, pdl=args.pdl).asm["ptx"]
         print(f"{name:16s} {ptx_summary(name, ptx, args.dump)}  {ptxas_usage(ptx)}")
 
 

@@ -31,7 +31,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def compile_one(fn, sig, consts, num_warps, options=None):
+def compile_one(fn, sig, consts, num_warps, options=None, pdl=False):
+    """``pdl``: as launched with LLCOMM_PDL=1 (llcomm/launch.py sets PDL, not the caller)."""
+    consts = {**consts, "PDL": int(pdl)}
     names = list(fn.arg_names)          # the kernel's parameter order
     full = {k: sig.get(k, "constexpr") for k in names}
     missing = [k for k in names if k not in sig and k not in consts]
@@ -42,7 +44,7 @@ def compile_one(fn, sig, consts, num_warps, options=None):
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if full[k].startswith("*")}
     src = ASTSource(fn, signature=full, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    opts = {"num_warps": num_warps}
+    opts = {"num_warps": num_warps, "launch_pdl": pdl}
     opts.update(options or {})
     return triton.compile(src, target=TARGET, options=opts)
 
@@ -110,13 +112,14 @@ def main():
     ap.add_argument("--blocks", type=int, default=DEFAULT_NUM_BLOCKS)
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--warps", type=int, default=None, help="override EPBuffer's num_warps")
+    ap.add_argument("--pdl", action="store_true", help="compile as LLCOMM_PDL=1 launches them")
     args = ap.parse_args()
     for dt in args.dtypes.split(","):
         for name, (fn, sig, consts, warps, opts) in kernels(
                 args.hidden, args.experts, args.ranks, args.tokens, args.topk, dt,
                 args.blocks).items():
             warps = args.warps or warps
-            ptx = compile_one(fn, sig, consts, warps, opts).asm["ptx"]
+            ptx = compile_one(fn, sig, consts, warps, opts, args.pdl).asm["ptx"]
             fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
             print(f"{name:18s} warps {warps:2d}  {ptx_summary(name, ptx, args.dump)}  "
                   f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}")

@@ -61,6 +61,20 @@ def sm_cycles():
     return tl.max(t, axis=0)
 
 
+@triton.jit
+def after_previous_kernel(PDL: tl.constexpr):
+    """First statement of every llcomm kernel. PDL (programmatic dependent launch, sm90+):
+    the launch lets this kernel's blocks become resident while the kernel before it on the
+    stream still runs; ``griddepcontrol.wait`` then holds them until that kernel has finished
+    and its memory is visible. Nothing is read before it: the operand, the round counter
+    ``ctrl`` and the error word may all be written by that kernel. The launch of the kernel
+    after this one is then allowed at once (it waits the same way), so at most one kernel is
+    resident ahead. Without PDL (or under the interpreter) nothing is emitted."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 #: Bound, in microseconds, of every wait of a kernel that starts after this rank already failed
 #: (device error word set): the kernels queued behind a failure (a decode-step graph holds a
 #: hundred or more) then end in about this long each instead of a whole timeout each.

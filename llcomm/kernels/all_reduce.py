@@ -26,8 +26,8 @@ import triton.language as tl
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ._lamport import own_words, push_tag, receive, receive_context
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us,
-                    wait_peers)
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, ptr_from_table, signal_peers,
+                    wait_bound_us, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -40,9 +40,11 @@ OP_LAMPORT = tl.constexpr(P.OP_LAMPORT)
 @triton.jit(do_not_specialize=RANK_VARYING)
 def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_us,
                     cap,                    # elements per staging slot
-                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = 0):
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
     then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank."""
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
@@ -78,12 +80,14 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
 def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ctrl, err,
                     rank, tag, timeout_us,
                     cap,                    # elements per staging slot
-                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = 0):
     """Reduce-scatter then all-gather, both by push. Rank s owns elements
     ``[s * shard, (s + 1) * shard)``. Phase 1: push shard s of x to rank s (slot ``rank``);
     barrier; sum own shard in rank order. Phase 2: push the reduced shard to every rank's gather
     region of every other rank (and to ``out``); second barrier; copy the other ranks' shards
     from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
@@ -144,7 +148,8 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    OWN_LOCAL: tl.constexpr = 0,     # own term from x, not its slot (receive)
                    LAG: tl.constexpr = 0,           # > 0: pipelined (below)
                    SCATTER: tl.constexpr = 0,       # reduce_scatter (below)
-                   OP: tl.constexpr = OP_LAMPORT):  # the op its error words name
+                   OP: tl.constexpr = OP_LAMPORT,  # the op its error words name
+                   PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
@@ -167,6 +172,7 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     SCATTER (reduce_scatter): x holds W parts of n elements; part q goes to rank q only, and
     this rank sums part ``rank`` of every source into ``out`` (n elements).
     """
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty

@@ -89,8 +89,8 @@ two-set argument above still holds. The CPU tests run the data stages alone (``D
 import triton
 import triton.language as tl
 
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lanes, global_time_ns, report_error,
-                    sm_cycles, wait_bound_us)
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, global_time_lanes,
+                    global_time_ns, report_error, sm_cycles, wait_bound_us)
 from .. import ep_layout as EL
 from .. import protocol as P
 
@@ -589,7 +589,9 @@ def dispatch_kernel(
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
-        CARRY: tl.constexpr = 0):       # 1: the top-k weights travel too (module doc)
+        CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
+        PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -754,7 +756,9 @@ def combine_kernel(
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
-        CARRIED: tl.constexpr = 0):     # 1: the dispatch carried the weights (module doc)
+        CARRIED: tl.constexpr = 0,      # 1: the dispatch carried the weights (module doc)
+        PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 1, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed

@@ -36,7 +36,8 @@ import triton.language as tl
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ._lamport import limit_ticks, own_words, push_tag, receive, tag_slots
-from ._sync import EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us, wait_peers
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, ptr_from_table,
+                    signal_peers, wait_bound_us, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -67,7 +68,8 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
                         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                         BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
                         STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                        OWN_LOCAL: tl.constexpr = 0):   # own term from x (_lamport.receive)
+                        OWN_LOCAL: tl.constexpr = 0,    # own term from x (_lamport.receive)
+                        PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
     Slot and tag layout as ``all_reduce.lamport_kernel`` (element i of rank r's operand at
@@ -76,6 +78,7 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
     shape (tokens and hidden, as the one-shot variant's flag): it differs from every plain
     all_reduce's, so ranks that call the two kernels in one round report a mismatch.
     """
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty
@@ -123,12 +126,14 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps,
                          FT: tl.constexpr,       # the float dtype the int view of x holds
                          W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                          BLOCK: tl.constexpr,    # pow2 >= hidden: one row per iteration
-                         STAGES: tl.constexpr):  # PUSH | REDUCE; only ALL_STAGES signals, waits
+                         STAGES: tl.constexpr,   # PUSH | REDUCE; only ALL_STAGES signals, waits
+                         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     """Push one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
     Staging as ``all_reduce.one_shot_kernel``: rank r's rows go to slot r of half
     ``seq % 2`` of every other rank; this rank's own term is read from ``x``.
     """
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     IT = x.dtype.element_ty

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._lamport import NO_SPECIALIZE, PHASE_DATA, _poll, push_tag, receive_context
-from ._sync import ptr_from_table, report_error, wait_bound_us
+from ._sync import after_previous_kernel, ptr_from_table, report_error, wait_bound_us
 
 
 @triton.jit
@@ -45,10 +45,11 @@ def ll_gather_kernel(x, out, n, part, src, ll_tab, tag_tab, ctrl, err, rank, tag
                      op: tl.constexpr,      # protocol op code (errors)
                      BCAST: tl.constexpr,   # 1: broadcast from ``src`` into x; 0: all-gather
                      W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     """All-gather (``BCAST`` 0): x is ``[n // part, part]`` int32 words and word ``i`` of rank p
     lands at ``out[(i // part) * W * part + p * part + i % part]``. Broadcast (``BCAST`` 1):
     ``src``'s ``n`` words of x land in x on every rank. See the module doc for the protocol."""
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)

@@ -8,8 +8,8 @@ words (int32 or uint8 views), so they are byte-exact by construction.
 import triton
 import triton.language as tl
 
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, ptr_from_table, signal_peers, wait_bound_us,
-                    wait_peers)
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, ptr_from_table, signal_peers,
+                    wait_bound_us, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -21,9 +21,11 @@ OP_REDUCE_SCATTER = tl.constexpr(P.OP_REDUCE_SCATTER)
 @triton.jit(do_not_specialize=RANK_VARYING)
 def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_us,
                      cap,                   # words per staging slot
-                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = 0):
     """``src`` pushes x into slot 0 of every other rank's staging; one barrier (``src`` also
     waits, so it never runs two ops ahead); the others copy slot 0 into x."""
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
@@ -57,11 +59,13 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag
 def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                       timeout_us,
                       cap,                  # words per staging slot
-                      W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                      W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = 0):
     """Every rank pushes its ``n`` words into slot ``rank`` of every rank's staging; one
     barrier; each rank copies slot p to ``out``. x is ``[n // part, part]`` and word ``i`` of
     rank p lands at ``(i // part) * W * part + p * part + i % part`` (``part == n`` gives the
     contiguous rank-major all-gather; ``part < n`` the token-major 2-D form)."""
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
@@ -98,9 +102,10 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
                           timeout_us,
                           cap,              # elements per staging slot
                           W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
     Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     DT = x.dtype.element_ty
