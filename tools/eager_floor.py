@@ -1,0 +1,90 @@
+"""What one eager launch costs on this machine's host, on one GPU: the floor under an eager join.
+
+    python tools/eager_floor.py [--calls 5000] [--json PATH]
+
+Times back-to-back calls (the GPU work of each is a few µs at most, so the host is what is
+measured), µs per call, median of 5 rounds:
+
+- ``torch add_``: ``x.add_(1)`` on 8 KiB, torch's C++ launch path (the reference floor).
+- ``triton jit``: a trivial Triton kernel through ``kernel[grid](...)`` (Triton's binder).
+- ``llcomm launcher``: the same kernel through ``llcomm.launch.Launcher`` (the cached kernel's
+  ``run``: what every llcomm op pays), with and without PDL.
+- ``llcomm host path``: ``tools/host_path.py``'s stand-in all_reduce (llcomm's Python per
+  call, no launch), for the split.
+
+An eager llcomm op costs about its host path plus one launcher call; the rest of an eager
+benchmark row is the GPU and the wait for the peer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llcomm import launch  # noqa: E402
+
+ROUNDS = 5
+
+
+@triton.jit
+def _touch(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(x + offs, tl.load(x + offs, mask=m) + 1, mask=m)
+
+
+def per_call_us(fn, calls: int) -> float:
+    """Median over ROUNDS of the wall time per call of ``calls`` calls, synchronised at the end."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    x = torch.zeros(4096, dtype=torch.bfloat16, device=dev)
+    rows = {"torch add_": per_call_us(lambda: x.add_(1), a.calls),
+            "triton jit": per_call_us(lambda: _touch[(1,)](x, 4096, BLOCK=4096), a.calls)}
+    for pdl in (0, 1):
+        lau = launch.Launcher(dev)
+        lau.pdl = bool(pdl) and lau.pdl
+        key = launch.static_key(_touch, 4, (4096,), {"BLOCK": 4096})
+        rows[f"llcomm launcher (PDL {int(lau.pdl)})"] = per_call_us(
+            lambda: lau.planned(_touch, 1, (x, 4096), 4, {"BLOCK": 4096}, key), a.calls)
+    import host_path  # noqa: E402  (tools/, beside this file)
+    rows["llcomm host path (no launch)"] = host_path.measure()
+    for k, v in rows.items():
+        print(f"{k:34s} {v:6.2f} µs per call")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"machine": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                       "triton": triton.__version__, "commit": os.environ.get("LLCOMM_COMMIT"),
+                       "us_per_call": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
