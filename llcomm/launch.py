@@ -19,13 +19,9 @@ Programmatic dependent launch (PDL, sm90+, ``LLCOMM_PDL``): kernels with a ``PDL
 are compiled with it set and launched with the PDL attribute, so their blocks become resident
 while the kernel before them still runs and start the moment it ends
 (``kernels/_sync.after_previous_kernel``); in a CUDA graph the capture keeps that edge.
-Only launches captured into a graph carry the PDL attribute: eagerly the same kernel is launched
-without it (its ``griddepcontrol.wait`` is then a no-op). An eager call is bound by the host, and
-the attribute made each launch about 1 us dearer on the GPU machine (tools/eager_floor.py).
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -82,16 +78,6 @@ def static_key(fn, num_warps: int, tail: tuple, consts: dict) -> tuple:
     return (fn, num_warps, tuple(consts.items()), tuple(map(_spec, tail)))
 
 
-def _without_pdl(run):
-    """Triton's launcher ``run`` of a kernel compiled with ``launch_pdl``, as a copy that
-    launches without the PDL attribute (Triton reads ``launch_pdl`` per launch); ``run``
-    itself where there is nothing to drop."""
-    if getattr(run, "launch_pdl", False) is True:
-        run = copy.copy(run)
-        run.launch_pdl = False
-    return run
-
-
 class Launcher:
     """Per-communicator cache of compiled kernels, launched on the current stream."""
 
@@ -115,13 +101,11 @@ class Launcher:
     def _go(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict):
         hit = self._cache.get(key) if self.direct else None
         if hit is not None:
-            kernel, tail, eager_run = hit
-            run = kernel.run if self.pdl and torch.cuda.is_current_stream_capturing() \
-                else eager_run
+            kernel, tail = hit
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             try:
-                run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                    *args, *tail)
+                kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None,
+                           None, None, *args, *tail)
                 return
             except Exception as e:  # noqa: BLE001  (fall back for good, and say why once)
                 log.warning("llcomm: direct kernel launch failed (%s); using Triton's launcher", e)
@@ -135,4 +119,4 @@ class Launcher:
         kernel = fn[(grid,)](*args, num_warps=num_warps, **consts)
         if self.direct:
             names = fn.arg_names[len(args):]
-            self._cache[key] = (kernel, tuple(consts[n] for n in names), _without_pdl(kernel.run))
+            self._cache[key] = (kernel, tuple(consts[n] for n in names))

@@ -8,9 +8,7 @@ measured), µs per call, median of 5 rounds:
 - ``torch add_``: ``x.add_(1)`` on 8 KiB, torch's C++ launch path (the reference floor).
 - ``triton jit``: a trivial Triton kernel through ``kernel[grid](...)`` (Triton's binder).
 - ``llcomm launcher``: the same kernel through ``llcomm.launch.Launcher`` (the cached kernel's
-  ``run``: what every llcomm op pays): compiled without PDL; compiled with it and launched
-  eagerly (no PDL attribute, the default); and with the attribute, as a captured launch would
-  carry it (the launcher is told it is capturing).
+  ``run``: what every llcomm op pays), with and without PDL.
 - ``llcomm host path``: ``tools/host_path.py``'s stand-in all_reduce (llcomm's Python per
   call, no launch), for the split.
 
@@ -71,16 +69,12 @@ def main():
     x = torch.zeros(4096, dtype=torch.bfloat16, device=dev)
     rows = {"torch add_": per_call_us(lambda: x.add_(1), a.calls),
             "triton jit": per_call_us(lambda: _touch[(1,)](x, 4096, BLOCK=4096), a.calls)}
-    key = launch.static_key(_touch, 4, (4096,), {"BLOCK": 4096})
-    capturing = torch.cuda.is_current_stream_capturing
-    for name, pdl, attr in (("no PDL", 0, False), ("PDL kernel, eager", 1, False),
-                            ("PDL kernel + attribute", 1, True)):
+    for pdl in (0, 1):
         lau = launch.Launcher(dev)
         lau.pdl = bool(pdl) and lau.pdl
-        torch.cuda.is_current_stream_capturing = (lambda: True) if attr else capturing
-        rows[f"llcomm launcher ({name})"] = per_call_us(
+        key = launch.static_key(_touch, 4, (4096,), {"BLOCK": 4096})
+        rows[f"llcomm launcher (PDL {int(lau.pdl)})"] = per_call_us(
             lambda: lau.planned(_touch, 1, (x, 4096), 4, {"BLOCK": 4096}, key), a.calls)
-        torch.cuda.is_current_stream_capturing = capturing
     import host_path  # noqa: E402  (tools/, beside this file)
     rows["llcomm host path (no launch)"] = host_path.measure()
     for k, v in rows.items():
