@@ -44,17 +44,27 @@ PDL_ARG = "PDL"
 PDL_MIN_MAJOR = 9
 
 
-def pdl_available(device: torch.device) -> bool:
-    """Whether this GPU and this Triton can launch with PDL (``LLCOMM_PDL`` aside)."""
+def pdl_unavailable(device: torch.device) -> str | None:
+    """Why this GPU or this Triton cannot launch with PDL (``LLCOMM_PDL`` aside), or None."""
     if device.type != "cuda":
-        return False
+        return "not a CUDA device"
     try:
         import triton.language.extra.cuda as tl_cuda
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
-        return False
-    return (hasattr(tl_cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
-            and torch.cuda.get_device_capability(device)[0] >= PDL_MIN_MAJOR)
+        return "this Triton has no NVIDIA backend"
+    if not (hasattr(tl_cuda, "gdc_wait")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})):
+        return "this Triton has no gdc_wait / launch_pdl"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < PDL_MIN_MAJOR:
+        return f"sm_{major}{minor} is older than sm_{PDL_MIN_MAJOR}0"
+    return None
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether this GPU and this Triton can launch with PDL (``LLCOMM_PDL`` aside)."""
+    return pdl_unavailable(device) is None
 
 
 def _spec(a):

@@ -169,6 +169,21 @@ def test_doctor_names_the_backend(tmp_path):
     assert "NCCL_NVLS_ENABLE" in p.stdout
     if not torch.cuda.is_available():
         assert '"reference"' in p.stdout
+        assert "programmatic dependent launch (LLCOMM_PDL): off (no CUDA GPU)" in p.stdout
+
+
+def test_doctor_pdl_line(monkeypatch):
+    """The PDL line says off, and why, for each reason; on where nothing stands in the way."""
+    from llcomm import launch
+    monkeypatch.setenv("LLCOMM_PDL", "0")
+    assert doctor.pdl_line(2, True).endswith("off (LLCOMM_PDL=0)")
+    monkeypatch.delenv("LLCOMM_PDL")
+    assert doctor.pdl_line(0, True).endswith("off (no CUDA GPU)")
+    assert doctor.pdl_line(2, False).endswith("off (Triton not importable)")
+    monkeypatch.setattr(launch, "pdl_unavailable", lambda device: "sm_80 is older than sm_90")
+    assert doctor.pdl_line(2, True).endswith("off (sm_80 is older than sm_90)")
+    monkeypatch.setattr(launch, "pdl_unavailable", lambda device: None)
+    assert doctor.pdl_line(2, True).endswith(": on")
 
 
 def test_check_passes_on_cpu(tmp_path):

@@ -1,6 +1,10 @@
 """Compile llcomm's kernels for sm_90 on any machine (no GPU needed) and report what matters.
 
-    python tools/ptx.py [--dump DIR] [--pdl]
+    python tools/ptx.py [--dump DIR] [--pdl] [--same-as DIR]
+
+``--same-as DIR`` compares each kernel's code with a ``--dump`` made before a change (debug
+sections, ``.loc`` lines and comments left out): a refactor that should not change what runs
+must print ``same`` for every kernel.
 
 Prints, per kernel, whether the peer loads/stores are 16 bytes wide (ld/st.global.v4), the
 system-scope atomics, and register use when known. PTX reading costs no device time.
@@ -164,14 +168,32 @@ def ptx_summary(name: str, ptx: str, dump: str | None) -> str:
     return f"v4 ld/st {v4:3d}  16-bit ld/st {narrow:3d}  sys atomics {sys_atom:2d}  gdc {gdc}"
 
 
+def code_only(ptx: str) -> list[str]:
+    """The PTX lines that are code: no DWARF sections, ``.loc``/``.file`` lines, comments or
+    debug labels (their numbering moves when an inlined helper moves)."""
+    ptx = re.split(r"^\s*\.section\s+\.debug", ptx, maxsplit=1, flags=re.M)[0]
+    keep = []
+    for line in ptx.splitlines():
+        s = line.strip()
+        if not s or s.startswith(("//", ".loc", ".file", "$L__tmp")):
+            continue
+        keep.append(re.sub(r"\$L__tmp\d+", "", line))
+    return keep
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default=None)
     ap.add_argument("--pdl", action="store_true", help="compile as LLCOMM_PDL=1 launches them")
+    ap.add_argument("--same-as", default=None, help="a --dump folder to compare the code with")
     args = ap.parse_args()
     for name, (fn, sig, consts, *warps) in KERNELS.items():
         ptx = compile_one(fn, sig, consts, *warps, pdl=args.pdl).asm["ptx"]
-        print(f"{name:16s} {ptx_summary(name, ptx, args.dump)}  {ptxas_usage(ptx)}")
+        same = ""
+        if args.same_as:
+            with open(os.path.join(args.same_as, name + ".ptx")) as f:
+                same = "  same" if code_only(f.read()) == code_only(ptx) else "  DIFFERENT"
+        print(f"{name:16s} {ptx_summary(name, ptx, args.dump)}  {ptxas_usage(ptx)}{same}")
 
 
 if __name__ == "__main__":

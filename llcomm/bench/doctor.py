@@ -1,7 +1,8 @@
 """``llcomm doctor``: what this host offers llcomm. Works without GPUs; starts no process group.
 
 Reports GPUs, the peer-access matrix, NVLink topology (``nvidia-smi topo -m`` where present),
-versions, the multicast-off environment, and which backend ``Communicator(backend="auto")``
+versions, the multicast-off environment, whether kernels launch with programmatic dependent
+launch, and which backend ``Communicator(backend="auto")``
 would pick in a job of one process per visible GPU, and why.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 
 import torch
 
+from .. import launch
 from . import common as C
 
 GIB = 1 << 30
@@ -50,6 +52,17 @@ def _triton() -> tuple[bool, str]:
         return False, f"not importable ({type(e).__name__}: {e})"
 
 
+def pdl_line(n_gpus: int, triton_ok: bool) -> str:
+    """Whether llcomm's kernels will be launched with programmatic dependent launch here."""
+    head = "programmatic dependent launch (LLCOMM_PDL): "
+    if os.environ.get(launch.PDL_ENV, "1") == "0":
+        return head + "off (LLCOMM_PDL=0)"
+    if not n_gpus or not triton_ok:
+        return head + "off (" + ("no CUDA GPU" if not n_gpus else "Triton not importable") + ")"
+    why = launch.pdl_unavailable(torch.device("cuda", 0))
+    return head + ("on" if why is None else f"off ({why})")
+
+
 def report() -> list[str]:
     import llcomm
 
@@ -86,6 +99,8 @@ def report() -> list[str]:
         val = os.environ.get(name)
         state = "off" if val == off else f"NOT off: set {name}={off}"
         out.append(f"  {name}={val if val is not None else '(unset)'}  {state}")
+    out.append("")
+    out.append(pdl_line(n, triton_ok))
     backend, why = predict_backend(n, peers, triton_ok)
     out.append("")
     out.append(f'backend: Communicator(backend="auto") with one process per GPU here would pick '

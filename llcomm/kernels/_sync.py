@@ -75,6 +75,18 @@ def after_previous_kernel(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def op_start(ctrl, err, timeout_us, PDL: tl.constexpr):
+    """The prologue of every TP kernel: wait for the kernel ahead under PDL
+    (``after_previous_kernel``), then this block's index ``b``, the bound of its waits
+    (``wait_bound_us``) and its op counter ``seq = ctrl[b]`` (round parity ``seq % 2``, epoch
+    ``seq + 1``). Returns (b, timeout_us, seq)."""
+    after_previous_kernel(PDL)
+    b = tl.program_id(0)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    return b, timeout_us, tl.load(ctrl + b)
+
+
 #: Bound, in microseconds, of every wait of a kernel that starts after this rank already failed
 #: (device error word set): the kernels queued behind a failure (a decode-step graph holds a
 #: hundred or more) then end in about this long each instead of a whole timeout each.
@@ -95,6 +107,24 @@ def wait_bound_us(timeout_us, err_ptr):
 def ptr_from_table(table, idx, DTYPE: tl.constexpr):
     """Address ``table[idx]`` (an int64 table of per-rank base addresses) as a DTYPE pointer."""
     return tl.load(table + idx).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def push_to_slot(x, stage_tab, n, b, half, rank, slot, cap, W: tl.constexpr, NB: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The flag kernels' push: block b's elements of x (``n``; blocks take BLOCK-element chunks
+    in turn) into slot ``slot`` of half ``half`` of the staging of every rank but ``rank``
+    (``cap`` elements per slot); this rank's own part is read from x where it is needed."""
+    DT = x.dtype.element_ty
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, n, NB * BLOCK):
+        offs = start + lanes
+        m = offs < n
+        v = tl.load(x + offs, mask=m)
+        for p in tl.static_range(W):
+            if p != rank:
+                dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (half * W + slot) * cap
+                tl.store(dst + offs, v, mask=m)
 
 
 @triton.jit

@@ -26,8 +26,8 @@ import triton.language as tl
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ._lamport import own_words, push_tag, receive, receive_context
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, ptr_from_table, signal_peers,
-                    wait_bound_us, wait_peers)
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, push_to_slot,
+                    signal_peers, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -44,22 +44,12 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                     PDL: tl.constexpr = 0):
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
     then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank."""
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
-    for start in range(b * BLOCK, n, NB * BLOCK):
-        offs = start + lanes
-        m = offs < n
-        v = tl.load(x + offs, mask=m)
-        for p in tl.static_range(W):
-            if p != rank:  # this rank's own term is read from x below
-                dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (parity * W + rank) * cap
-                tl.store(dst + offs, v, mask=m)
+    push_to_slot(x, stage_tab, n, b, parity, rank, rank, cap, W, NB, BLOCK)
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
@@ -87,11 +77,8 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     barrier; sum own shard in rank order. Phase 2: push the reduced shard to every rank's gather
     region of every other rank (and to ``out``); second barrier; copy the other ranks' shards
     from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
@@ -172,11 +159,8 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     SCATTER (reduce_scatter): x holds W parts of n elements; part q goes to rank q only, and
     this rank sums part ``rank`` of every source into ``out`` (n elements).
     """
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     half = seq % 2
     lanes = tl.arange(0, BLOCK)
     STEP: tl.constexpr = NB * BLOCK

@@ -36,8 +36,8 @@ import triton.language as tl
 from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ._lamport import limit_ticks, own_words, push_tag, receive, tag_slots
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, ptr_from_table,
-                    signal_peers, wait_bound_us, wait_peers)
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, signal_peers,
+                    wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -78,11 +78,8 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
     shape (tokens and hidden, as the one-shot variant's flag): it differs from every plain
     all_reduce's, so ranks that call the two kernels in one round report a mismatch.
     """
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     half = seq % 2
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
@@ -133,11 +130,8 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps,
     Staging as ``all_reduce.one_shot_kernel``: rank r's rows go to slot r of half
     ``seq % 2`` of every other rank; this rank's own term is read from ``x``.
     """
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     cols = tl.arange(0, BLOCK)

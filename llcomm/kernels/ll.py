@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._lamport import NO_SPECIALIZE, PHASE_DATA, _poll, push_tag, receive_context
-from ._sync import after_previous_kernel, ptr_from_table, report_error, wait_bound_us
+from ._sync import op_start, ptr_from_table, report_error
 
 
 @triton.jit
@@ -49,10 +49,7 @@ def ll_gather_kernel(x, out, n, part, src, ll_tab, tag_tab, ctrl, err, rank, tag
     """All-gather (``BCAST`` 0): x is ``[n // part, part]`` int32 words and word ``i`` of rank p
     lands at ``out[(i // part) * W * part + p * part + i % part]``. Broadcast (``BCAST`` 1):
     ``src``'s ``n`` words of x land in x on every rank. See the module doc for the protocol."""
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
-    seq = tl.load(ctrl + b)
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     half = seq % 2
     epoch = (seq + 1).to(tl.int32)              # low 32 bits
     lanes = tl.arange(0, BLOCK)

@@ -8,8 +8,8 @@ words (int32 or uint8 views), so they are byte-exact by construction.
 import triton
 import triton.language as tl
 
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, ptr_from_table, signal_peers,
-                    wait_bound_us, wait_peers)
+from ._sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, push_to_slot,
+                    signal_peers, wait_peers)
 from .. import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -25,23 +25,13 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag
                      PDL: tl.constexpr = 0):
     """``src`` pushes x into slot 0 of every other rank's staging; one barrier (``src`` also
     waits, so it never runs two ops ahead); the others copy slot 0 into x."""
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
     if rank == src:
-        for start in range(b * BLOCK, n, NB * BLOCK):
-            offs = start + lanes
-            m = offs < n
-            v = tl.load(x + offs, mask=m)
-            for p in tl.static_range(W):
-                if p != src:
-                    dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + half * W * cap
-                    tl.store(dst + offs, v, mask=m)
+        push_to_slot(x, stage_tab, n, b, half, src, 0, cap, W, NB, BLOCK)
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
@@ -65,22 +55,12 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
     barrier; each rank copies slot p to ``out``. x is ``[n // part, part]`` and word ``i`` of
     rank p lands at ``(i // part) * W * part + p * part + i % part`` (``part == n`` gives the
     contiguous rank-major all-gather; ``part < n`` the token-major 2-D form)."""
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
-    for start in range(b * BLOCK, n, NB * BLOCK):
-        offs = start + lanes
-        m = offs < n
-        v = tl.load(x + offs, mask=m)
-        for p in tl.static_range(W):
-            if p != rank:  # this rank's own part is copied from x below
-                dst = tl.multiple_of(ptr_from_table(stage_tab, p, DT), 16) + (half * W + rank) * cap
-                tl.store(dst + offs, v, mask=m)
+    push_to_slot(x, stage_tab, n, b, half, rank, rank, cap, W, NB, BLOCK)
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
@@ -105,11 +85,8 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
                           BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
     Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
-    after_previous_kernel(PDL)
-    b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
-    seq = tl.load(ctrl + b)
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
