@@ -1,6 +1,7 @@
 """Compile the EP kernels for sm_90 on any machine (no GPU needed) and report what matters.
 
-    python tools/ptx_ep.py [--dump DIR] [--hidden 7168] [--experts 256] [--ranks 2] [--tokens 128]
+    python tools/ptx_ep.py [--dump DIR] [--same-as DIR] [--pdl] [--hidden 7168] [--experts 256]
+                           [--ranks 2] [--tokens 128]
 
 Compiles ``dispatch_kernel`` (bf16 / fp32 rows, and FP8) and ``combine_kernel`` exactly as
 ``EPBuffer`` launches them (same constexprs, all stages, fp fusion off for combine; and the send
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llcomm.ep import kernel_consts  # noqa: E402
 from llcomm.ep_layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.kernels import ep as K  # noqa: E402
-from ptx import ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
+from ptx import code_only, ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -113,6 +114,8 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--warps", type=int, default=None, help="override EPBuffer's num_warps")
     ap.add_argument("--pdl", action="store_true", help="compile as LLCOMM_PDL=1 launches them")
+    ap.add_argument("--same-as", default=None, help="a --dump folder to compare the code with "
+                    "(tools/ptx.py --same-as)")
     args = ap.parse_args()
     for dt in args.dtypes.split(","):
         for name, (fn, sig, consts, warps, opts) in kernels(
@@ -121,8 +124,12 @@ def main():
             warps = args.warps or warps
             ptx = compile_one(fn, sig, consts, warps, opts, args.pdl).asm["ptx"]
             fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
+            same = ""
+            if args.same_as:
+                with open(os.path.join(args.same_as, name + ".ptx")) as f:
+                    same = "  same" if code_only(f.read()) == code_only(ptx) else "  DIFFERENT"
             print(f"{name:18s} warps {warps:2d}  {ptx_summary(name, ptx, args.dump)}  "
-                  f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}")
+                  f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}{same}")
 
 
 if __name__ == "__main__":
