@@ -125,7 +125,9 @@ class Launcher:
             if i < len(args):
                 args = (*args[:i], max(args[i], FIRST_LAUNCH_TIMEOUT_US), *args[i + 1:])
         if PDL_ARG in fn.arg_names:
-            consts = {**consts, PDL_ARG: int(self.pdl), "launch_pdl": bool(self.pdl)}
+            consts = {**consts, PDL_ARG: int(self.pdl)}
+            if self.pdl:    # Triton's option: passed only where pdl_available found it
+                consts["launch_pdl"] = True
         kernel = fn[(grid,)](*args, num_warps=num_warps, **consts)
         if self.direct:
             names = fn.arg_names[len(args):]

@@ -184,9 +184,9 @@ def test_launcher_planned_path_compiles_once_per_key(monkeypatch):
 
 @pytest.mark.parametrize("pdl", [0, 1])
 def test_launcher_sets_pdl_where_the_kernel_takes_it(monkeypatch, pdl):
-    """A kernel with a PDL constexpr is compiled with it and with Triton's launch_pdl option
-    both set to the launcher's choice, and the cached launch passes the same value; a kernel
-    without one gets neither."""
+    """A kernel with a PDL constexpr is compiled with it set to the launcher's choice (and with
+    Triton's launch_pdl option where PDL is on, only there: an older Triton has no such
+    option), and the cached launch passes the same value; a kernel without one gets neither."""
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     lau = launch.Launcher(torch.device("cpu"))
@@ -196,7 +196,8 @@ def test_launcher_sets_pdl_where_the_kernel_takes_it(monkeypatch, pdl):
     fn = _StandIn(["x", "out", "BLOCK", "PDL"])
     for _ in range(2):
         lau(fn, 8, (a, a), 4, BLOCK=64)
-    assert fn.consts == {"BLOCK": 64, "PDL": pdl, "launch_pdl": bool(pdl)}
+    assert fn.consts == ({"BLOCK": 64, "PDL": 1, "launch_pdl": True} if pdl
+                         else {"BLOCK": 64, "PDL": 0})
     assert fn.runs[-1][2:] == (64, pdl)
     plain = _StandIn(["x", "out", "BLOCK"])
     lau(plain, 8, (a, a), 4, BLOCK=64)
