@@ -38,6 +38,9 @@ def _init_and_run(backend: str, main) -> None:
     dist.init_process_group(backend)
     try:
         main()
+        # Every rank done before any tears down: rank 0 hosts the group's store, and a peer
+        # still using the group when it goes has aborted at exit on a busy 2-core CI machine.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
