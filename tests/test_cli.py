@@ -47,6 +47,7 @@ def _bench(tmp_path: Path, *extra: str) -> dict:
 def test_bench_tp_cpu_writes_json_and_plot(tmp_path):
     result = _bench(tmp_path, "--cpu")
     assert result["machine"] == "2xCPU gloo" and result["world_size"] == 2
+    assert result["pdl"] is False           # no GPU: no programmatic dependent launch
     for row in result["rows"]:
         assert row["impl"] == "reference" and row["mode"] == "eager", row
         assert row["wrong"] == 0 and row["median_us"] > 0, row

@@ -531,7 +531,8 @@ def print_result(result: dict) -> None:
           f"{result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; {result['iters']} "
           f"iters after {result['warmup']} warm-up"
           + (f", {result['graph_ops']} ops per graph" if result.get("graph_ops")
-             else ", eager only (CPU, reference backend on gloo)"))
+             else ", eager only (CPU, reference backend on gloo)")
+          + (", PDL on" if result.get("pdl") else ""))
     print("# GB/s from the graph time where there is one; ref = reference backend "
           "(all_to_all_single)")
     present = {r["op"] for r in result["rows"]}

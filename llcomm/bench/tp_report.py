@@ -81,7 +81,7 @@ def print_result(result: dict) -> None:
           f"commit {result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; "
           f"{result['iters']} iters after {result['warmup']} warm-up"
           + (f", {result['graph_ops']} ops per graph" if result.get("graph_ops") else
-             ", eager only (CPU)"))
+             ", eager only (CPU)") + (", PDL on" if result.get("pdl") else ""))
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
     for op in ops:
         C.print_table(op, HEADERS, table_rows(result["rows"], op, world))
