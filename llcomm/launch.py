@@ -95,7 +95,7 @@ class Launcher:
         self.device_index = device.index
         self._cache: dict = {}
         self.direct = True
-        self.pdl = env_bit(PDL_ENV, 1) and pdl_available(device)
+        self.pdl = bool(env_bit(PDL_ENV, 1)) and pdl_available(device)
 
     def __call__(self, fn, grid: int, args: tuple, num_warps: int, **consts):
         """Launch ``fn`` on ``grid`` blocks of ``num_warps`` warps."""
