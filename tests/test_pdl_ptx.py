@@ -30,8 +30,9 @@ TP_KERNELS = ("lamport_bf16_8k_own", "lamport_bf16_8m_pipe", "lamport_rs_bf16_8m
               "reduce_scatter_bf16", "ll_all_gather_8k", "lamport_norm_bf16_h8192",
               "one_shot_norm_bf16_h8192")
 EP_KERNELS = ("dispatch_bf16", "combine_bf16")
-MEMORY_OP = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|ld\.volatile\.global|st\.global|"
-                       r"st\.volatile\.global|atom\.|red\.)", re.M)
+#: A global load, store, reduction or async copy (any qualifiers: .volatile, .acquire.sys, .v4,
+#: ...) or any atomic, predicated or not.
+MEMORY_OP = re.compile(r"^\s*(@!?%p\d+\s+)?((ld|st|red|cp)\.[\w.]*global|atom\.)", re.M)
 
 
 def _first(pattern, text: str) -> int:
