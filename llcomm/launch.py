@@ -67,6 +67,12 @@ def pdl_available(device: torch.device) -> bool:
     return pdl_unavailable(device) is None
 
 
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` get PDL: ``LLCOMM_PDL`` (default 1) and
+    ``pdl_available``. A value of LLCOMM_PDL other than 0 or 1 raises ValueError."""
+    return bool(env_bit(PDL_ENV, 1)) and pdl_available(device)
+
+
 def _spec(a):
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
@@ -95,7 +101,7 @@ class Launcher:
         self.device_index = device.index
         self._cache: dict = {}
         self.direct = True
-        self.pdl = bool(env_bit(PDL_ENV, 1)) and pdl_available(device)
+        self.pdl = pdl_enabled(device)
 
     def __call__(self, fn, grid: int, args: tuple, num_warps: int, **consts):
         """Launch ``fn`` on ``grid`` blocks of ``num_warps`` warps."""

@@ -178,6 +178,8 @@ def test_doctor_pdl_line(monkeypatch):
     from llcomm import launch
     monkeypatch.setenv("LLCOMM_PDL", "0")
     assert doctor.pdl_line(2, True).endswith("off (LLCOMM_PDL=0)")
+    monkeypatch.setenv("LLCOMM_PDL", "yes")
+    assert "invalid setting (LLCOMM_PDL='yes': expected 0 or 1)" in doctor.pdl_line(2, True)
     monkeypatch.delenv("LLCOMM_PDL")
     assert doctor.pdl_line(0, True).endswith("off (no CUDA GPU)")
     assert doctor.pdl_line(2, False).endswith("off (Triton not importable)")

@@ -31,15 +31,14 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm import launch  # noqa: E402
+from llcomm.kernels._sync import after_previous_kernel  # noqa: E402
 
 ROUNDS = 5
 
 
 @triton.jit
 def _touch(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    after_previous_kernel(PDL)
     offs = tl.arange(0, BLOCK)
     m = offs < n
     tl.store(x + offs, tl.load(x + offs, mask=m) + 1, mask=m)

@@ -88,12 +88,9 @@ def measure(nbytes: int = 8 << 10, algo: str = "auto") -> float:
 
 
 def main() -> None:
-    c = shell()
     for nbytes in (8 << 10, 1 << 20):
-        x = torch.randn(nbytes // 2).bfloat16()
-        out = torch.empty_like(x)
         for algo in ("auto", "lamport", "one_shot"):
-            us = per_call_us(lambda: c.all_reduce(x, out=out, algo=algo))
+            us = measure(nbytes, algo)
             print(f"all_reduce {nbytes >> 10:5d} KiB bf16 algo={algo:8s} {us:6.2f} us per call")
 
 

@@ -181,6 +181,14 @@ def code_only(ptx: str) -> list[str]:
     return keep
 
 
+def same_as(folder: str | None, name: str, ptx: str) -> str:
+    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx``; "" without it."""
+    if not folder:
+        return ""
+    with open(os.path.join(folder, name + ".ptx")) as f:
+        return "  same" if code_only(f.read()) == code_only(ptx) else "  DIFFERENT"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default=None)
@@ -189,11 +197,8 @@ def main():
     args = ap.parse_args()
     for name, (fn, sig, consts, *warps) in KERNELS.items():
         ptx = compile_one(fn, sig, consts, *warps, pdl=args.pdl).asm["ptx"]
-        same = ""
-        if args.same_as:
-            with open(os.path.join(args.same_as, name + ".ptx")) as f:
-                same = "  same" if code_only(f.read()) == code_only(ptx) else "  DIFFERENT"
-        print(f"{name:16s} {ptx_summary(name, ptx, args.dump)}  {ptxas_usage(ptx)}{same}")
+        print(f"{name:16s} {ptx_summary(name, ptx, args.dump)}  {ptxas_usage(ptx)}"
+              f"{same_as(args.same_as, name, ptx)}")
 
 
 if __name__ == "__main__":

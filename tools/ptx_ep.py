@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llcomm.ep import kernel_consts  # noqa: E402
 from llcomm.ep_layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.kernels import ep as K  # noqa: E402
-from ptx import code_only, ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
+from ptx import ptx_summary, ptxas_usage, same_as  # noqa: E402  (tools/ptx.py, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -124,12 +124,8 @@ def main():
             warps = args.warps or warps
             ptx = compile_one(fn, sig, consts, warps, opts, args.pdl).asm["ptx"]
             fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
-            same = ""
-            if args.same_as:
-                with open(os.path.join(args.same_as, name + ".ptx")) as f:
-                    same = "  same" if code_only(f.read()) == code_only(ptx) else "  DIFFERENT"
             print(f"{name:18s} warps {warps:2d}  {ptx_summary(name, ptx, args.dump)}  "
-                  f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}{same}")
+                  f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}{same_as(args.same_as, name, ptx)}")
 
 
 if __name__ == "__main__":

@@ -549,10 +549,9 @@ def result_header(world: int, device: torch.device) -> dict:
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith("LLCOMM_") or k in MULTICAST_OFF_ENV}
     from llcomm import launch
-    pdl = launch.Launcher(device).pdl if device.type == "cuda" else False
     return {"commit": commit, "dirty": dirty, "machine": machine_string(world, device),
             "date": datetime.date.today().isoformat(), "versions": versions(),
-            "world_size": world, "env": env, "pdl": bool(pdl)}
+            "world_size": world, "env": env, "pdl": launch.pdl_enabled(device)}
 
 
 def write_json(path: str, result: dict) -> None:

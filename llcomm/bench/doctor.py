@@ -13,6 +13,7 @@ import sys
 import torch
 
 from .. import launch
+from .._env import env_bit
 from . import common as C
 
 GIB = 1 << 30
@@ -55,7 +56,11 @@ def _triton() -> tuple[bool, str]:
 def pdl_line(n_gpus: int, triton_ok: bool) -> str:
     """Whether llcomm's kernels will be launched with programmatic dependent launch here."""
     head = "programmatic dependent launch (LLCOMM_PDL): "
-    if os.environ.get(launch.PDL_ENV, "1") == "0":
+    try:
+        wanted = env_bit(launch.PDL_ENV, 1)
+    except ValueError as e:             # reported, as the Communicator would raise it
+        return head + f"invalid setting ({e})"
+    if not wanted:
         return head + "off (LLCOMM_PDL=0)"
     if not n_gpus or not triton_ok:
         return head + "off (" + ("no CUDA GPU" if not n_gpus else "Triton not importable") + ")"
