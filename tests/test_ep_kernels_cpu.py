@@ -84,7 +84,10 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
             cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
             ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
-            d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
+            # signals: the send half of return_recv_hook=True, whose own rows go through the
+            # receive slots; otherwise the own rows expand from x, as in one full launch
+            d_stages = ((K.DISPATCH_SEND_HALF, K.D_SCAN, K.D_RECV) if signals
+                        else (K.D_SEND, K.D_SCAN, K.D_RECV))
             for stage in d_stages:
                 if stage == K.D_RECV and signals:
                     fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
@@ -92,7 +95,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     K.dispatch_kernel[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
-                        **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry)))
+                        **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
+                               OWN_FROM_X=int(not signals)))
             exp = oracle_dispatch(xs, topks, W, E, T)
             if fp8:
                 exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
@@ -155,6 +159,9 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls} everywhere")
         if int(host[r][1]):
             fails.append(f"rank {r}: out-of-range top-k reported without cause")
+        if int(host[r][0]) or int(err[r][0]):
+            fails.append(f"rank {r}: error word {int(err[r][0]):#x} (a word the kernels read "
+                         "was missing)")
     return fails
 
 
@@ -195,7 +202,7 @@ def _bad_topk():
     cnt = torch.zeros(E, dtype=torch.int32)
     ntok = torch.zeros(W, dtype=torch.int32)
     dc, _, _ = kernel_consts(lay, topk, tile_tokens=2)
-    for stage in (K.D_SEND, K.D_RECV):
+    for stage in (K.D_SEND, K.D_SCAN, K.D_RECV):
         K.dispatch_kernel[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab, ctrl, err,
                                  0, 0, 0, idx, 0, STAGES=stage, FP8=0, **dc)
     fails = []
@@ -275,7 +282,7 @@ def test_e4m3_rounding_matches_torch():
 
 
 def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
-    """Rank masks (``MASKS=1``): every rank pushes (a masked rank's late rows and counts land
+    """Rank masks (``MASKS=1``): every rank pushes (a masked rank's late rows and ids land
     too, so a stage that read them would be caught), then only the live ranks receive, with
     ``err[ERR_MASK]`` naming ``masked``, and run the combine without the masked ranks (their
     weights never come). Checked against the oracle with the masked ranks' contributions
@@ -308,7 +315,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
     cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
     ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
-    for stage, ranks in ((K.D_SEND, range(W)), (K.D_RECV, live)):
+    for stage, ranks in ((K.D_SEND, range(W)), (K.D_SCAN, live), (K.D_RECV, live)):
         for r in ranks:
             K.dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],

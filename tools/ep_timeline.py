@@ -25,15 +25,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm.bench import common as C  # noqa: E402
-from llcomm.ep import rows_first  # noqa: E402
 from llcomm.ep_fp8 import dequantize  # noqa: E402
 from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
 #: Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start).
 STAGES = {
-    "dispatch": (("push rows", "scan top-k, counts, metadata") if rows_first() else
-                 ("scan top-k", "push rows, counts, metadata"))
-    + ("signal", "wait (all blocks, all ranks)", "expand"),
+    "dispatch": ("push ids, rows (issue)", "scan (wait for every source's ids)",
+                 "expand own rows", "signal + wait (block b of each source)",
+                 "expand peers' rows"),
     "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials", "sum"),
 }
 CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end
