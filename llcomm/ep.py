@@ -46,6 +46,12 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
+#: When the dispatch's blocks signal that their rows are out (kernels/ep.py ORDER): 0 after
+#: expanding their own rows, 1 at once (the release waits for the rows to land), 2 separate
+#: sender and receiver blocks (grid 2 NB: the senders' release overlaps the receivers' work).
+DISPATCH_ORDER_ENV = "LLCOMM_EP_DISPATCH_ORDER"
+DISPATCH_ORDERS = (0, 1, 2)
+DEFAULT_DISPATCH_ORDER = 2
 #: How the EP waits poll their flags (measured: docs/performance.md, session 4).
 WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
 #: Env override of the EP kernels' num_warps (a tuning knob).
@@ -70,6 +76,16 @@ def wait_lanes_block() -> bool:
     if raw not in ("block", "flags"):
         raise ValueError(f"{WAIT_LANES_ENV}={raw!r}: expected 'block' or 'flags'")
     return raw == "block"
+
+
+def dispatch_order() -> int:
+    """ORDER of the dispatch kernel: ``LLCOMM_EP_DISPATCH_ORDER`` or DEFAULT_DISPATCH_ORDER."""
+    raw = os.environ.get(DISPATCH_ORDER_ENV)
+    if raw is None:
+        return DEFAULT_DISPATCH_ORDER
+    if raw not in [str(o) for o in DISPATCH_ORDERS]:
+        raise ValueError(f"{DISPATCH_ORDER_ENV}={raw!r}: expected one of {DISPATCH_ORDERS}")
+    return int(raw)
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
@@ -98,7 +114,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     lanes = MAX_WAIT_FLAGS if wait_lanes_block() else _pow2(W)
     d = dict(common, ELB=_pow2(-(-L // nb)), TT=tile_tokens, LANES=lanes, OFF_X=off["recv_x"],
              OFF_TK=off["recv_topk"], OFF_POS=off["recv_pos"], OFF_NTOK=off["recv_ntok"],
-             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"], OWN_FROM_X=1, CARRY=0)
+             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"], OWN_FROM_X=1,
+             ORDER=dispatch_order(), CARRY=0)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"], LANES=lanes,
              CARRIED=0)
     return d, c, num_warps
@@ -680,7 +697,8 @@ class _PeerEP:
         self.masks = int(buf.enable_masks)
         # err[ERR_PROF:]: stage stamps of each block when LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
         self.profile = int(os.environ.get(PROF_ENV, "0") == "1")
-        self.err = torch.zeros(ERR_PROF + 2 * nb * PROF_WORDS, dtype=torch.int64,
+        # (the dispatch's 2 nb blocks' stamps, then the combine's nb: kernels/ep.py _stamp)
+        self.err = torch.zeros(ERR_PROF + 3 * nb * PROF_WORDS, dtype=torch.int64,
                                device=self.device)
         self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8])
         L, T = buf.num_local_experts, buf.max_tokens
@@ -742,11 +760,12 @@ class _PeerEP:
         consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
-            self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+            grid = self.nb * (2 if consts["ORDER"] == 2 else 1)    # senders, receivers
+            self._launch(self.k.dispatch_kernel, grid, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
         # split phase: the receive half cannot read x (the caller may reuse it meanwhile), so
         # this rank's own rows go through its receive slots too
-        consts.update(STAGES=self.k.DISPATCH_SEND_HALF, OWN_FROM_X=0)
+        consts.update(STAGES=self.k.DISPATCH_SEND_HALF, OWN_FROM_X=0, ORDER=1)
         self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(

@@ -71,7 +71,7 @@ MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # keeps a row index (expert * W * T 
 #: ERR_PROF on, PROF_WORDS per block (six SM-cycle stamps, then global-timer start and end), the
 #: dispatch's blocks first, then the combine's.
 ERR_PROF = 8
-PROF_WORDS = 8
+PROF_WORDS = 10
 PROF_ENV = "LLCOMM_EP_PROFILE"
 #: FP8 dispatch: channels per fp32 scale (llcomm/ep_fp8.py defines the format).
 FP8_BLOCK = 128

@@ -92,11 +92,11 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                 if stage == K.D_RECV and signals:
                     fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
                 for r in range(W):
-                    K.dispatch_kernel[(NB,)](
+                    K.dispatch_kernel[_dispatch_grid(dc, NB, signals)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
                         **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
-                               OWN_FROM_X=int(not signals)))
+                               OWN_FROM_X=int(not signals), ORDER=1 if signals else dc["ORDER"]))
             exp = oracle_dispatch(xs, topks, W, E, T)
             if fp8:
                 exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
@@ -165,6 +165,12 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     return fails
 
 
+def _dispatch_grid(dc, NB, split=False):
+    """The dispatch's grid as EPBuffer launches it: separate sender and receiver blocks with
+    ORDER 2 (the stage bits then pick which of them act), NB blocks for the split halves."""
+    return (NB * (2 if dc["ORDER"] == 2 and not split else 1),)
+
+
 def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
     """Every flag ``[phase][block][source]`` of the set in use holds ``(seq + 1) << EPOCH_SHIFT``
     (the kernels ran with tag 0), as the receive half's wait requires."""
@@ -203,7 +209,7 @@ def _bad_topk():
     ntok = torch.zeros(W, dtype=torch.int32)
     dc, _, _ = kernel_consts(lay, topk, tile_tokens=2)
     for stage in (K.D_SEND, K.D_SCAN, K.D_RECV):
-        K.dispatch_kernel[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab, ctrl, err,
+        K.dispatch_kernel[_dispatch_grid(dc, NB)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab, ctrl, err,
                                  0, 0, 0, idx, 0, STAGES=stage, FP8=0, **dc)
     fails = []
     if int(host[1]) != 3:
@@ -317,7 +323,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
     for stage, ranks in ((K.D_SEND, range(W)), (K.D_SCAN, live), (K.D_RECV, live)):
         for r in ranks:
-            K.dispatch_kernel[(NB,)](
+            K.dispatch_kernel[_dispatch_grid(dc, NB)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
                 ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, STAGES=stage, FP8=0,
                 **dc)

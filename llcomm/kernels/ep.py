@@ -290,7 +290,7 @@ def _stamp(err, i: tl.constexpr, PROFILE: tl.constexpr, KIND: tl.constexpr, NB: 
     first and last slot); dispatch (KIND 0) and combine (KIND 1) have NB blocks of slots each.
     Nothing at all without PROFILE."""
     if PROFILE:
-        base = err + ERR_PROF + (KIND * NB + tl.program_id(0)) * PROF_WORDS
+        base = err + ERR_PROF + (KIND * 2 * NB + tl.program_id(0)) * PROF_WORDS
         if i == 0:
             tl.store(base + PROF_GT0, global_time_ns())
         tl.store(base + i, sm_cycles())
@@ -433,7 +433,7 @@ def _push_tokens(x, topk, n_tok, tab, err, rank, set_off, epoch, ntag,
 
     The ids of a block leave before its rows, so no receiver waits for them behind rows.
     Block 0 then counts the out-of-range entries for the host (they are routed nowhere)."""
-    b = tl.program_id(0)
+    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
     DT = x.dtype.element_ty
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -514,7 +514,7 @@ def _scan(src_info, recv_count, ntok_out, tab, err, rank, set_off, epoch, ntag, 
        the pair, ``src_info`` of the row, and at the end ``recv_count`` of the own experts.
 
     Returns (ok, msk): ok 0 after a failure (already in the error word)."""
-    b = tl.program_id(0)
+    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
     ps = tl.arange(0, WP)
     ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int64)
     live = (ps < W) & (_masked(msk, ps) == 0)
@@ -594,7 +594,7 @@ def _expand_pairs(s, n_s, ok, x, recv_x, recv_scales, row_of, tab, err, rank, se
     ``row_of`` entries, and one copy of its row per distinct local expert. FROM_X: s is this
     rank and the row comes from x (FP8: quantised again, the same bytes as the peers got);
     otherwise from the receive slot, which the caller's wait made visible. Returns ok."""
-    b = tl.program_id(0)
+    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
@@ -674,11 +674,14 @@ def dispatch_kernel(
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of the row wait's poll (_wait_flags)
         OWN_FROM_X: tl.constexpr,       # 1: own rows expand from x, no copy to this rank
+        ORDER: tl.constexpr,            # when blocks signal; 2: separate sender / receiver
+        #                                 blocks (module doc)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
-    b = tl.program_id(0)
+    pid = tl.program_id(0)
+    b = pid % NB
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
@@ -691,48 +694,62 @@ def dispatch_kernel(
     t0_ns = tl.full([], 0, tl.int64)
     if POLL:
         t0_ns = global_time_ns(BLOCK_WIDE)
+    # ORDER 2: blocks [0, NB) send, blocks [NB, 2 NB) receive (grid 2 NB); else every block both
+    sends = (ORDER != 2) | (pid < NB)
     if STAGES & 1:      # D_SEND
-        if CARRY:       # released with the rows by this dispatch's signal
-            _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
-        _push_tokens(x, topk, n_tok, tab, err, rank, set_off, epoch, ntag, T, H, HP, K, KP, E,
-                     L, W, WP, NB, TT, MAX_TOPK, OFF_X, OFF_TK, OFF_NTOK, FP8, NS, OFF_SC,
-                     OWN_FROM_X)
-        _stamp(err, 1, PROFILE, 0, NB)  # ids and rows pushed (issued)
-        tl.debug_barrier()              # this block's own ids, read by its expand below
-    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
-    if MASKS:
-        msk = tl.load(err + ERR_MASK, volatile=True)
-    ok = tl.full([], 1, tl.int32)
-    if STAGES & 16:     # D_SCAN
-        ok, msk = _scan(src_info, recv_count, ntok_out, tab, err, rank, set_off, epoch, ntag,
-                        seq, msk, t0_ns, limit_ns, T, K, KP, L, ELB, W, WP, NB, TT, MAX_TOPK,
-                        OFF_TK, OFF_POS, OFF_NTOK, MASKS, POLL)
-        _stamp(err, 2, PROFILE, 0, NB)
-    if STAGES & 2:      # D_RECV: this rank's own pairs, while the peers' rows cross
-        nts = _source_counts(tab, rank, set_off, msk, W, WP, OFF_NTOK)
-        ps = tl.arange(0, WP)
-        n_own = tl.sum(tl.where(ps == rank, nts, 0), axis=0)
-        ok = _expand_pairs(rank, n_own, ok, x, recv_x, recv_scales, row_of, tab, err, rank,
-                           set_off, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W, NB, MAX_TOPK,
-                           OFF_X, OFF_TK, OFF_POS, FP8, NS, NSP, OFF_SC, OWN_FROM_X, POLL)
-        _stamp(err, 3, PROFILE, 0, NB)
-    if STAGES & 4:      # D_SIGNAL: the release waits for this block's rows to land
-        tl.debug_barrier()
-        _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
-    if STAGES & 8:      # D_WAIT: block b of every source (its ids, rows, weights)
-        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + (SIG_DISPATCH * NB + b) * W
-        okw, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, ok, W, WP,
-                             W, msk, 0, LANES)
-        ok = ok & okw.to(tl.int32)
-        _stamp(err, 4, PROFILE, 0, NB)
-    if STAGES & 2:      # D_RECV: the peers' pairs
-        for i in range(1, W):
-            s = (rank + i) % W
-            n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-            ok = _expand_pairs(s, n_s, ok, x, recv_x, recv_scales, row_of, tab, err, rank,
+        if sends:
+            if CARRY:   # released with the rows by this dispatch's signal
+                _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
+            _push_tokens(x, topk, n_tok, tab, err, rank, set_off, epoch, ntag, T, H, HP, K, KP,
+                         E, L, W, WP, NB, TT, MAX_TOPK, OFF_X, OFF_TK, OFF_NTOK, FP8, NS, OFF_SC,
+                         OWN_FROM_X)
+            _stamp(err, 1, PROFILE, 0, NB)  # ids and rows pushed (issued)
+    if (STAGES & 4) and (ORDER != 0):   # D_SIGNAL at once: the release waits for the rows
+        if sends:
+            tl.debug_barrier()
+            _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word,
+                    W, WP)
+            _stamp(err, 2, PROFILE, 0, NB)
+    if (ORDER != 2) | (pid >= NB):
+        tl.debug_barrier()          # this block's own ids, read by its expand below
+        msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
+        if MASKS:
+            msk = tl.load(err + ERR_MASK, volatile=True)
+        ok = tl.full([], 1, tl.int32)
+        if STAGES & 16:     # D_SCAN
+            ok, msk = _scan(src_info, recv_count, ntok_out, tab, err, rank, set_off, epoch,
+                            ntag, seq, msk, t0_ns, limit_ns, T, K, KP, L, ELB, W, WP, NB, TT,
+                            MAX_TOPK, OFF_TK, OFF_POS, OFF_NTOK, MASKS, POLL)
+            _stamp(err, 3, PROFILE, 0, NB)
+        if STAGES & 2:      # D_RECV: this rank's own pairs, while the peers' rows cross
+            nts = _source_counts(tab, rank, set_off, msk, W, WP, OFF_NTOK)
+            ps = tl.arange(0, WP)
+            n_own = tl.sum(tl.where(ps == rank, nts, 0), axis=0)
+            ok = _expand_pairs(rank, n_own, ok, x, recv_x, recv_scales, row_of, tab, err, rank,
                                set_off, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W, NB,
-                               MAX_TOPK, OFF_X, OFF_TK, OFF_POS, FP8, NS, NSP, OFF_SC, 0, POLL)
-        tl.store(ctrl + b, seq + 1)
+                               MAX_TOPK, OFF_X, OFF_TK, OFF_POS, FP8, NS, NSP, OFF_SC,
+                               OWN_FROM_X, POLL)
+            _stamp(err, 4, PROFILE, 0, NB)
+        if (STAGES & 4) and (ORDER == 0):   # D_SIGNAL after the own rows
+            tl.debug_barrier()
+            _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word,
+                    W, WP)
+            _stamp(err, 5, PROFILE, 0, NB)
+        if STAGES & 8:      # D_WAIT: block b of every source (its ids, rows, weights)
+            flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + (SIG_DISPATCH * NB + b) * W
+            okw, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, ok, W,
+                                 WP, W, msk, 0, LANES)
+            ok = ok & okw.to(tl.int32)
+            _stamp(err, 6, PROFILE, 0, NB)
+        if STAGES & 2:      # D_RECV: the peers' pairs
+            for i in range(1, W):
+                s = (rank + i) % W
+                n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
+                ok = _expand_pairs(s, n_s, ok, x, recv_x, recv_scales, row_of, tab, err, rank,
+                                   set_off, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W, NB,
+                                   MAX_TOPK, OFF_X, OFF_TK, OFF_POS, FP8, NS, NSP, OFF_SC, 0,
+                                   POLL)
+            tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
 
@@ -742,7 +759,7 @@ def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constex
                   OFF_CW: tl.constexpr):
     """Combine stage A (or the dispatch with CARRY): this rank's top-k weights into slot
     (rank, t) of the weights region at byte ``set_off + OFF_CW`` of every rank."""
-    b = tl.program_id(0)
+    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
     ks = tl.arange(0, KP)
     kmask = ks < K
     for t in range(_first_token(b, rank, NB, W), n_tok, NB):
