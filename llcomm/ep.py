@@ -34,24 +34,23 @@ EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites.
 HANDLE_SLOTS = 2
 assert HANDLE_SLOTS == NUM_SETS     # set k holds handle slot k's carried weights (kernels/ep.py)
-#: Tokens per top-k tile in the dispatch kernel's scan (on the receiver), at most; fewer when a
-#: block owns many local experts, so the compare tile (tokens x top-k x the block's experts)
-#: stays within SCAN_TILE_ELEMS. Each tile is a polled load plus block-wide sums.
+#: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
+#: block owns many experts, so the scan's compare tile (tokens x top-k x the block's experts)
+#: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
 #: Env override of the scan tile (a power of two). On 2xH200 at 128 tokens a 128-token tile beat
 #: 32-token tiles by 2.1 us (docs/performance.md, session 4). Every EP knob below may differ
 #: between ranks: none changes what crosses between them.
 SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
+#: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
+#: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
+ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
+#: Local experts summed per step when the dispatch kernel writes recv_count.
+COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
-#: When the dispatch's blocks signal that their rows are out (kernels/ep.py ORDER): 0 after
-#: expanding their own rows, 1 at once (the release waits for the rows to land), 2 separate
-#: sender and receiver blocks (grid 2 NB: the senders' release overlaps the receivers' work).
-DISPATCH_ORDER_ENV = "LLCOMM_EP_DISPATCH_ORDER"
-DISPATCH_ORDERS = (0, 1, 2)
-DEFAULT_DISPATCH_ORDER = 2
 #: How the EP waits poll their flags (measured: docs/performance.md, session 4).
 WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
 #: Env override of the EP kernels' num_warps (a tuning knob).
@@ -78,14 +77,9 @@ def wait_lanes_block() -> bool:
     return raw == "block"
 
 
-def dispatch_order() -> int:
-    """ORDER of the dispatch kernel: ``LLCOMM_EP_DISPATCH_ORDER`` or DEFAULT_DISPATCH_ORDER."""
-    raw = os.environ.get(DISPATCH_ORDER_ENV)
-    if raw is None:
-        return DEFAULT_DISPATCH_ORDER
-    if raw not in [str(o) for o in DISPATCH_ORDERS]:
-        raise ValueError(f"{DISPATCH_ORDER_ENV}={raw!r}: expected one of {DISPATCH_ORDERS}")
-    return int(raw)
+def rows_first() -> int:
+    """ROWS_FIRST of the dispatch kernel: 1 unless ``LLCOMM_EP_ROWS_FIRST=0``."""
+    return env_bit(ROWS_FIRST_ENV, 1)
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
@@ -104,20 +98,23 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
                   MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
                   MASKS=0, PROFILE=0)
+    jp = _pow2(-(-T // nb))
     if tile_tokens is None:
         tile_tokens = env_pow2(SCAN_TILE_ENV, 0)
     if not tile_tokens:
-        per_token = _pow2(topk) * _pow2(-(-L // nb))   # top-k x this block's experts
+        per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
-    lanes = MAX_WAIT_FLAGS if wait_lanes_block() else _pow2(W)
-    d = dict(common, ELB=_pow2(-(-L // nb)), TT=tile_tokens, LANES=lanes, OFF_X=off["recv_x"],
-             OFF_TK=off["recv_topk"], OFF_POS=off["recv_pos"], OFF_NTOK=off["recv_ntok"],
-             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"], OWN_FROM_X=1,
-             ORDER=dispatch_order(), CARRY=0)
-    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"], LANES=lanes,
-             CARRIED=0)
+    fp = _pow2(nb * W)
+    block = wait_lanes_block()
+    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens,
+             JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
+             OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
+             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
+             ROWS_FIRST=rows_first(), CARRY=0)
+    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
+             LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
     return d, c, num_warps
 
 
@@ -697,8 +694,7 @@ class _PeerEP:
         self.masks = int(buf.enable_masks)
         # err[ERR_PROF:]: stage stamps of each block when LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
         self.profile = int(os.environ.get(PROF_ENV, "0") == "1")
-        # (the dispatch's 2 nb blocks' stamps, then the combine's nb: kernels/ep.py _stamp)
-        self.err = torch.zeros(ERR_PROF + 3 * nb * PROF_WORDS, dtype=torch.int64,
+        self.err = torch.zeros(ERR_PROF + 2 * nb * PROF_WORDS, dtype=torch.int64,
                                device=self.device)
         self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8])
         L, T = buf.num_local_experts, buf.max_tokens
@@ -760,12 +756,9 @@ class _PeerEP:
         consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
-            grid = self.nb * (2 if consts["ORDER"] == 2 else 1)    # senders, receivers
-            self._launch(self.k.dispatch_kernel, grid, args, self.num_warps, **consts)
+            self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
-        # split phase: the receive half cannot read x (the caller may reuse it meanwhile), so
-        # this rank's own rows go through its receive slots too
-        consts.update(STAGES=self.k.DISPATCH_SEND_HALF, OWN_FROM_X=0, ORDER=1)
+        consts["STAGES"] = self.k.DISPATCH_SEND_HALF
         self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(

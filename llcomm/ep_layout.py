@@ -5,9 +5,8 @@ constructor both call :func:`ep_layout`, so the bytes a caller reserves and the 
 buffer carves up cannot disagree.
 
 Scheme (docs/ep.md): a token crosses NVLink once per destination *rank*, into the slot
-``(source rank, source token)`` of that rank's receive region, with its top-k ids; the receiver
-computes every row's place from the ids of all sources and expands it into the per-expert
-layout. Combine sends one partial per
+``(source rank, source token)`` of that rank's receive region, with one metadata word per top-k
+entry; the receiver expands it into the per-expert layout. Combine sends one partial per
 ``(token, expert rank)`` back into the slot ``(expert rank, token)`` of the source. So every
 region is ``num_ranks * max_tokens`` rows, not ``num_experts * max_tokens`` as in a
 one-message-per-expert design (DeepEP, the rocSHMEM LL_MoE seed).
@@ -20,10 +19,9 @@ consecutive combines)::
                     or, for an FP8 dispatch, in the same region:
                     fp8   [num_ranks, max_tokens, hidden]          quantised rows, slot (src, t)
                     fp32  [num_ranks, max_tokens, hidden // 128]   their scales (recv_scales)
-    dispatch top-k  int64 [num_ranks, max_tokens, MAX_TOPK]        LL words: epoch | expert id
-    dispatch pos    int64 [num_ranks, max_tokens, MAX_TOPK]        LL words: epoch | row (local:
-                                                                   written and read by this rank)
-    dispatch ntok   int64 [num_ranks]                              LL words: epoch | tag | tokens
+    dispatch meta   int32 [num_ranks, max_tokens, MAX_TOPK]        (local expert << 16) | prefix
+    dispatch count  int32 [num_ranks, num_local_experts]           tokens per local expert
+    dispatch ntok   int32 [num_ranks]                              tokens each source sent
     combine recv    dtype [num_ranks, max_tokens, hidden]          partials, slot (expert rank, t)
     combine weights fp32  [num_ranks, max_tokens, MAX_TOPK]        top-k weights, slot (src, t)
 
@@ -63,15 +61,15 @@ SIGNAL_PHASES = 3
 PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
 #: Buffer sets used alternately (double buffering; kernels/ep.py says why two are enough).
 NUM_SETS = 2
-#: The dispatch's token-count LL word holds the count in its low NTOK_BITS (kernels/ep.py).
-NTOK_BITS = 17
-MAX_TOKENS_LIMIT = 1 << 16                  # fits NTOK_BITS with room to spare
-MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # keeps a row index (expert * W * T + row) small
+#: Metadata word: local expert index in the high half, within-source prefix in the low half.
+META_SHIFT = 16
+MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
+MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the word positive
 #: Profiling stamps (kernels/ep.py, PROFILE): words of the buffer's private ``err`` tensor from
 #: ERR_PROF on, PROF_WORDS per block (six SM-cycle stamps, then global-timer start and end), the
 #: dispatch's blocks first, then the combine's.
 ERR_PROF = 8
-PROF_WORDS = 10
+PROF_WORDS = 8
 PROF_ENV = "LLCOMM_EP_PROFILE"
 #: FP8 dispatch: channels per fp32 scale (llcomm/ep_fp8.py defines the format).
 FP8_BLOCK = 128
@@ -104,8 +102,8 @@ class EPSetLayout:
     signal: int
     recv_x: int
     recv_scales: int                # FP8 dispatch: scales, inside the recv_x region
-    recv_topk: int
-    recv_pos: int
+    recv_meta: int
+    recv_count: int
     recv_ntok: int
     combine_x: int
     combine_weights: int
@@ -138,7 +136,8 @@ class EPLayout:
         """Offsets of set 0's regions (set ``k`` is these plus ``k * set_bytes``)."""
         s = self.sets[0]
         return {"signal": s.signal, "recv_x": s.recv_x, "recv_scales": s.recv_scales,
-                "recv_topk": s.recv_topk, "recv_pos": s.recv_pos, "recv_ntok": s.recv_ntok,
+                "recv_meta": s.recv_meta,
+                "recv_count": s.recv_count, "recv_ntok": s.recv_ntok,
                 "combine_x": s.combine_x, "combine_weights": s.combine_weights,
                 "dispatch_weights": s.dispatch_weights}
 
@@ -161,7 +160,7 @@ def check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_ex
         return bad
     if num_max_dispatch_tokens_per_rank > MAX_TOKENS_LIMIT:
         bad.append(f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}; at most "
-                   f"{MAX_TOKENS_LIMIT} (a source's token count travels in 17 bits)")
+                   f"{MAX_TOKENS_LIMIT} (the per-source prefix travels in 16 bits)")
     if num_experts % num_ranks:
         bad.append(f"num_experts={num_experts} is not a multiple of the number of ranks "
                    f"{num_ranks}: every rank must hold the same number of experts")
@@ -209,9 +208,9 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
         # the same bytes as size_hint says
         ("signal", 8 * SIGNAL_PHASES * max(num_blocks, DEFAULT_NUM_BLOCKS) * W),
         ("recv_x", recv_bytes),
-        ("recv_topk", 8 * W * T * max_topk),
-        ("recv_pos", 8 * W * T * max_topk),
-        ("recv_ntok", 8 * W),
+        ("recv_meta", 4 * W * T * max_topk),
+        ("recv_count", 4 * W * L),
+        ("recv_ntok", 4 * W),
         ("combine_x", W * T * H * itemsize),
         ("combine_weights", 4 * W * T * max_topk),
         ("dispatch_weights", 4 * W * T * max_topk),

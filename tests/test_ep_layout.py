@@ -17,9 +17,9 @@ SHAPES = [  # (tokens, hidden, ranks, experts)
 def test_regions_disjoint_aligned_and_sized(T, H, W, E, dtype):
     isz = torch.tensor([], dtype=dtype).element_size()
     lay = ep_layout(T, H, W, E, isz, num_blocks=DEFAULT_NUM_BLOCKS)
+    L = E // W
     need = {"signal": 8 * SIGNAL_PHASES * DEFAULT_NUM_BLOCKS * W, "recv_x": W * T * H * isz,
-            "recv_topk": 8 * W * T * MAX_TOPK, "recv_pos": 8 * W * T * MAX_TOPK,
-            "recv_ntok": 8 * W,
+            "recv_meta": 4 * W * T * MAX_TOPK, "recv_count": 4 * W * L, "recv_ntok": 4 * W,
             "combine_x": W * T * H * isz, "combine_weights": 4 * W * T * MAX_TOPK,
             "dispatch_weights": 4 * W * T * MAX_TOPK}
     spans = []
@@ -102,8 +102,8 @@ def test_fp8_layout(T, H, W, E):
     for lay in (bf16, f8):
         o = lay.offsets()
         assert o["recv_scales"] % 16 == 0
-        assert o["recv_scales"] + W * T * (H // 128) * 4 <= o["recv_topk"]
-        assert o["recv_topk"] - o["recv_x"] >= fp8_dispatch_bytes(W, T, H)
+        assert o["recv_scales"] + W * T * (H // 128) * 4 <= o["recv_meta"]
+        assert o["recv_meta"] - o["recv_x"] >= fp8_dispatch_bytes(W, T, H)
     # saving per set: bf16 rows minus FP8 rows and scales, within alignment
     saved = bf16.set_bytes - f8.set_bytes
     assert abs(saved - (W * T * H * 2 - fp8_dispatch_bytes(W, T, H))) < 2 * ALIGN
@@ -123,7 +123,7 @@ def test_wait_lanes_knob(monkeypatch):
     from llcomm.ep import WAIT_LANES_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, c, _ = kernel_consts(lay, 8)
-    assert (d["LANES"], c["LANES"]) == (2, 2)      # the dispatch's row wait: one flag per rank
+    assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
     monkeypatch.setenv(WAIT_LANES_ENV, "block")
     d, c, _ = kernel_consts(lay, 8)
     assert (d["LANES"], c["LANES"]) == (MAX_WAIT_FLAGS, MAX_WAIT_FLAGS)
@@ -132,20 +132,22 @@ def test_wait_lanes_knob(monkeypatch):
         kernel_consts(lay, 8)
 
 
-def test_tile_knob(monkeypatch):
-    """Default: one 128-token scan tile (fewer tokens per tile when a block owns more local
-    experts); the env knob overrides and refuses a bad value by name."""
-    from llcomm.ep import SCAN_TILE_ENV, kernel_consts
+def test_order_and_tile_knobs(monkeypatch):
+    """Defaults: rows before the scan, one 128-token scan tile (fewer tokens per tile when a
+    block owns more experts); each env knob overrides and refuses a bad value by name."""
+    from llcomm.ep import ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
-    assert (d["TT"], d["ELB"], d["OWN_FROM_X"]) == (128, 1, 1)
+    assert (d["ROWS_FIRST"], d["TT"]) == (1, 128)
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     assert kernel_consts(big, 8)[0]["TT"] == 128    # the tile is tokens x top-k x own experts
-    many = ep_layout(128, 7168, 2, 8192, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    assert kernel_consts(many, 8)[0]["ELB"] == 32
+    many = ep_layout(128, 7168, 2, 4096, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     assert kernel_consts(many, 8)[0]["TT"] * 8 * 32 <= 8192
-    monkeypatch.setenv(SCAN_TILE_ENV, "32")
-    assert kernel_consts(lay, 8)[0]["TT"] == 32
-    monkeypatch.setenv(SCAN_TILE_ENV, "48")
-    with pytest.raises(ValueError, match=SCAN_TILE_ENV):
-        kernel_consts(lay, 8)
+    for name, value, key in ((ROWS_FIRST_ENV, "0", "ROWS_FIRST"), (SCAN_TILE_ENV, "32", "TT")):
+        monkeypatch.setenv(name, value)
+        assert kernel_consts(lay, 8)[0][key] == int(value)
+    for name, bad in ((ROWS_FIRST_ENV, "2"), (SCAN_TILE_ENV, "48")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            kernel_consts(lay, 8)
+        monkeypatch.delenv(name)

@@ -104,13 +104,10 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             ep-blocks)  # LLCOMM_EP_NUM_BLOCKS: fewer EP blocks (fewer flags per wait, less expand)
                 for nb in 128 64 32; do ab_run ep-nb-$nb "LLCOMM_EP_NUM_BLOCKS=$nb" bench ep \
                     --tokens 1,128 --iters 30; done ;;
-            dispatch-order) # LLCOMM_EP_DISPATCH_ORDER: when the dispatch's blocks signal
-                for o in 0 1 2; do ab_run dispatch-order-$o "LLCOMM_EP_DISPATCH_ORDER=$o" bench ep \
-                    --tokens 1,128 --iters 30 --fp8 --carry-weights; done ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-blocks, dispatch-order)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-blocks)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

@@ -25,19 +25,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm.bench import common as C  # noqa: E402
+from llcomm.ep import rows_first  # noqa: E402
 from llcomm.ep_fp8 import dequantize  # noqa: E402
 from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
-#: Stage names by stamp slot: a stage ends at its stamp and began at the block's previous
-#: stamp (stamp 0 is the kernel start). Which stamps a block writes depends on the dispatch's
-#: ORDER (kernels/ep.py): with separate senders and receivers each writes its own subset.
-LAST = PROF_WORDS - 3
+#: Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start).
 STAGES = {
-    "dispatch": {1: "push ids, rows (issue)", 2: "signal (release: rows landed)",
-                 3: "scan (every source's ids)", 4: "expand own rows", 5: "signal (release)",
-                 6: "wait (block b of each source)", LAST: "expand peers' rows"},
-    "combine": {1: "push weights", 2: "wait weights", 3: "reduce + push partials",
-                4: "wait partials", LAST: "sum"},
+    "dispatch": (("push rows", "scan top-k, counts, metadata") if rows_first() else
+                 ("scan top-k", "push rows, counts, metadata"))
+    + ("signal", "wait (all blocks, all ranks)", "expand"),
+    "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials", "sum"),
 }
 CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end
 
@@ -52,34 +49,21 @@ def _inputs(rank, cfg, device):
 
 
 def _summary(stamps, nb):
-    """stamps: [replays, 3 nb, PROF_WORDS] int64 (the dispatch's 2 nb block slots, then the
-    combine's nb) -> per kernel kind, stage medians in µs over the blocks that stamped them."""
+    """stamps: [replays, 2, nb, PROF_WORDS] int64 -> per kernel kind, stage medians in µs."""
+    cyc = stamps[..., :CYCLE_SLOTS].double()
+    gt0, gt1 = stamps[..., CYCLE_SLOTS].double(), stamps[..., CYCLE_SLOTS + 1].double()
     out = {}
-    for name, rows in (("dispatch", slice(0, 2 * nb)), ("combine", slice(2 * nb, 3 * nb))):
-        st = stamps[:, rows]
-        ran = st[..., 0] != 0                               # [replays, blocks]
-        c = st[..., :CYCLE_SLOTS].double()
-        a, b = st[..., CYCLE_SLOTS].double(), st[..., CYCLE_SLOTS + 1].double()
-        ns_per_cycle = float((b - a)[ran].sum() / (c[..., LAST] - c[..., 0])[ran].sum())
-        per_stage = {label: [] for label in STAGES[name].values()}
-        for blk in c[ran].tolist():                         # one block of one replay
-            prev = 0
-            for i in range(1, CYCLE_SLOTS):
-                if blk[i] == 0:
-                    continue
-                if i in STAGES[name] and not (i == LAST and prev == 2):  # a sender's end
-                    per_stage[STAGES[name][i]].append((blk[i] - blk[prev]) * ns_per_cycle / 1e3)
-                prev = i
+    for kind, name in enumerate(("dispatch", "combine")):
+        c, a, b = cyc[:, kind], gt0[:, kind], gt1[:, kind]
+        ns_per_cycle = float((b - a).sum() / (c[..., -1] - c[..., 0]).sum())
         stages = {}
-        for label, d in per_stage.items():
-            if d:
-                d.sort()
-                stages[label] = {"median_us": statistics.median(d),
-                                 "p90_us": d[int(0.9 * (len(d) - 1))], "max_us": d[-1]}
-        a = torch.where(ran, a, float("inf"))
-        b = torch.where(ran, b, 0.0)
+        for i, label in enumerate(STAGES[name]):
+            d = ((c[..., i + 1] - c[..., i]) * ns_per_cycle / 1e3).flatten().tolist()
+            d.sort()
+            stages[label] = {"median_us": statistics.median(d),
+                             "p90_us": d[int(0.9 * (len(d) - 1))], "max_us": d[-1]}
         span = ((b.max(1).values - a.min(1).values) / 1e3).tolist()
-        skew = ((torch.where(ran, a, 0.0).max(1).values - a.min(1).values) / 1e3).tolist()
+        skew = ((a.max(1).values - a.min(1).values) / 1e3).tolist()
         out[name] = {"stages": stages, "span_us": statistics.median(span),
                      "start_spread_us": statistics.median(skew),
                      "ns_per_cycle": ns_per_cycle}
@@ -94,7 +78,7 @@ def _rank(rank, world, cfg):
     assert buf._impl.profile, f"{PROF_ENV}=1 was not seen by the buffer"
     x, idx, w = _inputs(rank, cfg, device)
     nb = buf._impl.nb
-    prof = buf._impl.err[ERR_PROF:ERR_PROF + 3 * nb * PROF_WORDS].view(3 * nb, PROF_WORDS)
+    prof = buf._impl.err[ERR_PROF:ERR_PROF + 2 * nb * PROF_WORDS].view(2, nb, PROF_WORDS)
 
     def pair():
         if cfg["fp8"]:
@@ -155,7 +139,7 @@ def main():
                 print(f"# {kind}, {t} tokens/rank, rank {r}: span {v['span_us']:.1f} µs, block "
                       f"starts spread {v['start_spread_us']:.1f} µs")
                 for label, st in v["stages"].items():
-                    print(f"  {label:34s} median {st['median_us']:7.2f}  p90 {st['p90_us']:7.2f}"
+                    print(f"  {label:30s} median {st['median_us']:7.2f}  p90 {st['p90_us']:7.2f}"
                           f"  max {st['max_us']:7.2f} µs")
     if a.json:
         with open(a.json, "w") as f:

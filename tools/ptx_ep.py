@@ -63,7 +63,6 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
              "row_of": "*i32", "ntok_in": "*i32", "tab": "*i64", "ctrl": "*i64", "err": "*i64",
              "rank": "i32", "tag": "i64", "timeout_us": "i32", "w_off": "i64"}
     d8_sig = dict(d_sig, recv_x="*u8")
-    split = dict(ORDER=1, OWN_FROM_X=0)     # as EPBuffer launches the halves
     fp8 = {} if hidden % 128 else {
         f"dispatch_{dt}_fp8": (K.dispatch_kernel, d8_sig,
                                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1), warps, None)}
@@ -75,11 +74,9 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
                           warps, {"enable_fp_fusion": False}),
         # the two launches of return_recv_hook=True
         f"dispatch_{dt}_send": (K.dispatch_kernel, d_sig,
-                                dict(d_consts, STAGES=K.DISPATCH_SEND_HALF, FP8=0, **split), warps,
-                                None),
+                                dict(d_consts, STAGES=K.DISPATCH_SEND_HALF, FP8=0), warps, None),
         f"dispatch_{dt}_recv": (K.dispatch_kernel, d_sig,
-                                dict(d_consts, STAGES=K.DISPATCH_RECV_HALF, FP8=0, **split), warps,
-                                None),
+                                dict(d_consts, STAGES=K.DISPATCH_RECV_HALF, FP8=0), warps, None),
         f"combine_{dt}_send": (K.combine_kernel, c_sig,
                                dict(c_consts, STAGES=K.COMBINE_SEND_HALF), warps,
                                {"enable_fp_fusion": False}),

@@ -132,10 +132,10 @@ PROF_GT1 = tl.constexpr(EL.PROF_WORDS - 1)
 PROF_LAST = tl.constexpr(EL.PROF_WORDS - 3)     # the kernel's end
 
 # Stage bits (python ints for the host, constexpr for the kernels).
-D_SEND, D_RECV, D_SIGNAL, D_WAIT, D_SCAN = 1, 2, 4, 8, 16
-DISPATCH_ALL = D_SEND | D_SCAN | D_RECV | D_SIGNAL | D_WAIT
+D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
+DISPATCH_ALL = D_SEND | D_RECV | D_SIGNAL | D_WAIT
 DISPATCH_SEND_HALF = D_SEND | D_SIGNAL
-DISPATCH_RECV_HALF = D_SCAN | D_WAIT | D_RECV
+DISPATCH_RECV_HALF = D_WAIT | D_RECV
 C_WEIGHTS, C_REDUCE, C_SUM, C_SYNC_W, C_SIGNAL_P, C_WAIT_P = 1, 2, 4, 8, 16, 32
 COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM | C_SYNC_W | C_SIGNAL_P | C_WAIT_P
 COMBINE_SEND_HALF = C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
@@ -144,13 +144,8 @@ COMBINE_RECV_HALF = C_WAIT_P | C_SUM
 SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
 SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
 SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
-# LL words (``_ll``): the op's epoch in the high half. The token-count word's low half holds
-# the count (NTOK_BITS, enough for MAX_TOKENS_LIMIT) and NTAG bits of the op's tag, so ranks
-# that disagree about the call (top-k, FP8, carried weights) see a mismatch before any scan.
-LOW32 = tl.constexpr(0xFFFFFFFF)
-NTOK_BITS = tl.constexpr(EL.NTOK_BITS)
-NTOK_MASK = tl.constexpr((1 << EL.NTOK_BITS) - 1)
-NTAG_MASK = tl.constexpr((1 << (32 - EL.NTOK_BITS)) - 1)
+META_SHIFT = tl.constexpr(EL.META_SHIFT)
+META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
 FP8_BLOCK = tl.constexpr(EL.FP8_BLOCK)
 FP8_MAX = tl.constexpr(448.0)           # largest finite float8_e4m3fn (llcomm/ep_fp8.py)
 # fp32 bit fields, and e4m3's exponent bias relative to fp32's (127 - 7)
@@ -290,7 +285,7 @@ def _stamp(err, i: tl.constexpr, PROFILE: tl.constexpr, KIND: tl.constexpr, NB: 
     first and last slot); dispatch (KIND 0) and combine (KIND 1) have NB blocks of slots each.
     Nothing at all without PROFILE."""
     if PROFILE:
-        base = err + ERR_PROF + (KIND * 2 * NB + tl.program_id(0)) * PROF_WORDS
+        base = err + ERR_PROF + (KIND * NB + tl.program_id(0)) * PROF_WORDS
         if i == 0:
             tl.store(base + PROF_GT0, global_time_ns())
         tl.store(base + i, sm_cycles())
@@ -370,275 +365,192 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _ll(epoch, v):
-    """LL word: ``epoch`` (the op's, low 32 bits) above the low 32 bits of ``v``. A reader knows
-    the word has arrived when its high half is this op's epoch: the data is its own flag."""
-    return (epoch.to(tl.int64) << 32) | v.to(tl.int32).to(tl.uint32, bitcast=True).to(tl.int64)
-
-
-@triton.jit
-def _gated(m, ok):
-    """Mask ``m``, all false unless the scalar ``ok`` is nonzero (broadcast explicitly: the
-    interpreter's bool-and of a tensor with a scalar is not a valid mask)."""
-    return m & ((m.to(tl.int32) * 0 + ok) != 0)
-
-
-@triton.jit
-def _poll_ll(ptrs, live, epoch, t0_ns, limit_ns, POLL: tl.constexpr):
-    """The LL words at ``ptrs`` (any shape) until every ``live`` one holds ``epoch`` in its high
-    half, bounded by ``limit_ns`` from ``t0_ns``. Returns (words, status, waiting): status -1
-    when all arrived, else STATUS_TIMEOUT with ``waiting`` marking the words still missing.
-    The verdict is block-uniform: each poll's "still waiting" is folded with BLOCK_WIDE clock
-    lanes into one maximum through shared memory (as in _wait_flags), so every warp leaves the
-    loop together. Without POLL (the CPU interpreter, which has no clock) one read, which must
-    find every word."""
-    if POLL:
-        w = live.to(tl.int64) * 0
-        waiting = live
-        status = tl.full([], 0, tl.int32)
-        while status == 0:
-            w = tl.load(ptrs, mask=live, other=0, volatile=True)
-            waiting = live & (((w >> 32) & LOW32) != epoch)
-            elapsed = tl.maximum(global_time_lanes(BLOCK_WIDE) - t0_ns, 0)
-            both = tl.max((tl.max(waiting.to(tl.int64), axis=None) << SEEN_SHIFT) | elapsed,
-                          axis=0)
-            if (both >> SEEN_SHIFT) == 0:
-                status = -1
-            elif (both & ELAPSED_MASK) > limit_ns:
-                status = STATUS_TIMEOUT
-    else:
-        w = tl.load(ptrs, mask=live, other=0)
-        waiting = live & (((w >> 32) & LOW32) != epoch)
-        status = tl.where(tl.max(waiting.to(tl.int32), axis=None) > 0, STATUS_TIMEOUT, -1)
-    return w, status, waiting
-
-
-@triton.jit
-def _push_tokens(x, topk, n_tok, tab, err, rank, set_off, epoch, ntag,
-                 T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
-                 KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
-                 WP: tl.constexpr, NB: tl.constexpr, TT: tl.constexpr, MAX_TOPK: tl.constexpr,
-                 OFF_X: tl.constexpr, OFF_TK: tl.constexpr, OFF_NTOK: tl.constexpr,
-                 FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
-                 OWN_FROM_X: tl.constexpr):
-    """Dispatch stage D_SEND. Block b sends the tokens that block b of every receiver expands
-    (``_first_token`` with s = this rank), so a receiver block waits for one block per source:
-
-    1. block 0: this rank's token count and tag bits, one LL word, to every rank;
-    2. each token's top-k ids as LL words (ids outside [0, E) as -1), to every rank: a
-       receiver's scan counts every token of every source, routed there or not;
-    3. each token's row once per rank that holds one of its experts, into slot (rank, t) there;
-       to this rank too only without OWN_FROM_X (split phase: the receive half cannot read x).
-       FP8 quantises here, once.
-
-    The ids of a block leave before its rows, so no receiver waits for them behind rows.
-    Block 0 then counts the out-of-range entries for the host (they are routed nowhere)."""
-    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
+def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
+               HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+               W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
+               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
+    """Each of this block's token rows once per destination rank (which ranks: a bit mask from
+    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
+    b = tl.program_id(0)
     DT = x.dtype.element_ty
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    if b == 0:
-        ps = tl.arange(0, WP)
-        bases = tl.load(tab + ps, mask=ps < W, other=0)
-        nptr = (bases + set_off + OFF_NTOK).to(tl.pointer_type(tl.int64)) + rank
-        val = (ntag.to(tl.int64) << NTOK_BITS) | n_tok
-        tl.store(nptr, tl.full([WP], 0, tl.int64) + _ll(epoch, val), mask=ps < W)
-    first = _first_token(b, rank, NB, W)
-    for t in range(first, n_tok, NB):
-        ids = tl.load(topk + t * K + ks, mask=kmask, other=-1)
-        word = _ll(epoch, tl.where((ids >= 0) & (ids < E), ids, -1))
-        for d in tl.static_range(W):
-            tp = _at(tab, d, set_off + OFF_TK, tl.int64) + (rank * T + t) * MAX_TOPK
-            tl.store(tp + ks, word, mask=kmask)
     hs = tl.arange(0, HP)
     hm = hs < H
-    for t in range(first, n_tok, NB):
-        bits = _rank_bits(topk + t * K, K, E, L)
-        if OWN_FROM_X:
-            bits = bits & ~(tl.full([], 1, tl.int64) << rank)
-        slot = rank * T + t
-        if FP8:
-            v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
-            qb, sc = _quantize_row(v, HP, FP8 == 2)
-            ns = tl.arange(0, HP // FP8_BLOCK)
-            for d in tl.static_range(W):
-                if (bits >> d) & 1:
-                    qp = _at(tab, d, set_off + OFF_X, tl.uint8) + slot * H
-                    tl.store(qp + hs, qb, mask=hm)
-                    sp = _at(tab, d, set_off + OFF_SC, tl.float32) + slot * NS
-                    tl.store(sp + ns, sc, mask=ns < NS)
-        else:
-            v = tl.load(x + t * H + hs, mask=hm)
-            for d in tl.static_range(W):
-                if (bits >> d) & 1:
-                    xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
-                    tl.store(xp + hs, v, mask=hm)
-    if b == 0:
-        nbad = tl.full([], 0, tl.int32)
-        for t0 in range(0, n_tok, TT):
-            ts = t0 + tl.arange(0, TT)
-            m2 = (ts < n_tok)[:, None] & kmask[None, :]
-            tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
-            nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1),
-                           axis=0)
-        if nbad > 0:
-            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
+    for j in range(0, JP):
+        t = b + NB * j
+        if t < n_tok:
+            bits = _rank_bits(topk + t * K, K, E, L)
+            slot = rank * T + t
+            if FP8:
+                # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
+                v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
+                qb, sc = _quantize_row(v, HP, FP8 == 2)
+                ns = tl.arange(0, HP // FP8_BLOCK)
+                for d in tl.static_range(W):
+                    if (bits >> d) & 1:
+                        qp = _at(tab, d, set_off + OFF_X, tl.uint8) + slot * H
+                        tl.store(qp + hs, qb, mask=hm)
+                        sp = _at(tab, d, set_off + OFF_SC, tl.float32) + slot * NS
+                        tl.store(sp + ns, sc, mask=ns < NS)
+            else:
+                v = tl.load(x + t * H + hs, mask=hm)
+                for d in tl.static_range(W):
+                    if (bits >> d) & 1:
+                        xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
+                        tl.store(xp + hs, v, mask=hm)
 
 
 @triton.jit
-def _source_counts(tab, rank, set_off, msk, W: tl.constexpr, WP: tl.constexpr,
-                   OFF_NTOK: tl.constexpr):
-    """``[WP]``: the tokens each source sent (their LL words, already seen by the scan's
-    wait); 0 for masked sources."""
-    ps = tl.arange(0, WP)
-    w = tl.load(_at(tab, rank, set_off + OFF_NTOK, tl.int64) + ps, mask=ps < W, other=0)
-    return tl.where(_masked(msk, ps), 0, (w & NTOK_MASK).to(tl.int32))
+def _send(x, topk, n_tok, tab, err, rank, set_off,
+          T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+          KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
+          WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
+          JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+          OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+          FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
+          PROFILE: tl.constexpr):
+    """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
+    ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
+    top-k), so they cross NVLink while the block scans; the release before the signal then
+    waits for less. Otherwise they go out last, after the counts and the metadata.
 
-@triton.jit
-def _scan(src_info, recv_count, ntok_out, tab, err, rank, set_off, epoch, ntag, seq, msk,
-          t0_ns, limit_ns, T: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-          L: tl.constexpr, ELB: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-          NB: tl.constexpr, TT: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_TK: tl.constexpr,
-          OFF_POS: tl.constexpr, OFF_NTOK: tl.constexpr, MASKS: tl.constexpr,
-          POLL: tl.constexpr):
-    """Dispatch stage D_SCAN, on the receiver: block b owns local experts ``b + NB * i``.
-
-    1. Wait for every source's token count (LL words); a tag that differs from this rank's is
-       a mismatch. Masks: a source that does not come is masked, one mask for every block
-       (``_agree_mask``: rows depend on the counts of every earlier source).
-    2. Scan the sources' top-k ids in source order, a tile of TT tokens at a time (each tile
-       polled as LL words): mark the tokens routed to each own expert; the running exclusive
-       sum of those marks, across sources, is each entry's row ``sum(count[s'][e] for s' < s)
-       + prefix``. Write its position word (LL, this rank's region) for the block that expands
-       the pair, ``src_info`` of the row, and at the end ``recv_count`` of the own experts.
-
-    Returns (ok, msk): ok 0 after a failure (already in the error word)."""
-    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
-    ps = tl.arange(0, WP)
-    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int64)
-    live = (ps < W) & (_masked(msk, ps) == 0)
-    nw, status, waiting = _poll_ll(ntp + ps, live, epoch, t0_ns, limit_ns, POLL)
-    ok = (status == -1).to(tl.int32)
-    if MASKS:       # masks: a source whose count did not come is masked (begin)
-        if status == STATUS_TIMEOUT:
-            late = tl.reduce(tl.zeros([BLOCK_WIDE], tl.int64) + tl.reduce(
-                waiting.to(tl.int64) << ps.to(tl.int64), 0, _bit_or), 0, _bit_or)
-            agreed = _agree_mask(err, seq + 1, msk | late)
-            # a source late here but seen by the deciding block: wait for it again
-            live = (ps < W) & (_masked(agreed, ps) == 0)
-            nw, status, waiting = _poll_ll(ntp + ps, live, epoch, t0_ns, limit_ns, POLL)
-            ok = (status == -1).to(tl.int32)
-            if agreed != msk:
-                tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
-            msk = agreed
-    # masks (end)
-    if ok == 0:
-        bad = tl.reduce(tl.zeros([BLOCK_WIDE], tl.int64) + tl.reduce(
-            waiting.to(tl.int64) << ps.to(tl.int64), 0, _bit_or), 0, _bit_or)
-        report_error(err, STATUS_TIMEOUT, OP_DISPATCH, PHASE_ENTRY, bad)
-    wrong = live & (((nw & LOW32) >> NTOK_BITS) != ntag)
-    nwrong = tl.reduce(tl.zeros([BLOCK_WIDE], tl.int64) + tl.reduce(
-        wrong.to(tl.int64) << ps.to(tl.int64), 0, _bit_or), 0, _bit_or)
-    if (ok != 0) & (nwrong != 0):
-        report_error(err, STATUS_MISMATCH, OP_DISPATCH, PHASE_ENTRY, nwrong)
-        ok = ok * 0
-    nts = tl.where(_gated(live, ok), (nw & NTOK_MASK).to(tl.int32), 0)
-    if b == 0:
-        tl.store(ntok_out + ps, nts, mask=ps < W)
+    Block b owns experts ``b + NB * i`` (counts, and the metadata of every top-k entry that
+    names one of them) and tokens ``b + NB * j`` (rows, and the -1 metadata of their entries
+    for every other rank). One scan over this rank's top-k rows, a tile of TT tokens at a time,
+    marks which tokens route to each own expert; an exclusive running sum of those marks is the
+    prefix (earlier tokens routed to the same expert) that fixes each entry's row on the
+    receiver, and its total is the count. The compare tile is ``[TT, KP, EB]``: the work does
+    not grow with the tokens a block owns (a ``[TT, KP, JP * KP]`` token-owner form took 167 us
+    at 512 tokens when the buffer held 512, session 5).
+    """
+    b = tl.program_id(0)
+    if ROWS_FIRST:
+        _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
+                   NS, OFF_SC)
+        _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
-    les = b + NB * tl.arange(0, ELB)
-    lem = les < L
-    ids = tl.where(lem, rank * L + les, -1)         # -1 matches no entry (tiles hold -2)
-    cnt = tl.zeros([ELB], tl.int32)
-    tkp = _at(tab, rank, set_off + OFF_TK, tl.int64)
-    posp = _at(tab, rank, set_off + OFF_POS, tl.int64)
-    for s in range(W):
-        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-        for t0 in range(0, n_s, TT):
-            ts = t0 + tl.arange(0, TT)
-            m2 = (ts < n_s)[:, None] & kmask[None, :]
-            slot = s * T + ts
-            at = slot[:, None] * MAX_TOPK + ks[None, :]
-            words, st, _ = _poll_ll(tkp + at, _gated(m2, ok), epoch, t0_ns, limit_ns, POLL)
-            if st != -1:
-                report_error(err, st, OP_DISPATCH, PHASE_DATA, tl.full([], 1, tl.int64) << s)
-                ok = ok * 0
-            tile = words.to(tl.int32)                   # the ids: low 32 bits
-            tile = tl.where(m2 & (tile >= 0), tile, -2)
-            routed = _routed(tile, ids)                                 # [TT, ELB]
-            pre = cnt[None, :] + tl.cumsum(routed, axis=0) - routed     # exclusive, + carry
-            cnt += tl.sum(routed, axis=0)
-            flat = les[None, :] * (W * T) + pre                         # rows of recv_x
-            tl.store(src_info + flat, slot[:, None] + 0 * flat, mask=_gated(routed > 0, ok))
-            # the position word of each entry naming an own expert (at most one of them)
-            hit = tile[:, :, None] == ids[None, None, :]                # [TT, KP, ELB]
-            pos = tl.sum(tl.where(hit, flat[:, None, :], 0), axis=2)    # [TT, KP]
-            mine = tl.max(hit.to(tl.int32), axis=2) > 0
-            tl.store(posp + at, _ll(epoch, pos), mask=_gated(m2 & mine, ok))
-    tl.store(recv_count + les, cnt, mask=lem)
-    return ok, msk
+    es = b + NB * tl.arange(0, EB)
+    emask = es < E
+    ids = tl.where(emask, es, -1)                   # -1 matches no entry
+    cnt = tl.zeros([EB], tl.int32)                  # tokens so far routed to each own expert
+    nbad = tl.full([], 0, tl.int32)
+    for t0 in range(0, n_tok, TT):
+        ts = t0 + tl.arange(0, TT)
+        m2 = (ts < n_tok)[:, None] & kmask[None, :]
+        tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
+        nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1), axis=0)
+        tile = tl.where((tile >= 0) & (tile < E), tile, -2).to(tl.int32)
+        routed = _routed(tile, ids)                                     # [TT, EB]
+        pre = cnt[None, :] + tl.cumsum(routed, axis=0) - routed         # exclusive, + carry
+        cnt += tl.sum(routed, axis=0)
+        # each entry naming an own expert (at most one of them): its metadata word, stored
+        # into the one rank that holds the expert
+        hit = tile[:, :, None] == ids[None, None, :]                    # [TT, KP, EB]
+        word = ((ids - (ids // L) * L) << META_SHIFT)[None, :] | pre    # [TT, EB]
+        meta = tl.sum(tl.where(hit, word[:, None, :], 0), axis=2)       # [TT, KP]
+        mine = tl.max(hit.to(tl.int32), axis=2) > 0
+        dv = tile // L
+        for d in tl.static_range(W):
+            mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + ts[:, None]) * MAX_TOPK
+            tl.store(mp + ks[None, :], meta, mask=m2 & mine & (dv == d))
+    if not ROWS_FIRST:
+        _stamp(err, 1, PROFILE, 0, NB)  # top-k scan done
+
+    # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
+    #    out-of-range ids count as -1 and are reported (block 0 saw every token).
+    dst = es // L
+    cbase = tl.load(tab + dst, mask=emask, other=0)
+    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
+    tl.store(cptr, cnt, mask=emask)
+    if b == 0:
+        if nbad > 0:
+            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
+        ps = tl.arange(0, WP)
+        nbase = tl.load(tab + ps, mask=ps < W, other=0)
+        nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
+        tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
+
+    # 2. -1 metadata of this block's tokens' entries for every rank that does not hold their
+    #    expert (invalid entries: every rank); the expert's own rank got its word in the scan
+    mt = b + NB * tl.arange(0, JP)
+    live2 = (mt < n_tok)[:, None] & kmask[None, :]
+    own = tl.load(topk + mt[:, None] * K + ks[None, :], mask=live2, other=-1)
+    dv2 = tl.where((own >= 0) & (own < E), own // L, -1)
+    for d in tl.static_range(W):
+        mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + mt[:, None]) * MAX_TOPK
+        tl.store(mp + ks[None, :], tl.full([JP, KP], -1, tl.int32), mask=live2 & (dv2 != d))
+    if not ROWS_FIRST:
+        _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
+                   NS, OFF_SC)
 
 
 @triton.jit
-def _expand_pairs(s, n_s, ok, x, recv_x, recv_scales, row_of, tab, err, rank, set_off, epoch,
-                  t0_ns, limit_ns, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
-                  NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
-                  OFF_TK: tl.constexpr, OFF_POS: tl.constexpr, FP8: tl.constexpr,
-                  NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr,
-                  FROM_X: tl.constexpr, POLL: tl.constexpr):
-    """Dispatch stage D_RECV for source s: each pair (s, t) block b owns (``_first_token``)
-    gets its rows from the position words the experts' blocks wrote (LL: polled), the handle's
-    ``row_of`` entries, and one copy of its row per distinct local expert. FROM_X: s is this
-    rank and the row comes from x (FP8: quantised again, the same bytes as the peers got);
-    otherwise from the receive slot, which the caller's wait made visible. Returns ok."""
-    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
+def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
+            msk, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+            KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
+            WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+            FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr):
+    """Dispatch stage 3: this rank's receive slots into the per-expert layout (FP8: recv_x
+    is the uint8 view of the e4m3 output, and the scales are copied alongside). Sources in the
+    bit mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
+    b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    ns = tl.arange(0, NSP)
-    nsm = ns < NS
-    earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
-    tkp = _at(tab, rank, set_off + OFF_TK, tl.int64)
-    posp = _at(tab, rank, set_off + OFF_POS, tl.int64)
+    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int32)
+    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
+    metap = _at(tab, rank, set_off + OFF_META, tl.int32)
     xp = _at(tab, rank, set_off + OFF_X, DT)
     scp = _at(tab, rank, set_off + OFF_SC, tl.float32)
-    for t in range(_first_token(b, s, NB, W), n_s * ok, NB):
-        slot = s * T + t
-        # the row first: its address needs nothing, so its load overlaps the position wait
-        if FROM_X:
-            if FP8:
-                v, sv = _quantize_row(tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32),
-                                      HP, FP8 == 2)
-            else:
-                v = tl.load(x + t * H + hs, mask=hm)
-        else:
+    ns = tl.arange(0, NSP)
+    nsm = ns < NS
+    ps = tl.arange(0, WP)
+    # tokens each source sent, loaded once (masked sources: none)
+    nts = tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W, other=0))
+    if b == NB - 1:     # the last block: at small token counts it owns no pair
+        for l0 in range(0, L, LB):
+            ls = l0 + tl.arange(0, LB)
+            lm = ls < L
+            tot = tl.zeros([LB], tl.int32)
+            for s in range(W):
+                tot += tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
+            tl.store(recv_count + ls, tot, mask=lm)
+        tl.store(ntok_out + ps, nts, mask=ps < W)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
+    for s in range(W):
+        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
+        for t in range(_first_token(b, s, NB, W), n_s, NB):
+            slot = s * T + t
+            # the row first: its address needs no metadata, so its load overlaps the metadata's
+            # (a token reaches a rank only when one of its experts is there: the row is used)
             v = tl.load(xp + slot * H + hs, mask=hm)
             if FP8:
                 sv = tl.load(scp + slot * NS + ns, mask=nsm)
-        # the pair's ids: sent by block b of s before its rows (own: by this block)
-        e = tl.load(tkp + slot * MAX_TOPK + ks, mask=kmask, other=-1).to(tl.int32)
-        local = (e >= 0) & (e // L == rank)
-        first = local & (tl.max(((e[:, None] == e[None, :]) & earlier).to(tl.int32),
-                                axis=1) == 0)
-        pw, st, _ = _poll_ll(posp + slot * MAX_TOPK + ks, local, epoch, t0_ns, limit_ns, POLL)
-        if st != -1:
-            report_error(err, st, OP_DISPATCH, PHASE_DATA, tl.full([], 1, tl.int64) << rank)
-            ok = ok * 0
-        flat = tl.where(local, pw.to(tl.int32), -1)
-        tl.store(row_of + slot * K + ks, flat, mask=kmask)
-        for k in tl.static_range(K):
-            pick = ks == k
-            if tl.sum((pick & first).to(tl.int32), axis=0) > 0:
-                flat_k = tl.sum(tl.where(pick, flat, 0), axis=0).to(tl.int64)
-                tl.store(recv_x + flat_k * H + hs, v, mask=hm)
-                if FP8:
-                    tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
-    return ok
+            # the pair's top-k entries as one vector: every load of a pair is issued at once
+            # (a chain of scalar loads per entry cost ~0.3 us each, the slope of the dispatch)
+            m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
+            valid = m >= 0
+            first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
+                                    axis=1) == 0)
+            le = tl.maximum(m, 0) >> META_SHIFT
+            row = m & META_MASK
+            for s2 in range(s):
+                if not _masked(msk, s2):
+                    row += tl.load(cntp + s2 * L + le, mask=valid, other=0)
+            flat = le * (W * T) + row
+            tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
+            tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+            for k in tl.static_range(K):
+                pick = ks == k
+                if tl.sum((pick & first).to(tl.int32), axis=0) > 0:
+                    flat_k = tl.sum(tl.where(pick, flat, 0), axis=0).to(tl.int64)
+                    tl.store(recv_x + flat_k * H + hs, v, mask=hm)
+                    if FP8:
+                        tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -660,96 +572,69 @@ def dispatch_kernel(
         w_off,          # CARRY: byte offset of the handle slot's weights region, every rank
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
         K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
-        E: tl.constexpr, L: tl.constexpr,                       # experts, local experts
+        E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,    # ranks, pow2(W), grid
-        ELB: tl.constexpr,              # pow2(ceil(L / NB)): local experts scanned per block
-        TT: tl.constexpr,               # tokens per top-k tile in the scan
-        MAX_TOPK: tl.constexpr,         # top-k slot stride (ep_layout.MAX_TOPK)
+        EB: tl.constexpr,               # pow2(ceil(E / NB)): experts counted per block
+        TT: tl.constexpr,               # tokens per top-k tile in the count / prefix scan
+        JP: tl.constexpr,               # pow2(ceil(T / NB)): tokens per block at most
+        FP: tl.constexpr,               # pow2(NB * W): flags polled by the dispatch wait
+        MAX_TOPK: tl.constexpr,         # metadata slot stride (ep_layout.MAX_TOPK)
         SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_X: tl.constexpr,   # layout, bytes
-        OFF_TK: tl.constexpr, OFF_POS: tl.constexpr, OFF_NTOK: tl.constexpr,
+        OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
         FP8: tl.constexpr,              # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
         NS: tl.constexpr, NSP: tl.constexpr,    # scales per row (H // 128, or 1), pow2(NS)
         OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
-        STAGES: tl.constexpr,           # D_SEND | D_SCAN | D_SIGNAL | D_WAIT | D_RECV bits
+        STAGES: tl.constexpr,           # D_SEND | D_SIGNAL | D_WAIT | D_RECV bits
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
-        LANES: tl.constexpr,            # lanes of the row wait's poll (_wait_flags)
-        OWN_FROM_X: tl.constexpr,       # 1: own rows expand from x, no copy to this rank
-        ORDER: tl.constexpr,            # when blocks signal; 2: separate sender / receiver
-        #                                 blocks (module doc)
+        LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
+        ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
-    pid = tl.program_id(0)
-    b = pid % NB
+    b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
-    epoch = (seq + 1) & LOW32
-    ntag = tag & NTAG_MASK
-    POLL: tl.constexpr = (STAGES & 8) != 0     # D_WAIT: on the GPU, waits read the clock
-    limit_ns = timeout_us.to(tl.int64) * 1000
-    t0_ns = tl.full([], 0, tl.int64)
-    if POLL:
-        t0_ns = global_time_ns(BLOCK_WIDE)
-    # ORDER 2: blocks [0, NB) send, blocks [NB, 2 NB) receive (grid 2 NB); else every block both
-    sends = (ORDER != 2) | (pid < NB)
-    if STAGES & 1:      # D_SEND
-        if sends:
-            if CARRY:   # released with the rows by this dispatch's signal
-                _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
-            _push_tokens(x, topk, n_tok, tab, err, rank, set_off, epoch, ntag, T, H, HP, K, KP,
-                         E, L, W, WP, NB, TT, MAX_TOPK, OFF_X, OFF_TK, OFF_NTOK, FP8, NS, OFF_SC,
-                         OWN_FROM_X)
-            _stamp(err, 1, PROFILE, 0, NB)  # ids and rows pushed (issued)
-    if (STAGES & 4) and (ORDER != 0):   # D_SIGNAL at once: the release waits for the rows
-        if sends:
-            tl.debug_barrier()
-            _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word,
-                    W, WP)
-            _stamp(err, 2, PROFILE, 0, NB)
-    if (ORDER != 2) | (pid >= NB):
-        tl.debug_barrier()          # this block's own ids, read by its expand below
-        msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
+    if STAGES & 1:
+        if CARRY:       # released with the rows by this dispatch's signal
+            _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
+        _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
+              JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
+              PROFILE)
+        _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
+    if STAGES & 4:      # D_SIGNAL
+        tl.debug_barrier()
+        _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
+        _stamp(err, 3, PROFILE, 0, NB)
+    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
+    if MASKS:
+        msk = tl.load(err + ERR_MASK, volatile=True)
+    ok = 1
+    if STAGES & 8:      # D_WAIT
+        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
+        ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
+                               FP, W, msk, MASKS, LANES)
         if MASKS:
-            msk = tl.load(err + ERR_MASK, volatile=True)
-        ok = tl.full([], 1, tl.int32)
-        if STAGES & 16:     # D_SCAN
-            ok, msk = _scan(src_info, recv_count, ntok_out, tab, err, rank, set_off, epoch,
-                            ntag, seq, msk, t0_ns, limit_ns, T, K, KP, L, ELB, W, WP, NB, TT,
-                            MAX_TOPK, OFF_TK, OFF_POS, OFF_NTOK, MASKS, POLL)
-            _stamp(err, 3, PROFILE, 0, NB)
-        if STAGES & 2:      # D_RECV: this rank's own pairs, while the peers' rows cross
-            nts = _source_counts(tab, rank, set_off, msk, W, WP, OFF_NTOK)
-            ps = tl.arange(0, WP)
-            n_own = tl.sum(tl.where(ps == rank, nts, 0), axis=0)
-            ok = _expand_pairs(rank, n_own, ok, x, recv_x, recv_scales, row_of, tab, err, rank,
-                               set_off, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W, NB,
-                               MAX_TOPK, OFF_X, OFF_TK, OFF_POS, FP8, NS, NSP, OFF_SC,
-                               OWN_FROM_X, POLL)
-            _stamp(err, 4, PROFILE, 0, NB)
-        if (STAGES & 4) and (ORDER == 0):   # D_SIGNAL after the own rows
-            tl.debug_barrier()
-            _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word,
-                    W, WP)
-            _stamp(err, 5, PROFILE, 0, NB)
-        if STAGES & 8:      # D_WAIT: block b of every source (its ids, rows, weights)
-            flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + (SIG_DISPATCH * NB + b) * W
-            okw, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, ok, W,
-                                 WP, W, msk, 0, LANES)
-            ok = ok & okw.to(tl.int32)
-            _stamp(err, 6, PROFILE, 0, NB)
-        if STAGES & 2:      # D_RECV: the peers' pairs
-            for i in range(1, W):
-                s = (rank + i) % W
-                n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-                ok = _expand_pairs(s, n_s, ok, x, recv_x, recv_scales, row_of, tab, err, rank,
-                                   set_off, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W, NB,
-                                   MAX_TOPK, OFF_X, OFF_TK, OFF_POS, FP8, NS, NSP, OFF_SC, 0,
-                                   POLL)
-            tl.store(ctrl + b, seq + 1)
+            agreed = _agree_mask(err, seq + 1, msk | late)
+            # a rank late here but seen by the deciding block has arrived: wait for it again
+            # (uniform condition; an error if it does not come)
+            need = (late & ~agreed) != 0
+            ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
+                                 NB * W, FP, W, agreed, 0, LANES)
+            ok = ok & (ok2 | (need == 0))
+            if agreed != msk:
+                tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
+            msk = agreed
+        _stamp(err, 4, PROFILE, 0, NB)
+    if STAGES & 2:      # D_RECV
+        if ok:
+            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
+                    set_off, msk, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
+                    OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
+        tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
 
@@ -759,7 +644,7 @@ def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constex
                   OFF_CW: tl.constexpr):
     """Combine stage A (or the dispatch with CARRY): this rank's top-k weights into slot
     (rank, t) of the weights region at byte ``set_off + OFF_CW`` of every rank."""
-    b = tl.program_id(0) % NB        # two roles: block b's sender and receiver
+    b = tl.program_id(0)
     ks = tl.arange(0, KP)
     kmask = ks < K
     for t in range(_first_token(b, rank, NB, W), n_tok, NB):
