@@ -39,6 +39,10 @@ assert HANDLE_SLOTS == NUM_SETS     # set k holds handle slot k's carried weight
 #: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
+#: The scan's tile when one tile of this many tokens covers them all: at 1 token per rank a
+#: 16-token tile made the dispatch 9.7 -> 9.0 us on 2xH200, while 16-token tiles at 128 tokens
+#: cost 17.1 -> 20.7 us (session 9, two runs each); so the small tile only ever runs once.
+SMALL_SCAN_TILE = 16
 #: Env override of the scan tile (a power of two). On 2xH200 at 128 tokens a 128-token tile beat
 #: 32-token tiles by 2.1 us (docs/performance.md, session 4). Every EP knob below may differ
 #: between ranks: none changes what crosses between them.
@@ -82,9 +86,12 @@ def rows_first() -> int:
     return env_bit(ROWS_FIRST_ENV, 1)
 
 
-def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
+def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
+                  small_tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
-    but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps. Shared with tools/ptx_ep.py and the interpreter tests."""
+    but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
+    Shared with tools/ptx_ep.py and the interpreter tests (which pick small tiles with
+    ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span several)."""
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
     L = E // W
     off = lay.offsets()
@@ -108,7 +115,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None):
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
     fp = _pow2(nb * W)
     block = wait_lanes_block()
-    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens,
+    ts = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
+    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens, TS=ts,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],

@@ -64,8 +64,9 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64) for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    # TT=4: several top-k tiles even at these small token counts
-    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4)
+    # TT=4: several top-k tiles even at these small token counts; up to 2 tokens take the
+    # one-small-tile path (TS=2)
+    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
     fails = []
     call = 0
     for seed in seeds:
@@ -299,7 +300,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8, bits, 0], dtype=torch.int64)
            for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4)
+    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
     dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)
     tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} masked={masked}]"
     xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)

@@ -138,7 +138,7 @@ def test_order_and_tile_knobs(monkeypatch):
     from llcomm.ep import ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
-    assert (d["ROWS_FIRST"], d["TT"]) == (1, 128)
+    assert (d["ROWS_FIRST"], d["TT"], d["TS"]) == (1, 128, 16)   # TS: one tile up to 16 tokens
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     assert kernel_consts(big, 8)[0]["TT"] == 128    # the tile is tokens x top-k x own experts
     many = ep_layout(128, 7168, 2, 4096, 2, num_blocks=DEFAULT_NUM_BLOCKS)
@@ -146,6 +146,8 @@ def test_order_and_tile_knobs(monkeypatch):
     for name, value, key in ((ROWS_FIRST_ENV, "0", "ROWS_FIRST"), (SCAN_TILE_ENV, "32", "TT")):
         monkeypatch.setenv(name, value)
         assert kernel_consts(lay, 8)[0][key] == int(value)
+        if key == "TT":         # the small tile never exceeds the tile
+            assert kernel_consts(lay, 8)[0]["TS"] == 16
     for name, bad in ((ROWS_FIRST_ENV, "2"), (SCAN_TILE_ENV, "48")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
