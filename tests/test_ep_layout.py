@@ -146,8 +146,10 @@ def test_order_and_tile_knobs(monkeypatch):
     for name, value, key in ((ROWS_FIRST_ENV, "0", "ROWS_FIRST"), (SCAN_TILE_ENV, "32", "TT")):
         monkeypatch.setenv(name, value)
         assert kernel_consts(lay, 8)[0][key] == int(value)
-        if key == "TT":         # the small tile never exceeds the tile
+        if key == "TT":         # a tile of 32: the small tile stays 16; of 8: it is 8 too
             assert kernel_consts(lay, 8)[0]["TS"] == 16
+            monkeypatch.setenv(name, "8")
+            assert (kernel_consts(lay, 8)[0]["TT"], kernel_consts(lay, 8)[0]["TS"]) == (8, 8)
     for name, bad in ((ROWS_FIRST_ENV, "2"), (SCAN_TILE_ENV, "48")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
