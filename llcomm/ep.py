@@ -50,6 +50,10 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
+#: ``LLCOMM_EP_EARLY_OWN=1``: the dispatch expands this rank's own rows from x while the peers'
+#: flags are on their way (stage D_OWN, kernels/ep.py), reading the counts of earlier sources
+#: as LL words; an A/B knob, not measured yet (docs/gpu-machine.md). Off with rank masks.
+EARLY_OWN_ENV = "LLCOMM_EP_EARLY_OWN"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -732,7 +736,10 @@ class _PeerEP:
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, **mode),
+            early = env_bit(EARLY_OWN_ENV, 0) and not self.masks
+            d = dict(d, OWN_EARLY=int(early),
+                     STAGES=self.k.DISPATCH_ALL_OWN_EARLY if early else self.k.DISPATCH_ALL)
+            hit = self._consts[topk] = (dict(d, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))
         return hit
@@ -766,7 +773,7 @@ class _PeerEP:
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
-        consts["STAGES"] = self.k.DISPATCH_SEND_HALF
+        consts.update(STAGES=self.k.DISPATCH_SEND_HALF, OWN_EARLY=0)   # the halves send to self
         self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(

@@ -132,8 +132,9 @@ PROF_GT1 = tl.constexpr(EL.PROF_WORDS - 1)
 PROF_LAST = tl.constexpr(EL.PROF_WORDS - 3)     # the kernel's end
 
 # Stage bits (python ints for the host, constexpr for the kernels).
-D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
+D_SEND, D_RECV, D_SIGNAL, D_WAIT, D_OWN = 1, 2, 4, 8, 16
 DISPATCH_ALL = D_SEND | D_RECV | D_SIGNAL | D_WAIT
+DISPATCH_ALL_OWN_EARLY = DISPATCH_ALL | D_OWN     # LLCOMM_EP_EARLY_OWN=1 (an A/B)
 DISPATCH_SEND_HALF = D_SEND | D_SIGNAL
 DISPATCH_RECV_HALF = D_WAIT | D_RECV
 C_WEIGHTS, C_REDUCE, C_SUM, C_SYNC_W, C_SIGNAL_P, C_WAIT_P = 1, 2, 4, 8, 16, 32
@@ -146,6 +147,7 @@ SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
 SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
 META_SHIFT = tl.constexpr(EL.META_SHIFT)
 META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
+LOW32 = tl.constexpr(0xFFFFFFFF)        # LL words (_ll): the epoch above, the data below
 FP8_BLOCK = tl.constexpr(EL.FP8_BLOCK)
 FP8_MAX = tl.constexpr(448.0)           # largest finite float8_e4m3fn (llcomm/ep_fp8.py)
 # fp32 bit fields, and e4m3's exponent bias relative to fp32's (127 - 7)
@@ -365,12 +367,58 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _ll(epoch, v):
+    """LL word: ``epoch`` (the op's, low 32 bits) above the low 32 bits of ``v``. A reader knows
+    the word has arrived when its high half is this op's epoch: the data is its own flag."""
+    return (epoch.to(tl.int64) << 32) | v.to(tl.int32).to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _gated(m, ok):
+    """Mask ``m``, all false unless the scalar ``ok`` is nonzero (broadcast explicitly: the
+    interpreter's bool-and of a tensor with a scalar is not a valid mask)."""
+    return m & ((m.to(tl.int32) * 0 + ok) != 0)
+
+
+@triton.jit
+def _poll_ll(ptrs, live, epoch, t0_ns, limit_ns, POLL: tl.constexpr):
+    """The LL words at ``ptrs`` (any shape) until every ``live`` one holds ``epoch`` in its high
+    half, bounded by ``limit_ns`` from ``t0_ns``. Returns (words, status, waiting): status -1
+    when all arrived, else STATUS_TIMEOUT with ``waiting`` marking the words still missing.
+    The verdict is block-uniform: each poll's "still waiting" is folded with BLOCK_WIDE clock
+    lanes into one maximum through shared memory (as in _wait_flags), so every warp leaves the
+    loop together. Without POLL (the CPU interpreter, which has no clock) one read, which must
+    find every word."""
+    if POLL:
+        w = live.to(tl.int64) * 0
+        waiting = live
+        status = tl.full([], 0, tl.int32)
+        while status == 0:
+            w = tl.load(ptrs, mask=live, other=0, volatile=True)
+            waiting = live & (((w >> 32) & LOW32) != epoch)
+            elapsed = tl.maximum(global_time_lanes(BLOCK_WIDE) - t0_ns, 0)
+            both = tl.max((tl.max(waiting.to(tl.int64), axis=None) << SEEN_SHIFT) | elapsed,
+                          axis=0)
+            if (both >> SEEN_SHIFT) == 0:
+                status = -1
+            elif (both & ELAPSED_MASK) > limit_ns:
+                status = STATUS_TIMEOUT
+    else:
+        w = tl.load(ptrs, mask=live, other=0)
+        waiting = live & (((w >> 32) & LOW32) != epoch)
+        status = tl.where(tl.max(waiting.to(tl.int32), axis=None) > 0, STATUS_TIMEOUT, -1)
+    return w, status, waiting
+
+
+@triton.jit
 def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
                HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
-               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
+               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
+               OWN_EARLY: tl.constexpr):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
-    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
+    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once.
+    OWN_EARLY: not to this rank (its own rows expand from x)."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -379,6 +427,8 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
         t = b + NB * j
         if t < n_tok:
             bits = _rank_bits(topk + t * K, K, E, L)
+            if OWN_EARLY:
+                bits = bits & ~(tl.full([], 1, tl.int64) << rank)
             slot = rank * T + t
             if FP8:
                 # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
@@ -434,14 +484,14 @@ def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T: tl.constexpr, K: tl.con
 
 
 @triton.jit
-def _send(x, topk, n_tok, tab, err, rank, set_off,
+def _send(x, topk, n_tok, tab, err, rank, set_off, epoch,
           T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
           KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
           WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
           TS: tl.constexpr, JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
-          PROFILE: tl.constexpr):
+          OWN_EARLY: tl.constexpr, PROFILE: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -460,7 +510,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     b = tl.program_id(0)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC)
+                   NS, OFF_SC, OWN_EARLY)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -482,8 +532,8 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     #    out-of-range ids count as -1 and are reported (block 0 saw every token).
     dst = es // L
     cbase = tl.load(tab + dst, mask=emask, other=0)
-    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
-    tl.store(cptr, cnt, mask=emask)
+    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int64)) + rank * L + (es - dst * L)
+    tl.store(cptr, _ll(epoch, cnt), mask=emask)     # LL: an early own expand polls them
     if b == 0:
         if nbad > 0:
             tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
@@ -503,66 +553,72 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         tl.store(mp + ks[None, :], tl.full([JP, KP], -1, tl.int32), mask=live2 & (dv2 != d))
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC)
+                   NS, OFF_SC, OWN_EARLY)
 
 
 @triton.jit
-def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
-            msk, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
-            KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
-            WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
-            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
-            FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr):
-    """Dispatch stage 3: this rank's receive slots into the per-expert layout (FP8: recv_x
-    is the uint8 view of the e4m3 output, and the scales are copied alongside). Sources in the
-    bit mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
+def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, err, rank,
+                   set_off, msk, epoch, t0_ns, limit_ns, T: tl.constexpr, H: tl.constexpr,
+                   HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr,
+                   W: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
+                   OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
+                   FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
+                   OFF_SC: tl.constexpr, EARLY: tl.constexpr, POLL: tl.constexpr):
+    """Dispatch stage D_RECV (or D_OWN) for source s: each pair (s, t) this block owns
+    (``_first_token``) into the per-expert layout. Sources in the bit mask ``msk`` count as
+    having sent nothing. EARLY (D_OWN): s is this rank, before the dispatch's wait; the row
+    comes from x (FP8: quantised again, the bytes the peers got) and the counts of the earlier
+    sources are polled as LL words; the metadata, written by this rank's blocks, is visible
+    after the wait for their flags. Returns ok (0 after a failed poll, already reported)."""
     b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
-    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int32)
-    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
+    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
     metap = _at(tab, rank, set_off + OFF_META, tl.int32)
     xp = _at(tab, rank, set_off + OFF_X, DT)
     scp = _at(tab, rank, set_off + OFF_SC, tl.float32)
     ns = tl.arange(0, NSP)
     nsm = ns < NS
-    ps = tl.arange(0, WP)
-    # tokens each source sent, loaded once (masked sources: none)
-    nts = tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W, other=0))
-    if b == NB - 1:     # the last block: at small token counts it owns no pair
-        for l0 in range(0, L, LB):
-            ls = l0 + tl.arange(0, LB)
-            lm = ls < L
-            tot = tl.zeros([LB], tl.int32)
-            for s in range(W):
-                tot += tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
-            tl.store(recv_count + ls, tot, mask=lm)
-        tl.store(ntok_out + ps, nts, mask=ps < W)
     ks = tl.arange(0, KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
-    for s in range(W):
-        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-        for t in range(_first_token(b, s, NB, W), n_s, NB):
-            slot = s * T + t
-            # the row first: its address needs no metadata, so its load overlaps the metadata's
-            # (a token reaches a rank only when one of its experts is there: the row is used)
+    for t in range(_first_token(b, s, NB, W), n_s * ok, NB):
+        slot = s * T + t
+        # the row first: its address needs no metadata, so its load overlaps the metadata's
+        # (a token reaches a rank only when one of its experts is there: the row is used)
+        if EARLY:
+            if FP8:
+                v, sv = _quantize_row(tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32),
+                                      HP, FP8 == 2)
+            else:
+                v = tl.load(x + t * H + hs, mask=hm)
+        else:
             v = tl.load(xp + slot * H + hs, mask=hm)
             if FP8:
                 sv = tl.load(scp + slot * NS + ns, mask=nsm)
-            # the pair's top-k entries as one vector: every load of a pair is issued at once
-            # (a chain of scalar loads per entry cost ~0.3 us each, the slope of the dispatch)
-            m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
-            valid = m >= 0
-            first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
-                                    axis=1) == 0)
-            le = tl.maximum(m, 0) >> META_SHIFT
-            row = m & META_MASK
-            for s2 in range(s):
-                if not _masked(msk, s2):
-                    row += tl.load(cntp + s2 * L + le, mask=valid, other=0)
-            flat = le * (W * T) + row
+        # the pair's top-k entries as one vector: every load of a pair is issued at once
+        # (a chain of scalar loads per entry cost ~0.3 us each, the slope of the dispatch)
+        m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
+        valid = m >= 0
+        first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
+                                axis=1) == 0)
+        le = tl.maximum(m, 0) >> META_SHIFT
+        row = m & META_MASK
+        for s2 in range(s):
+            if not _masked(msk, s2):
+                if EARLY:
+                    c, st, _ = _poll_ll(cntp + s2 * L + le, _gated(valid, ok), epoch, t0_ns,
+                                        limit_ns, POLL)
+                    if st != -1:
+                        report_error(err, st, OP_DISPATCH, PHASE_DATA,
+                                     tl.full([], 1, tl.int64) << s2)
+                        ok = ok * 0
+                else:
+                    c = tl.load(cntp + s2 * L + le, mask=valid, other=0)
+                row += c.to(tl.int32)               # the count: the LL word's low half
+        flat = le * (W * T) + row
+        if ok != 0:
             tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
             tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
             for k in tl.static_range(K):
@@ -572,6 +628,44 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
                     tl.store(recv_x + flat_k * H + hs, v, mask=hm)
                     if FP8:
                         tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
+    return ok
+
+
+@triton.jit
+def _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err, rank,
+            set_off, msk, epoch, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+            K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
+            W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
+            OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
+            OFF_NTOK: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
+            OFF_SC: tl.constexpr, OWN_DONE: tl.constexpr):
+    """Dispatch stage D_RECV: this rank's receive slots into the per-expert layout (FP8: recv_x
+    is the uint8 view of the e4m3 output, and the scales are copied alongside), every source
+    but this rank when D_OWN expanded its own pairs already (OWN_DONE). Sources in the bit mask
+    ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
+    b = tl.program_id(0)
+    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
+    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
+    ps = tl.arange(0, WP)
+    # tokens each source sent, loaded once (masked sources: none)
+    nts = tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W, other=0))
+    if b == NB - 1:     # the last block: at small token counts it owns no pair
+        for l0 in range(0, L, LB):
+            ls = l0 + tl.arange(0, LB)
+            lm = ls < L
+            tot = tl.zeros([LB], tl.int32)
+            for s in range(W):
+                c = tl.load(cntp + s * L + ls, mask=lm, other=0).to(tl.int32)
+                tot += tl.where(_masked(msk, s), 0, c)
+            tl.store(recv_count + ls, tot, mask=lm)
+        tl.store(ntok_out + ps, nts, mask=ps < W)
+    ok = tl.full([], 1, tl.int32)
+    for s in range(W):
+        if (OWN_DONE == 0) | (s != rank):
+            n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
+            ok = _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, err,
+                                rank, set_off, msk, epoch, 0, 0, T, H, HP, K, KP, L, W, NB,
+                                MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP, OFF_SC, 0, 0)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -610,6 +704,7 @@ def dispatch_kernel(
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
+        OWN_EARLY: tl.constexpr = 0,    # 1: own rows expand from x in D_OWN, not sent to self
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
@@ -620,12 +715,19 @@ def dispatch_kernel(
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
+    epoch = (seq + 1) & LOW32               # of the LL count words
+    POLL: tl.constexpr = (STAGES & 8) != 0     # D_WAIT: on the GPU, waits read the clock
+    tl.static_assert((OWN_EARLY == 0) | (MASKS == 0))     # D_OWN: not with rank masks
+    limit_ns = timeout_us.to(tl.int64) * 1000
+    t0_ns = tl.full([], 0, tl.int64)
+    if POLL:
+        t0_ns = global_time_ns(BLOCK_WIDE)
     if STAGES & 1:
         if CARRY:       # released with the rows by this dispatch's signal
             _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
-        _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
-              TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE)
+        _send(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E, L, W, WP, NB,
+              EB, TT, TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC,
+              ROWS_FIRST, OWN_EARLY, PROFILE)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
@@ -634,11 +736,21 @@ def dispatch_kernel(
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
-    ok = 1
+    flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
+    ok = tl.full([], 1, tl.int32)
+    if STAGES & 16:     # D_OWN: this rank's own pairs while the peers' flags are on their way
+        if POLL:        # this rank's blocks released their metadata with their flags
+            peers = tl.full([], (1 << W) - 1, tl.int64) & ~(tl.full([], 1, tl.int64) << rank)
+            okl, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1,
+                                 NB * W, FP, W, peers, 0, LANES)
+            ok = okl.to(tl.int32)
+        ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab, err,
+                            rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W,
+                            NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP, OFF_SC, 1,
+                            POLL)
     if STAGES & 8:      # D_WAIT
-        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
-        ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
-                               FP, W, msk, MASKS, LANES)
+        okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
+                                FP, W, msk, MASKS, LANES)
         if MASKS:
             agreed = _agree_mask(err, seq + 1, msk | late)
             # a rank late here but seen by the deciding block has arrived: wait for it again
@@ -646,16 +758,17 @@ def dispatch_kernel(
             need = (late & ~agreed) != 0
             ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
                                  NB * W, FP, W, agreed, 0, LANES)
-            ok = ok & (ok2 | (need == 0))
+            okw = okw & (ok2 | (need == 0))
             if agreed != msk:
                 tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
             msk = agreed
+        ok = ok & okw.to(tl.int32)
         _stamp(err, 4, PROFILE, 0, NB)
     if STAGES & 2:      # D_RECV
-        if ok:
-            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
-                    set_off, msk, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
-                    OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
+        if ok != 0:
+            _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err,
+                    rank, set_off, msk, epoch, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X,
+                    OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC, OWN_EARLY)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
