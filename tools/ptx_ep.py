@@ -87,6 +87,10 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         f"dispatch_{dt}_carry": (K.dispatch_kernel, d_sig,
                                  dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, CARRY=1), warps,
                                  None),
+        # LLCOMM_EP_EARLY_OWN=1: own rows expanded before the wait (an A/B)
+        f"dispatch_{dt}_early": (K.dispatch_kernel, d_sig,
+                                 dict(d_consts, STAGES=K.DISPATCH_ALL_OWN_EARLY, FP8=0,
+                                      OWN_EARLY=1), warps, None),
         f"combine_{dt}_carried": (K.combine_kernel, c_sig,
                                   dict(c_consts, STAGES=K.COMBINE_ALL, CARRIED=1), warps,
                                   {"enable_fp_fusion": False}),
