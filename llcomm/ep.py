@@ -54,6 +54,10 @@ ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
 #: flags are on their way (stage D_OWN, kernels/ep.py), reading the counts of earlier sources
 #: as LL words; an A/B knob, not measured yet (docs/gpu-machine.md). Off with rank masks.
 EARLY_OWN_ENV = "LLCOMM_EP_EARLY_OWN"
+#: ``LLCOMM_EP_BLOCKWISE=1``: the blockwise dispatch (kernels/ep.py ``_send_blockwise``): block b
+#: of a receiver waits for block b of each source only, and expands its own pairs from x
+#: before that wait (not with rank masks). An A/B knob while it is measured.
+BLOCKWISE_ENV = "LLCOMM_EP_BLOCKWISE"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -69,6 +73,10 @@ MAX_MASK_RANKS = 32
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -91,11 +99,12 @@ def rows_first() -> int:
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
-                  small_tile_tokens: int | None = None):
+                  small_tile_tokens: int | None = None, prefix_tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
     Shared with tools/ptx_ep.py and the interpreter tests (which pick small tiles with
-    ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span several)."""
+    ``tile_tokens`` / ``small_tile_tokens`` / ``prefix_tile_tokens`` so a few tokens span
+    several)."""
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
     L = E // W
     off = lay.offsets()
@@ -116,6 +125,9 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
         per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
+    # blockwise prefixes (_token_meta): a [TP, KP, KP] compare per tile of earlier tokens
+    prefix_tile = prefix_tile_tokens or _floor_pow2(
+        max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // _pow2(topk) ** 2)))
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
     fp = _pow2(nb * W)
     block = wait_lanes_block()
@@ -124,7 +136,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(), OWN_EARLY=0, CARRY=0)
+             ROWS_FIRST=rows_first(), OWN_EARLY=0, CARRY=0, BLOCKWISE=0,
+             TP=prefix_tile)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
     return d, c, num_warps
@@ -736,8 +749,9 @@ class _PeerEP:
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            early = env_bit(EARLY_OWN_ENV, 0) and not self.masks
-            d = dict(d, OWN_EARLY=int(early),
+            blockwise = env_bit(BLOCKWISE_ENV, 0)
+            early = (env_bit(EARLY_OWN_ENV, 0) or blockwise) and not self.masks
+            d = dict(d, OWN_EARLY=int(early), BLOCKWISE=blockwise,
                      STAGES=self.k.DISPATCH_ALL_OWN_EARLY if early else self.k.DISPATCH_ALL)
             hit = self._consts[topk] = (dict(d, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
