@@ -397,8 +397,9 @@ MASK_CASES = [  # W, E, T, H, topk, NB, dtype, seed, kind, masked ranks
     (3, 6, 4, 16, 2, 3, "bfloat16", 3, "dups", [0]),
     (4, 8, 4, 16, 4, 2, "float16", 4, "random", [0, 3]),
     (4, 8, 5, 16, 2, 2, "float32", 5, "zero_and_max", [2]),
-    (3, 6, 5, 16, 3, 2, "float32", 2, "random", [1], True),        # blockwise dispatch
-    (4, 8, 4, 16, 4, 2, "float16", 4, "dups", [0, 3], True),
+    # blockwise dispatch (enough tokens that live ranks get several rows per expert)
+    (3, 6, 8, 16, 3, 2, "float32", 2, "random", [1], True),
+    (4, 8, 7, 16, 4, 3, "float16", 4, "dups", [0, 3], True),
 ]
 
 
