@@ -50,14 +50,13 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_EARLY_OWN=1``: the dispatch expands this rank's own rows from x while the peers'
-#: flags are on their way (stage D_OWN, kernels/ep.py), reading the counts of earlier sources
-#: as LL words; an A/B knob, not measured yet (docs/gpu-machine.md). Off with rank masks.
-EARLY_OWN_ENV = "LLCOMM_EP_EARLY_OWN"
 #: ``LLCOMM_EP_BLOCKWISE=1``: the blockwise dispatch (kernels/ep.py ``_send_blockwise``): block b
-#: of a receiver waits for block b of each source only, and expands its own pairs from x
-#: before that wait (not with rank masks). An A/B knob while it is measured.
+#: of a receiver waits for block b of each source only, and expands its own pairs before that
+#: wait (not with rank masks). An A/B knob while it is measured.
 BLOCKWISE_ENV = "LLCOMM_EP_BLOCKWISE"
+#: ``LLCOMM_EP_OWN_FROM_X=0``: the blockwise dispatch sends a rank's own rows to its own receive
+#: slots and expands them from there, instead of reading them from x (an A/B knob).
+OWN_FROM_X_ENV = "LLCOMM_EP_OWN_FROM_X"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -136,7 +135,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(), OWN_EARLY=0, CARRY=0, BLOCKWISE=0,
+             ROWS_FIRST=rows_first(), OWN_X=0, CARRY=0, BLOCKWISE=0,
              TP=prefix_tile)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
@@ -750,9 +749,8 @@ class _PeerEP:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
             blockwise = env_bit(BLOCKWISE_ENV, 0)
-            early = (env_bit(EARLY_OWN_ENV, 0) or blockwise) and not self.masks
-            d = dict(d, OWN_EARLY=int(early), BLOCKWISE=blockwise,
-                     STAGES=self.k.DISPATCH_ALL_OWN_EARLY if early else self.k.DISPATCH_ALL)
+            own_x = blockwise and env_bit(OWN_FROM_X_ENV, 1) and not self.masks
+            d = dict(d, BLOCKWISE=blockwise, OWN_X=int(own_x), STAGES=self.k.DISPATCH_ALL)
             hit = self._consts[topk] = (dict(d, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))
@@ -787,7 +785,7 @@ class _PeerEP:
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
-        consts.update(STAGES=self.k.DISPATCH_SEND_HALF, OWN_EARLY=0)   # the halves send to self
+        consts.update(STAGES=self.k.DISPATCH_SEND_HALF, OWN_X=0)   # the halves send to self
         self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(

@@ -38,7 +38,7 @@ def _same_up_to_interpreter_rounding(got, want):
 
 
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
-             carry=False, own_early=False, blockwise=False):
+             carry=False, own_x=False, blockwise=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
@@ -47,10 +47,10 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     which the interpreter lacks). ``carry``: the dispatch carries the weights (CARRY) into the
     handle slot's region (call i uses slot i % 2, as EPBuffer does) and the combine reads them
     there (CARRIED); the combine's own weights are then poisoned, so using them would show.
-    ``own_early``: each rank's own rows expand from x in stage D_OWN (counts of earlier sources
-    read as LL words) and are not sent to itself, so a D_RECV that expanded them again from its
-    (never written) own slots would show. ``blockwise``: the blockwise dispatch (BLOCKWISE=1:
-    metadata computed per token by its sending block, counts as LL words)."""
+    ``blockwise``: the blockwise dispatch (BLOCKWISE=1: metadata computed per token by its
+    sending block, counts as LL words, own pairs expanded first). ``own_x`` (blockwise): each
+    rank's own rows come from x and are not sent to itself, so expanding them from its (never
+    written) own slots would show."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
     from llcomm.ep_fp8 import dequantize, quantize
@@ -93,8 +93,6 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
             ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
             d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
-            if own_early:
-                d_stages = (K.D_SEND, K.D_OWN, K.D_RECV)
             for stage in d_stages:
                 if stage == K.D_RECV and signals:
                     fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
@@ -103,7 +101,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
                         **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
-                               OWN_EARLY=int(own_early)))
+                               OWN_X=int(own_x)))
             exp = oracle_dispatch(xs, topks, W, E, T)
             if fp8:
                 exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
@@ -232,10 +230,6 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     # weights carried by the dispatch, both slots (three calls), plain and split-phase stages
     (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True),
     (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups", "none"], 0, True, True),
-    # own rows expanded early from x (LLCOMM_EP_EARLY_OWN), plain, FP8 and carried weights
-    (3, 6, 5, 16, 3, 2, "bfloat16", [1, 2], ["random", "dups", "zero_and_max"], 0, False, False,
-     True),
-    (2, 8, 5, 256, 3, 4, "bfloat16", [3], ["random", "sparse"], 1, False, True, True),
     # the blockwise dispatch (LLCOMM_EP_BLOCKWISE): own rows from x, FP8 with carried weights,
     # own rows sent to itself (as with rank masks), send halves
     (3, 6, 5, 16, 3, 2, "bfloat16", [1, 2], ["random", "dups", "zero_and_max"], 0, False, False,
@@ -253,7 +247,7 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
                                              + ("-signals" if len(c) > 10 and c[10] else "")
                                              + ("-carry" if len(c) > 11 and c[11] else "")
-                                             + ("-early" if len(c) > 12 and c[12] else "")
+                                             + ("-own_x" if len(c) > 12 and c[12] else "")
                                              + ("-blockwise" if len(c) > 13 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):

@@ -132,9 +132,8 @@ PROF_GT1 = tl.constexpr(EL.PROF_WORDS - 1)
 PROF_LAST = tl.constexpr(EL.PROF_WORDS - 3)     # the kernel's end
 
 # Stage bits (python ints for the host, constexpr for the kernels).
-D_SEND, D_RECV, D_SIGNAL, D_WAIT, D_OWN = 1, 2, 4, 8, 16
+D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
 DISPATCH_ALL = D_SEND | D_RECV | D_SIGNAL | D_WAIT
-DISPATCH_ALL_OWN_EARLY = DISPATCH_ALL | D_OWN     # LLCOMM_EP_EARLY_OWN=1 (an A/B)
 DISPATCH_SEND_HALF = D_SEND | D_SIGNAL
 DISPATCH_RECV_HALF = D_WAIT | D_RECV
 C_WEIGHTS, C_REDUCE, C_SUM, C_SYNC_W, C_SIGNAL_P, C_WAIT_P = 1, 2, 4, 8, 16, 32
@@ -415,16 +414,16 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, t_first, T: tl.constexpr, H: 
                HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                W: tl.constexpr, NB: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
-               OWN_EARLY: tl.constexpr):
+               OWN_X: tl.constexpr):
     """This block's token rows (``t_first``, then every NB-th) once per destination rank
     (which ranks: a bit mask from scalar loads), into the source's slot ``rank * T + t``
-    there; FP8 quantises here, once. OWN_EARLY: not to this rank (its own rows expand from x)."""
+    there; FP8 quantises here, once. OWN_X: not to this rank (its own rows expand from x)."""
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
     for t in range(t_first, n_tok, NB):
         bits = _rank_bits(topk + t * K, K, E, L)
-        if OWN_EARLY:
+        if OWN_X:
             bits = bits & ~(tl.full([], 1, tl.int64) << rank)
         slot = rank * T + t
         if FP8:
@@ -531,7 +530,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off, epoch,
           TS: tl.constexpr, JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
-          OWN_EARLY: tl.constexpr, PROFILE: tl.constexpr):
+          OWN_X: tl.constexpr, PROFILE: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -550,7 +549,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off, epoch,
     b = tl.program_id(0)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, b, T, H, HP, K, E, L, W, NB, OFF_X, FP8,
-                   NS, OFF_SC, OWN_EARLY)
+                   NS, OFF_SC, OWN_X)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     _push_counts(topk, n_tok, tab, err, rank, set_off, epoch, T, K, KP, E, L, W, NB, EB, TT, TS,
                  MAX_TOPK, OFF_META, OFF_CNT, 1)
@@ -572,7 +571,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off, epoch,
         tl.store(mp + ks[None, :], tl.full([JP, KP], -1, tl.int32), mask=live2 & (dv2 != d))
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, b, T, H, HP, K, E, L, W, NB, OFF_X, FP8,
-                   NS, OFF_SC, OWN_EARLY)
+                   NS, OFF_SC, OWN_X)
 
 
 @triton.jit
@@ -607,7 +606,7 @@ def _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch,
                     TS: tl.constexpr, TP: tl.constexpr, MAX_TOPK: tl.constexpr,
                     OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
                     OFF_NTOK: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
-                    OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr, OWN_EARLY: tl.constexpr,
+                    OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr, OWN_X: tl.constexpr,
                     PROFILE: tl.constexpr):
     """Blockwise dispatch (BLOCKWISE), stages 1 and 2. Block b sends everything block b of a
     receiver needs for the pairs it expands (``_first_token``: tokens ``_first_token(b, rank)
@@ -623,7 +622,7 @@ def _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch,
         _push_counts(topk, n_tok, tab, err, rank, set_off, epoch, T, K, KP, E, L, W, NB, EB, TT,
                      TS, MAX_TOPK, OFF_META, OFF_CNT, 0)
     _push_rows(x, topk, n_tok, tab, rank, set_off, first, T, H, HP, K, E, L, W, NB, OFF_X, FP8,
-               NS, OFF_SC, OWN_EARLY)
+               NS, OFF_SC, OWN_X)
     _stamp(err, 1, PROFILE, 0, NB)      # rows pushed (issued)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -647,12 +646,11 @@ def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, er
                    FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
                    OFF_SC: tl.constexpr, FROM_X: tl.constexpr, LLCNT: tl.constexpr,
                    POLL: tl.constexpr):
-    """Dispatch stage D_RECV (or D_OWN) for source s: each pair (s, t) this block owns
-    (``_first_token``) into the per-expert layout. Sources in the bit mask ``msk`` count as
-    having sent nothing. FROM_X (D_OWN): s is this rank and the row comes from x (FP8:
-    quantised again, the bytes the peers got), not from its receive slot. LLCNT: the counts
-    of the earlier sources are polled as LL words (no flag covers them: D_OWN, or the
-    blockwise dispatch); otherwise the dispatch's wait covered them. The metadata must be
+    """Dispatch stage D_RECV for source s: each pair (s, t) this block owns (``_first_token``)
+    into the per-expert layout. Sources in the bit mask ``msk`` count as having sent nothing.
+    FROM_X: s is this rank and the row comes from x (FP8: quantised again, the bytes the peers
+    got), not from its receive slot. LLCNT (blockwise): the counts of the earlier sources are
+    polled as LL words (no flag covers them); otherwise the dispatch's wait covered them. The metadata must be
     visible already (a wait, or this block wrote it). Returns ok (0 after a failed poll,
     already reported)."""
     b = tl.program_id(0)
@@ -727,7 +725,7 @@ def _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
             POLL: tl.constexpr):
     """Dispatch stage D_RECV: this rank's receive slots into the per-expert layout (FP8: recv_x
     is the uint8 view of the e4m3 output, and the scales are copied alongside), every source
-    but this rank when D_OWN expanded its own pairs already (OWN_DONE). Sources in the bit mask
+    but this rank when its own pairs were expanded before the wait (OWN_DONE). Sources in the bit mask
     ``msk`` (masked ranks) count as having sent nothing: no rows, no counts. LLCNT (blockwise):
     the counts are polled as LL words (_expand_source). Returns ok (0 after a failed poll)."""
     b = tl.program_id(0)
@@ -802,7 +800,7 @@ def dispatch_kernel(
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
-        OWN_EARLY: tl.constexpr = 0,    # 1: own rows expand from x in D_OWN, not sent to self
+        OWN_X: tl.constexpr = 0,        # blockwise: own rows not sent to self but read from x
         BLOCKWISE: tl.constexpr = 0,    # 1: block b waits for block b of each source only
         TP: tl.constexpr = 128,         # BLOCKWISE: earlier tokens per prefix tile (_token_meta)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
@@ -817,7 +815,10 @@ def dispatch_kernel(
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     epoch = (seq + 1) & LOW32               # of the LL count words
     POLL: tl.constexpr = (STAGES & 8) != 0     # D_WAIT: on the GPU, waits read the clock
-    tl.static_assert((OWN_EARLY == 0) | (MASKS == 0))     # D_OWN: not with rank masks
+    # blockwise without masks: own pairs before the wait (with masks the wait decides first
+    # which sources count, and own rows land after the counts of the earlier ones)
+    OWN_FIRST: tl.constexpr = (BLOCKWISE != 0) & (MASKS == 0)
+    tl.static_assert((OWN_X == 0) | OWN_FIRST)    # own rows from x: only when expanded first
     limit_ns = timeout_us.to(tl.int64) * 1000
     t0_ns = tl.full([], 0, tl.int64)
     if POLL:
@@ -828,11 +829,11 @@ def dispatch_kernel(
         if BLOCKWISE:
             _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E,
                             L, W, WP, NB, EB, TT, TS, TP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT,
-                            OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST, OWN_EARLY, PROFILE)
+                            OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
         else:
             _send(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E, L, W, WP,
                   NB, EB, TT, TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS,
-                  OFF_SC, ROWS_FIRST, OWN_EARLY, PROFILE)
+                  OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
@@ -849,17 +850,13 @@ def dispatch_kernel(
     if BLOCKWISE:
         flags += b * W
     ok = tl.full([], 1, tl.int32)
-    if STAGES & 16:     # D_OWN: this rank's own pairs while the peers' flags are on their way
-        if POLL and not BLOCKWISE:  # this rank's blocks released their metadata with their
-            #                         flags (blockwise: this block wrote its own metadata)
-            peers = tl.full([], (1 << W) - 1, tl.int64) & ~(tl.full([], 1, tl.int64) << rank)
-            okl, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1,
-                                 NB * W, FP, W, peers, 0, LANES)
-            ok = okl.to(tl.int32)
+    if (STAGES & 2) and OWN_FIRST:
+        # this rank's own pairs while the peers' flags are on their way: this block wrote
+        # their metadata (and rows, unless they come from x), the counts are LL words
         ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab, err,
                             rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W,
-                            NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP, OFF_SC, 1, 1,
-                            POLL)
+                            NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP, OFF_SC,
+                            OWN_X, 1, POLL)
     if STAGES & 8:      # D_WAIT
         okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NF,
                                 NFP, W, msk, MASKS, WL)
@@ -881,7 +878,7 @@ def dispatch_kernel(
             _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err,
                     rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, LB, W, WP, NB,
                     MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC,
-                    OWN_EARLY, BLOCKWISE, POLL)
+                    OWN_FIRST, BLOCKWISE, POLL)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
