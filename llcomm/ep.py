@@ -57,6 +57,9 @@ BLOCKWISE_ENV = "LLCOMM_EP_BLOCKWISE"
 #: ``LLCOMM_EP_OWN_FROM_X=0``: the blockwise dispatch sends a rank's own rows to its own receive
 #: slots and expands them from there, instead of reading them from x (an A/B knob).
 OWN_FROM_X_ENV = "LLCOMM_EP_OWN_FROM_X"
+#: Env override of the blockwise dispatch's prefix tile (earlier tokens per ``[TP, KP, KP]``
+#: compare in kernels/ep.py ``_token_meta``; a power of two).
+PREFIX_TILE_ENV = "LLCOMM_EP_PREFIX_TILE"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -125,7 +128,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
     # blockwise prefixes (_token_meta): a [TP, KP, KP] compare per tile of earlier tokens
-    prefix_tile = prefix_tile_tokens or _floor_pow2(
+    prefix_tile = prefix_tile_tokens or env_pow2(PREFIX_TILE_ENV, 0) or _floor_pow2(
         max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // _pow2(topk) ** 2)))
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
     fp = _pow2(nb * W)

@@ -30,10 +30,15 @@ from llcomm.ep_fp8 import dequantize  # noqa: E402
 from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
 #: Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start).
+BLOCKWISE = os.environ.get("LLCOMM_EP_BLOCKWISE", "0") == "1"     # llcomm/ep.py BLOCKWISE_ENV
 STAGES = {
-    "dispatch": (("push rows", "scan top-k, counts, metadata") if rows_first() else
-                 ("scan top-k", "push rows, counts, metadata"))
-    + ("signal", "wait (all blocks, all ranks)", "expand"),
+    "dispatch": ((("push rows", "metadata, counts") if rows_first() else
+                  ("counts, push rows", "metadata"))
+                 + ("signal + own pairs", "wait (block b of each rank)", "expand peers' pairs"))
+    if BLOCKWISE else
+    ((("push rows", "scan top-k, counts, metadata") if rows_first() else
+      ("scan top-k", "push rows, counts, metadata"))
+     + ("signal", "wait (all blocks, all ranks)", "expand")),
     "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials", "sum"),
 }
 CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end

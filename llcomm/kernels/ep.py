@@ -838,7 +838,8 @@ def dispatch_kernel(
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
-        _stamp(err, 3, PROFILE, 0, NB)
+        if not OWN_FIRST:
+            _stamp(err, 3, PROFILE, 0, NB)
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
@@ -857,6 +858,8 @@ def dispatch_kernel(
                             rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W,
                             NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP, OFF_SC,
                             OWN_X, 1, POLL)
+    if OWN_FIRST:
+        _stamp(err, 3, PROFILE, 0, NB)  # signal and own pairs
     if STAGES & 8:      # D_WAIT
         okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NF,
                                 NFP, W, msk, MASKS, WL)
