@@ -60,6 +60,9 @@ OWN_FROM_X_ENV = "LLCOMM_EP_OWN_FROM_X"
 #: Env override of the blockwise dispatch's prefix tile (earlier tokens per ``[TP, KP, KP]``
 #: compare in kernels/ep.py ``_token_meta``; a power of two).
 PREFIX_TILE_ENV = "LLCOMM_EP_PREFIX_TILE"
+#: ``LLCOMM_EP_OWN_PRESIGNAL=0``: the blockwise dispatch expands its own pairs after its signal,
+#: not before it while its rows cross NVLink (an A/B knob).
+OWN_PRESIGNAL_ENV = "LLCOMM_EP_OWN_PRESIGNAL"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -95,9 +98,21 @@ def wait_lanes_block() -> bool:
     return raw == "block"
 
 
+def blockwise() -> int:
+    """BLOCKWISE of the dispatch kernel: ``LLCOMM_EP_BLOCKWISE``, 0 unless set."""
+    return env_bit(BLOCKWISE_ENV, 0)
+
+
 def rows_first() -> int:
-    """ROWS_FIRST of the dispatch kernel: 1 unless ``LLCOMM_EP_ROWS_FIRST=0``."""
-    return env_bit(ROWS_FIRST_ENV, 1)
+    """ROWS_FIRST of the dispatch kernel: ``LLCOMM_EP_ROWS_FIRST``; unset, 1, except for the
+    blockwise dispatch, whose own pairs (before the signal) need the earlier ranks' counts
+    early: 0 sends them ahead of the rows."""
+    return env_bit(ROWS_FIRST_ENV, 0 if blockwise() and own_presignal() else 1)
+
+
+def own_presignal() -> int:
+    """OWN_PRESIGNAL of the blockwise dispatch: 1 unless ``LLCOMM_EP_OWN_PRESIGNAL=0``."""
+    return env_bit(OWN_PRESIGNAL_ENV, 1)
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
@@ -139,6 +154,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
              ROWS_FIRST=rows_first(), OWN_X=0, CARRY=0, BLOCKWISE=0,
+             OWN_PRESIGNAL=own_presignal(),
              TP=prefix_tile)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
@@ -751,9 +767,9 @@ class _PeerEP:
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            blockwise = env_bit(BLOCKWISE_ENV, 0)
-            own_x = blockwise and env_bit(OWN_FROM_X_ENV, 1) and not self.masks
-            d = dict(d, BLOCKWISE=blockwise, OWN_X=int(own_x), STAGES=self.k.DISPATCH_ALL)
+            bw = blockwise()
+            own_x = bw and env_bit(OWN_FROM_X_ENV, 1) and not self.masks
+            d = dict(d, BLOCKWISE=bw, OWN_X=int(own_x), STAGES=self.k.DISPATCH_ALL)
             hit = self._consts[topk] = (dict(d, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))

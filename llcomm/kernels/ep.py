@@ -803,6 +803,7 @@ def dispatch_kernel(
         OWN_X: tl.constexpr = 0,        # blockwise: own rows not sent to self but read from x
         BLOCKWISE: tl.constexpr = 0,    # 1: block b waits for block b of each source only
         TP: tl.constexpr = 128,         # BLOCKWISE: earlier tokens per prefix tile (_token_meta)
+        OWN_PRESIGNAL: tl.constexpr = 1,    # BLOCKWISE: own pairs before the signal, not after
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
@@ -823,6 +824,10 @@ def dispatch_kernel(
     t0_ns = tl.full([], 0, tl.int64)
     if POLL:
         t0_ns = global_time_ns(BLOCK_WIDE)
+    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
+    if MASKS:
+        msk = tl.load(err + ERR_MASK, volatile=True)
+    ok = tl.full([], 1, tl.int32)
     if STAGES & 1:
         if CARRY:       # released with the rows by this dispatch's signal
             _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
@@ -834,15 +839,23 @@ def dispatch_kernel(
             _send(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E, L, W, WP,
                   NB, EB, TT, TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS,
                   OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
-        _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
-    if STAGES & 4:      # D_SIGNAL
-        tl.debug_barrier()
-        _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
-        if not OWN_FIRST:
-            _stamp(err, 3, PROFILE, 0, NB)
-    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
-    if MASKS:
-        msk = tl.load(err + ERR_MASK, volatile=True)
+    # phase 0 ends with stamp 2, phase 1 (the signal) with stamp 3; blockwise, the own pairs
+    # go into one of them (OWN_PRESIGNAL: 0, while the rows cross NVLink; else 1, after the
+    # signal): this block wrote their metadata (and their rows, unless they come from x), the
+    # counts are LL words
+    for phase in tl.static_range(2):
+        if phase == 1:
+            if STAGES & 4:      # D_SIGNAL
+                tl.debug_barrier()
+                _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank,
+                        word, W, WP)
+        if (STAGES & 2) and OWN_FIRST and (phase == 1 - OWN_PRESIGNAL):
+            tl.debug_barrier()          # rows and metadata stored by the block's other threads
+            ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab,
+                                err, rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP,
+                                L, W, NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP,
+                                OFF_SC, OWN_X, 1, POLL)
+        _stamp(err, 2 + phase, PROFILE, 0, NB)
     flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
     # the flags a wait polls: every (block, source), or (blockwise) block b's of each source
     NF: tl.constexpr = W if BLOCKWISE else NB * W
@@ -850,16 +863,6 @@ def dispatch_kernel(
     WL: tl.constexpr = (WP if LANES < BLOCK_WIDE else BLOCK_WIDE) if BLOCKWISE else LANES
     if BLOCKWISE:
         flags += b * W
-    ok = tl.full([], 1, tl.int32)
-    if (STAGES & 2) and OWN_FIRST:
-        # this rank's own pairs while the peers' flags are on their way: this block wrote
-        # their metadata (and rows, unless they come from x), the counts are LL words
-        ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab, err,
-                            rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, W,
-                            NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP, OFF_SC,
-                            OWN_X, 1, POLL)
-    if OWN_FIRST:
-        _stamp(err, 3, PROFILE, 0, NB)  # signal and own pairs
     if STAGES & 8:      # D_WAIT
         okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NF,
                                 NFP, W, msk, MASKS, WL)
