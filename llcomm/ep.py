@@ -55,7 +55,8 @@ ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
 #: wait (not with rank masks). An A/B knob while it is measured.
 BLOCKWISE_ENV = "LLCOMM_EP_BLOCKWISE"
 #: ``LLCOMM_EP_OWN_FROM_X=0``: the blockwise dispatch sends a rank's own rows to its own receive
-#: slots and expands them from there, instead of reading them from x (an A/B knob).
+#: slots and expands them from there, instead of reading them from x (an A/B knob; FP8
+#: dispatches always do).
 OWN_FROM_X_ENV = "LLCOMM_EP_OWN_FROM_X"
 #: Env override of the blockwise dispatch's prefix tile (earlier tokens per ``[TP, KP, KP]``
 #: compare in kernels/ep.py ``_token_meta``; a power of two).
@@ -800,6 +801,9 @@ class _PeerEP:
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
                 weights if carry else topk_idx, w_off)
         consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry)
+        if fp8:     # blockwise: FP8 own rows from their slots (quantising them again on the
+            #         receiver cost 3.5 us at 1 token, session 10)
+            consts["OWN_X"] = 0
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)

@@ -35,8 +35,8 @@ def _dispatch_stages():
         return (("push rows", "scan top-k, counts, metadata") if rows_first() else
                 ("scan top-k", "push rows, counts, metadata")) + (
                 "signal", "wait (all blocks, all ranks)", "expand")
-    first = ("push rows", "metadata, counts") if rows_first() else ("counts, push rows",
-                                                                     "metadata")
+    first = ("push rows", "metadata, counts") if rows_first() else ("counts",
+                                                                     "metadata, push rows")
     own = ((first[1] + ", own pairs", "signal") if own_presignal() else
            (first[1], "signal, own pairs"))
     return (first[0],) + own + ("wait (block b of each rank)", "expand the peers' pairs")
