@@ -50,20 +50,6 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_BLOCKWISE=1``: the blockwise dispatch (kernels/ep.py ``_send_blockwise``): block b
-#: of a receiver waits for block b of each source only, and expands its own pairs before that
-#: wait (not with rank masks). An A/B knob while it is measured.
-BLOCKWISE_ENV = "LLCOMM_EP_BLOCKWISE"
-#: ``LLCOMM_EP_OWN_FROM_X=0``: the blockwise dispatch sends a rank's own rows to its own receive
-#: slots and expands them from there, instead of reading them from x (an A/B knob; FP8
-#: dispatches always do).
-OWN_FROM_X_ENV = "LLCOMM_EP_OWN_FROM_X"
-#: Env override of the blockwise dispatch's prefix tile (earlier tokens per ``[TP, KP, KP]``
-#: compare in kernels/ep.py ``_token_meta``; a power of two).
-PREFIX_TILE_ENV = "LLCOMM_EP_PREFIX_TILE"
-#: ``LLCOMM_EP_OWN_PRESIGNAL=0``: the blockwise dispatch expands its own pairs after its signal,
-#: not before it while its rows cross NVLink (an A/B knob).
-OWN_PRESIGNAL_ENV = "LLCOMM_EP_OWN_PRESIGNAL"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -81,10 +67,6 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _floor_pow2(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -99,30 +81,17 @@ def wait_lanes_block() -> bool:
     return raw == "block"
 
 
-def blockwise() -> int:
-    """BLOCKWISE of the dispatch kernel: ``LLCOMM_EP_BLOCKWISE``, 0 unless set."""
-    return env_bit(BLOCKWISE_ENV, 0)
-
-
 def rows_first() -> int:
-    """ROWS_FIRST of the dispatch kernel: ``LLCOMM_EP_ROWS_FIRST``; unset, 1, except for the
-    blockwise dispatch, whose own pairs (before the signal) need the earlier ranks' counts
-    early: 0 sends them ahead of the rows."""
-    return env_bit(ROWS_FIRST_ENV, 0 if blockwise() and own_presignal() else 1)
-
-
-def own_presignal() -> int:
-    """OWN_PRESIGNAL of the blockwise dispatch: 1 unless ``LLCOMM_EP_OWN_PRESIGNAL=0``."""
-    return env_bit(OWN_PRESIGNAL_ENV, 1)
+    """ROWS_FIRST of the dispatch kernel: 1 unless ``LLCOMM_EP_ROWS_FIRST=0``."""
+    return env_bit(ROWS_FIRST_ENV, 1)
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
-                  small_tile_tokens: int | None = None, prefix_tile_tokens: int | None = None):
+                  small_tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
     Shared with tools/ptx_ep.py and the interpreter tests (which pick small tiles with
-    ``tile_tokens`` / ``small_tile_tokens`` / ``prefix_tile_tokens`` so a few tokens span
-    several)."""
+    ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span several)."""
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
     L = E // W
     off = lay.offsets()
@@ -143,9 +112,6 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
         per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
-    # blockwise prefixes (_token_meta): a [TP, KP, KP] compare per tile of earlier tokens
-    prefix_tile = prefix_tile_tokens or env_pow2(PREFIX_TILE_ENV, 0) or _floor_pow2(
-        max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // _pow2(topk) ** 2)))
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
     fp = _pow2(nb * W)
     block = wait_lanes_block()
@@ -154,9 +120,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(), OWN_X=0, CARRY=0, BLOCKWISE=0,
-             OWN_PRESIGNAL=own_presignal(),
-             TP=prefix_tile)
+             ROWS_FIRST=rows_first(), CARRY=0)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
     return d, c, num_warps
@@ -768,10 +732,7 @@ class _PeerEP:
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            bw = blockwise()
-            own_x = bw and env_bit(OWN_FROM_X_ENV, 1) and not self.masks
-            d = dict(d, BLOCKWISE=bw, OWN_X=int(own_x), STAGES=self.k.DISPATCH_ALL)
-            hit = self._consts[topk] = (dict(d, **mode),
+            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))
         return hit
@@ -801,14 +762,11 @@ class _PeerEP:
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
                 weights if carry else topk_idx, w_off)
         consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry)
-        if fp8:     # blockwise: FP8 own rows from their slots (quantising them again on the
-            #         receiver cost 3.5 us at 1 token, session 10)
-            consts["OWN_X"] = 0
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
-        consts.update(STAGES=self.k.DISPATCH_SEND_HALF, OWN_X=0)   # the halves send to self
+        consts["STAGES"] = self.k.DISPATCH_SEND_HALF
         self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(

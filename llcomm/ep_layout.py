@@ -20,8 +20,7 @@ consecutive combines)::
                     fp8   [num_ranks, max_tokens, hidden]          quantised rows, slot (src, t)
                     fp32  [num_ranks, max_tokens, hidden // 128]   their scales (recv_scales)
     dispatch meta   int32 [num_ranks, max_tokens, MAX_TOPK]        (local expert << 16) | prefix
-    dispatch count  int64 [num_ranks, num_local_experts]           LL words: epoch | tokens per
-                                                                   local expert
+    dispatch count  int32 [num_ranks, num_local_experts]           tokens per local expert
     dispatch ntok   int32 [num_ranks]                              tokens each source sent
     combine recv    dtype [num_ranks, max_tokens, hidden]          partials, slot (expert rank, t)
     combine weights fp32  [num_ranks, max_tokens, MAX_TOPK]        top-k weights, slot (src, t)
@@ -210,7 +209,7 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
         ("signal", 8 * SIGNAL_PHASES * max(num_blocks, DEFAULT_NUM_BLOCKS) * W),
         ("recv_x", recv_bytes),
         ("recv_meta", 4 * W * T * max_topk),
-        ("recv_count", 8 * W * L),          # LL words: epoch | count
+        ("recv_count", 4 * W * L),
         ("recv_ntok", 4 * W),
         ("combine_x", W * T * H * itemsize),
         ("combine_weights", 4 * W * T * max_topk),

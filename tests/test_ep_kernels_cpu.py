@@ -38,7 +38,7 @@ def _same_up_to_interpreter_rounding(got, want):
 
 
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
-             carry=False, own_x=False, blockwise=False):
+             carry=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
@@ -46,11 +46,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     flag a wait would poll holds the expected word (the waits themselves read the GPU clock,
     which the interpreter lacks). ``carry``: the dispatch carries the weights (CARRY) into the
     handle slot's region (call i uses slot i % 2, as EPBuffer does) and the combine reads them
-    there (CARRIED); the combine's own weights are then poisoned, so using them would show.
-    ``blockwise``: the blockwise dispatch (BLOCKWISE=1: metadata computed per token by its
-    sending block, counts as LL words, own pairs expanded first). ``own_x`` (blockwise): each
-    rank's own rows come from x and are not sent to itself, so expanding them from its (never
-    written) own slots would show."""
+    there (CARRIED); the combine's own weights are then poisoned, so using them would show."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
     from llcomm.ep_fp8 import dequantize, quantize
@@ -70,10 +66,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
     # TT=4: several top-k tiles even at these small token counts; up to 2 tokens take the
     # one-small-tile path (TS=2)
-    # prefix tiles of 2 earlier tokens: the blockwise prefixes span several tiles too
-    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2,
-                              prefix_tile_tokens=2)
-    dc["BLOCKWISE"] = int(blockwise)
+    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
     fails = []
     call = 0
     for seed in seeds:
@@ -100,8 +93,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     K.dispatch_kernel[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
-                        **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
-                               OWN_X=int(own_x)))
+                        **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry)))
             exp = oracle_dispatch(xs, topks, W, E, T)
             if fp8:
                 exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
@@ -230,25 +222,13 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     # weights carried by the dispatch, both slots (three calls), plain and split-phase stages
     (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True),
     (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups", "none"], 0, True, True),
-    # the blockwise dispatch (LLCOMM_EP_BLOCKWISE): own rows from x, FP8 with carried weights,
-    # own rows sent to itself (as with rank masks), send halves
-    (3, 6, 5, 16, 3, 2, "bfloat16", [1, 2], ["random", "dups", "zero_and_max"], 0, False, False,
-     True, True),
-    (2, 8, 7, 256, 3, 3, "bfloat16", [3], ["random", "sparse", "one_expert"], 1, False, True,
-     True, True),
-    (4, 8, 4, 16, 2, 2, "float32", [4], ["random", "sparse", "zero_and_max"], 0, False, False,
-     False, True),
-    (2, 4, 4, 16, 2, 2, "float32", [6, 7], ["random", "zero_and_max"], 0, True, True, False,
-     True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}"
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
                                              + ("-signals" if len(c) > 10 and c[10] else "")
-                                             + ("-carry" if len(c) > 11 and c[11] else "")
-                                             + ("-own_x" if len(c) > 12 and c[12] else "")
-                                             + ("-blockwise" if len(c) > 13 else "")
+                                             + ("-carry" if len(c) > 11 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)
@@ -295,14 +275,13 @@ def test_e4m3_rounding_matches_torch():
     assert not fails, "\n".join(fails)
 
 
-def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked, blockwise=False):
+def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     """Rank masks (``MASKS=1``): every rank pushes (a masked rank's late rows and counts land
     too, so a stage that read them would be caught), then only the live ranks receive, with
     ``err[ERR_MASK]`` naming ``masked``, and run the combine without the masked ranks (their
     weights never come). Checked against the oracle with the masked ranks' contributions
     absent: dispatch as if they had sent no token, combine as if their experts were not in any
-    top-k (zeros for a token routed only to them). ``blockwise``: the blockwise dispatch.
-    Returns failures."""
+    top-k (zeros for a token routed only to them). Returns failures."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
     from llcomm.ep_layout import ep_layout
@@ -322,7 +301,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked, blockw
            for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
     dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
-    dc, cc = dict(dc, MASKS=1, BLOCKWISE=int(blockwise)), dict(cc, MASKS=1)
+    dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)
     tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} masked={masked}]"
     xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
     recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
@@ -391,15 +370,11 @@ MASK_CASES = [  # W, E, T, H, topk, NB, dtype, seed, kind, masked ranks
     (3, 6, 4, 16, 2, 3, "bfloat16", 3, "dups", [0]),
     (4, 8, 4, 16, 4, 2, "float16", 4, "random", [0, 3]),
     (4, 8, 5, 16, 2, 2, "float32", 5, "zero_and_max", [2]),
-    # blockwise dispatch (enough tokens that live ranks get several rows per expert)
-    (3, 6, 8, 16, 3, 2, "float32", 2, "random", [1], True),
-    (4, 8, 7, 16, 4, 3, "float16", 4, "dups", [0, 3], True),
 ]
 
 
 @pytest.mark.parametrize("case", MASK_CASES,
                          ids=[f"w{c[0]}-{c[6]}-{c[8]}-m{''.join(map(str, c[9]))}"
-                              + ("-blockwise" if len(c) > 10 else "")
                               for c in MASK_CASES])
 def test_masked_sources_are_skipped_in_interpreter(case):
     fails = _run_in_interpreter("simulate_masked", *case)

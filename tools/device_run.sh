@@ -104,15 +104,10 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             ep-blocks)  # LLCOMM_EP_NUM_BLOCKS: fewer EP blocks (fewer flags per wait, less expand)
                 for nb in 128 64 32; do ab_run ep-nb-$nb "LLCOMM_EP_NUM_BLOCKS=$nb" bench ep \
                     --tokens 1,128 --iters 30; done ;;
-            blockwise)  # LLCOMM_EP_BLOCKWISE: one flag per source per block; then own pairs after the signal
-                for v in 0 1 0 1; do ab_run blockwise-$v-$RANDOM "LLCOMM_EP_BLOCKWISE=$v" bench ep \
-                    --tokens 1,128 --iters 30 --fp8 --carry-weights; done
-                ab_run blockwise-1-own-postsignal "LLCOMM_EP_BLOCKWISE=1 LLCOMM_EP_OWN_PRESIGNAL=0" \
-                    bench ep --tokens 1,128 --iters 30 --fp8 --carry-weights ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-blocks, blockwise)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-blocks)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

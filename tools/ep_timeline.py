@@ -25,25 +25,15 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm.bench import common as C  # noqa: E402
-from llcomm.ep import blockwise, own_presignal, rows_first  # noqa: E402
+from llcomm.ep import rows_first  # noqa: E402
 from llcomm.ep_fp8 import dequantize  # noqa: E402
 from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
 #: Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start).
-def _dispatch_stages():
-    if not blockwise():
-        return (("push rows", "scan top-k, counts, metadata") if rows_first() else
-                ("scan top-k", "push rows, counts, metadata")) + (
-                "signal", "wait (all blocks, all ranks)", "expand")
-    first = ("push rows", "metadata, counts") if rows_first() else ("counts",
-                                                                     "metadata, push rows")
-    own = ((first[1] + ", own pairs", "signal") if own_presignal() else
-           (first[1], "signal, own pairs"))
-    return (first[0],) + own + ("wait (block b of each rank)", "expand the peers' pairs")
-
-
 STAGES = {
-    "dispatch": _dispatch_stages(),
+    "dispatch": (("push rows", "scan top-k, counts, metadata") if rows_first() else
+                 ("scan top-k", "push rows, counts, metadata"))
+    + ("signal", "wait (all blocks, all ranks)", "expand"),
     "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials", "sum"),
 }
 CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end

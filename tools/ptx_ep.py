@@ -87,17 +87,6 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
         f"dispatch_{dt}_carry": (K.dispatch_kernel, d_sig,
                                  dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, CARRY=1), warps,
                                  None),
-        # LLCOMM_EP_BLOCKWISE=1: one flag per source per block (an A/B), bf16 and FP8
-        f"dispatch_{dt}_bw": (K.dispatch_kernel, d_sig,
-                              dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0,
-                                   OWN_X=1, BLOCKWISE=1, CARRY=1), warps, None),
-        **({} if hidden % 128 else {
-            f"dispatch_{dt}_bw_fp8": (K.dispatch_kernel, d8_sig,
-                                      dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1,
-                                           OWN_X=1, BLOCKWISE=1, CARRY=1), warps, None)}),
-        f"dispatch_{dt}_bw_masks": (K.dispatch_kernel, d_sig,
-                                    dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, MASKS=1,
-                                         BLOCKWISE=1), warps, None),
         f"combine_{dt}_carried": (K.combine_kernel, c_sig,
                                   dict(c_consts, STAGES=K.COMBINE_ALL, CARRIED=1), warps,
                                   {"enable_fp_fusion": False}),

@@ -146,7 +146,6 @@ SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
 SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
 META_SHIFT = tl.constexpr(EL.META_SHIFT)
 META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
-LOW32 = tl.constexpr(0xFFFFFFFF)        # LL words (_ll): the epoch above, the data below
 FP8_BLOCK = tl.constexpr(EL.FP8_BLOCK)
 FP8_MAX = tl.constexpr(448.0)           # largest finite float8_e4m3fn (llcomm/ep_fp8.py)
 # fp32 bit fields, and e4m3's exponent bias relative to fp32's (127 - 7)
@@ -366,93 +365,48 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _ll(epoch, v):
-    """LL word: ``epoch`` (the op's, low 32 bits) above the low 32 bits of ``v``. A reader knows
-    the word has arrived when its high half is this op's epoch: the data is its own flag."""
-    return (epoch.to(tl.int64) << 32) | v.to(tl.int32).to(tl.uint32, bitcast=True).to(tl.int64)
-
-
-@triton.jit
-def _gated(m, ok):
-    """Mask ``m``, all false unless the scalar ``ok`` is nonzero (broadcast explicitly: the
-    interpreter's bool-and of a tensor with a scalar is not a valid mask)."""
-    return m & ((m.to(tl.int32) * 0 + ok) != 0)
-
-
-@triton.jit
-def _poll_ll(ptrs, live, epoch, t0_ns, limit_ns, POLL: tl.constexpr):
-    """The LL words at ``ptrs`` (any shape) until every ``live`` one holds ``epoch`` in its high
-    half, bounded by ``limit_ns`` from ``t0_ns``. Returns (words, status, waiting): status -1
-    when all arrived, else STATUS_TIMEOUT with ``waiting`` marking the words still missing.
-    The verdict is block-uniform: each poll's "still waiting" is folded with BLOCK_WIDE clock
-    lanes into one maximum through shared memory (as in _wait_flags), so every warp leaves the
-    loop together. Without POLL (the CPU interpreter, which has no clock) one read, which must
-    find every word."""
-    if POLL:
-        w = live.to(tl.int64) * 0
-        waiting = live
-        status = tl.full([], 0, tl.int32)
-        while status == 0:
-            w = tl.load(ptrs, mask=live, other=0, volatile=True)
-            waiting = live & (((w >> 32) & LOW32) != epoch)
-            elapsed = tl.maximum(global_time_lanes(BLOCK_WIDE) - t0_ns, 0)
-            both = tl.max((tl.max(waiting.to(tl.int64), axis=None) << SEEN_SHIFT) | elapsed,
-                          axis=0)
-            if (both >> SEEN_SHIFT) == 0:
-                status = -1
-            elif (both & ELAPSED_MASK) > limit_ns:
-                status = STATUS_TIMEOUT
-    else:
-        w = tl.load(ptrs, mask=live, other=0)
-        waiting = live & (((w >> 32) & LOW32) != epoch)
-        status = tl.where(tl.max(waiting.to(tl.int32), axis=None) > 0, STATUS_TIMEOUT, -1)
-    return w, status, waiting
-
-
-@triton.jit
-def _push_rows(x, topk, n_tok, tab, rank, set_off, t_first, T: tl.constexpr, H: tl.constexpr,
+def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
                HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-               W: tl.constexpr, NB: tl.constexpr, OFF_X: tl.constexpr,
-               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
-               OWN_X: tl.constexpr):
-    """This block's token rows (``t_first``, then every NB-th) once per destination rank
-    (which ranks: a bit mask from scalar loads), into the source's slot ``rank * T + t``
-    there; FP8 quantises here, once. OWN_X: not to this rank (its own rows expand from x)."""
+               W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
+               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
+    """Each of this block's token rows once per destination rank (which ranks: a bit mask from
+    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
+    b = tl.program_id(0)
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
-    for t in range(t_first, n_tok, NB):
-        bits = _rank_bits(topk + t * K, K, E, L)
-        if OWN_X:
-            bits = bits & ~(tl.full([], 1, tl.int64) << rank)
-        slot = rank * T + t
-        if FP8:
-            # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
-            v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
-            qb, sc = _quantize_row(v, HP, FP8 == 2)
-            ns = tl.arange(0, HP // FP8_BLOCK)
-            for d in tl.static_range(W):
-                if (bits >> d) & 1:
-                    qp = _at(tab, d, set_off + OFF_X, tl.uint8) + slot * H
-                    tl.store(qp + hs, qb, mask=hm)
-                    sp = _at(tab, d, set_off + OFF_SC, tl.float32) + slot * NS
-                    tl.store(sp + ns, sc, mask=ns < NS)
-        else:
-            v = tl.load(x + t * H + hs, mask=hm)
-            for d in tl.static_range(W):
-                if (bits >> d) & 1:
-                    xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
-                    tl.store(xp + hs, v, mask=hm)
+    for j in range(0, JP):
+        t = b + NB * j
+        if t < n_tok:
+            bits = _rank_bits(topk + t * K, K, E, L)
+            slot = rank * T + t
+            if FP8:
+                # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
+                v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
+                qb, sc = _quantize_row(v, HP, FP8 == 2)
+                ns = tl.arange(0, HP // FP8_BLOCK)
+                for d in tl.static_range(W):
+                    if (bits >> d) & 1:
+                        qp = _at(tab, d, set_off + OFF_X, tl.uint8) + slot * H
+                        tl.store(qp + hs, qb, mask=hm)
+                        sp = _at(tab, d, set_off + OFF_SC, tl.float32) + slot * NS
+                        tl.store(sp + ns, sc, mask=ns < NS)
+            else:
+                v = tl.load(x + t * H + hs, mask=hm)
+                for d in tl.static_range(W):
+                    if (bits >> d) & 1:
+                        xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
+                        tl.store(xp + hs, v, mask=hm)
 
 
 @triton.jit
 def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T: tl.constexpr, K: tl.constexpr,
                 KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                 EB: tl.constexpr, TT: tl.constexpr, MAX_TOPK: tl.constexpr,
-                OFF_META: tl.constexpr, META: tl.constexpr):
+                OFF_META: tl.constexpr):
     """The top-k scan of ``_send``, TT tokens per tile: for this block's experts ``ids``, the
     tokens routed to each (returned: counts ``[EB]``, and the out-of-range entries seen), and
-    (META) each entry's metadata word stored into the rank that holds its expert."""
+    each entry's metadata word stored into the rank that holds its expert."""
     ks = tl.arange(0, KP)
     kmask = ks < K
     cnt = tl.zeros([EB], tl.int32)                  # tokens so far routed to each own expert
@@ -464,73 +418,30 @@ def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T: tl.constexpr, K: tl.con
         nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1), axis=0)
         tile = tl.where((tile >= 0) & (tile < E), tile, -2).to(tl.int32)
         routed = _routed(tile, ids)                                     # [TT, EB]
-        if META:
-            pre = cnt[None, :] + tl.cumsum(routed, axis=0) - routed     # exclusive, + carry
-            # each entry naming an own expert (at most one of them): its metadata word, stored
-            # into the one rank that holds the expert
-            hit = tile[:, :, None] == ids[None, None, :]                # [TT, KP, EB]
-            word = ((ids - (ids // L) * L) << META_SHIFT)[None, :] | pre    # [TT, EB]
-            meta = tl.sum(tl.where(hit, word[:, None, :], 0), axis=2)   # [TT, KP]
-            mine = tl.max(hit.to(tl.int32), axis=2) > 0
-            dv = tile // L
-            for d in tl.static_range(W):
-                mp = (_at(tab, d, set_off + OFF_META, tl.int32)
-                      + (rank * T + ts[:, None]) * MAX_TOPK)
-                tl.store(mp + ks[None, :], meta, mask=m2 & mine & (dv == d))
+        pre = cnt[None, :] + tl.cumsum(routed, axis=0) - routed         # exclusive, + carry
         cnt += tl.sum(routed, axis=0)
+        # each entry naming an own expert (at most one of them): its metadata word, stored
+        # into the one rank that holds the expert
+        hit = tile[:, :, None] == ids[None, None, :]                    # [TT, KP, EB]
+        word = ((ids - (ids // L) * L) << META_SHIFT)[None, :] | pre    # [TT, EB]
+        meta = tl.sum(tl.where(hit, word[:, None, :], 0), axis=2)       # [TT, KP]
+        mine = tl.max(hit.to(tl.int32), axis=2) > 0
+        dv = tile // L
+        for d in tl.static_range(W):
+            mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + ts[:, None]) * MAX_TOPK
+            tl.store(mp + ks[None, :], meta, mask=m2 & mine & (dv == d))
     return cnt, nbad
 
 
 @triton.jit
-def _push_counts(topk, n_tok, tab, err, rank, set_off, epoch, T: tl.constexpr, K: tl.constexpr,
-                 KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
-                 NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr, TS: tl.constexpr,
-                 MAX_TOPK: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
-                 META: tl.constexpr):
-    """Dispatch stage 1: block b counts the tokens routed to each of its experts ``b + NB * i``
-    and pushes the counts as LL words (epoch | count) into slot (rank, local expert) of the
-    expert's rank; with META the same scan stores each entry's metadata word (``_send``).
-    Out-of-range ids count as -1 and are reported by block 0, which saw every token."""
-    b = tl.program_id(0)
-    es = b + NB * tl.arange(0, EB)
-    emask = es < E
-    ids = tl.where(emask, es, -1)                   # -1 matches no entry
-    # one tile of TS tokens when that covers them all (decode at small batch: the compare and
-    # the cumulative sum of a 128-token tile cost 0.7 us more at 1 token, session 9)
-    if n_tok <= TS:
-        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T, K, KP, E, L, W, EB,
-                                TS, MAX_TOPK, OFF_META, META)
-    else:
-        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T, K, KP, E, L, W, EB,
-                                TT, MAX_TOPK, OFF_META, META)
-    dst = es // L
-    cbase = tl.load(tab + dst, mask=emask, other=0)
-    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int64)) + rank * L + (es - dst * L)
-    tl.store(cptr, _ll(epoch, cnt), mask=emask)     # LL: read before any flag covers them
-    if b == 0:
-        if nbad > 0:
-            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
-
-
-@triton.jit
-def _push_ntok(n_tok, tab, rank, set_off, W: tl.constexpr, WP: tl.constexpr,
-               OFF_NTOK: tl.constexpr):
-    """This rank's token count into slot ``rank`` of every rank's ntok region."""
-    ps = tl.arange(0, WP)
-    nbase = tl.load(tab + ps, mask=ps < W, other=0)
-    nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
-    tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
-
-
-@triton.jit
-def _send(x, topk, n_tok, tab, err, rank, set_off, epoch,
+def _send(x, topk, n_tok, tab, err, rank, set_off,
           T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
           KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
           WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
           TS: tl.constexpr, JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
-          OWN_X: tl.constexpr, PROFILE: tl.constexpr):
+          PROFILE: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -548,20 +459,41 @@ def _send(x, topk, n_tok, tab, err, rank, set_off, epoch,
     """
     b = tl.program_id(0)
     if ROWS_FIRST:
-        _push_rows(x, topk, n_tok, tab, rank, set_off, b, T, H, HP, K, E, L, W, NB, OFF_X, FP8,
-                   NS, OFF_SC, OWN_X)
+        _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
+                   NS, OFF_SC)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
-    _push_counts(topk, n_tok, tab, err, rank, set_off, epoch, T, K, KP, E, L, W, NB, EB, TT, TS,
-                 MAX_TOPK, OFF_META, OFF_CNT, 1)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    es = b + NB * tl.arange(0, EB)
+    emask = es < E
+    ids = tl.where(emask, es, -1)                   # -1 matches no entry
+    # one tile of TS tokens when that covers them all (decode at small batch: the compare and
+    # the cumulative sum of a 128-token tile cost 0.7 us more at 1 token, session 9)
+    if n_tok <= TS:
+        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T, K, KP, E, L, W, EB,
+                                TS, MAX_TOPK, OFF_META)
+    else:
+        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T, K, KP, E, L, W, EB,
+                                TT, MAX_TOPK, OFF_META)
     if not ROWS_FIRST:
         _stamp(err, 1, PROFILE, 0, NB)  # top-k scan done
+
+    # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
+    #    out-of-range ids count as -1 and are reported (block 0 saw every token).
+    dst = es // L
+    cbase = tl.load(tab + dst, mask=emask, other=0)
+    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
+    tl.store(cptr, cnt, mask=emask)
     if b == 0:
-        _push_ntok(n_tok, tab, rank, set_off, W, WP, OFF_NTOK)
+        if nbad > 0:
+            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
+        ps = tl.arange(0, WP)
+        nbase = tl.load(tab + ps, mask=ps < W, other=0)
+        nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
+        tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
 
     # 2. -1 metadata of this block's tokens' entries for every rank that does not hold their
     #    expert (invalid entries: every rank); the expert's own rank got its word in the scan
-    ks = tl.arange(0, KP)
-    kmask = ks < K
     mt = b + NB * tl.arange(0, JP)
     live2 = (mt < n_tok)[:, None] & kmask[None, :]
     own = tl.load(topk + mt[:, None] * K + ks[None, :], mask=live2, other=-1)
@@ -570,145 +502,67 @@ def _send(x, topk, n_tok, tab, err, rank, set_off, epoch,
         mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + mt[:, None]) * MAX_TOPK
         tl.store(mp + ks[None, :], tl.full([JP, KP], -1, tl.int32), mask=live2 & (dv2 != d))
     if not ROWS_FIRST:
-        _push_rows(x, topk, n_tok, tab, rank, set_off, b, T, H, HP, K, E, L, W, NB, OFF_X, FP8,
-                   NS, OFF_SC, OWN_X)
+        _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
+                   NS, OFF_SC)
 
 
 @triton.jit
-def _token_meta(topk, t, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                TP: tl.constexpr):
-    """Blockwise dispatch: the metadata words of token t's top-k entries, computed by the block
-    that sends t. Entry k naming expert e gets ``(e's local index << META_SHIFT) | prefix``,
-    prefix = the earlier tokens of this rank routed to e (a token counts once, as in
-    ``_routed``), from a ``[TP, KP, KP]`` compare per tile of earlier tokens; invalid entries get
-    -1. Returns the words and each entry's rank (-1 for none)."""
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    ids = tl.load(topk + t * K + ks, mask=kmask, other=-1)
-    valid = kmask & (ids >= 0) & (ids < E)
-    ids = tl.where(valid, ids, -1).to(tl.int32)     # -1 matches no tile entry (those are -2)
-    pre = tl.zeros([KP], tl.int32)
-    for t0 in range(0, t, TP):
-        ts = t0 + tl.arange(0, TP)
-        m2 = (ts < t)[:, None] & kmask[None, :]
-        tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
-        tile = tl.where((tile >= 0) & (tile < E), tile, -2).to(tl.int32)
-        pre += tl.sum(_routed(tile, ids), axis=0)
-    meta = tl.where(valid, ((ids - (ids // L) * L) << META_SHIFT) | pre, -1)
-    return meta, tl.where(valid, ids // L, -1)
-
-
-@triton.jit
-def _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch,
-                    T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
-                    KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
-                    WP: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, TT: tl.constexpr,
-                    TS: tl.constexpr, TP: tl.constexpr, MAX_TOPK: tl.constexpr,
-                    OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
-                    OFF_NTOK: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
-                    OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr, OWN_X: tl.constexpr,
-                    PROFILE: tl.constexpr):
-    """Blockwise dispatch (BLOCKWISE), stages 1 and 2. Block b sends everything block b of a
-    receiver needs for the pairs it expands (``_first_token``: tokens ``_first_token(b, rank)
-    + NB * j``): their rows, their metadata words (prefixes computed here per token,
-    ``_token_meta``, to every rank, -1 where the rank holds none of the entry's expert; to this
-    rank too, where its own expand reads them back) and this rank's token count, all released
-    by block b's signal, so the receiver's block b waits for one flag per source, not for
-    every block. The counts (``_push_counts``, expert-owner blocks) travel as LL words.
-    ROWS_FIRST: rows, metadata, counts; otherwise counts, metadata, rows."""
-    b = tl.program_id(0)
-    first = _first_token(b, rank, NB, W)
-    if ROWS_FIRST:
-        _push_rows(x, topk, n_tok, tab, rank, set_off, first, T, H, HP, K, E, L, W, NB, OFF_X,
-                   FP8, NS, OFF_SC, OWN_X)
-        _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued)
-    else:
-        # every small remote store ahead of the rows: a block's stores behind its rows wait
-        # for them to cross (session 10: metadata behind the rows took 7.6 us at 128 tokens)
-        _push_counts(topk, n_tok, tab, err, rank, set_off, epoch, T, K, KP, E, L, W, NB, EB, TT,
-                     TS, MAX_TOPK, OFF_META, OFF_CNT, 0)
-        _stamp(err, 1, PROFILE, 0, NB)  # counts pushed
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    for t in range(first, n_tok, NB):
-        meta, dv = _token_meta(topk, t, E, L, K, KP, TP)
-        for d in tl.static_range(W):
-            mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + t) * MAX_TOPK
-            tl.store(mp + ks, tl.where(dv == d, meta, -1), mask=kmask)
-    _push_ntok(n_tok, tab, rank, set_off, W, WP, OFF_NTOK)
-    if ROWS_FIRST:
-        _push_counts(topk, n_tok, tab, err, rank, set_off, epoch, T, K, KP, E, L, W, NB, EB, TT,
-                     TS, MAX_TOPK, OFF_META, OFF_CNT, 0)
-    else:
-        _push_rows(x, topk, n_tok, tab, rank, set_off, first, T, H, HP, K, E, L, W, NB, OFF_X,
-                   FP8, NS, OFF_SC, OWN_X)
-
-
-@triton.jit
-def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, err, rank,
-                   set_off, msk, epoch, t0_ns, limit_ns, T: tl.constexpr, H: tl.constexpr,
-                   HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr,
-                   W: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
-                   OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
-                   FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
-                   OFF_SC: tl.constexpr, FROM_X: tl.constexpr, LLCNT: tl.constexpr,
-                   POLL: tl.constexpr):
-    """Dispatch stage D_RECV for source s: each pair (s, t) this block owns (``_first_token``)
-    into the per-expert layout. Sources in the bit mask ``msk`` count as having sent nothing.
-    FROM_X: s is this rank and the row comes from x (FP8: quantised again, the bytes the peers
-    got), not from its receive slot. LLCNT (blockwise): the counts of the earlier sources are
-    polled as LL words (no flag covers them); otherwise the dispatch's wait covered them. The metadata must be
-    visible already (a wait, or this block wrote it). Returns ok (0 after a failed poll,
-    already reported)."""
+def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
+            msk, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
+            KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
+            WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+            FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr):
+    """Dispatch stage 3: this rank's receive slots into the per-expert layout (FP8: recv_x
+    is the uint8 view of the e4m3 output, and the scales are copied alongside). Sources in the
+    bit mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
     b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
-    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
+    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int32)
+    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
     metap = _at(tab, rank, set_off + OFF_META, tl.int32)
     xp = _at(tab, rank, set_off + OFF_X, DT)
     scp = _at(tab, rank, set_off + OFF_SC, tl.float32)
     ns = tl.arange(0, NSP)
     nsm = ns < NS
+    ps = tl.arange(0, WP)
+    # tokens each source sent, loaded once (masked sources: none)
+    nts = tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W, other=0))
+    if b == NB - 1:     # the last block: at small token counts it owns no pair
+        for l0 in range(0, L, LB):
+            ls = l0 + tl.arange(0, LB)
+            lm = ls < L
+            tot = tl.zeros([LB], tl.int32)
+            for s in range(W):
+                tot += tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
+            tl.store(recv_count + ls, tot, mask=lm)
+        tl.store(ntok_out + ps, nts, mask=ps < W)
     ks = tl.arange(0, KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
-    for t in range(_first_token(b, s, NB, W), n_s * ok, NB):
-        slot = s * T + t
-        # the row first: its address needs no metadata, so its load overlaps the metadata's
-        # (a token reaches a rank only when one of its experts is there: the row is used)
-        if FROM_X:
-            if FP8:
-                v, sv = _quantize_row(tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32),
-                                      HP, FP8 == 2)
-            else:
-                v = tl.load(x + t * H + hs, mask=hm)
-        else:
+    for s in range(W):
+        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
+        for t in range(_first_token(b, s, NB, W), n_s, NB):
+            slot = s * T + t
+            # the row first: its address needs no metadata, so its load overlaps the metadata's
+            # (a token reaches a rank only when one of its experts is there: the row is used)
             v = tl.load(xp + slot * H + hs, mask=hm)
             if FP8:
                 sv = tl.load(scp + slot * NS + ns, mask=nsm)
-        # the pair's top-k entries as one vector: every load of a pair is issued at once
-        # (a chain of scalar loads per entry cost ~0.3 us each, the slope of the dispatch)
-        m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
-        valid = m >= 0
-        first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
-                                axis=1) == 0)
-        le = tl.maximum(m, 0) >> META_SHIFT
-        row = m & META_MASK
-        for s2 in range(s):
-            if not _masked(msk, s2):
-                if LLCNT:
-                    c, st, _ = _poll_ll(cntp + s2 * L + le, _gated(valid, ok), epoch, t0_ns,
-                                        limit_ns, POLL)
-                    if st != -1:
-                        report_error(err, st, OP_DISPATCH, PHASE_DATA,
-                                     tl.full([], 1, tl.int64) << s2)
-                        ok = ok * 0
-                else:
-                    c = tl.load(cntp + s2 * L + le, mask=valid, other=0)
-                row += c.to(tl.int32)               # the count: the LL word's low half
-        flat = le * (W * T) + row
-        if ok != 0:
+            # the pair's top-k entries as one vector: every load of a pair is issued at once
+            # (a chain of scalar loads per entry cost ~0.3 us each, the slope of the dispatch)
+            m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
+            valid = m >= 0
+            first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
+                                    axis=1) == 0)
+            le = tl.maximum(m, 0) >> META_SHIFT
+            row = m & META_MASK
+            for s2 in range(s):
+                if not _masked(msk, s2):
+                    row += tl.load(cntp + s2 * L + le, mask=valid, other=0)
+            flat = le * (W * T) + row
             tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
             tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
             for k in tl.static_range(K):
@@ -718,57 +572,6 @@ def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, er
                     tl.store(recv_x + flat_k * H + hs, v, mask=hm)
                     if FP8:
                         tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
-    return ok
-
-
-@triton.jit
-def _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err, rank,
-            set_off, msk, epoch, t0_ns, limit_ns, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-            K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
-            W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
-            OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
-            OFF_NTOK: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
-            OFF_SC: tl.constexpr, OWN_DONE: tl.constexpr, LLCNT: tl.constexpr,
-            POLL: tl.constexpr):
-    """Dispatch stage D_RECV: this rank's receive slots into the per-expert layout (FP8: recv_x
-    is the uint8 view of the e4m3 output, and the scales are copied alongside), every source
-    but this rank when its own pairs were expanded before the wait (OWN_DONE). Sources in the bit mask
-    ``msk`` (masked ranks) count as having sent nothing: no rows, no counts. LLCNT (blockwise):
-    the counts are polled as LL words (_expand_source). Returns ok (0 after a failed poll)."""
-    b = tl.program_id(0)
-    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
-    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
-    ps = tl.arange(0, WP)
-    # tokens each source sent, loaded once (masked sources: none)
-    nts = tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W, other=0))
-    ok = tl.full([], 1, tl.int32)
-    if b == NB - 1:     # the last block: at small token counts it owns no pair
-        for l0 in range(0, L, LB):
-            ls = l0 + tl.arange(0, LB)
-            lm = ls < L
-            tot = tl.zeros([LB], tl.int32)
-            for s in range(W):
-                if not _masked(msk, s):
-                    if LLCNT:
-                        c, st, _ = _poll_ll(cntp + s * L + ls, _gated(lm, ok), epoch, t0_ns,
-                                            limit_ns, POLL)
-                        if st != -1:
-                            report_error(err, st, OP_DISPATCH, PHASE_DATA,
-                                         tl.full([], 1, tl.int64) << s)
-                            ok = ok * 0
-                    else:
-                        c = tl.load(cntp + s * L + ls, mask=lm, other=0)
-                    tot += c.to(tl.int32)           # the count: the LL word's low half
-            tl.store(recv_count + ls, tot, mask=lm)
-        tl.store(ntok_out + ps, nts, mask=ps < W)
-    for s in range(W):
-        if (OWN_DONE == 0) | (s != rank):
-            n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-            ok = _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, err,
-                                rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L,
-                                W, NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP, OFF_SC,
-                                0, LLCNT, POLL)
-    return ok
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -807,10 +610,6 @@ def dispatch_kernel(
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK]); module doc
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
-        OWN_X: tl.constexpr = 0,        # blockwise: own rows not sent to self but read from x
-        BLOCKWISE: tl.constexpr = 0,    # 1: block b waits for block b of each source only
-        TP: tl.constexpr = 128,         # BLOCKWISE: earlier tokens per prefix tile (_token_meta)
-        OWN_PRESIGNAL: tl.constexpr = 1,    # BLOCKWISE: own pairs before the signal, not after
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
@@ -821,77 +620,42 @@ def dispatch_kernel(
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
-    epoch = (seq + 1) & LOW32               # of the LL count words
-    POLL: tl.constexpr = (STAGES & 8) != 0     # D_WAIT: on the GPU, waits read the clock
-    # blockwise without masks: own pairs before the wait (with masks the wait decides first
-    # which sources count, and own rows land after the counts of the earlier ones)
-    OWN_FIRST: tl.constexpr = (BLOCKWISE != 0) & (MASKS == 0)
-    tl.static_assert((OWN_X == 0) | OWN_FIRST)    # own rows from x: only when expanded first
-    limit_ns = timeout_us.to(tl.int64) * 1000
-    t0_ns = tl.full([], 0, tl.int64)
-    if POLL:
-        t0_ns = global_time_ns(BLOCK_WIDE)
-    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
-    if MASKS:
-        msk = tl.load(err + ERR_MASK, volatile=True)
-    ok = tl.full([], 1, tl.int32)
     if STAGES & 1:
         if CARRY:       # released with the rows by this dispatch's signal
             _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
-        if BLOCKWISE:
-            _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E,
-                            L, W, WP, NB, EB, TT, TS, TP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT,
-                            OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
-        else:
-            _send(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E, L, W, WP,
-                  NB, EB, TT, TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS,
-                  OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
-    # phase 0 ends with stamp 2, phase 1 (the signal) with stamp 3; blockwise, the own pairs
-    # go into one of them (OWN_PRESIGNAL: 0, while the rows cross NVLink; else 1, after the
-    # signal): this block wrote their metadata (and their rows, unless they come from x), the
-    # counts are LL words
-    for phase in tl.static_range(2):
-        if phase == 1:
-            if STAGES & 4:      # D_SIGNAL
-                tl.debug_barrier()
-                _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank,
-                        word, W, WP)
-        if (STAGES & 2) and OWN_FIRST and (phase == 1 - OWN_PRESIGNAL):
-            tl.debug_barrier()          # rows and metadata stored by the block's other threads
-            ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab,
-                                err, rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP,
-                                L, W, NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP,
-                                OFF_SC, OWN_X, 1, POLL)
-        _stamp(err, 2 + phase, PROFILE, 0, NB)
-    flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
-    # the flags a wait polls: every (block, source), or (blockwise) block b's of each source
-    NF: tl.constexpr = W if BLOCKWISE else NB * W
-    NFP: tl.constexpr = WP if BLOCKWISE else FP
-    WL: tl.constexpr = (WP if LANES < BLOCK_WIDE else BLOCK_WIDE) if BLOCKWISE else LANES
-    if BLOCKWISE:
-        flags += b * W
+        _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
+              TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
+              PROFILE)
+        _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
+    if STAGES & 4:      # D_SIGNAL
+        tl.debug_barrier()
+        _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
+        _stamp(err, 3, PROFILE, 0, NB)
+    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
+    if MASKS:
+        msk = tl.load(err + ERR_MASK, volatile=True)
+    ok = 1
     if STAGES & 8:      # D_WAIT
-        okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NF,
-                                NFP, W, msk, MASKS, WL)
+        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
+        ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
+                               FP, W, msk, MASKS, LANES)
         if MASKS:
             agreed = _agree_mask(err, seq + 1, msk | late)
             # a rank late here but seen by the deciding block has arrived: wait for it again
             # (uniform condition; an error if it does not come)
             need = (late & ~agreed) != 0
             ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
-                                 NF, NFP, W, agreed, 0, WL)
-            okw = okw & (ok2 | (need == 0))
+                                 NB * W, FP, W, agreed, 0, LANES)
+            ok = ok & (ok2 | (need == 0))
             if agreed != msk:
                 tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
             msk = agreed
-        ok = ok & okw.to(tl.int32)
         _stamp(err, 4, PROFILE, 0, NB)
     if STAGES & 2:      # D_RECV
-        if ok != 0:
-            _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err,
-                    rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, LB, W, WP, NB,
-                    MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC,
-                    OWN_FIRST, BLOCKWISE, POLL)
+        if ok:
+            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
+                    set_off, msk, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
+                    OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
