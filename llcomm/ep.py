@@ -64,6 +64,10 @@ PREFIX_TILE_ENV = "LLCOMM_EP_PREFIX_TILE"
 #: ``LLCOMM_EP_OWN_PRESIGNAL=0``: the blockwise dispatch expands its own pairs after its signal,
 #: not before it while its rows cross NVLink (an A/B knob).
 OWN_PRESIGNAL_ENV = "LLCOMM_EP_OWN_PRESIGNAL"
+#: ``LLCOMM_EP_ROW_BLOCKS=N``: the split dispatch, the blockwise one whose rows are pushed by
+#: the grid's last N blocks (kernels/ep.py ``_row_block``), so that the other blocks' counts,
+#: metadata and expand do not queue behind them; an A/B knob, not with rank masks.
+ROW_BLOCKS_ENV = "LLCOMM_EP_ROW_BLOCKS"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -99,9 +103,18 @@ def wait_lanes_block() -> bool:
     return raw == "block"
 
 
+def row_blocks() -> int:
+    """NR of the dispatch kernel: ``LLCOMM_EP_ROW_BLOCKS``, 0 unless set."""
+    raw = os.environ.get(ROW_BLOCKS_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{ROW_BLOCKS_ENV}={raw!r}: expected a number of blocks")
+    return int(raw)
+
+
 def blockwise() -> int:
-    """BLOCKWISE of the dispatch kernel: ``LLCOMM_EP_BLOCKWISE``, 0 unless set."""
-    return env_bit(BLOCKWISE_ENV, 0)
+    """BLOCKWISE of the dispatch kernel: ``LLCOMM_EP_BLOCKWISE``, 0 unless set (1 when row
+    blocks are split off)."""
+    return env_bit(BLOCKWISE_ENV, 1 if row_blocks() else 0)
 
 
 def rows_first() -> int:
@@ -117,13 +130,18 @@ def own_presignal() -> int:
 
 
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
-                  small_tile_tokens: int | None = None, prefix_tile_tokens: int | None = None):
+                  small_tile_tokens: int | None = None, prefix_tile_tokens: int | None = None,
+                  row_blocks_: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
     Shared with tools/ptx_ep.py and the interpreter tests (which pick small tiles with
     ``tile_tokens`` / ``small_tile_tokens`` / ``prefix_tile_tokens`` so a few tokens span
     several)."""
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
+    nr = row_blocks() if row_blocks_ is None else row_blocks_
+    if not 0 <= nr < nb:
+        raise ValueError(f"{ROW_BLOCKS_ENV}={nr}: expected fewer than the {nb} EP blocks")
+    nw = nb - nr            # the dispatch's work blocks (counts, metadata, expand)
     L = E // W
     off = lay.offsets()
     hp = _pow2(H)
@@ -140,7 +158,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
     if tile_tokens is None:
         tile_tokens = env_pow2(SCAN_TILE_ENV, 0)
     if not tile_tokens:
-        per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
+        per_token = _pow2(topk) * _pow2(-(-E // nw))   # top-k x this block's experts
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
     # blockwise prefixes (_token_meta): a [TP, KP, KP] compare per tile of earlier tokens
@@ -150,12 +168,12 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
     fp = _pow2(nb * W)
     block = wait_lanes_block()
     ts = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
-    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens, TS=ts,
+    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nw)), TT=tile_tokens, TS=ts,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
              ROWS_FIRST=rows_first(), OWN_X=0, CARRY=0, BLOCKWISE=0,
-             OWN_PRESIGNAL=own_presignal(),
+             OWN_PRESIGNAL=own_presignal(), NR=nr,
              TP=prefix_tile)
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
@@ -770,7 +788,8 @@ class _PeerEP:
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
             bw = blockwise()
             own_x = bw and env_bit(OWN_FROM_X_ENV, 1) and not self.masks
-            d = dict(d, BLOCKWISE=bw, OWN_X=int(own_x), STAGES=self.k.DISPATCH_ALL)
+            d = dict(d, BLOCKWISE=bw, OWN_X=int(own_x), STAGES=self.k.DISPATCH_ALL,
+                     NR=0 if self.masks else d["NR"])
             hit = self._consts[topk] = (dict(d, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))

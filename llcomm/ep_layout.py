@@ -57,9 +57,10 @@ MAX_WAIT_FLAGS = 1024
 #: Env override of DEFAULT_NUM_BLOCKS (a tuning knob; every rank must use the same value). Both
 #: ``size_hint`` and the constructor read it, so they still agree.
 NUM_BLOCKS_ENV = "LLCOMM_EP_NUM_BLOCKS"
-#: Flag phases per set: dispatch arrival, combine weights arrival, combine partials arrival.
-SIGNAL_PHASES = 3
-PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
+#: Flag phases per set: dispatch arrival, combine weights arrival, combine partials arrival,
+#: and the split dispatch's rows (kernels/ep.py ``_row_block``).
+SIGNAL_PHASES = 4
+PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS, PHASE_DISPATCH_ROWS = 0, 1, 2, 3
 #: Buffer sets used alternately (double buffering; kernels/ep.py says why two are enough).
 NUM_SETS = 2
 #: Metadata word: local expert index in the high half, within-source prefix in the low half.

@@ -38,7 +38,7 @@ def _same_up_to_interpreter_rounding(got, want):
 
 
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
-             carry=False, own_x=False, blockwise=False):
+             carry=False, own_x=False, blockwise=False, row_blocks=0):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
@@ -50,7 +50,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ``blockwise``: the blockwise dispatch (BLOCKWISE=1: metadata computed per token by its
     sending block, counts as LL words, own pairs expanded first). ``own_x`` (blockwise): each
     rank's own rows come from x and are not sent to itself, so expanding them from its (never
-    written) own slots would show."""
+    written) own slots would show. ``row_blocks``: the split dispatch (NR: the grid's last
+    ``row_blocks`` blocks push the rows, the others do the rest)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernel_consts
     from llcomm.ep_fp8 import dequantize, quantize
@@ -72,8 +73,9 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     # one-small-tile path (TS=2)
     # prefix tiles of 2 earlier tokens: the blockwise prefixes span several tiles too
     dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2,
-                              prefix_tile_tokens=2)
+                              prefix_tile_tokens=2, row_blocks_=row_blocks)
     dc["BLOCKWISE"] = int(blockwise)
+    nw = NB - row_blocks        # the blocks that signal phase 0 (all but the row blocks)
     fails = []
     call = 0
     for seed in seeds:
@@ -95,7 +97,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
             for stage in d_stages:
                 if stage == K.D_RECV and signals:
-                    fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
+                    fails += _check_flags(regions, lay, ctrl, 0, [0, 3] if row_blocks else [0],
+                                          NB, W, tag, nw)
                 for r in range(W):
                     K.dispatch_kernel[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
@@ -167,18 +170,22 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     return fails
 
 
-def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
-    """Every flag ``[phase][block][source]`` of the set in use holds ``(seq + 1) << EPOCH_SHIFT``
-    (the kernels ran with tag 0), as the receive half's wait requires."""
+def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag, nblocks=None):
+    """Every flag ``[phase][block][source]`` of the set in use (blocks below ``nblocks``, all by
+    default) holds ``(seq + 1) << EPOCH_SHIFT`` (the kernels ran with tag 0), as the receive
+    half's wait requires."""
+    from llcomm.ep_layout import SIGNAL_PHASES
     from llcomm.protocol import EPOCH_SHIFT
+    nblocks = NB if nblocks is None else nblocks
     fails = []
     for r in range(W):
         seq = int(ctrl[r][op][0])
         base = (seq % 2) * lay.set_bytes + lay.offsets()["signal"]
-        flags = regions[r][base:base + 8 * 3 * NB * W].view(torch.int64).view(3, NB, W)
+        flags = regions[r][base:base + 8 * SIGNAL_PHASES * NB * W].view(torch.int64).view(
+            SIGNAL_PHASES, NB, W)
         for ph in phases:
             want = (seq + 1) << EPOCH_SHIFT
-            if not bool((flags[ph] == want).all()):
+            if not bool((flags[ph, :nblocks] == want).all()):
                 fails.append(f"{tag} rank {r}: flags of phase {ph} {flags[ph].tolist()} != "
                              f"{want:#x}")
     return fails
@@ -240,6 +247,16 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
      False, True),
     (2, 4, 4, 16, 2, 2, "float32", [6, 7], ["random", "zero_and_max"], 0, True, True, False,
      True),
+    # the split dispatch (LLCOMM_EP_ROW_BLOCKS): row blocks serving one or several work blocks,
+    # own rows from x or through a row block, FP8, carried weights, send halves
+    (3, 6, 5, 16, 3, 4, "bfloat16", [1, 2], ["random", "dups", "zero_and_max"], 0, False, False,
+     True, True, 1),
+    (2, 8, 7, 256, 3, 5, "bfloat16", [3], ["random", "sparse", "one_expert"], 1, False, True,
+     False, True, 2),
+    (4, 8, 4, 16, 2, 4, "float32", [4], ["random", "sparse", "zero_and_max"], 0, False, False,
+     False, True, 2),
+    (2, 4, 4, 16, 2, 3, "float32", [6, 7], ["random", "zero_and_max"], 0, True, True, False,
+     True, 1),
 ]
 
 
@@ -249,6 +266,7 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
                                              + ("-carry" if len(c) > 11 and c[11] else "")
                                              + ("-own_x" if len(c) > 12 and c[12] else "")
                                              + ("-blockwise" if len(c) > 13 else "")
+                                             + (f"-rows{c[14]}" if len(c) > 14 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)

@@ -144,6 +144,7 @@ COMBINE_RECV_HALF = C_WAIT_P | C_SUM
 SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
 SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
 SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
+SIG_ROWS = tl.constexpr(EL.PHASE_DISPATCH_ROWS)
 META_SHIFT = tl.constexpr(EL.META_SHIFT)
 META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
 LOW32 = tl.constexpr(0xFFFFFFFF)        # LL words (_ll): the epoch above, the data below
@@ -179,6 +180,16 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
     scope). Caller issues ``tl.debug_barrier()`` first so the whole block's stores precede it."""
     ps = tl.arange(0, WP)
     live = ps < W
+    bases = tl.load(tab + ps, mask=live, other=0)
+    ptrs = bases.to(tl.pointer_type(tl.int64)) + word_idx
+    tl.atomic_xchg(ptrs, tl.full([WP], 0, tl.int64) + word, mask=live, sem="release", scope="sys")
+
+
+@triton.jit
+def _signal_some(tab, word_idx, word, ranks, W: tl.constexpr, WP: tl.constexpr):
+    """``_signal``, to the ranks in the bit mask ``ranks`` only."""
+    ps = tl.arange(0, WP)
+    live = (ps < W) & (((ranks >> ps) & 1) != 0)
     bases = tl.load(tab + ps, mask=live, other=0)
     ptrs = bases.to(tl.pointer_type(tl.int64)) + word_idx
     tl.atomic_xchg(ptrs, tl.full([WP], 0, tl.int64) + word, mask=live, sem="release", scope="sys")
@@ -414,17 +425,20 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, t_first, T: tl.constexpr, H: 
                HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                W: tl.constexpr, NB: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
-               OWN_X: tl.constexpr):
+               DESTS: tl.constexpr):
     """This block's token rows (``t_first``, then every NB-th) once per destination rank
     (which ranks: a bit mask from scalar loads), into the source's slot ``rank * T + t``
-    there; FP8 quantises here, once. OWN_X: not to this rank (its own rows expand from x)."""
+    there; FP8 quantises here, once. DESTS: 0 every rank the token goes to; 1 (OWN_X) not this
+    one (its own rows expand from x); 2 this one only (a row block's first pass)."""
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
     for t in range(t_first, n_tok, NB):
         bits = _rank_bits(topk + t * K, K, E, L)
-        if OWN_X:
+        if DESTS == 1:
             bits = bits & ~(tl.full([], 1, tl.int64) << rank)
+        if DESTS == 2:
+            bits = bits & (tl.full([], 1, tl.int64) << rank)
         slot = rank * T + t
         if FP8:
             # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
@@ -607,7 +621,7 @@ def _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch,
                     OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
                     OFF_NTOK: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
                     OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr, OWN_X: tl.constexpr,
-                    PROFILE: tl.constexpr):
+                    PROFILE: tl.constexpr, ROWS: tl.constexpr):
     """Blockwise dispatch (BLOCKWISE), stages 1 and 2. Block b sends everything block b of a
     receiver needs for the pairs it expands (``_first_token``: tokens ``_first_token(b, rank)
     + NB * j``): their rows, their metadata words (prefixes computed here per token,
@@ -615,10 +629,11 @@ def _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch,
     rank too, where its own expand reads them back) and this rank's token count, all released
     by block b's signal, so the receiver's block b waits for one flag per source, not for
     every block. The counts (``_push_counts``, expert-owner blocks) travel as LL words.
-    ROWS_FIRST: rows, metadata, counts; otherwise counts, metadata, rows."""
+    ROWS_FIRST: rows, metadata, counts; otherwise counts, metadata, rows. ROWS = 0: no rows
+    (row blocks push them, ``_row_block``)."""
     b = tl.program_id(0)
     first = _first_token(b, rank, NB, W)
-    if ROWS_FIRST:
+    if ROWS_FIRST and ROWS:
         _push_rows(x, topk, n_tok, tab, rank, set_off, first, T, H, HP, K, E, L, W, NB, OFF_X,
                    FP8, NS, OFF_SC, OWN_X)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued)
@@ -636,10 +651,10 @@ def _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch,
             mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + t) * MAX_TOPK
             tl.store(mp + ks, tl.where(dv == d, meta, -1), mask=kmask)
     _push_ntok(n_tok, tab, rank, set_off, W, WP, OFF_NTOK)
-    if ROWS_FIRST:
+    if ROWS_FIRST and ROWS:
         _push_counts(topk, n_tok, tab, err, rank, set_off, epoch, T, K, KP, E, L, W, NB, EB, TT,
                      TS, MAX_TOPK, OFF_META, OFF_CNT, 0)
-    else:
+    elif ROWS:
         _push_rows(x, topk, n_tok, tab, rank, set_off, first, T, H, HP, K, E, L, W, NB, OFF_X,
                    FP8, NS, OFF_SC, OWN_X)
 
@@ -771,6 +786,54 @@ def _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
     return ok
 
 
+@triton.jit
+def _row_block(x, topk, n_tok, tab, ctrl, err, rank, tag, T: tl.constexpr, H: tl.constexpr,
+               HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+               W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, NR: tl.constexpr,
+               SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_X: tl.constexpr,
+               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
+               STAGES: tl.constexpr, OWN_X: tl.constexpr, PROFILE: tl.constexpr):
+    """Split dispatch (NR row blocks, the grid's last NR): row block r pushes the token rows of
+    work blocks ``w = r, r + NR, ...`` (each w's tokens, ``_first_token(w, rank, NB - NR)``)
+    and releases them with flag ``[rows][w][rank]`` on every rank. A block's stores queue
+    behind its remote rows (session 10), so the work blocks (counts, metadata, expand) leave
+    the rows to these. Unless OWN_X, this rank's own rows go first, into its own slots, with
+    the own flag released before any remote row is issued: the own expand waits for that flag
+    only. Its counter lives in ``ctrl[NB - NR + r]``."""
+    NBW: tl.constexpr = NB - NR
+    pid = tl.program_id(0)
+    r = pid - NBW
+    seq = tl.load(ctrl + pid)
+    set_off = (seq % 2) * SET_BYTES
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    rows0 = (set_off + OFF_SIG) // 8 + SIG_ROWS * NB * W + rank    # + w * W: flag [rows][w][rank]
+    me = tl.full([], 1, tl.int64) << rank
+    peers = ((tl.full([], 1, tl.int64) << W) - 1) & ~me
+    if STAGES & 1:
+        if not OWN_X:
+            for w in range(r, NBW, NR):
+                _push_rows(x, topk, n_tok, tab, rank, set_off, _first_token(w, rank, NBW, W), T,
+                           H, HP, K, E, L, W, NBW, OFF_X, FP8, NS, OFF_SC, 2)
+    if STAGES & 4:
+        tl.debug_barrier()
+        for w in range(r, NBW, NR):     # the own flags (first, before the rows go out)
+            _signal_some(tab, rows0 + w * W, word, me, W, WP)
+    _stamp(err, 1, PROFILE, 0, NB)
+    if STAGES & 1:
+        for w in range(r, NBW, NR):
+            _push_rows(x, topk, n_tok, tab, rank, set_off, _first_token(w, rank, NBW, W), T, H,
+                       HP, K, E, L, W, NBW, OFF_X, FP8, NS, OFF_SC, 1)
+    _stamp(err, 2, PROFILE, 0, NB)
+    if STAGES & 4:
+        tl.debug_barrier()
+        for w in range(r, NBW, NR):
+            _signal_some(tab, rows0 + w * W, word, peers, W, WP)
+    _stamp(err, 3, PROFILE, 0, NB)
+    _stamp(err, 4, PROFILE, 0, NB)      # no wait: the timeline's stage 4 is empty
+    if STAGES & 2:
+        tl.store(ctrl + pid, seq + 1)
+
+
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
 def dispatch_kernel(
         x,              # [n_tok, H] this rank's tokens (buffer dtype)
@@ -811,89 +874,108 @@ def dispatch_kernel(
         BLOCKWISE: tl.constexpr = 0,    # 1: block b waits for block b of each source only
         TP: tl.constexpr = 128,         # BLOCKWISE: earlier tokens per prefix tile (_token_meta)
         OWN_PRESIGNAL: tl.constexpr = 1,    # BLOCKWISE: own pairs before the signal, not after
+        NR: tl.constexpr = 0,           # BLOCKWISE: the grid's last NR blocks push the rows
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     b = tl.program_id(0)
-    _stamp(err, 0, PROFILE, 0, NB)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
-    seq = tl.load(ctrl + b)
-    set_off = (seq % 2) * SET_BYTES
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
-    epoch = (seq + 1) & LOW32               # of the LL count words
-    POLL: tl.constexpr = (STAGES & 8) != 0     # D_WAIT: on the GPU, waits read the clock
-    # blockwise without masks: own pairs before the wait (with masks the wait decides first
-    # which sources count, and own rows land after the counts of the earlier ones)
-    OWN_FIRST: tl.constexpr = (BLOCKWISE != 0) & (MASKS == 0)
-    tl.static_assert((OWN_X == 0) | OWN_FIRST)    # own rows from x: only when expanded first
-    limit_ns = timeout_us.to(tl.int64) * 1000
-    t0_ns = tl.full([], 0, tl.int64)
-    if POLL:
-        t0_ns = global_time_ns(BLOCK_WIDE)
-    msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
-    if MASKS:
-        msk = tl.load(err + ERR_MASK, volatile=True)
-    ok = tl.full([], 1, tl.int32)
-    if STAGES & 1:
-        if CARRY:       # released with the rows by this dispatch's signal
-            _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
-        if BLOCKWISE:
-            _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E,
-                            L, W, WP, NB, EB, TT, TS, TP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT,
-                            OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
-        else:
-            _send(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E, L, W, WP,
-                  NB, EB, TT, TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS,
-                  OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
-    # phase 0 ends with stamp 2, phase 1 (the signal) with stamp 3; blockwise, the own pairs
-    # go into one of them (OWN_PRESIGNAL: 0, while the rows cross NVLink; else 1, after the
-    # signal): this block wrote their metadata (and their rows, unless they come from x), the
-    # counts are LL words
-    for phase in tl.static_range(2):
-        if phase == 1:
-            if STAGES & 4:      # D_SIGNAL
-                tl.debug_barrier()
-                _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank,
-                        word, W, WP)
-        if (STAGES & 2) and OWN_FIRST and (phase == 1 - OWN_PRESIGNAL):
-            tl.debug_barrier()          # rows and metadata stored by the block's other threads
-            ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab,
-                                err, rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP,
-                                L, W, NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP,
-                                OFF_SC, OWN_X, 1, POLL)
-        _stamp(err, 2 + phase, PROFILE, 0, NB)
-    flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
-    # the flags a wait polls: every (block, source), or (blockwise) block b's of each source
-    NF: tl.constexpr = W if BLOCKWISE else NB * W
-    NFP: tl.constexpr = WP if BLOCKWISE else FP
-    WL: tl.constexpr = (WP if LANES < BLOCK_WIDE else BLOCK_WIDE) if BLOCKWISE else LANES
-    if BLOCKWISE:
-        flags += b * W
-    if STAGES & 8:      # D_WAIT
-        okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NF,
-                                NFP, W, msk, MASKS, WL)
+    NBW: tl.constexpr = NB - NR         # work blocks: all of them unless row blocks split off
+    tl.static_assert((NR == 0) | ((BLOCKWISE != 0) & (MASKS == 0)))
+    if (NR > 0) and (b >= NBW):
+        _stamp(err, 0, PROFILE, 0, NB)
+        _row_block(x, topk, n_tok, tab, ctrl, err, rank, tag, T, H, HP, K, E, L, W, WP, NB, NR,
+                   SET_BYTES, OFF_SIG, OFF_X, FP8, NS, OFF_SC, STAGES, OWN_X, PROFILE)
+        _stamp(err, PROF_LAST, PROFILE, 0, NB)
+    else:
+        _stamp(err, 0, PROFILE, 0, NB)
+        timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+        seq = tl.load(ctrl + b)
+        set_off = (seq % 2) * SET_BYTES
+        word = ((seq + 1) << EPOCH_SHIFT) | tag
+        epoch = (seq + 1) & LOW32               # of the LL count words
+        POLL: tl.constexpr = (STAGES & 8) != 0     # D_WAIT: on the GPU, waits read the clock
+        # blockwise without masks: own pairs before the wait (with masks the wait decides first
+        # which sources count, and own rows land after the counts of the earlier ones)
+        OWN_FIRST: tl.constexpr = (BLOCKWISE != 0) & (MASKS == 0)
+        tl.static_assert((OWN_X == 0) | OWN_FIRST)    # own rows from x: only when expanded first
+        limit_ns = timeout_us.to(tl.int64) * 1000
+        t0_ns = tl.full([], 0, tl.int64)
+        if POLL:
+            t0_ns = global_time_ns(BLOCK_WIDE)
+        msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
         if MASKS:
-            agreed = _agree_mask(err, seq + 1, msk | late)
-            # a rank late here but seen by the deciding block has arrived: wait for it again
-            # (uniform condition; an error if it does not come)
-            need = (late & ~agreed) != 0
-            ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
-                                 NF, NFP, W, agreed, 0, WL)
-            okw = okw & (ok2 | (need == 0))
-            if agreed != msk:
-                tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
-            msk = agreed
-        ok = ok & okw.to(tl.int32)
-        _stamp(err, 4, PROFILE, 0, NB)
-    if STAGES & 2:      # D_RECV
-        if ok != 0:
-            _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err,
-                    rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, LB, W, WP, NB,
-                    MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC,
-                    OWN_FIRST, BLOCKWISE, POLL)
-        tl.store(ctrl + b, seq + 1)
-    _stamp(err, PROF_LAST, PROFILE, 0, NB)
+            msk = tl.load(err + ERR_MASK, volatile=True)
+        ok = tl.full([], 1, tl.int32)
+        flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
+        rflags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + (SIG_ROWS * NB + b) * W
+        # the flags a wait polls: every (block, source), or (blockwise) block b's of each source
+        NF: tl.constexpr = W if BLOCKWISE else NB * W
+        NFP: tl.constexpr = WP if BLOCKWISE else FP
+        WL: tl.constexpr = (WP if LANES < BLOCK_WIDE else BLOCK_WIDE) if BLOCKWISE else LANES
+        if BLOCKWISE:
+            flags += b * W
+        peers = ((tl.full([], 1, tl.int64) << W) - 1) & ~(tl.full([], 1, tl.int64) << rank)
+        if STAGES & 1:
+            if CARRY:       # released with the rows by this dispatch's signal
+                _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NBW, MAX_TOPK, 0)
+            if BLOCKWISE:
+                _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E,
+                                L, W, WP, NBW, EB, TT, TS, TP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT,
+                                OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST, OWN_X, PROFILE, NR == 0)
+            else:
+                _send(x, topk, n_tok, tab, err, rank, set_off, epoch, T, H, HP, K, KP, E, L, W, WP,
+                      NB, EB, TT, TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS,
+                      OFF_SC, ROWS_FIRST, OWN_X, PROFILE)
+        # phase 0 ends with stamp 2, phase 1 (the signal) with stamp 3; blockwise, the own pairs
+        # go into one of them (OWN_PRESIGNAL: 0, while the rows cross NVLink; else 1, after the
+        # signal): this block wrote their metadata (and their rows, unless they come from x), the
+        # counts are LL words
+        for phase in tl.static_range(2):
+            if phase == 1:
+                if STAGES & 4:      # D_SIGNAL
+                    tl.debug_barrier()
+                    _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank,
+                            word, W, WP)
+            if (STAGES & 2) and OWN_FIRST and (phase == 1 - OWN_PRESIGNAL):
+                tl.debug_barrier()          # rows and metadata stored by the block's other threads
+                if (NR > 0) and (OWN_X == 0) and POLL:  # own rows from a row block: its own flag
+                    okr, _ = _wait_flags(rflags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1,
+                                         W, WP, W, peers, 0, WL)
+                    ok = ok & okr.to(tl.int32)
+                ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab,
+                                    err, rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP,
+                                    L, W, NBW, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP,
+                                    OFF_SC, OWN_X, 1, POLL)
+            _stamp(err, 2 + phase, PROFILE, 0, NB)
+        if STAGES & 8:      # D_WAIT
+            okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NF,
+                                    NFP, W, msk, MASKS, WL)
+            if NR > 0:      # and the rows, from the row blocks
+                okr, _ = _wait_flags(rflags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, okw, W,
+                                     WP, W, msk, 0, WL)
+                okw = okw & okr
+            if MASKS:
+                agreed = _agree_mask(err, seq + 1, msk | late)
+                # a rank late here but seen by the deciding block has arrived: wait for it again
+                # (uniform condition; an error if it does not come)
+                need = (late & ~agreed) != 0
+                ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
+                                     NF, NFP, W, agreed, 0, WL)
+                okw = okw & (ok2 | (need == 0))
+                if agreed != msk:
+                    tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
+                msk = agreed
+            ok = ok & okw.to(tl.int32)
+            _stamp(err, 4, PROFILE, 0, NB)
+        if STAGES & 2:      # D_RECV
+            if ok != 0:
+                _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err,
+                        rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP, L, LB, W, WP,
+                        NBW, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC,
+                        OWN_FIRST, BLOCKWISE, POLL)
+            tl.store(ctrl + b, seq + 1)
+        _stamp(err, PROF_LAST, PROFILE, 0, NB)
 
 
 @triton.jit
