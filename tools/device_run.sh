@@ -109,10 +109,14 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
                     --tokens 1,128 --iters 30 --fp8 --carry-weights; done
                 ab_run blockwise-1-own-postsignal "LLCOMM_EP_BLOCKWISE=1 LLCOMM_EP_OWN_PRESIGNAL=0" \
                     bench ep --tokens 1,128 --iters 30 --fp8 --carry-weights ;;
+            split-rows) # LLCOMM_EP_ROW_BLOCKS: the split dispatch (row blocks push the rows) against the shipped one
+                for v in 0 32 0 32 16 64; do ab_run split-rows-$v-$RANDOM \
+                    "LLCOMM_EP_ROW_BLOCKS=$v $([[ $v == 0 ]] && echo LLCOMM_EP_BLOCKWISE=0)" \
+                    bench ep --tokens 1,128 --iters 30 --fp8 --carry-weights; done ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-blocks, blockwise)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-blocks, blockwise, split-rows)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm.bench import common as C  # noqa: E402
-from llcomm.ep import blockwise, own_presignal, rows_first  # noqa: E402
+from llcomm.ep import blockwise, own_presignal, row_blocks, rows_first  # noqa: E402
 from llcomm.ep_fp8 import dequantize  # noqa: E402
 from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
@@ -37,6 +37,8 @@ def _dispatch_stages():
                 "signal", "wait (all blocks, all ranks)", "expand")
     first = ("push rows", "metadata, counts") if rows_first() else ("counts",
                                                                      "metadata, push rows")
+    if row_blocks():        # the split dispatch: its work blocks push no rows
+        first = ("counts", "metadata")
     own = ((first[1] + ", own pairs", "signal") if own_presignal() else
            (first[1], "signal, own pairs"))
     return (first[0],) + own + ("wait (block b of each rank)", "expand the peers' pairs")
@@ -45,6 +47,9 @@ def _dispatch_stages():
 STAGES = {
     "dispatch": _dispatch_stages(),
     "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials", "sum"),
+    # the split dispatch's row blocks (LLCOMM_EP_ROW_BLOCKS), the grid's last blocks
+    "dispatch row blocks": ("own rows, own flags", "issue the peers' rows",
+                            "release, signal the peers", "-", "end"),
 }
 CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end
 
@@ -63,8 +68,12 @@ def _summary(stamps, nb):
     cyc = stamps[..., :CYCLE_SLOTS].double()
     gt0, gt1 = stamps[..., CYCLE_SLOTS].double(), stamps[..., CYCLE_SLOTS + 1].double()
     out = {}
-    for kind, name in enumerate(("dispatch", "combine")):
-        c, a, b = cyc[:, kind], gt0[:, kind], gt1[:, kind]
+    nr = row_blocks()
+    kinds = [(0, "dispatch", slice(0, nb - nr)), (1, "combine", slice(0, nb))]
+    if nr:
+        kinds.append((0, "dispatch row blocks", slice(nb - nr, nb)))
+    for kind, name, blocks in kinds:
+        c, a, b = cyc[:, kind, blocks], gt0[:, kind, blocks], gt1[:, kind, blocks]
         ns_per_cycle = float((b - a).sum() / (c[..., -1] - c[..., 0]).sum())
         stages = {}
         for i, label in enumerate(STAGES[name]):

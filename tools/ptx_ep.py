@@ -95,6 +95,14 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
             f"dispatch_{dt}_bw_fp8": (K.dispatch_kernel, d8_sig,
                                       dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1,
                                            OWN_X=1, BLOCKWISE=1, CARRY=1), warps, None)}),
+        # LLCOMM_EP_ROW_BLOCKS=32: the split dispatch (an A/B), bf16 from x and FP8
+        f"dispatch_{dt}_split": (K.dispatch_kernel, d_sig,
+                                 dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, OWN_X=1,
+                                      BLOCKWISE=1, CARRY=1, NR=32), warps, None),
+        **({} if hidden % 128 else {
+            f"dispatch_{dt}_split_fp8": (K.dispatch_kernel, d8_sig,
+                                         dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1, OWN_X=0,
+                                              BLOCKWISE=1, CARRY=1, NR=32), warps, None)}),
         f"dispatch_{dt}_bw_masks": (K.dispatch_kernel, d_sig,
                                     dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, MASKS=1,
                                          BLOCKWISE=1), warps, None),
