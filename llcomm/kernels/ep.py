@@ -425,11 +425,14 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, t_first, T: tl.constexpr, H: 
                HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                W: tl.constexpr, NB: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
-               DESTS: tl.constexpr):
+               DESTS: tl.constexpr, STAGED: tl.constexpr = 0):
     """This block's token rows (``t_first``, then every NB-th) once per destination rank
     (which ranks: a bit mask from scalar loads), into the source's slot ``rank * T + t``
     there; FP8 quantises here, once. DESTS: 0 every rank the token goes to; 1 (OWN_X) not this
-    one (its own rows expand from x); 2 this one only (a row block's first pass)."""
+    one (its own rows expand from x); 2 this one only (a row block's first pass); 3 this one,
+    every token, routed there or not (an FP8 row block's first pass). STAGED (FP8): the
+    quantised rows are read back from this rank's slots (a DESTS 3 pass of this block
+    stored them) instead of quantising x again."""
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
     hm = hs < H
@@ -439,12 +442,19 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, t_first, T: tl.constexpr, H: 
             bits = bits & ~(tl.full([], 1, tl.int64) << rank)
         if DESTS == 2:
             bits = bits & (tl.full([], 1, tl.int64) << rank)
+        if DESTS == 3:
+            bits = tl.full([], 1, tl.int64) << rank
         slot = rank * T + t
         if FP8:
-            # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
-            v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
-            qb, sc = _quantize_row(v, HP, FP8 == 2)
             ns = tl.arange(0, HP // FP8_BLOCK)
+            if STAGED:
+                qb = tl.load(_at(tab, rank, set_off + OFF_X, tl.uint8) + slot * H + hs, mask=hm)
+                sc = tl.load(_at(tab, rank, set_off + OFF_SC, tl.float32) + slot * NS + ns,
+                             mask=ns < NS)
+            else:
+                # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
+                v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
+                qb, sc = _quantize_row(v, HP, FP8 == 2)
             for d in tl.static_range(W):
                 if (bits >> d) & 1:
                     qp = _at(tab, d, set_off + OFF_X, tl.uint8) + slot * H
@@ -810,19 +820,21 @@ def _row_block(x, topk, n_tok, tab, ctrl, err, rank, tag, T: tl.constexpr, H: tl
     me = tl.full([], 1, tl.int64) << rank
     peers = ((tl.full([], 1, tl.int64) << W) - 1) & ~me
     if STAGES & 1:
-        if not OWN_X:
+        if not OWN_X:   # FP8: every token's row, quantised once (the peers' pass reads it back)
             for w in range(r, NBW, NR):
                 _push_rows(x, topk, n_tok, tab, rank, set_off, _first_token(w, rank, NBW, W), T,
-                           H, HP, K, E, L, W, NBW, OFF_X, FP8, NS, OFF_SC, 2)
+                           H, HP, K, E, L, W, NBW, OFF_X, FP8, NS, OFF_SC, 3 if FP8 else 2)
     if STAGES & 4:
         tl.debug_barrier()
         for w in range(r, NBW, NR):     # the own flags (first, before the rows go out)
             _signal_some(tab, rows0 + w * W, word, me, W, WP)
     _stamp(err, 1, PROFILE, 0, NB)
     if STAGES & 1:
+        tl.debug_barrier()      # the first pass's rows, read back by other threads (FP8)
         for w in range(r, NBW, NR):
             _push_rows(x, topk, n_tok, tab, rank, set_off, _first_token(w, rank, NBW, W), T, H,
-                       HP, K, E, L, W, NBW, OFF_X, FP8, NS, OFF_SC, 1)
+                       HP, K, E, L, W, NBW, OFF_X, FP8, NS, OFF_SC, 1,
+                       (FP8 != 0) & (OWN_X == 0))
     _stamp(err, 2, PROFILE, 0, NB)
     if STAGES & 4:
         tl.debug_barrier()
