@@ -670,6 +670,22 @@ def _send_blockwise(x, topk, n_tok, tab, err, rank, set_off, epoch,
 
 
 @triton.jit
+def _counts(ptrs, live, ok, s, err, epoch, t0_ns, limit_ns, LLCNT: tl.constexpr,
+            POLL: tl.constexpr):
+    """The counts of source s at ``ptrs`` (int32, 0 where not ``live``), and ok (0 after a
+    failed poll, reported). LLCNT: LL words polled until they hold this op's epoch (no flag
+    covers them); otherwise plain loads after the wait that covered them."""
+    if LLCNT:
+        c, st, _ = _poll_ll(ptrs, _gated(live, ok), epoch, t0_ns, limit_ns, POLL)
+        if st != -1:
+            report_error(err, st, OP_DISPATCH, PHASE_DATA, tl.full([], 1, tl.int64) << s)
+            ok = ok * 0
+    else:
+        c = tl.load(ptrs, mask=live, other=0)
+    return c.to(tl.int32), ok                   # the count: the LL word's low half
+
+
+@triton.jit
 def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, err, rank,
                    set_off, msk, epoch, t0_ns, limit_ns, T: tl.constexpr, H: tl.constexpr,
                    HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr,
@@ -682,9 +698,9 @@ def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, er
     into the per-expert layout. Sources in the bit mask ``msk`` count as having sent nothing.
     FROM_X: s is this rank and the row comes from x (FP8: quantised again, the bytes the peers
     got), not from its receive slot. LLCNT (blockwise): the counts of the earlier sources are
-    polled as LL words (no flag covers them); otherwise the dispatch's wait covered them. The metadata must be
-    visible already (a wait, or this block wrote it). Returns ok (0 after a failed poll,
-    already reported)."""
+    polled as LL words (no flag covers them); otherwise the dispatch's wait covered them. The
+    metadata must be visible already (a wait, or this block wrote it). Returns ok (0 after a
+    failed poll, already reported)."""
     b = tl.program_id(0)
     DT = recv_x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -722,16 +738,9 @@ def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, er
         row = m & META_MASK
         for s2 in range(s):
             if not _masked(msk, s2):
-                if LLCNT:
-                    c, st, _ = _poll_ll(cntp + s2 * L + le, _gated(valid, ok), epoch, t0_ns,
-                                        limit_ns, POLL)
-                    if st != -1:
-                        report_error(err, st, OP_DISPATCH, PHASE_DATA,
-                                     tl.full([], 1, tl.int64) << s2)
-                        ok = ok * 0
-                else:
-                    c = tl.load(cntp + s2 * L + le, mask=valid, other=0)
-                row += c.to(tl.int32)               # the count: the LL word's low half
+                c, ok = _counts(cntp + s2 * L + le, valid, ok, s2, err, epoch, t0_ns, limit_ns,
+                                LLCNT, POLL)
+                row += c
         flat = le * (W * T) + row
         if ok != 0:
             tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
@@ -748,8 +757,8 @@ def _expand_source(s, n_s, ok, x, recv_x, recv_scales, row_of, src_info, tab, er
 
 @triton.jit
 def _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, err, rank,
-            set_off, msk, epoch, t0_ns, limit_ns, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-            K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
+            set_off, msk, epoch, t0_ns, limit_ns, T: tl.constexpr, H: tl.constexpr,
+            HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
             W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
             OFF_X: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr,
             OFF_NTOK: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
@@ -757,8 +766,8 @@ def _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
             POLL: tl.constexpr):
     """Dispatch stage D_RECV: this rank's receive slots into the per-expert layout (FP8: recv_x
     is the uint8 view of the e4m3 output, and the scales are copied alongside), every source
-    but this rank when its own pairs were expanded before the wait (OWN_DONE). Sources in the bit mask
-    ``msk`` (masked ranks) count as having sent nothing: no rows, no counts. LLCNT (blockwise):
+    but this rank when its own pairs were expanded before the wait (OWN_DONE). Sources in the
+    bit mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts. LLCNT:
     the counts are polled as LL words (_expand_source). Returns ok (0 after a failed poll)."""
     b = tl.program_id(0)
     cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
@@ -774,16 +783,9 @@ def _expand(x, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
             tot = tl.zeros([LB], tl.int32)
             for s in range(W):
                 if not _masked(msk, s):
-                    if LLCNT:
-                        c, st, _ = _poll_ll(cntp + s * L + ls, _gated(lm, ok), epoch, t0_ns,
-                                            limit_ns, POLL)
-                        if st != -1:
-                            report_error(err, st, OP_DISPATCH, PHASE_DATA,
-                                         tl.full([], 1, tl.int64) << s)
-                            ok = ok * 0
-                    else:
-                        c = tl.load(cntp + s * L + ls, mask=lm, other=0)
-                    tot += c.to(tl.int32)           # the count: the LL word's low half
+                    c, ok = _counts(cntp + s * L + ls, lm, ok, s, err, epoch, t0_ns, limit_ns,
+                                    LLCNT, POLL)
+                    tot += c
             tl.store(recv_count + ls, tot, mask=lm)
         tl.store(ntok_out + ps, nts, mask=ps < W)
     for s in range(W):
@@ -952,20 +954,20 @@ def dispatch_kernel(
             if (STAGES & 2) and OWN_FIRST and (phase == 1 - OWN_PRESIGNAL):
                 tl.debug_barrier()          # rows and metadata stored by the block's other threads
                 if (NR > 0) and (OWN_X == 0) and POLL:  # own rows from a row block: its own flag
-                    okr, _ = _wait_flags(rflags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1,
-                                         W, WP, W, peers, 0, WL)
+                    okr, _ = _wait_flags(rflags, word, timeout_us, err, OP_DISPATCH,
+                                         PHASE_ENTRY, 1, W, WP, W, peers, 0, WL)
                     ok = ok & okr.to(tl.int32)
-                ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info, tab,
-                                    err, rank, set_off, msk, epoch, t0_ns, limit_ns, T, H, HP, K, KP,
-                                    L, W, NBW, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8, NS, NSP,
-                                    OFF_SC, OWN_X, 1, POLL)
+                ok = _expand_source(rank, n_tok, ok, x, recv_x, recv_scales, row_of, src_info,
+                                    tab, err, rank, set_off, msk, epoch, t0_ns, limit_ns, T, H,
+                                    HP, K, KP, L, W, NBW, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, FP8,
+                                    NS, NSP, OFF_SC, OWN_X, 1, POLL)
             _stamp(err, 2 + phase, PROFILE, 0, NB)
         if STAGES & 8:      # D_WAIT
             okw, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NF,
                                     NFP, W, msk, MASKS, WL)
             if NR > 0:      # and the rows, from the row blocks
-                okr, _ = _wait_flags(rflags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, okw, W,
-                                     WP, W, msk, 0, WL)
+                okr, _ = _wait_flags(rflags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, okw,
+                                     W, WP, W, msk, 0, WL)
                 okw = okw & okr
             if MASKS:
                 agreed = _agree_mask(err, seq + 1, msk | late)
