@@ -23,8 +23,8 @@ from . import ops
 from . import protocol as P
 from ._env import env_bit, env_pow2
 from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .ep_layout import (ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS, PROF_ENV, PROF_WORDS,
-                        check_shape_args, default_num_blocks, ep_layout)
+from .ep_layout import (ARM_BYTE, ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS, PROF_ENV,
+                        PROF_WORDS, check_shape_args, default_num_blocks, ep_layout)
 from .ep_reference import ReferenceEP
 from .errors import UnsupportedConfigError
 
@@ -50,6 +50,10 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
+#: ``LLCOMM_EP_LL``: the LL dispatch (kernels/ep.py, ``LL``) or the flag dispatch. It changes
+#: what crosses between ranks, so every rank must use the same value; buffers with rank masks
+#: always run the flag dispatch.
+LL_ENV = "LLCOMM_EP_LL"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -86,6 +90,18 @@ def rows_first() -> int:
     return env_bit(ROWS_FIRST_ENV, 1)
 
 
+def ll_dispatch() -> int:
+    """LL of the dispatch kernel: ``LLCOMM_EP_LL`` (0 unless set)."""
+    return env_bit(LL_ENV, 0)
+
+
+def ll_row_consts(lay, fp8: int) -> dict:
+    """RW and HPW of the LL dispatch: int32 words per row slot (FP8: e4m3 bytes, four to a
+    word; else buffer-dtype rows) and the power of two above."""
+    rw = (lay.hidden if fp8 else lay.hidden * lay.itemsize) // 4
+    return dict(RW=rw, HPW=_pow2(rw))
+
+
 def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
                   small_tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
@@ -120,7 +136,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(), CARRY=0)
+             ROWS_FIRST=rows_first(), CARRY=0, LL=ll_dispatch(), OFF_WLL=off["recv_weights"],
+             **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
     return d, c, num_warps
@@ -691,6 +708,14 @@ class _PeerEP:
         self.timeout_us = buf.timeout_ms * P.US_PER_MS
         self.ws = SymmetricWorkspace(buf.group, {"ep": lay.total_bytes}, self.device)
         self.tab = self.ws.table("ep")
+        # the LL dispatch's idle state of the receive slots (ep_layout.ARM_BYTE), set on every
+        # rank before any rank's first dispatch can write there
+        self.ll = 0 if buf.enable_masks else ll_dispatch()
+        region = self.ws.local("ep")
+        for a, b in lay.armed_ranges():
+            region[a:b].fill_(ARM_BYTE)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=buf.group)
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
         # err[0]: device error word; err[1]: host address of the error word; err[2]: host
         # address of the out-of-range top-k count. Pinned host memory is mapped into the GPU's
@@ -732,6 +757,7 @@ class _PeerEP:
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
+            d["LL"] = self.ll
             hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))
@@ -761,7 +787,10 @@ class _PeerEP:
                 src_info, recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
                 weights if carry else topk_idx, w_off)
-        consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry)
+        consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry,
+                      **ll_row_consts(self.layout, fp8))
+        if self.ll and x.data_ptr() % 16:
+            x = x.clone()           # the LL dispatch reads rows as aligned int32 words
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)

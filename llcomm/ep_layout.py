@@ -19,11 +19,18 @@ consecutive combines)::
                     or, for an FP8 dispatch, in the same region:
                     fp8   [num_ranks, max_tokens, hidden]          quantised rows, slot (src, t)
                     fp32  [num_ranks, max_tokens, hidden // 128]   their scales (recv_scales)
-    dispatch meta   int32 [num_ranks, max_tokens, MAX_TOPK]        (local expert << 16) | prefix
-    dispatch count  int32 [num_ranks, num_local_experts]           tokens per local expert
-    dispatch ntok   int32 [num_ranks]                              tokens each source sent
+    dispatch meta   int64 [num_ranks, max_tokens, MAX_TOPK]        (local expert << 16) | prefix
+    dispatch count  int64 [num_ranks, num_local_experts]           tokens per local expert
+    dispatch ntok   int64 [num_ranks]                              tokens each source sent
     combine recv    dtype [num_ranks, max_tokens, hidden]          partials, slot (expert rank, t)
     combine weights fp32  [num_ranks, max_tokens, MAX_TOPK]        top-k weights, slot (src, t)
+    handle weights  fp32  [num_ranks, max_tokens, MAX_TOPK]        weights carried by dispatch k
+    dispatch wts LL int64 [num_ranks, max_tokens, MAX_TOPK]        the same, in flight (LL mode)
+
+The metadata, count and ntok words are 8 bytes: the LL dispatch (kernels/ep.py, ``LL``) sends
+each as ``(epoch << 32) | value``; the flag dispatch uses the low half of each region as int32.
+The dispatch receive region is armed with 0xFF bytes when the buffer is made (the LL dispatch's
+"not yet written" word; its receiver writes it back after reading a slot).
 
 There is no send region: every push goes straight from the caller's tensor (``x`` in dispatch,
 the reduced partial held in registers in combine) into the peer's receive region, so a send
@@ -73,6 +80,11 @@ PROF_WORDS = 8
 PROF_ENV = "LLCOMM_EP_PROFILE"
 #: FP8 dispatch: channels per fp32 scale (llcomm/ep_fp8.py defines the format).
 FP8_BLOCK = 128
+#: Bytes of a metadata, count or ntok word: room for an LL word (epoch in the high half).
+LL_WORD = 8
+#: Byte the dispatch receive region holds while idle: the LL dispatch's "not yet written" int32
+#: word is 0xFFFFFFFF (kernels/ep.py ROW_SENTINEL).
+ARM_BYTE = 0xFF
 
 
 def default_num_blocks(sms: int | None = None) -> int:
@@ -108,6 +120,7 @@ class EPSetLayout:
     combine_x: int
     combine_weights: int
     dispatch_weights: int           # handle slot k's weights when the dispatch carries them
+    recv_weights: int               # LL dispatch: carried weights as LL words, before the copy
     end: int
     send_bytes: int = 0
 
@@ -139,7 +152,12 @@ class EPLayout:
                 "recv_meta": s.recv_meta,
                 "recv_count": s.recv_count, "recv_ntok": s.recv_ntok,
                 "combine_x": s.combine_x, "combine_weights": s.combine_weights,
-                "dispatch_weights": s.dispatch_weights}
+                "dispatch_weights": s.dispatch_weights, "recv_weights": s.recv_weights}
+
+    def armed_ranges(self) -> list[tuple[int, int]]:
+        """Byte ranges ``[start, end)`` that hold ARM_BYTE while idle: each set's dispatch
+        receive region (rows and FP8 scales)."""
+        return [(s.recv_x, s.recv_meta) for s in self.sets]
 
 
 def check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
@@ -208,12 +226,13 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
         # the same bytes as size_hint says
         ("signal", 8 * SIGNAL_PHASES * max(num_blocks, DEFAULT_NUM_BLOCKS) * W),
         ("recv_x", recv_bytes),
-        ("recv_meta", 4 * W * T * max_topk),
-        ("recv_count", 4 * W * L),
-        ("recv_ntok", 4 * W),
+        ("recv_meta", LL_WORD * W * T * max_topk),
+        ("recv_count", LL_WORD * W * L),
+        ("recv_ntok", LL_WORD * W),
         ("combine_x", W * T * H * itemsize),
         ("combine_weights", 4 * W * T * max_topk),
         ("dispatch_weights", 4 * W * T * max_topk),
+        ("recv_weights", LL_WORD * W * T * max_topk),
     )
     rel, off = {}, 0
     for name, n in sizes:

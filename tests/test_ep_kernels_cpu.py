@@ -37,8 +37,15 @@ def _same_up_to_interpreter_rounding(got, want):
     return torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale)
 
 
+def _escaped(x):
+    """x as the LL dispatch delivers it: every all-ones 32-bit word with its top bit cleared."""
+    w = x.contiguous().view(torch.int32).clone()
+    w[w == -1] = 0x7FFFFFFF
+    return w.view(x.dtype)
+
+
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
-             carry=False):
+             carry=False, ll=0, plant=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
@@ -46,11 +53,15 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     flag a wait would poll holds the expected word (the waits themselves read the GPU clock,
     which the interpreter lacks). ``carry``: the dispatch carries the weights (CARRY) into the
     handle slot's region (call i uses slot i % 2, as EPBuffer does) and the combine reads them
-    there (CARRIED); the combine's own weights are then poisoned, so using them would show."""
+    there (CARRIED); the combine's own weights are then poisoned, so using them would show.
+    ``ll``: the LL dispatch; each receive slot must be armed again after the call, and no
+    word may have been missing (the receive half reads once and reports what it lacks).
+    ``plant``: some row words are the LL sentinel (0xFFFFFFFF); they must arrive escaped
+    (``_escaped``) and the combine is skipped (those rows are NaNs)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep import kernel_consts
+    from llcomm.ep import kernel_consts, ll_row_consts
     from llcomm.ep_fp8 import dequantize, quantize
-    from llcomm.ep_layout import ep_layout
+    from llcomm.ep_layout import ARM_BYTE, ep_layout
     from llcomm.kernels import ep as K
     from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch,
                                 oracle_dispatch_fp8)
@@ -60,6 +71,9 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     isz = torch.tensor([], dtype=dtype).element_size()
     lay = ep_layout(T, H, W, E, isz, num_blocks=NB)
     regions = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    for region in regions:          # as EPBuffer arms them
+        for a, b in lay.armed_ranges():
+            region[a:b] = ARM_BYTE
     tab = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64)
     host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64) for h in host]
@@ -67,6 +81,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     # TT=4: several top-k tiles even at these small token counts; up to 2 tokens take the
     # one-small-tile path (TS=2)
     dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
+    dc = dict(dc, LL=ll, **ll_row_consts(lay, fp8))
     fails = []
     call = 0
     for seed in seeds:
@@ -74,6 +89,12 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             tag = (f"[W={W} E={E} T={T} H={H} topk={topk} NB={NB} {dtype_name} fp8={fp8} "
                    f"carry={carry} seed={seed} {kind}]")
             xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+            if plant:       # sentinel words at the start, middle and end of some rows
+                for x in xs:
+                    words = x.view(torch.int32)
+                    words[::2, 0] = -1
+                    words[1::3, -1] = -1
+                    words[:, words.shape[1] // 2] = -1
             w_off = lay.sets[call % 2].dispatch_weights
             call += 1
             if fp8:
@@ -87,14 +108,21 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
             d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
             for stage in d_stages:
-                if stage == K.D_RECV and signals:
+                if stage == K.D_RECV and signals and not ll:
                     fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
                 for r in range(W):
                     K.dispatch_kernel[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
                         **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry)))
-            exp = oracle_dispatch(xs, topks, W, E, T)
+            if ll:
+                for r in range(W):
+                    a, b = lay.armed_ranges()[(call - 1) % 2]
+                    if not bool((regions[r][a:b] == ARM_BYTE).all()):
+                        fails.append(f"{tag} rank {r}: receive slots not armed again")
+                    if int(err[r][0]):
+                        fails.append(f"{tag} rank {r}: error word {int(err[r][0]):#x}")
+            exp = oracle_dispatch([_escaped(x) for x in xs] if plant else xs, topks, W, E, T)
             if fp8:
                 exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
                 lib = [quantize(x, round_scale=fp8 == 2) for x in xs]
@@ -132,6 +160,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                         fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
                     if not torch.equal(src[r][e, :c], es[e, :c]):
                         fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+            if plant:
+                continue
             outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
             outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
             c_stages = (K.C_WEIGHTS, K.C_REDUCE | K.C_SIGNAL_P, K.C_SUM) if signals \
@@ -152,7 +182,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
     calls = len(seeds) * len(kinds)
     for r in range(W):
-        if ctrl[r].tolist() != [[calls] * NB, [calls] * NB]:
+        if ctrl[r].tolist() != [[calls] * NB, [0 if plant else calls] * NB]:
             fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls} everywhere")
         if int(host[r][1]):
             fails.append(f"rank {r}: out-of-range top-k reported without cause")
@@ -222,13 +252,26 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     # weights carried by the dispatch, both slots (three calls), plain and split-phase stages
     (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True),
     (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups", "none"], 0, True, True),
+    # the LL dispatch (LL=1): the same cases' shapes, FP8 both ways, send halves, carried weights
+    (2, 8, 6, 32, 3, 4, "bfloat16", [1, 2], ["random", "dups", "zero_and_max"], 0, False, False,
+     1),
+    (4, 8, 4, 16, 2, 2, "bfloat16", [4], ["random", "sparse", "zero_and_max"], 0, False, False,
+     1),
+    (3, 6, 3, 8, 4, 5, "float16", [5], ["random", "dups", "none"], 0, True, True, 1),
+    (2, 8, 5, 256, 3, 4, "bfloat16", [1], ["random", "dups", "zero_and_max"], 1, False, True, 1),
+    (3, 6, 3, 128, 2, 2, "float32", [2], ["random", "sparse"], 2, True, False, 1),
+    (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True,
+     1),
+    (2, 8, 6, 32, 3, 4, "bfloat16", [3], ["random", "zero_and_max"], 0, False, False, 1, True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{c[0]}-e{c[1]}-k{c[4]}-{c[6]}"
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
                                              + ("-signals" if len(c) > 10 and c[10] else "")
-                                             + ("-carry" if len(c) > 11 else "")
+                                             + ("-carry" if len(c) > 11 and c[11] else "")
+                                             + ("-ll" if len(c) > 12 else "")
+                                             + ("-sentinel" if len(c) > 13 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)

@@ -89,6 +89,7 @@ two-set argument above still holds. The CPU tests run the data stages alone (``D
 import triton
 import triton.language as tl
 
+from ._lamport import _pending, _poll, limit_ticks
 from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, global_time_lanes,
                     global_time_ns, report_error, sm_cycles, wait_bound_us)
 from .. import ep_layout as EL
@@ -130,6 +131,16 @@ PROF_WORDS = tl.constexpr(EL.PROF_WORDS)
 PROF_GT0 = tl.constexpr(EL.PROF_WORDS - 2)
 PROF_GT1 = tl.constexpr(EL.PROF_WORDS - 1)
 PROF_LAST = tl.constexpr(EL.PROF_WORDS - 3)     # the kernel's end
+
+# LL dispatch (LL = 1; module doc): a row word that has not arrived, and what a row word equal
+# to it is sent as instead (both NaNs in every float format; e4m3 bytes 0xFF / 0x7F are NaN).
+ROW_SENTINEL = tl.constexpr(-1)             # 0xFFFFFFFF, the armed state (ep_layout.ARM_BYTE)
+ROW_ESCAPE = tl.constexpr(0x7FFFFFFF)
+LL_HI = tl.constexpr(32)                    # an LL word's epoch sits above bit 32
+NTOK_BITS = tl.constexpr(17)                # the ntok word: tag bits above the token count
+NTOK_MASK = tl.constexpr((1 << 17) - 1)     # (at most MAX_TOKENS_LIMIT = 2**16 tokens)
+NTOK_TAG_MASK = tl.constexpr((1 << 15) - 1)
+LL_LOW = tl.constexpr(0xFFFFFFFF)           # an LL word's value bits
 
 # Stage bits (python ints for the host, constexpr for the kernels).
 D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
@@ -365,10 +376,49 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _ll_word(ehi, v):
+    """LL word: the epoch bits ``ehi`` above the 32 bits of ``v`` (int32 or fp32)."""
+    return ehi | v.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _row_words(v):
+    """int32 row words as the LL dispatch sends them: ROW_SENTINEL goes as ROW_ESCAPE."""
+    return tl.where(v == ROW_SENTINEL, ROW_ESCAPE, v)
+
+
+@triton.jit
+def _push_rows_ll(x, t, bits, tab, set_off, slot, H: tl.constexpr, HP: tl.constexpr,
+                  W: tl.constexpr, OFF_X: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
+                  OFF_SC: tl.constexpr, RW: tl.constexpr, HPW: tl.constexpr):
+    """LL dispatch: token t's row to the ranks in ``bits`` as RW int32 words (``_row_words``),
+    which are their own flag; FP8: its e4m3 bytes packed four to a word, then its scales."""
+    ws = tl.arange(0, HPW)
+    wm = ws < RW
+    if FP8:
+        hs = tl.arange(0, HP)
+        v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
+        qb, sc = _quantize_row(v, HP, FP8 == 2)
+        q4 = tl.reshape(qb.to(tl.int32), (HPW, 4))
+        words = _row_words(tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :], axis=1))
+        ns = tl.arange(0, HP // FP8_BLOCK)
+        sw = _row_words(sc.to(tl.int32, bitcast=True))
+    else:
+        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm))
+    for d in tl.static_range(W):
+        if (bits >> d) & 1:
+            tl.store(_at(tab, d, set_off + OFF_X, tl.int32) + slot * RW + ws, words, mask=wm)
+            if FP8:
+                tl.store(_at(tab, d, set_off + OFF_SC, tl.int32) + slot * NS + ns, sw,
+                         mask=ns < NS)
+
+
+@triton.jit
 def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
                HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
-               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
+               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
+               LL: tl.constexpr = 0, RW: tl.constexpr = 1, HPW: tl.constexpr = 1):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
     scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
     b = tl.program_id(0)
@@ -380,7 +430,10 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
         if t < n_tok:
             bits = _rank_bits(topk + t * K, K, E, L)
             slot = rank * T + t
-            if FP8:
+            if LL:
+                _push_rows_ll(x, t, bits, tab, set_off, slot, H, HP, W, OFF_X, FP8, NS, OFF_SC,
+                              RW, HPW)
+            elif FP8:
                 # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
                 v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
                 qb, sc = _quantize_row(v, HP, FP8 == 2)
@@ -400,10 +453,10 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
 
 
 @triton.jit
-def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T: tl.constexpr, K: tl.constexpr,
+def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, ehi, T: tl.constexpr, K: tl.constexpr,
                 KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                 EB: tl.constexpr, TT: tl.constexpr, MAX_TOPK: tl.constexpr,
-                OFF_META: tl.constexpr):
+                OFF_META: tl.constexpr, LL: tl.constexpr):
     """The top-k scan of ``_send``, TT tokens per tile: for this block's experts ``ids``, the
     tokens routed to each (returned: counts ``[EB]``, and the out-of-range entries seen), and
     each entry's metadata word stored into the rank that holds its expert."""
@@ -428,9 +481,19 @@ def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T: tl.constexpr, K: tl.con
         mine = tl.max(hit.to(tl.int32), axis=2) > 0
         dv = tile // L
         for d in tl.static_range(W):
-            mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + ts[:, None]) * MAX_TOPK
-            tl.store(mp + ks[None, :], meta, mask=m2 & mine & (dv == d))
+            _store_meta(tab, d, set_off, (rank * T + ts[:, None]) * MAX_TOPK + ks[None, :], meta,
+                        m2 & mine & (dv == d), ehi, OFF_META, LL)
     return cnt, nbad
+
+
+@triton.jit
+def _store_meta(tab, d, set_off, idx, v, m, ehi, OFF: tl.constexpr, LL: tl.constexpr):
+    """int32 values ``v`` at word ``idx`` of the region at byte OFF of rank d (metadata, counts,
+    ntok): plain int32 words, or (LL) LL words with the epoch bits ``ehi``."""
+    if LL:
+        tl.store(_at(tab, d, set_off + OFF, tl.int64) + idx, _ll_word(ehi, v), mask=m)
+    else:
+        tl.store(_at(tab, d, set_off + OFF, tl.int32) + idx, v, mask=m)
 
 
 @triton.jit
@@ -441,7 +504,8 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           TS: tl.constexpr, JP: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
-          PROFILE: tl.constexpr):
+          PROFILE: tl.constexpr, ehi, tag, LL: tl.constexpr, RW: tl.constexpr,
+          HPW: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -460,7 +524,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     b = tl.program_id(0)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC)
+                   NS, OFF_SC, LL, RW, HPW)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -470,27 +534,35 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     # one tile of TS tokens when that covers them all (decode at small batch: the compare and
     # the cumulative sum of a 128-token tile cost 0.7 us more at 1 token, session 9)
     if n_tok <= TS:
-        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T, K, KP, E, L, W, EB,
-                                TS, MAX_TOPK, OFF_META)
+        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, ehi, T, K, KP, E, L, W,
+                                EB, TS, MAX_TOPK, OFF_META, LL)
     else:
-        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, T, K, KP, E, L, W, EB,
-                                TT, MAX_TOPK, OFF_META)
+        cnt, nbad = _scan_tiles(topk, n_tok, tab, rank, set_off, ids, ehi, T, K, KP, E, L, W,
+                                EB, TT, MAX_TOPK, OFF_META, LL)
     if not ROWS_FIRST:
         _stamp(err, 1, PROFILE, 0, NB)  # top-k scan done
 
     # 1. counts of experts b + NB * i, into slot (rank, local expert) of the expert's rank;
     #    out-of-range ids count as -1 and are reported (block 0 saw every token).
     dst = es // L
-    cbase = tl.load(tab + dst, mask=emask, other=0)
-    cptr = (cbase + set_off + OFF_CNT).to(tl.pointer_type(tl.int32)) + rank * L + (es - dst * L)
-    tl.store(cptr, cnt, mask=emask)
+    cbase = tl.load(tab + dst, mask=emask, other=0) + set_off + OFF_CNT
+    cidx = rank * L + (es - dst * L)
+    if LL:
+        tl.store(cbase.to(tl.pointer_type(tl.int64)) + cidx, _ll_word(ehi, cnt), mask=emask)
+    else:
+        tl.store(cbase.to(tl.pointer_type(tl.int32)) + cidx, cnt, mask=emask)
     if b == 0:
         if nbad > 0:
             tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
         ps = tl.arange(0, WP)
-        nbase = tl.load(tab + ps, mask=ps < W, other=0)
-        nptr = (nbase + set_off + OFF_NTOK).to(tl.pointer_type(tl.int32)) + rank
-        tl.store(nptr, tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
+        nbase = tl.load(tab + ps, mask=ps < W, other=0) + set_off + OFF_NTOK
+        if LL:      # the call's tag rides with the count: receivers check it (mismatches)
+            nw = _ll_word(ehi, ((tag & NTOK_TAG_MASK) << NTOK_BITS) | n_tok)
+            tl.store(nbase.to(tl.pointer_type(tl.int64)) + rank, tl.full([WP], 0, tl.int64) + nw,
+                     mask=ps < W)
+        else:
+            tl.store(nbase.to(tl.pointer_type(tl.int32)) + rank,
+                     tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
 
     # 2. -1 metadata of this block's tokens' entries for every rank that does not hold their
     #    expert (invalid entries: every rank); the expert's own rank got its word in the scan
@@ -499,11 +571,11 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     own = tl.load(topk + mt[:, None] * K + ks[None, :], mask=live2, other=-1)
     dv2 = tl.where((own >= 0) & (own < E), own // L, -1)
     for d in tl.static_range(W):
-        mp = _at(tab, d, set_off + OFF_META, tl.int32) + (rank * T + mt[:, None]) * MAX_TOPK
-        tl.store(mp + ks[None, :], tl.full([JP, KP], -1, tl.int32), mask=live2 & (dv2 != d))
+        _store_meta(tab, d, set_off, (rank * T + mt[:, None]) * MAX_TOPK + ks[None, :],
+                    tl.full([JP, KP], -1, tl.int32), live2 & (dv2 != d), ehi, OFF_META, LL)
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC)
+                   NS, OFF_SC, LL, RW, HPW)
 
 
 @triton.jit
@@ -574,6 +646,135 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
                         tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
 
 
+@triton.jit
+def _take_ll(ptrs, m, srcs, epoch, failed, limit, err, POLL: tl.constexpr, LLW: tl.constexpr):
+    """LL dispatch: the words at ``ptrs`` (lanes ``m``) once every one has arrived: LL words
+    (LLW = 1) whose epoch is ``epoch``, or row words (LLW = 0) that are not ROW_SENTINEL.
+    ``srcs``: each lane's source rank, named in the error word if the wait runs out. Returns
+    (words, failed); after a failure nothing is waited for (``failed`` stays 1)."""
+    v, status = _poll(ptrs, m, err, 1, failed < 0, failed, limit, ROW_SENTINEL, POLL, epoch,
+                      LLW)
+    if status > 0:      # STATUS_TIMEOUT (the tag is not checked here); block-uniform
+        late = _pending(v, m, ROW_SENTINEL, epoch, LLW)
+        bad = tl.reduce(tl.where(late, tl.full(m.shape, 1, tl.int64) << srcs, 0), 0, _bit_or)
+        report_error(err, status, OP_DISPATCH, PHASE_DATA, bad)
+        failed = 1
+    return v, failed
+
+
+@triton.jit
+def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexpr,
+               KP: tl.constexpr):
+    """Row ``v`` (lanes ``lanes``, mask ``lm``) into row ``flat[k]`` of ``dst`` (ROW elements
+    per row) for every entry k in ``first`` (one row per distinct local expert)."""
+    ks = tl.arange(0, KP)
+    for k in tl.static_range(K):
+        pick = ks == k
+        if tl.sum((pick & first).to(tl.int32), axis=0) > 0:
+            flat_k = tl.sum(tl.where(pick, flat, 0), axis=0).to(tl.int64)
+            tl.store(dst + flat_k * ROW + lanes, v, mask=lm)
+
+
+@triton.jit
+def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
+               seq, tag, timeout_us, err, w_off, T: tl.constexpr, K: tl.constexpr,
+               KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
+               WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
+               OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+               FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr,
+               RW: tl.constexpr, HPW: tl.constexpr, CARRY: tl.constexpr,
+               OFF_WLL: tl.constexpr, POLL: tl.constexpr):
+    """LL dispatch, receive: what ``_expand`` does, each word waited for where it is read (no
+    flag): the sources' token counts (and call tags), then per owned pair its metadata, the
+    earlier sources' counts of its experts, its row (and FP8 scales, carried weights); the row
+    slot is armed again with ROW_SENTINEL once copied."""
+    b = tl.program_id(0)
+    epoch = (seq + 1).to(tl.int32)
+    limit = limit_ticks(timeout_us, POLL)
+    failed = tl.zeros([], tl.int32)
+    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
+    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int64)
+    metap = _at(tab, rank, set_off + OFF_META, tl.int64)
+    xp = _at(tab, rank, set_off + OFF_X, tl.int32)
+    scp = _at(tab, rank, set_off + OFF_SC, tl.int32)
+    wll = _at(tab, rank, set_off + OFF_WLL, tl.int64)
+    wout = _at(tab, rank, w_off, tl.float32)
+    rx = recv_x.to(tl.pointer_type(tl.int32))
+    rs = recv_scales.to(tl.pointer_type(tl.int32))
+    ws = tl.arange(0, HPW)
+    wm = ws < RW
+    ns = tl.arange(0, NSP)
+    nsm = ns < NS
+    ps = tl.arange(0, WP)
+    nw, failed = _take_ll(ntp + ps, ps < W, ps.to(tl.int64), epoch, failed, limit, err, POLL, 1)
+    nts = tl.where(ps < W, (nw & NTOK_MASK).to(tl.int32), 0)
+    # a source whose tag differs runs another kind of call (use_fp8, round_scale, carried
+    # weights, top-k): a mismatch, as the flag dispatch reports it
+    other = (ps < W) & (((nw & LL_LOW) >> NTOK_BITS) != (tag & NTOK_TAG_MASK))
+    if failed == 0:
+        if tl.max(other.to(tl.int32), axis=0) > 0:
+            report_error(err, STATUS_MISMATCH, OP_DISPATCH, PHASE_DATA,
+                         tl.reduce(tl.where(other, tl.full([WP], 1, tl.int64) << ps, 0), 0,
+                                   _bit_or))
+            failed = 1
+    if b == NB - 1:     # the last block: at small token counts it owns no pair
+        for l0 in range(0, L, LB):
+            ls = l0 + tl.arange(0, LB)
+            lm = ls < L
+            tot = tl.zeros([LB], tl.int32)
+            for s in range(W):
+                c, failed = _take_ll(cntp + s * L + ls, lm, tl.full([LB], s, tl.int64), epoch,
+                                     failed, limit, err, POLL, 1)
+                tot += c.to(tl.int32)
+            tl.store(recv_count + ls, tot, mask=lm)
+        tl.store(ntok_out + ps, nts, mask=ps < W)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
+    for s in range(W):
+        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
+        for t in range(_first_token(b, s, NB, W), n_s, NB):
+            slot = s * T + t
+            srcs = tl.full([KP], s, tl.int64)
+            mw, failed = _take_ll(metap + slot * MAX_TOPK + ks, kmask, srcs, epoch, failed,
+                                  limit, err, POLL, 1)
+            m = tl.where(kmask & (failed == 0), mw.to(tl.int32), -1)
+            valid = m >= 0
+            first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
+                                    axis=1) == 0)
+            le = tl.maximum(m, 0) >> META_SHIFT
+            row = m & META_MASK
+            for s2 in range(s):
+                c, failed = _take_ll(cntp + s2 * L + le, valid, tl.full([KP], s2, tl.int64),
+                                     epoch, failed, limit, err, POLL, 1)
+                row += c.to(tl.int32)
+            if failed == 0:
+                flat = le * (W * T) + row
+                tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
+                tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+                if tl.max(valid.to(tl.int32), axis=0) > 0:      # the row was sent here
+                    v, failed = _take_ll(xp + slot * RW + ws, wm, tl.full([HPW], s, tl.int64),
+                                         epoch, failed, limit, err, POLL, 0)
+                    if FP8:
+                        sv, failed = _take_ll(scp + slot * NS + ns, nsm,
+                                              tl.full([NSP], s, tl.int64), epoch, failed, limit,
+                                              err, POLL, 0)
+                    if CARRY:
+                        wv, failed = _take_ll(wll + slot * MAX_TOPK + ks, kmask, srcs, epoch,
+                                              failed, limit, err, POLL, 1)
+                    if failed == 0:
+                        _copy_rows(rx, flat, first, v, RW, ws, wm, K, KP)
+                        tl.store(xp + slot * RW + ws, tl.full([HPW], ROW_SENTINEL, tl.int32),
+                                 mask=wm)       # armed again
+                        if FP8:
+                            _copy_rows(rs, flat, first, sv, NS, ns, nsm, K, KP)
+                            tl.store(scp + slot * NS + ns, tl.full([NSP], ROW_SENTINEL,
+                                                                   tl.int32), mask=nsm)
+                        if CARRY:
+                            tl.store(wout + slot * MAX_TOPK + ks,
+                                     wv.to(tl.int32).to(tl.float32, bitcast=True), mask=kmask)
+
+
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
 def dispatch_kernel(
         x,              # [n_tok, H] this rank's tokens (buffer dtype)
@@ -612,21 +813,43 @@ def dispatch_kernel(
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan (_send)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (module doc)
+        LL: tl.constexpr = 0,           # 1: the LL dispatch (module doc); needs MASKS = 0
+        RW: tl.constexpr = 1,           # LL: int32 words per row slot (ep.ll_row_consts)
+        HPW: tl.constexpr = 1,          # LL: pow2(RW), the lanes of a row
+        OFF_WLL: tl.constexpr = 0,      # LL, CARRY: the weights' LL words, bytes
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
+    tl.static_assert((LL == 0) | (MASKS == 0))
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
+    ehi = (seq + 1) << LL_HI                        # LL words: this call's epoch bits
     if STAGES & 1:
-        if CARRY:       # released with the rows by this dispatch's signal
-            _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
+        if CARRY:       # released with the rows by this dispatch's signal (LL: own words)
+            if LL:
+                _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK,
+                              OFF_WLL, ehi, 1)
+            else:
+                _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE)
+              PROFILE, ehi, tag, LL, RW, HPW)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
+    if LL:
+        if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
+            POLL: tl.constexpr = (STAGES & 8) != 0
+            _stamp(err, 3, PROFILE, 0, NB)
+            _stamp(err, 4, PROFILE, 0, NB)
+            _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
+                       set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W, WP, NB,
+                       MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC, RW,
+                       HPW, CARRY, OFF_WLL, POLL)
+            tl.store(ctrl + b, seq + 1)
+        _stamp(err, PROF_LAST, PROFILE, 0, NB)
+        return
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
         _signal(tab, (set_off + OFF_SIG) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word, W, WP)
@@ -663,17 +886,22 @@ def dispatch_kernel(
 @triton.jit
 def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
-                  OFF_CW: tl.constexpr):
+                  OFF_CW: tl.constexpr, ehi=0, LL: tl.constexpr = 0):
     """Combine stage A (or the dispatch with CARRY): this rank's top-k weights into slot
-    (rank, t) of the weights region at byte ``set_off + OFF_CW`` of every rank."""
+    (rank, t) of the weights region at byte ``set_off + OFF_CW`` of every rank (LL: as LL
+    words with the epoch bits ``ehi``)."""
     b = tl.program_id(0)
     ks = tl.arange(0, KP)
     kmask = ks < K
     for t in range(_first_token(b, rank, NB, W), n_tok, NB):
         w = tl.load(wts + t * K + ks, mask=kmask, other=0.0)
         for d in tl.static_range(W):
-            wp = _at(tab, d, set_off + OFF_CW, tl.float32) + (rank * T + t) * MAX_TOPK
-            tl.store(wp + ks, w, mask=kmask)
+            if LL:
+                wp = _at(tab, d, set_off + OFF_CW, tl.int64) + (rank * T + t) * MAX_TOPK
+                tl.store(wp + ks, _ll_word(ehi, w), mask=kmask)
+            else:
+                wp = _at(tab, d, set_off + OFF_CW, tl.float32) + (rank * T + t) * MAX_TOPK
+                tl.store(wp + ks, w, mask=kmask)
 
 
 @triton.jit
