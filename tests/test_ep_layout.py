@@ -19,9 +19,9 @@ def test_regions_disjoint_aligned_and_sized(T, H, W, E, dtype):
     lay = ep_layout(T, H, W, E, isz, num_blocks=DEFAULT_NUM_BLOCKS)
     L = E // W
     need = {"signal": 8 * SIGNAL_PHASES * DEFAULT_NUM_BLOCKS * W, "recv_x": W * T * H * isz,
-            "recv_meta": 4 * W * T * MAX_TOPK, "recv_count": 4 * W * L, "recv_ntok": 4 * W,
+            "recv_meta": 8 * W * T * MAX_TOPK, "recv_count": 8 * W * L, "recv_ntok": 8 * W,
             "combine_x": W * T * H * isz, "combine_weights": 4 * W * T * MAX_TOPK,
-            "dispatch_weights": 4 * W * T * MAX_TOPK}
+            "dispatch_weights": 4 * W * T * MAX_TOPK, "recv_weights": 8 * W * T * MAX_TOPK}
     spans = []
     for k, s in enumerate(lay.sets):
         assert s.base == k * lay.set_bytes and s.end == (k + 1) * lay.set_bytes

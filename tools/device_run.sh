@@ -101,13 +101,18 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
                     ab_run pdl-ep-$v-b128 "LLCOMM_PDL=$v" bench ep --tokens 1,128 --iters 30
                     ab_run pdl-ep-$v-b512 "LLCOMM_PDL=$v" bench ep --iters 20
                 done ;;
+            ep-ll)      # LLCOMM_EP_LL: the LL dispatch (no fence, no flag wait) against the flag one
+                ab_run ep-ll-0 "LLCOMM_EP_LL=0" bench ep --tokens 1,128 --iters 30 --fp8 --carry-weights
+                ab_run ep-ll-1 "LLCOMM_EP_LL=1" bench ep --tokens 1,128 --iters 30 --fp8 --carry-weights
+                ab_run ep-ll-1-meta-first "LLCOMM_EP_LL=1 LLCOMM_EP_ROWS_FIRST=0" bench ep \
+                    --tokens 1,128 --iters 30 --fp8 --carry-weights ;;
             ep-blocks)  # LLCOMM_EP_NUM_BLOCKS: fewer EP blocks (fewer flags per wait, less expand)
                 for nb in 128 64 32; do ab_run ep-nb-$nb "LLCOMM_EP_NUM_BLOCKS=$nb" bench ep \
                     --tokens 1,128 --iters 30; done ;;
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-blocks)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-ll, ep-blocks)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

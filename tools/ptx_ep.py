@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llcomm.ep import kernel_consts  # noqa: E402
+from llcomm.ep import kernel_consts, ll_row_consts  # noqa: E402
 from llcomm.ep_layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.kernels import ep as K  # noqa: E402
 from ptx import ptx_summary, ptxas_usage, same_as  # noqa: E402  (tools/ptx.py, beside this file)
@@ -65,7 +65,8 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     d8_sig = dict(d_sig, recv_x="*u8")
     fp8 = {} if hidden % 128 else {
         f"dispatch_{dt}_fp8": (K.dispatch_kernel, d8_sig,
-                               dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1), warps, None)}
+                               dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1,
+                                    **ll_row_consts(lay, 1)), warps, None)}
     return {
         f"dispatch_{dt}": (K.dispatch_kernel, d_sig,
                            dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), warps, None),
@@ -91,8 +92,9 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
                                   dict(c_consts, STAGES=K.COMBINE_ALL, CARRIED=1), warps,
                                   {"enable_fp_fusion": False}),
         # EPBuffer(enable_masks=True), and LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
-        **{f"{kind}_{dt}_{mode}": (fn, sig, dict(consts, **extra), warps, opts)
-           for mode, extra in (("masks", {"MASKS": 1}), ("prof", {"PROFILE": 1}))
+        **{f"{kind}_{dt}_{mode}": (fn, sig, dict(consts, **{k: v for k, v in extra.items()
+                                                            if k in fn.arg_names}), warps, opts)
+           for mode, extra in (("masks", {"MASKS": 1, "LL": 0}), ("prof", {"PROFILE": 1}))
            for kind, fn, sig, consts, opts in (
                ("dispatch", K.dispatch_kernel, d_sig,
                 dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), None),

@@ -557,7 +557,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
         ps = tl.arange(0, WP)
         nbase = tl.load(tab + ps, mask=ps < W, other=0) + set_off + OFF_NTOK
         if LL:      # the call's tag rides with the count: receivers check it (mismatches)
-            nw = _ll_word(ehi, ((tag & NTOK_TAG_MASK) << NTOK_BITS) | n_tok)
+            nw = _ll_word(ehi, (((tag & NTOK_TAG_MASK) << NTOK_BITS) | n_tok).to(tl.int32))
             tl.store(nbase.to(tl.pointer_type(tl.int64)) + rank, tl.full([WP], 0, tl.int64) + nw,
                      mask=ps < W)
         else:
