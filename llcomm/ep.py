@@ -54,6 +54,9 @@ ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
 #: what crosses between ranks, so every rank must use the same value; buffers with rank masks
 #: always run the flag dispatch.
 LL_ENV = "LLCOMM_EP_LL"
+#: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
+#: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
+OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -85,9 +88,11 @@ def wait_lanes_block() -> bool:
     return raw == "block"
 
 
-def rows_first() -> int:
-    """ROWS_FIRST of the dispatch kernel: 1 unless ``LLCOMM_EP_ROWS_FIRST=0``."""
-    return env_bit(ROWS_FIRST_ENV, 1)
+def rows_first(ll: int = 0) -> int:
+    """ROWS_FIRST of the dispatch kernel: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
+    dispatch and 0 for the LL one (metadata and counts first: 6.5 / 15.3 against 7.1 / 17.0 us
+    at 1 / 128 tokens on 2xH200, docs/performance.md, session 11)."""
+    return env_bit(ROWS_FIRST_ENV, 0 if ll else 1)
 
 
 def ll_dispatch() -> int:
@@ -136,7 +141,8 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(), CARRY=0, LL=ll_dispatch(), OFF_WLL=off["recv_weights"],
+             ROWS_FIRST=rows_first(ll_dispatch()), CARRY=0, LL=ll_dispatch(),
+             OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
@@ -757,7 +763,7 @@ class _PeerEP:
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            d["LL"] = self.ll
+            d["LL"], d["ROWS_FIRST"] = self.ll, rows_first(self.ll)
             hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, **mode),
                                         dict(c, STAGES=self.k.COMBINE_ALL, **mode,
                                              enable_fp_fusion=False))

@@ -683,7 +683,7 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr,
                RW: tl.constexpr, HPW: tl.constexpr, CARRY: tl.constexpr,
-               OFF_WLL: tl.constexpr, POLL: tl.constexpr):
+               OFF_WLL: tl.constexpr, POLL: tl.constexpr, OWN_FIRST: tl.constexpr):
     """LL dispatch, receive: what ``_expand`` does, each word waited for where it is read (no
     flag): the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights); the row
@@ -731,7 +731,10 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
     ks = tl.arange(0, KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
-    for s in range(W):
+    for i in range(W):
+        s = i
+        if OWN_FIRST:   # this rank's own rows first: they are local, the peers' still crossing
+            s = (rank + i) % W
         n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
         for t in range(_first_token(b, s, NB, W), n_s, NB):
             slot = s * T + t
@@ -817,6 +820,7 @@ def dispatch_kernel(
         RW: tl.constexpr = 1,           # LL: int32 words per row slot (ep.ll_row_consts)
         HPW: tl.constexpr = 1,          # LL: pow2(RW), the lanes of a row
         OFF_WLL: tl.constexpr = 0,      # LL, CARRY: the weights' LL words, bytes
+        OWN_FIRST: tl.constexpr = 1,    # LL: expand this rank's own pairs before the peers'
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
@@ -846,7 +850,7 @@ def dispatch_kernel(
             _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
                        set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W, WP, NB,
                        MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC, RW,
-                       HPW, CARRY, OFF_WLL, POLL)
+                       HPW, CARRY, OFF_WLL, POLL, OWN_FIRST)
             tl.store(ctrl + b, seq + 1)
         _stamp(err, PROF_LAST, PROFILE, 0, NB)
         return
