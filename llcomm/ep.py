@@ -57,9 +57,6 @@ LL_ENV = "LLCOMM_EP_LL"
 #: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
 #: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
 OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
-#: ``LLCOMM_EP_E4M3_HW=0``: FP8 dispatches round fp32 -> e4m3 on the bits, as the interpreter
-#: does, instead of with the GPU's convert (an A/B knob; HW_CVT in kernels/ep.py).
-E4M3_HW_ENV = "LLCOMM_EP_E4M3_HW"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -105,15 +102,6 @@ def ll_dispatch() -> int:
     return env_bit(LL_ENV, 1)
 
 
-def e4m3_hw_convert() -> int:
-    """HW_CVT of the dispatch kernel: the GPU's fp32 -> e4m3 convert, except under
-    ``TRITON_INTERPRET=1`` (whose cast does not round to nearest even: the kernel then rounds
-    on the bits) or with ``LLCOMM_EP_E4M3_HW=0`` (an A/B knob)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return env_bit(E4M3_HW_ENV, 1)
-
-
 def ll_row_consts(lay, fp8: int) -> dict:
     """RW and HPW of the LL dispatch: int32 words per row slot (FP8: e4m3 bytes, four to a
     word; else buffer-dtype rows) and the power of two above."""
@@ -157,7 +145,6 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
              ROWS_FIRST=rows_first(ll_dispatch()), CARRY=0, LL=ll_dispatch(),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
-             HW_CVT=e4m3_hw_convert(),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
