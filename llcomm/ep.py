@@ -50,10 +50,16 @@ SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
 #: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
 #: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_LL=0``: the flag dispatch instead of the LL one (kernels/ep.py, ``LL``). It
-#: changes what crosses between ranks, so every rank must use the same value; buffers with rank
-#: masks always run the flag dispatch.
+#: ``LLCOMM_EP_LL=0 / 1``: the flag or the LL dispatch (kernels/ep.py, ``LL``) whatever the
+#: buffer's size. It changes what crosses between ranks, so every rank must use the same value;
+#: buffers with rank masks always run the flag dispatch.
 LL_ENV = "LLCOMM_EP_LL"
+#: Largest buffer (max tokens per rank) that runs the LL dispatch unless LLCOMM_EP_LL says
+#: otherwise. On 2xH200 (docs/performance.md, session 11) it took the dispatch from 9.3 / 17.5
+#: to 6.6 / 15.2 us at 1 / 128 tokens with the buffer for 128, and lost at 256 and 512 tokens
+#: with the buffer for 512 (30.3 / 64.9 against 29.6 / 56.0 us): its receive slots are armed
+#: again after every read, and each pair waits on its own words in turn.
+LL_MAX_TOKENS = 256
 #: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
 #: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
 OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
@@ -95,11 +101,13 @@ def rows_first(ll: int = 0) -> int:
     return env_bit(ROWS_FIRST_ENV, 0 if ll else 1)
 
 
-def ll_dispatch() -> int:
-    """LL of the dispatch kernel: ``LLCOMM_EP_LL``, 1 (the LL dispatch) unless set to 0. On
-    2xH200 it took the dispatch from 9.3 / 17.5 to 6.5 / 15.3 us at 1 / 128 tokens
-    (docs/performance.md, session 11)."""
-    return env_bit(LL_ENV, 1)
+def ll_dispatch(max_tokens: int) -> int:
+    """LL of the dispatch kernel: ``LLCOMM_EP_LL`` when set, else 1 (the LL dispatch) for
+    buffers of at most LL_MAX_TOKENS tokens per rank. The rule follows the buffer, which every
+    rank shares, never a call's token count, which ranks do not."""
+    if os.environ.get(LL_ENV) is not None:
+        return env_bit(LL_ENV, 1)
+    return int(max_tokens <= LL_MAX_TOKENS)
 
 
 def ll_row_consts(lay, fp8: int) -> dict:
@@ -143,7 +151,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(ll_dispatch()), CARRY=0, LL=ll_dispatch(),
+             ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
@@ -718,7 +726,7 @@ class _PeerEP:
         self.tab = self.ws.table("ep")
         # the LL dispatch's idle state of the receive slots (ep_layout.ARM_BYTE), set on every
         # rank before any rank's first dispatch can write there
-        self.ll = 0 if buf.enable_masks else ll_dispatch()
+        self.ll = 0 if buf.enable_masks else ll_dispatch(buf.max_tokens)
         region = self.ws.local("ep")
         for a, b in lay.armed_ranges():
             region[a:b].fill_(ARM_BYTE)
