@@ -25,6 +25,16 @@ the local work that follows:
     cast, so the kernel is exact under ``TRITON_INTERPRET=1`` too (the interpreter's fp8 cast
     does not round to nearest even) and byte-equal to torch's ``.to(torch.float8_e4m3fn)``.
 
+``dispatch_kernel`` with ``LL`` = 1 (the LL dispatch; docs/ep.md "Scheme")
+    The same stages 1, 2 and 4 without the signal and the wait: metadata, counts, the token
+    count (with 15 tag bits) and carried weights are LL words ``(epoch << 32) | value``; rows
+    are int32 words in slots armed with ROW_SENTINEL (a row word equal to it is sent as
+    ROW_ESCAPE). ``_expand_ll`` waits for each word where it reads it (``_lamport._poll``, one
+    block-wide verdict per poll, bounded by the timeout), copies, and arms the row slot again.
+    No fence and no flag: the data is its own flag. Two sets suffice because every receiver
+    waits for every source's token-count word of the call, which the source writes only after
+    its previous call (and its re-arming) ended. Needs MASKS = 0.
+
 ``combine_kernel``
     A. weights: block b pushes ``topk_weights[t]`` of the tokens it owns (the rule of
        ``_first_token``, with s = this rank) to every rank; signal; wait for block b of every
