@@ -133,13 +133,25 @@ def test_wait_lanes_knob(monkeypatch):
 
 
 def test_order_and_tile_knobs(monkeypatch):
-    """Defaults: rows before the scan, one 128-token scan tile (fewer tokens per tile when a
-    block owns more experts); each env knob overrides and refuses a bad value by name."""
-    from llcomm.ep import ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
+    """Defaults: the LL dispatch with metadata before the rows up to LL_MAX_TOKENS, the flag
+    dispatch with rows before the scan above; one 128-token scan tile (fewer tokens per tile
+    when a block owns more experts); each env knob overrides and refuses a bad value by name."""
+    from llcomm.ep import LL_ENV, LL_MAX_TOKENS, ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
-    assert (d["ROWS_FIRST"], d["TT"], d["TS"]) == (1, 128, 16)   # TS: one tile up to 16 tokens
+    assert (d["LL"], d["ROWS_FIRST"], d["TT"], d["TS"]) == (1, 0, 128, 16)   # TS: small tile
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
+    assert (kernel_consts(big, 8)[0]["LL"], kernel_consts(big, 8)[0]["ROWS_FIRST"]) == (0, 1)
+    edge = ep_layout(LL_MAX_TOKENS, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
+    assert kernel_consts(edge, 8)[0]["LL"] == 1
+    for v in ("0", "1"):        # forced either way, whatever the buffer
+        monkeypatch.setenv(LL_ENV, v)
+        assert kernel_consts(lay, 8)[0]["LL"] == kernel_consts(big, 8)[0]["LL"] == int(v)
+        assert kernel_consts(lay, 8)[0]["ROWS_FIRST"] == 1 - int(v)
+    monkeypatch.setenv(LL_ENV, "yes")
+    with pytest.raises(ValueError, match=LL_ENV):
+        kernel_consts(lay, 8)
+    monkeypatch.setenv(LL_ENV, "0")     # the rest: the flag dispatch's defaults
     assert kernel_consts(big, 8)[0]["TT"] == 128    # the tile is tokens x top-k x own experts
     many = ep_layout(128, 7168, 2, 4096, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     assert kernel_consts(many, 8)[0]["TT"] * 8 * 32 <= 8192
