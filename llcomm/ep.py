@@ -799,14 +799,14 @@ class _PeerEP:
             recv_x = recv_x.view(torch.uint8)       # the kernel moves e4m3 as bytes
         carry = int(weights is not None)
         w_off = self.layout.sets[slot].dispatch_weights
+        if self.ll and x.data_ptr() % 16:
+            x = x.clone()           # the LL dispatch reads rows as aligned int32 words
         args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
                 src_info, recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
                 weights if carry else topk_idx, w_off)
         consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry,
                       **ll_row_consts(self.layout, fp8))
-        if self.ll and x.data_ptr() % 16:
-            x = x.clone()           # the LL dispatch reads rows as aligned int32 words
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
