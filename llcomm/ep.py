@@ -63,6 +63,9 @@ LL_MAX_TOKENS = 256
 #: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
 #: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
 OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
+#: ``LLCOMM_EP_E4M3_ASM=1``: FP8 dispatches round fp32 -> e4m3 with the GPU's convert in inline
+#: PTX instead of on the bits (E4M3_ASM in kernels/ep.py ``_quantize_row``).
+E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -110,6 +113,14 @@ def ll_dispatch(max_tokens: int) -> int:
     return int(max_tokens <= LL_MAX_TOKENS)
 
 
+def e4m3_asm() -> int:
+    """E4M3_ASM of the dispatch kernel: ``LLCOMM_EP_E4M3_ASM`` (0 unless set), never under
+    ``TRITON_INTERPRET=1``, which cannot run inline PTX."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return env_bit(E4M3_ASM_ENV, 0)
+
+
 def ll_row_consts(lay, fp8: int) -> dict:
     """RW and HPW of the LL dispatch: int32 words per row slot (FP8: e4m3 bytes, four to a
     word; else buffer-dtype rows) and the power of two above."""
@@ -153,6 +164,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
              ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
+             E4M3_ASM=e4m3_asm(),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)

@@ -368,13 +368,24 @@ def _e4m3_bits(q):
     return tl.where(e > E4M3_REBIAS, normal, sub) | sign
 
 
+#: fp32 -> e4m3 by the GPU's convert, round to nearest even, four values to one register (byte
+#: i from operand i: ``cvt`` puts its first operand in the high byte of a pair).
+E4M3X4_PTX = tl.constexpr("""{
+    .reg .b16 lo, hi;
+    cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+    cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+    mov.b32 $0, {lo, hi};
+}""")
+
+
 @triton.jit
-def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
+def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr, ASM: tl.constexpr = 0):
     """fp32 row ``[HP]`` (zeros past H) -> (e4m3 bits as uint8 ``[HP]``, fp32 scales
     ``[HP // 128]``): per 128 channels amax / 448 (1 where amax is 0), optionally rounded up to
     a power of two, then x / scale clamped to +-448 and rounded. IEEE divisions (div_rn).
     (Triton's own fp32 -> float8e4nv cast, about 44% fewer instructions per row, gave bytes
-    that differ from torch's cast on the GPU machine: session 11, reverted.)"""
+    that differ from torch's cast on the GPU machine: session 11, reverted.) ASM: the rounding
+    by ``cvt.rn.satfinite`` in inline PTX (E4M3X4_PTX); the interpreter cannot run it."""
     v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
     amax = tl.max(tl.abs(v2), axis=1)
     sc = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FP8_MAX))
@@ -384,6 +395,10 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
         sc = (ex << F32_MANT_BITS).to(tl.float32, bitcast=True)
     q = tl.math.div_rn(v2, sc[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    if ASM:
+        b = tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [q], dtype=tl.uint8,
+                                      is_pure=True, pack=4)
+        return tl.reshape(b, (HP,)), sc
     return tl.reshape(_e4m3_bits(q), (HP,)).to(tl.uint8), sc
 
 
@@ -402,7 +417,8 @@ def _row_words(v):
 @triton.jit
 def _push_rows_ll(x, t, bits, tab, set_off, slot, H: tl.constexpr, HP: tl.constexpr,
                   W: tl.constexpr, OFF_X: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
-                  OFF_SC: tl.constexpr, RW: tl.constexpr, HPW: tl.constexpr):
+                  OFF_SC: tl.constexpr, RW: tl.constexpr, HPW: tl.constexpr,
+                  E4M3_ASM: tl.constexpr):
     """LL dispatch: token t's row to the ranks in ``bits`` as RW int32 words (``_row_words``),
     which are their own flag; FP8: its e4m3 bytes packed four to a word, then its scales."""
     ws = tl.arange(0, HPW)
@@ -410,7 +426,7 @@ def _push_rows_ll(x, t, bits, tab, set_off, slot, H: tl.constexpr, HP: tl.conste
     if FP8:
         hs = tl.arange(0, HP)
         v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-        qb, sc = _quantize_row(v, HP, FP8 == 2)
+        qb, sc = _quantize_row(v, HP, FP8 == 2, E4M3_ASM)
         q4 = tl.reshape(qb.to(tl.int32), (HPW, 4))
         words = _row_words(tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :], axis=1))
         ns = tl.arange(0, HP // FP8_BLOCK)
@@ -430,7 +446,8 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
                HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
-               LL: tl.constexpr = 0, RW: tl.constexpr = 1, HPW: tl.constexpr = 1):
+               LL: tl.constexpr = 0, RW: tl.constexpr = 1, HPW: tl.constexpr = 1,
+               E4M3_ASM: tl.constexpr = 0):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
     scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
     b = tl.program_id(0)
@@ -444,11 +461,11 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
             slot = rank * T + t
             if LL:
                 _push_rows_ll(x, t, bits, tab, set_off, slot, H, HP, W, OFF_X, FP8, NS, OFF_SC,
-                              RW, HPW)
+                              RW, HPW, E4M3_ASM)
             elif FP8:
                 # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
                 v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
-                qb, sc = _quantize_row(v, HP, FP8 == 2)
+                qb, sc = _quantize_row(v, HP, FP8 == 2, E4M3_ASM)
                 ns = tl.arange(0, HP // FP8_BLOCK)
                 for d in tl.static_range(W):
                     if (bits >> d) & 1:
@@ -517,7 +534,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
           PROFILE: tl.constexpr, ehi, tag, LL: tl.constexpr, RW: tl.constexpr,
-          HPW: tl.constexpr):
+          HPW: tl.constexpr, E4M3_ASM: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -536,7 +553,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     b = tl.program_id(0)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -587,7 +604,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
                     tl.full([JP, KP], -1, tl.int32), live2 & (dv2 != d), ehi, OFF_META, LL)
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM)
 
 
 @triton.jit
@@ -833,6 +850,7 @@ def dispatch_kernel(
         HPW: tl.constexpr = 1,          # LL: pow2(RW), the lanes of a row
         OFF_WLL: tl.constexpr = 0,      # LL, CARRY: the weights' LL words, bytes
         OWN_FIRST: tl.constexpr = 1,    # LL: expand this rank's own pairs before the peers'
+        E4M3_ASM: tl.constexpr = 0,     # FP8: round by the GPU's convert (_quantize_row)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
@@ -852,7 +870,7 @@ def dispatch_kernel(
                 _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE, ehi, tag, LL, RW, HPW)
+              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if LL:
         if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
