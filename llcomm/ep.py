@@ -63,8 +63,10 @@ LL_MAX_TOKENS = 256
 #: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
 #: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
 OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
-#: ``LLCOMM_EP_E4M3_ASM=1``: FP8 dispatches round fp32 -> e4m3 with the GPU's convert in inline
-#: PTX instead of on the bits (E4M3_ASM in kernels/ep.py ``_quantize_row``).
+#: ``LLCOMM_EP_E4M3_ASM=0``: FP8 dispatches round fp32 -> e4m3 on the bits instead of with the
+#: GPU's convert in inline PTX (E4M3_ASM in kernels/ep.py ``_quantize_row``). On 2xH200 the
+#: convert took the FP8 dispatch from 9.7 / 15.5 to 8.8 / 14.9 us at 1 / 128 tokens
+#: (docs/performance.md, session 11), byte-equal to torch's cast in the FP8 GPU tests.
 E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
@@ -114,11 +116,12 @@ def ll_dispatch(max_tokens: int) -> int:
 
 
 def e4m3_asm() -> int:
-    """E4M3_ASM of the dispatch kernel: ``LLCOMM_EP_E4M3_ASM`` (0 unless set), never under
-    ``TRITON_INTERPRET=1``, which cannot run inline PTX."""
+    """E4M3_ASM of the dispatch kernel: ``LLCOMM_EP_E4M3_ASM`` (1 unless set to 0), never under
+    ``TRITON_INTERPRET=1``, which cannot run inline PTX (the bit rounding it runs instead gives
+    the same bytes: both match torch's cast, on the CPU and on the GPU respectively)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 0
-    return env_bit(E4M3_ASM_ENV, 0)
+    return env_bit(E4M3_ASM_ENV, 1)
 
 
 def ll_row_consts(lay, fp8: int) -> dict:

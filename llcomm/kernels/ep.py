@@ -21,9 +21,11 @@ the local work that follows:
     FP8 (``FP8`` = 1, or 2 with power-of-two scales): stage 2 quantises each token row on the
     sender (``_quantize_row``, the arithmetic of ``llcomm/ep_fp8.py``) and pushes ``H`` bytes of
     e4m3 plus ``H // 128`` fp32 scales: half the NVLink bytes of bf16. Stage 4 copies bytes and
-    scales. The fp32 -> e4m3 rounding is done on the bits (``_e4m3_bits``), not with Triton's
-    cast, so the kernel is exact under ``TRITON_INTERPRET=1`` too (the interpreter's fp8 cast
-    does not round to nearest even) and byte-equal to torch's ``.to(torch.float8_e4m3fn)``.
+    scales. The fp32 -> e4m3 rounding is done on the bits (``_e4m3_bits``), byte-equal to
+    torch's ``.to(torch.float8_e4m3fn)`` on the GPU and under ``TRITON_INTERPRET=1`` (whose own
+    fp8 cast does not round to nearest even). The LL dispatch rounds with the GPU's
+    ``cvt.rn.satfinite`` in inline PTX instead (``E4M3_ASM``; byte-equal to torch's cast in the
+    FP8 GPU tests, and faster); Triton's own cast was not byte-equal on the GPU machine.
 
 ``dispatch_kernel`` with ``LL`` = 1 (the LL dispatch; docs/ep.md "Scheme")
     The same stages 1, 2 and 4 without the signal and the wait: metadata, counts, the token
@@ -465,7 +467,7 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
             elif FP8:
                 # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
                 v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
-                qb, sc = _quantize_row(v, HP, FP8 == 2, E4M3_ASM)
+                qb, sc = _quantize_row(v, HP, FP8 == 2)  # flag dispatch: the bit rounding
                 ns = tl.arange(0, HP // FP8_BLOCK)
                 for d in tl.static_range(W):
                     if (bits >> d) & 1:
