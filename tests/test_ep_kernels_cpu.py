@@ -344,7 +344,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
            for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
     dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
-    dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)
+    dc, cc = dict(dc, MASKS=1, LL=0, ROWS_FIRST=1), dict(cc, MASKS=1)   # masks: flag dispatch
     tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} masked={masked}]"
     xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
     recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
