@@ -29,13 +29,17 @@ from llcomm.ep import rows_first  # noqa: E402
 from llcomm.ep_fp8 import dequantize  # noqa: E402
 from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
-#: Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start).
-STAGES = {
-    "dispatch": (("push rows", "scan top-k, counts, metadata") if rows_first() else
-                 ("scan top-k", "push rows, counts, metadata"))
-    + ("signal", "wait (all blocks, all ranks)", "expand"),
-    "combine": ("push weights", "wait weights", "reduce + push partials", "wait partials", "sum"),
-}
+def stage_names(ll: int) -> dict:
+    """Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start), for
+    the flag dispatch or the LL one (``ll``: no signal, no wait; each word is waited for where
+    the expand reads it)."""
+    first = (("push rows", "scan top-k, counts, metadata") if rows_first(ll) else
+             ("scan top-k", "push rows, counts, metadata"))
+    rest = (("(no signal)", "(no wait)", "wait for words + expand") if ll else
+            ("signal", "wait (all blocks, all ranks)", "expand"))
+    return {"dispatch": first + rest,
+            "combine": ("push weights", "wait weights", "reduce + push partials",
+                        "wait partials", "sum")}
 CYCLE_SLOTS = PROF_WORDS - 2          # then global timer start, end
 
 
@@ -48,8 +52,9 @@ def _inputs(rank, cfg, device):
     return x, idx, w
 
 
-def _summary(stamps, nb):
-    """stamps: [replays, 2, nb, PROF_WORDS] int64 -> per kernel kind, stage medians in µs."""
+def _summary(stamps, nb, names):
+    """stamps: [replays, 2, nb, PROF_WORDS] int64 -> per kernel kind, stage medians in µs
+    (``names``: ``stage_names``)."""
     cyc = stamps[..., :CYCLE_SLOTS].double()
     gt0, gt1 = stamps[..., CYCLE_SLOTS].double(), stamps[..., CYCLE_SLOTS + 1].double()
     out = {}
@@ -57,7 +62,7 @@ def _summary(stamps, nb):
         c, a, b = cyc[:, kind], gt0[:, kind], gt1[:, kind]
         ns_per_cycle = float((b - a).sum() / (c[..., -1] - c[..., 0]).sum())
         stages = {}
-        for i, label in enumerate(STAGES[name]):
+        for i, label in enumerate(names[name]):
             d = ((c[..., i + 1] - c[..., i]) * ns_per_cycle / 1e3).flatten().tolist()
             d.sort()
             stages[label] = {"median_us": statistics.median(d),
@@ -106,7 +111,7 @@ def _rank(rank, world, cfg):
         torch.cuda.synchronize()
         got.append(prof.clone().cpu())
     buf.check()
-    mine = _summary(torch.stack(got), nb)
+    mine = _summary(torch.stack(got), nb, stage_names(buf._impl.ll))
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     buf.close()
