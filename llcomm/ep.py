@@ -737,16 +737,14 @@ class _PeerEP:
                                       itemsize, num_blocks=nb, fp8=buf.fp8)
         self.buf = buf
         self.timeout_us = buf.timeout_ms * P.US_PER_MS
-        self.ws = SymmetricWorkspace(buf.group, {"ep": lay.total_bytes}, self.device)
+        # the receive slots start in the LL dispatch's idle state (ep_layout.ARM_BYTE), set on
+        # every rank before any rank's first dispatch can write there
+        self.ws = SymmetricWorkspace(buf.group, {"ep": lay.total_bytes}, self.device,
+                                     fill={"ep": [(a, b, ARM_BYTE) for a, b in
+                                                  lay.armed_ranges()]})
         self.tab = self.ws.table("ep")
-        # the LL dispatch's idle state of the receive slots (ep_layout.ARM_BYTE), set on every
-        # rank before any rank's first dispatch can write there
         self.ll = 0 if buf.enable_masks else ll_dispatch(buf.max_tokens)
-        region = self.ws.local("ep")
-        for a, b in lay.armed_ranges():
-            region[a:b].fill_(ARM_BYTE)
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=buf.group)
+        self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # RW, HPW by FP8 mode
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
         # err[0]: device error word; err[1]: host address of the error word; err[2]: host
         # address of the out-of-range top-k count. Pinned host memory is mapped into the GPU's
@@ -820,8 +818,7 @@ class _PeerEP:
                 src_info, recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
                 weights if carry else topk_idx, w_off)
-        consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry,
-                      **ll_row_consts(self.layout, fp8))
+        consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry, **self._rows[fp8])
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)

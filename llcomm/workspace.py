@@ -22,11 +22,14 @@ class SymmetricWorkspace:
 
     This is a collective and host-blocking (it exchanges memory handles with every rank of
     ``group``): create it once, up front. ``regions`` maps a name to its size in bytes; every
-    rank must pass the same regions. Contents are zeroed and every rank has finished zeroing
-    before the constructor returns.
+    rank must pass the same regions. Contents are zeroed (or set as ``fill`` says) and every rank
+    has finished before the constructor returns.
     """
 
-    def __init__(self, group: dist.ProcessGroup, regions: dict[str, int], device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, regions: dict[str, int], device: torch.device,
+                 fill: dict[str, list[tuple[int, int, int]]] | None = None):
+        """``fill``: region name -> ``(start, end, byte)`` ranges (bytes within the region) that
+        hold ``byte`` instead of 0, set before the closing barrier like the zeros."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = group
@@ -40,6 +43,10 @@ class SymmetricWorkspace:
         self.nbytes = total
         self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
         self.buffer.zero_()
+        for name, ranges in (fill or {}).items():
+            region = self.local(name)
+            for start, end, byte in ranges:
+                region[start:end].fill_(byte)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.rank = self.handle.rank
         self.world_size = self.handle.world_size

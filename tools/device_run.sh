@@ -104,7 +104,7 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             ep-ll)      # LLCOMM_EP_LL: the LL dispatch (no fence, no flag wait) against the flag one
                 ab_run ep-ll-0 "LLCOMM_EP_LL=0" bench ep --tokens 1,128 --iters 30 --fp8 --carry-weights
                 ab_run ep-ll-1 "LLCOMM_EP_LL=1" bench ep --tokens 1,128 --iters 30 --fp8 --carry-weights
-                ab_run ep-ll-1-meta-first "LLCOMM_EP_LL=1 LLCOMM_EP_ROWS_FIRST=0" bench ep \
+                ab_run ep-ll-1-rows-first "LLCOMM_EP_LL=1 LLCOMM_EP_ROWS_FIRST=1" bench ep \
                     --tokens 1,128 --iters 30 --fp8 --carry-weights ;;
             ep-blocks)  # LLCOMM_EP_NUM_BLOCKS: fewer EP blocks (fewer flags per wait, less expand)
                 for nb in 128 64 32; do ab_run ep-nb-$nb "LLCOMM_EP_NUM_BLOCKS=$nb" bench ep \

@@ -518,9 +518,21 @@ def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, ehi, T: tl.constexpr, K: t
 
 
 @triton.jit
+def _store_words(base, idx, v, m, ehi, LL: tl.constexpr):
+    """int32 values ``v`` at word ``idx`` from byte address ``base`` (a region's address, one
+    per lane or for all): plain int32 words, or (LL) LL words with the epoch bits ``ehi``
+    (metadata, counts and token counts, which the region holds in 8 bytes either way)."""
+    if LL:
+        tl.store(base.to(tl.pointer_type(tl.int64)) + idx, _ll_word(ehi, v), mask=m)
+    else:
+        tl.store(base.to(tl.pointer_type(tl.int32)) + idx, v, mask=m)
+
+
+@triton.jit
 def _store_meta(tab, d, set_off, idx, v, m, ehi, OFF: tl.constexpr, LL: tl.constexpr):
-    """int32 values ``v`` at word ``idx`` of the region at byte OFF of rank d (metadata, counts,
-    ntok): plain int32 words, or (LL) LL words with the epoch bits ``ehi``."""
+    """``_store_words`` into the region at byte OFF of rank d, through ``_at``'s aligned typed
+    pointer: written as ``_store_words`` on the byte address, the dispatch's PTX grew by about
+    110 lines (checked with ``tools/ptx_ep.py --same-as``)."""
     if LL:
         tl.store(_at(tab, d, set_off + OFF, tl.int64) + idx, _ll_word(ehi, v), mask=m)
     else:
@@ -577,23 +589,16 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     #    out-of-range ids count as -1 and are reported (block 0 saw every token).
     dst = es // L
     cbase = tl.load(tab + dst, mask=emask, other=0) + set_off + OFF_CNT
-    cidx = rank * L + (es - dst * L)
-    if LL:
-        tl.store(cbase.to(tl.pointer_type(tl.int64)) + cidx, _ll_word(ehi, cnt), mask=emask)
-    else:
-        tl.store(cbase.to(tl.pointer_type(tl.int32)) + cidx, cnt, mask=emask)
+    _store_words(cbase, rank * L + (es - dst * L), cnt, emask, ehi, LL)
     if b == 0:
         if nbad > 0:
             tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
         ps = tl.arange(0, WP)
         nbase = tl.load(tab + ps, mask=ps < W, other=0) + set_off + OFF_NTOK
+        nval = n_tok
         if LL:      # the call's tag rides with the count: receivers check it (mismatches)
-            nw = _ll_word(ehi, (((tag & NTOK_TAG_MASK) << NTOK_BITS) | n_tok).to(tl.int32))
-            tl.store(nbase.to(tl.pointer_type(tl.int64)) + rank, tl.full([WP], 0, tl.int64) + nw,
-                     mask=ps < W)
-        else:
-            tl.store(nbase.to(tl.pointer_type(tl.int32)) + rank,
-                     tl.full([WP], 0, tl.int32) + n_tok, mask=ps < W)
+            nval = (((tag & NTOK_TAG_MASK) << NTOK_BITS) | n_tok).to(tl.int32)
+        _store_words(nbase, rank, tl.full([WP], 0, tl.int32) + nval, ps < W, ehi, LL)
 
     # 2. -1 metadata of this block's tokens' entries for every rank that does not hold their
     #    expert (invalid entries: every rank); the expert's own rank got its word in the scan
@@ -607,6 +612,13 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
                    NS, OFF_SC, LL, RW, HPW, E4M3_ASM)
+
+
+@triton.jit
+def _first_entries(m, valid, earlier):
+    """Entries of a pair's metadata words ``m`` that are valid and name their local expert for
+    the first time (``earlier[k, i]``: entry i comes before entry k): one row per expert."""
+    return valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32), axis=1) == 0)
 
 
 @triton.jit
@@ -658,8 +670,7 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
             # (a chain of scalar loads per entry cost ~0.3 us each, the slope of the dispatch)
             m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
             valid = m >= 0
-            first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
-                                    axis=1) == 0)
+            first = _first_entries(m, valid, earlier)
             le = tl.maximum(m, 0) >> META_SHIFT
             row = m & META_MASK
             for s2 in range(s):
@@ -774,8 +785,7 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                                   limit, err, POLL, 1)
             m = tl.where(kmask & (failed == 0), mw.to(tl.int32), -1)
             valid = m >= 0
-            first = valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32),
-                                    axis=1) == 0)
+            first = _first_entries(m, valid, earlier)
             le = tl.maximum(m, 0) >> META_SHIFT
             row = m & META_MASK
             for s2 in range(s):
