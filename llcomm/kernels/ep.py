@@ -380,14 +380,39 @@ E4M3X4_PTX = tl.constexpr("""{
 }""")
 
 
+#: ``_div_by`` divides by the reciprocal only where every scale of the row is at least this:
+#: then an element whose quotient reaches e4m3's rounding range (2**-11 and up) is at least
+#: 2**-100, so the remainder ``x - s * q`` is a normal fp32 number and exact; smaller
+#: quotients round to 0 in e4m3 whatever their last fp32 bits.
+RCP_MIN_SCALE = tl.constexpr(2.0 ** -89)
+
+
 @triton.jit
-def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr, ASM: tl.constexpr = 0):
+def _div_by(v2, sc):
+    """``v2 / sc[:, None]`` rounded once, as IEEE division (div_rn) rounds it, without a
+    division per element: ``r = 1 / s`` once per scale (div_rn), ``q = x * r``, then one
+    correction by the exact remainder ``fma(-s, q, x)``: ``fma(rem, r, q)`` (the refinement of
+    the GPU's own div.rn fast path, with a correctly rounded reciprocal). Rows with a scale
+    below RCP_MIN_SCALE take div_rn (uniform branch)."""
+    if tl.min(sc, axis=0) >= RCP_MIN_SCALE:
+        r = tl.math.div_rn(tl.full(sc.shape, 1.0, tl.float32), sc)[:, None]
+        q = v2 * r
+        q = tl.fma(tl.fma(-sc[:, None] + tl.zeros_like(q), q, v2), r, q)
+    else:
+        q = tl.math.div_rn(v2, sc[:, None])
+    return q
+
+
+@triton.jit
+def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr, ASM: tl.constexpr = 0,
+                  RCP: tl.constexpr = 0):
     """fp32 row ``[HP]`` (zeros past H) -> (e4m3 bits as uint8 ``[HP]``, fp32 scales
     ``[HP // 128]``): per 128 channels amax / 448 (1 where amax is 0), optionally rounded up to
-    a power of two, then x / scale clamped to +-448 and rounded. IEEE divisions (div_rn).
-    (Triton's own fp32 -> float8e4nv cast, about 44% fewer instructions per row, gave bytes
-    that differ from torch's cast on the GPU machine: session 11, reverted.) ASM: the rounding
-    by ``cvt.rn.satfinite`` in inline PTX (E4M3X4_PTX); the interpreter cannot run it."""
+    a power of two, then x / scale clamped to +-448 and rounded. IEEE divisions (div_rn; RCP:
+    ``_div_by``, the same quotients). (Triton's own fp32 -> float8e4nv cast, about 44% fewer
+    instructions per row, gave bytes that differ from torch's cast on the GPU machine: session
+    11, reverted.) ASM: the rounding by ``cvt.rn.satfinite`` in inline PTX (E4M3X4_PTX); the
+    interpreter cannot run it."""
     v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
     amax = tl.max(tl.abs(v2), axis=1)
     sc = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FP8_MAX))
@@ -395,13 +420,27 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr, ASM: tl.constexpr = 
         bits = sc.to(tl.int32, bitcast=True)
         ex = (bits >> F32_MANT_BITS) + ((bits & F32_MANT_MASK) != 0).to(tl.int32)
         sc = (ex << F32_MANT_BITS).to(tl.float32, bitcast=True)
-    q = tl.math.div_rn(v2, sc[:, None])
+    if RCP:
+        q = _div_by(v2, sc)
+    else:
+        q = tl.math.div_rn(v2, sc[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if ASM:
         b = tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [q], dtype=tl.uint8,
                                       is_pure=True, pack=4)
         return tl.reshape(b, (HP,)), sc
     return tl.reshape(_e4m3_bits(q), (HP,)).to(tl.uint8), sc
+
+
+@triton.jit
+def _pack_row_fp8(v, HP: tl.constexpr, HPW: tl.constexpr, ROUND: tl.constexpr,
+                  ASM: tl.constexpr, RCP: tl.constexpr):
+    """LL dispatch, FP8: fp32 row ``v`` -> (its e4m3 bytes packed four to an int32 word
+    ``[HPW]``, its scales' bits ``[HP // 128]``), both as ``_row_words`` sends them."""
+    qb, sc = _quantize_row(v, HP, ROUND, ASM, RCP)
+    q4 = tl.reshape(qb.to(tl.int32), (HPW, 4))
+    words = _row_words(tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :], axis=1))
+    return words, _row_words(sc.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -420,7 +459,7 @@ def _row_words(v):
 def _push_rows_ll(x, t, bits, tab, set_off, slot, H: tl.constexpr, HP: tl.constexpr,
                   W: tl.constexpr, OFF_X: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
                   OFF_SC: tl.constexpr, RW: tl.constexpr, HPW: tl.constexpr,
-                  E4M3_ASM: tl.constexpr):
+                  E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
     """LL dispatch: token t's row to the ranks in ``bits`` as RW int32 words (``_row_words``),
     which are their own flag; FP8: its e4m3 bytes packed four to a word, then its scales."""
     ws = tl.arange(0, HPW)
@@ -428,11 +467,8 @@ def _push_rows_ll(x, t, bits, tab, set_off, slot, H: tl.constexpr, HP: tl.conste
     if FP8:
         hs = tl.arange(0, HP)
         v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-        qb, sc = _quantize_row(v, HP, FP8 == 2, E4M3_ASM)
-        q4 = tl.reshape(qb.to(tl.int32), (HPW, 4))
-        words = _row_words(tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :], axis=1))
+        words, sw = _pack_row_fp8(v, HP, HPW, FP8 == 2, E4M3_ASM, FP8_RCP)
         ns = tl.arange(0, HP // FP8_BLOCK)
-        sw = _row_words(sc.to(tl.int32, bitcast=True))
     else:
         words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm))
     for d in tl.static_range(W):
@@ -449,7 +485,7 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
                W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
                LL: tl.constexpr = 0, RW: tl.constexpr = 1, HPW: tl.constexpr = 1,
-               E4M3_ASM: tl.constexpr = 0):
+               E4M3_ASM: tl.constexpr = 0, FP8_RCP: tl.constexpr = 0):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
     scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
     b = tl.program_id(0)
@@ -463,7 +499,7 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
             slot = rank * T + t
             if LL:
                 _push_rows_ll(x, t, bits, tab, set_off, slot, H, HP, W, OFF_X, FP8, NS, OFF_SC,
-                              RW, HPW, E4M3_ASM)
+                              RW, HPW, E4M3_ASM, FP8_RCP)
             elif FP8:
                 # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
                 v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
@@ -548,7 +584,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
           PROFILE: tl.constexpr, ehi, tag, LL: tl.constexpr, RW: tl.constexpr,
-          HPW: tl.constexpr, E4M3_ASM: tl.constexpr):
+          HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -567,7 +603,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     b = tl.program_id(0)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -611,7 +647,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
                     tl.full([JP, KP], -1, tl.int32), live2 & (dv2 != d), ehi, OFF_META, LL)
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
 
 
 @triton.jit
@@ -863,6 +899,7 @@ def dispatch_kernel(
         OFF_WLL: tl.constexpr = 0,      # LL, CARRY: the weights' LL words, bytes
         OWN_FIRST: tl.constexpr = 1,    # LL: expand this rank's own pairs before the peers'
         E4M3_ASM: tl.constexpr = 0,     # FP8: round by the GPU's convert (_quantize_row)
+        FP8_RCP: tl.constexpr = 0,      # LL, FP8: divide by the reciprocal (_div_by)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
@@ -882,7 +919,7 @@ def dispatch_kernel(
                 _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM)
+              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if LL:
         if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
