@@ -7,9 +7,9 @@ Every block quantises row ``program_id`` (the dispatch at 128 tokens: one row pe
 stores the words locally; each block stamps its SM cycle counter before its load and after its
 last store is issued. Prints the median over blocks and repetitions, in cycles and in µs at the
 SM clock the run measured (cycles of a timed 1 ms spin). Variants: ``copy`` (the bf16 row as
-int32 words: the bf16 dispatch's send), ``fp8`` (the shipped quantiser with the hardware
-convert), ``fp8-bits`` (the bit rounding), ``fp8-rcp`` (divisions by the refined reciprocal,
-kernels/ep.py ``_div_by``). Checks that every FP8 variant wrote the same bytes as torch's
+int32 words: the bf16 dispatch's send), ``fp8`` (kernels/ep.py ``_pack_row_fp8`` with the
+hardware convert, a division per element), ``fp8-bits`` (the bit rounding), ``fp8-rcp`` (the
+convert, divisions by the refined reciprocal ``_div_by``: the LL dispatch's default). Checks that every FP8 variant wrote the same bytes as torch's
 reference (llcomm/ep_fp8.py) and prints the number of words that differ.
 """
 import argparse
@@ -39,7 +39,7 @@ def _micro(x, outw, outs, stamps, H: tl.constexpr, HP: tl.constexpr, RW: tl.cons
     else:
         hs = tl.arange(0, HP)
         v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-        words, sw = _pack_row_fp8(v, HP, HPW, 0, MODE == 1, MODE == 3)
+        words, sw = _pack_row_fp8(v, HP, HPW, 0, MODE != 2, MODE >= 3)
         ns = tl.arange(0, HP // FP8_BLOCK)
         tl.store(outw + t * RW + ws, words, mask=ws < RW)
         tl.store(outs + t * NS + ns, sw, mask=ns < NS)

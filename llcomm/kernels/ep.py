@@ -404,43 +404,61 @@ def _div_by(v2, sc):
 
 
 @triton.jit
-def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr, ASM: tl.constexpr = 0,
-                  RCP: tl.constexpr = 0):
-    """fp32 row ``[HP]`` (zeros past H) -> (e4m3 bits as uint8 ``[HP]``, fp32 scales
-    ``[HP // 128]``): per 128 channels amax / 448 (1 where amax is 0), optionally rounded up to
-    a power of two, then x / scale clamped to +-448 and rounded. IEEE divisions (div_rn; RCP:
-    ``_div_by``, the same quotients). (Triton's own fp32 -> float8e4nv cast, about 44% fewer
-    instructions per row, gave bytes that differ from torch's cast on the GPU machine: session
-    11, reverted.) ASM: the rounding by ``cvt.rn.satfinite`` in inline PTX (E4M3X4_PTX); the
-    interpreter cannot run it."""
-    v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
+def _fp8_scales(v2, ROUND: tl.constexpr):
+    """Scales of the 128-channel blocks ``v2`` ``[HP // 128, 128]``: amax / 448 (1 where amax
+    is 0), ROUND: rounded up to a power of two (on the bits, as llcomm/ep_fp8.py)."""
     amax = tl.max(tl.abs(v2), axis=1)
     sc = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FP8_MAX))
     if ROUND:
         bits = sc.to(tl.int32, bitcast=True)
         ex = (bits >> F32_MANT_BITS) + ((bits & F32_MANT_MASK) != 0).to(tl.int32)
         sc = (ex << F32_MANT_BITS).to(tl.float32, bitcast=True)
-    if RCP:
-        q = _div_by(v2, sc)
-    else:
-        q = tl.math.div_rn(v2, sc[:, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    if ASM:
-        b = tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [q], dtype=tl.uint8,
-                                      is_pure=True, pack=4)
-        return tl.reshape(b, (HP,)), sc
+    return sc
+
+
+@triton.jit
+def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
+    """fp32 row ``[HP]`` (zeros past H) -> (e4m3 bits as uint8 ``[HP]``, fp32 scales
+    ``[HP // 128]``): ``_fp8_scales``, then x / scale (div_rn) clamped to +-448 and rounded on
+    the bits (``_e4m3_bits``). The flag dispatch's quantiser; the LL one is ``_pack_row_fp8``.
+    (Triton's own fp32 -> float8e4nv cast gave bytes that differ from torch's cast on the GPU
+    machine: session 11, reverted.)"""
+    v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
+    sc = _fp8_scales(v2, ROUND)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v2, sc[:, None]), -FP8_MAX), FP8_MAX)
     return tl.reshape(_e4m3_bits(q), (HP,)).to(tl.uint8), sc
 
 
 @triton.jit
 def _pack_row_fp8(v, HP: tl.constexpr, HPW: tl.constexpr, ROUND: tl.constexpr,
                   ASM: tl.constexpr, RCP: tl.constexpr):
-    """LL dispatch, FP8: fp32 row ``v`` -> (its e4m3 bytes packed four to an int32 word
-    ``[HPW]``, its scales' bits ``[HP // 128]``), both as ``_row_words`` sends them."""
-    qb, sc = _quantize_row(v, HP, ROUND, ASM, RCP)
-    q4 = tl.reshape(qb.to(tl.int32), (HPW, 4))
-    words = _row_words(tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :], axis=1))
-    return words, _row_words(sc.to(tl.int32, bitcast=True))
+    """LL dispatch, FP8: fp32 row ``v`` ``[HP]`` -> (its e4m3 bytes packed four to an int32 word
+    ``[HPW]``, its scales' bits ``[HP // 128]``), both as ``_row_words`` sends them; the
+    arithmetic of ``_quantize_row``. RCP: the divisions by ``_div_by`` (same quotients). ASM:
+    the GPU's ``cvt.rn.satfinite`` (E4M3X4_PTX) turns four quotients into one word, no clamp
+    (every quotient is within an ulp of +-448 at most, and satfinite saturates there as the
+    clamp would); the interpreter cannot run it. On one H200 the quantiser alone took 3.0 us
+    per row with a division per element and the bytes packed after the convert
+    (tools/ep_fp8_micro.py, session 12)."""
+    v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
+    sc = _fp8_scales(v2, ROUND)
+    if RCP:
+        q = _div_by(v2, sc)
+    else:
+        q = tl.math.div_rn(v2, sc[:, None])
+    if ASM:
+        # element 4w + 2j + i is [w, j, i]: the splits hand the convert each word's four
+        # values in byte order, in registers
+        lo, hi = tl.split(tl.reshape(q, (HPW, 2, 2)))
+        e0, e1 = tl.split(lo)
+        e2, e3 = tl.split(hi)
+        words = tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [e0, e1, e2, e3],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        qb = _e4m3_bits(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+        q4 = tl.reshape(qb, (HPW, 4))
+        words = tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :], axis=1)
+    return _row_words(words), _row_words(sc.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -456,25 +474,35 @@ def _row_words(v):
 
 
 @triton.jit
-def _push_rows_ll(x, t, bits, tab, set_off, slot, H: tl.constexpr, HP: tl.constexpr,
-                  W: tl.constexpr, OFF_X: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
-                  OFF_SC: tl.constexpr, RW: tl.constexpr, HPW: tl.constexpr,
-                  E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
-    """LL dispatch: token t's row to the ranks in ``bits`` as RW int32 words (``_row_words``),
-    which are their own flag; FP8: its e4m3 bytes packed four to a word, then its scales."""
+def _ll_row(x, t, n_tok, H: tl.constexpr, HP: tl.constexpr, FP8: tl.constexpr,
+            RW: tl.constexpr, HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
+    """LL dispatch: token t's row as the RW int32 words it crosses NVLink as (``_row_words``;
+    FP8: e4m3 bytes packed four to a word, ``_pack_row_fp8``), and its FP8 scales' words
+    (a dummy without FP8). Nothing is read unless ``t < n_tok``."""
     ws = tl.arange(0, HPW)
-    wm = ws < RW
     if FP8:
         hs = tl.arange(0, HP)
-        v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-        words, sw = _pack_row_fp8(v, HP, HPW, FP8 == 2, E4M3_ASM, FP8_RCP)
-        ns = tl.arange(0, HP // FP8_BLOCK)
+        v = tl.load(x + t * H + hs, mask=hs < tl.where(t < n_tok, H, 0), other=0.0)
+        words, sw = _pack_row_fp8(v.to(tl.float32), HP, HPW, FP8 == 2, E4M3_ASM, FP8_RCP)
     else:
-        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm))
+        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws,
+                                   mask=ws < tl.where(t < n_tok, RW, 0)))
+        sw = tl.zeros([1], tl.int32)
+    return words, sw
+
+
+@triton.jit
+def _push_rows_ll(words, sw, bits, tab, set_off, slot, HP: tl.constexpr, W: tl.constexpr,
+                  OFF_X: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
+                  OFF_SC: tl.constexpr, RW: tl.constexpr, HPW: tl.constexpr):
+    """LL dispatch: a row's words (``_ll_row``), which are their own flag, to the ranks in
+    ``bits``; FP8: then its scales."""
+    ws = tl.arange(0, HPW)
     for d in tl.static_range(W):
         if (bits >> d) & 1:
-            tl.store(_at(tab, d, set_off + OFF_X, tl.int32) + slot * RW + ws, words, mask=wm)
+            tl.store(_at(tab, d, set_off + OFF_X, tl.int32) + slot * RW + ws, words, mask=ws < RW)
             if FP8:
+                ns = tl.arange(0, HP // FP8_BLOCK)
                 tl.store(_at(tab, d, set_off + OFF_SC, tl.int32) + slot * NS + ns, sw,
                          mask=ns < NS)
 
@@ -485,9 +513,12 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
                W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
                LL: tl.constexpr = 0, RW: tl.constexpr = 1, HPW: tl.constexpr = 1,
-               E4M3_ASM: tl.constexpr = 0, FP8_RCP: tl.constexpr = 0):
+               E4M3_ASM: tl.constexpr = 0, FP8_RCP: tl.constexpr = 0,
+               ROW_EARLY: tl.constexpr = 0, first_w=0, first_s=0):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
-    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
+    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once.
+    LL: ``first_w``, ``first_s`` are the block's first row as ``_ll_row`` gave it, read
+    before the top-k scan so that its load overlaps the scan's (``_send``)."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -498,12 +529,19 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
             bits = _rank_bits(topk + t * K, K, E, L)
             slot = rank * T + t
             if LL:
-                _push_rows_ll(x, t, bits, tab, set_off, slot, H, HP, W, OFF_X, FP8, NS, OFF_SC,
-                              RW, HPW, E4M3_ASM, FP8_RCP)
+                if ROW_EARLY:
+                    words = first_w
+                    sw = first_s
+                    if j > 0:
+                        words, sw = _ll_row(x, t, n_tok, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
+                else:
+                    words, sw = _ll_row(x, t, n_tok, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
+                _push_rows_ll(words, sw, bits, tab, set_off, slot, HP, W, OFF_X, FP8, NS, OFF_SC,
+                              RW, HPW)
             elif FP8:
                 # quantised once here, on the sender: e4m3 bytes and scales cross NVLink
                 v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
-                qb, sc = _quantize_row(v, HP, FP8 == 2)  # flag dispatch: the bit rounding
+                qb, sc = _quantize_row(v, HP, FP8 == 2)
                 ns = tl.arange(0, HP // FP8_BLOCK)
                 for d in tl.static_range(W):
                     if (bits >> d) & 1:
@@ -584,7 +622,8 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
           PROFILE: tl.constexpr, ehi, tag, LL: tl.constexpr, RW: tl.constexpr,
-          HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
+          HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr,
+          ROW_EARLY: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -601,9 +640,14 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     at 512 tokens when the buffer held 512, session 5).
     """
     b = tl.program_id(0)
+    first_w = 0
+    first_s = 0
+    if LL & ROW_EARLY:  # the block's first row, read (FP8: quantised) now: its load overlaps
+        #                 the scan's
+        first_w, first_s = _ll_row(x, b, n_tok, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, ROW_EARLY, first_w, first_s)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -647,7 +691,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
                     tl.full([JP, KP], -1, tl.int32), live2 & (dv2 != d), ehi, OFF_META, LL)
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, ROW_EARLY, first_w, first_s)
 
 
 @triton.jit
@@ -898,8 +942,9 @@ def dispatch_kernel(
         HPW: tl.constexpr = 1,          # LL: pow2(RW), the lanes of a row
         OFF_WLL: tl.constexpr = 0,      # LL, CARRY: the weights' LL words, bytes
         OWN_FIRST: tl.constexpr = 1,    # LL: expand this rank's own pairs before the peers'
-        E4M3_ASM: tl.constexpr = 0,     # FP8: round by the GPU's convert (_quantize_row)
+        E4M3_ASM: tl.constexpr = 0,     # LL, FP8: round by the GPU's convert (_pack_row_fp8)
         FP8_RCP: tl.constexpr = 0,      # LL, FP8: divide by the reciprocal (_div_by)
+        ROW_EARLY: tl.constexpr = 0,    # LL: the block's first row read before the scan (_send)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
@@ -919,7 +964,7 @@ def dispatch_kernel(
                 _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP)
+              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP, ROW_EARLY)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if LL:
         if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
