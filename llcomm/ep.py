@@ -71,9 +71,6 @@ E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
 #: ``LLCOMM_EP_FP8_RCP=0``: the LL dispatch's FP8 quantiser divides element by element (div_rn)
 #: instead of by the refined reciprocal (FP8_RCP in kernels/ep.py ``_div_by``; same quotients).
 FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
-#: ``LLCOMM_EP_ROW_EARLY=0``: the LL dispatch reads each block's first row after the top-k scan
-#: instead of before it (ROW_EARLY in kernels/ep.py ``_send``).
-ROW_EARLY_ENV = "LLCOMM_EP_ROW_EARLY"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -174,7 +171,6 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
              E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1),
-             ROW_EARLY=env_bit(ROW_EARLY_ENV, 1),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)

@@ -397,7 +397,9 @@ def _div_by(v2, sc):
     if tl.min(sc, axis=0) >= RCP_MIN_SCALE:
         r = tl.math.div_rn(tl.full(sc.shape, 1.0, tl.float32), sc)[:, None]
         q = v2 * r
-        q = tl.fma(tl.fma(-sc[:, None] + tl.zeros_like(q), q, v2), r, q)
+        rem = tl.fma(-sc[:, None] + tl.zeros_like(q), q, v2)
+        # an exact q stays as it is: fma(+0, r, -0) would turn a -0 quotient into +0
+        q = tl.where(rem == 0, q, tl.fma(rem, r, q))
     else:
         q = tl.math.div_rn(v2, sc[:, None])
     return q
@@ -417,6 +419,12 @@ def _fp8_scales(v2, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_clamped(q):
+    """``_e4m3_bits`` of ``q`` clamped to +-448 (the low byte; the rest zero)."""
+    return _e4m3_bits(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)) & 0xFF
+
+
+@triton.jit
 def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
     """fp32 row ``[HP]`` (zeros past H) -> (e4m3 bits as uint8 ``[HP]``, fp32 scales
     ``[HP // 128]``): ``_fp8_scales``, then x / scale (div_rn) clamped to +-448 and rounded on
@@ -425,8 +433,7 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
     machine: session 11, reverted.)"""
     v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
     sc = _fp8_scales(v2, ROUND)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v2, sc[:, None]), -FP8_MAX), FP8_MAX)
-    return tl.reshape(_e4m3_bits(q), (HP,)).to(tl.uint8), sc
+    return tl.reshape(_e4m3_clamped(tl.math.div_rn(v2, sc[:, None])), (HP,)).to(tl.uint8), sc
 
 
 @triton.jit
@@ -446,18 +453,17 @@ def _pack_row_fp8(v, HP: tl.constexpr, HPW: tl.constexpr, ROUND: tl.constexpr,
         q = _div_by(v2, sc)
     else:
         q = tl.math.div_rn(v2, sc[:, None])
+    # the four quotients of each word, in byte order, in registers: element 4w + 2j + i is
+    # [w, j, i], and a split takes the last axis (i) apart
+    even, odd = tl.split(tl.reshape(q, (HPW, 2, 2)))        # [w, j] of i = 0 and i = 1
+    e0, e2 = tl.split(even)
+    e1, e3 = tl.split(odd)
     if ASM:
-        # element 4w + 2j + i is [w, j, i]: the splits hand the convert each word's four
-        # values in byte order, in registers
-        lo, hi = tl.split(tl.reshape(q, (HPW, 2, 2)))
-        e0, e1 = tl.split(lo)
-        e2, e3 = tl.split(hi)
         words = tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [e0, e1, e2, e3],
                                           dtype=tl.int32, is_pure=True, pack=1)
     else:
-        qb = _e4m3_bits(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
-        q4 = tl.reshape(qb, (HPW, 4))
-        words = tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :], axis=1)
+        words = (_e4m3_clamped(e0) | (_e4m3_clamped(e1) << 8) | (_e4m3_clamped(e2) << 16)
+                 | (_e4m3_clamped(e3) << 24))
     return _row_words(words), _row_words(sc.to(tl.int32, bitcast=True))
 
 
@@ -474,19 +480,18 @@ def _row_words(v):
 
 
 @triton.jit
-def _ll_row(x, t, n_tok, H: tl.constexpr, HP: tl.constexpr, FP8: tl.constexpr,
+def _ll_row(x, t, H: tl.constexpr, HP: tl.constexpr, FP8: tl.constexpr,
             RW: tl.constexpr, HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
     """LL dispatch: token t's row as the RW int32 words it crosses NVLink as (``_row_words``;
     FP8: e4m3 bytes packed four to a word, ``_pack_row_fp8``), and its FP8 scales' words
-    (a dummy without FP8). Nothing is read unless ``t < n_tok``."""
+    (a dummy without FP8)."""
     ws = tl.arange(0, HPW)
     if FP8:
         hs = tl.arange(0, HP)
-        v = tl.load(x + t * H + hs, mask=hs < tl.where(t < n_tok, H, 0), other=0.0)
+        v = tl.load(x + t * H + hs, mask=hs < H, other=0.0)
         words, sw = _pack_row_fp8(v.to(tl.float32), HP, HPW, FP8 == 2, E4M3_ASM, FP8_RCP)
     else:
-        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws,
-                                   mask=ws < tl.where(t < n_tok, RW, 0)))
+        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=ws < RW))
         sw = tl.zeros([1], tl.int32)
     return words, sw
 
@@ -513,12 +518,9 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
                W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
                LL: tl.constexpr = 0, RW: tl.constexpr = 1, HPW: tl.constexpr = 1,
-               E4M3_ASM: tl.constexpr = 0, FP8_RCP: tl.constexpr = 0,
-               ROW_EARLY: tl.constexpr = 0, first_w=0, first_s=0):
+               E4M3_ASM: tl.constexpr = 0, FP8_RCP: tl.constexpr = 0):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
-    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once.
-    LL: ``first_w``, ``first_s`` are the block's first row as ``_ll_row`` gave it, read
-    before the top-k scan so that its load overlaps the scan's (``_send``)."""
+    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -529,13 +531,7 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
             bits = _rank_bits(topk + t * K, K, E, L)
             slot = rank * T + t
             if LL:
-                if ROW_EARLY:
-                    words = first_w
-                    sw = first_s
-                    if j > 0:
-                        words, sw = _ll_row(x, t, n_tok, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
-                else:
-                    words, sw = _ll_row(x, t, n_tok, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
+                words, sw = _ll_row(x, t, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
                 _push_rows_ll(words, sw, bits, tab, set_off, slot, HP, W, OFF_X, FP8, NS, OFF_SC,
                               RW, HPW)
             elif FP8:
@@ -622,8 +618,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
           PROFILE: tl.constexpr, ehi, tag, LL: tl.constexpr, RW: tl.constexpr,
-          HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr,
-          ROW_EARLY: tl.constexpr):
+          HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -640,14 +635,9 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     at 512 tokens when the buffer held 512, session 5).
     """
     b = tl.program_id(0)
-    first_w = 0
-    first_s = 0
-    if LL & ROW_EARLY:  # the block's first row, read (FP8: quantised) now: its load overlaps
-        #                 the scan's
-        first_w, first_s = _ll_row(x, b, n_tok, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, ROW_EARLY, first_w, first_s)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -691,7 +681,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
                     tl.full([JP, KP], -1, tl.int32), live2 & (dv2 != d), ehi, OFF_META, LL)
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, ROW_EARLY, first_w, first_s)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
 
 
 @triton.jit
@@ -944,7 +934,6 @@ def dispatch_kernel(
         OWN_FIRST: tl.constexpr = 1,    # LL: expand this rank's own pairs before the peers'
         E4M3_ASM: tl.constexpr = 0,     # LL, FP8: round by the GPU's convert (_pack_row_fp8)
         FP8_RCP: tl.constexpr = 0,      # LL, FP8: divide by the reciprocal (_div_by)
-        ROW_EARLY: tl.constexpr = 0,    # LL: the block's first row read before the scan (_send)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
@@ -964,7 +953,7 @@ def dispatch_kernel(
                 _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP, ROW_EARLY)
+              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if LL:
         if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
