@@ -35,7 +35,8 @@ def stage_names(ll: int) -> dict:
     the expand reads it)."""
     first = (("push rows", "scan top-k, counts, metadata") if rows_first(ll) else
              ("scan top-k", "push rows, counts, metadata"))
-    rest = (("(no signal)", "(no wait)", "wait for words + expand") if ll else
+    rest = (("wait + expand own pairs", "wait for the peers' last row",
+             "expand the peers' pairs") if ll else
             ("signal", "wait (all blocks, all ranks)", "expand"))
     return {"dispatch": first + rest,
             "combine": ("push weights", "wait weights", "reduce + push partials",

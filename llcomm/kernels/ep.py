@@ -518,9 +518,11 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
                W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr,
                LL: tl.constexpr = 0, RW: tl.constexpr = 1, HPW: tl.constexpr = 1,
-               E4M3_ASM: tl.constexpr = 0, FP8_RCP: tl.constexpr = 0):
+               E4M3_ASM: tl.constexpr = 0, FP8_RCP: tl.constexpr = 0,
+               SKIP_OWN: tl.constexpr = 0):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
-    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
+    scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once.
+    SKIP_OWN: not to this rank itself (its expand reads the row from x)."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
     hs = tl.arange(0, HP)
@@ -529,6 +531,8 @@ def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.conste
         t = b + NB * j
         if t < n_tok:
             bits = _rank_bits(topk + t * K, K, E, L)
+            if SKIP_OWN:
+                bits = bits & ~(tl.full([], 1, tl.int64) << rank)
             slot = rank * T + t
             if LL:
                 words, sw = _ll_row(x, t, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
@@ -618,7 +622,8 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
           PROFILE: tl.constexpr, ehi, tag, LL: tl.constexpr, RW: tl.constexpr,
-          HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
+          HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr,
+          SKIP_OWN: tl.constexpr):
     """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
@@ -637,7 +642,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     b = tl.program_id(0)
     if ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, SKIP_OWN)
         _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -681,7 +686,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
                     tl.full([JP, KP], -1, tl.int32), live2 & (dv2 != d), ehi, OFF_META, LL)
     if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
-                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP)
+                   NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, SKIP_OWN)
 
 
 @triton.jit
@@ -795,11 +800,15 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
                FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr,
                RW: tl.constexpr, HPW: tl.constexpr, CARRY: tl.constexpr,
-               OFF_WLL: tl.constexpr, POLL: tl.constexpr, OWN_FIRST: tl.constexpr):
+               OFF_WLL: tl.constexpr, POLL: tl.constexpr, OWN_FIRST: tl.constexpr,
+               PROFILE: tl.constexpr = 0, x=0, OWN_X: tl.constexpr = 0):
     """LL dispatch, receive: what ``_expand`` does, each word waited for where it is read (no
     flag): the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights); the row
-    slot is armed again with ROW_SENTINEL once copied."""
+    slot is armed again with ROW_SENTINEL once copied. PROFILE: stamp 3 when the first source's
+    pairs (this rank's own, with OWN_FIRST) are expanded, stamp 4 when the last row of a later
+    source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x`` (the
+    send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm."""
     b = tl.program_id(0)
     epoch = (seq + 1).to(tl.int32)
     limit = limit_ticks(timeout_us, POLL)
@@ -866,9 +875,14 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                 flat = le * (W * T) + row
                 tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
                 tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+                own_x = (s == rank) & (OWN_X == 1)
                 if tl.max(valid.to(tl.int32), axis=0) > 0:      # the row was sent here
-                    v, failed = _take_ll(xp + slot * RW + ws, wm, tl.full([HPW], s, tl.int64),
-                                         epoch, failed, limit, err, POLL, 0)
+                    if own_x:
+                        v = tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm)
+                    else:
+                        v, failed = _take_ll(xp + slot * RW + ws, wm,
+                                             tl.full([HPW], s, tl.int64), epoch, failed, limit,
+                                             err, POLL, 0)
                     if FP8:
                         sv, failed = _take_ll(scp + slot * NS + ns, nsm,
                                               tl.full([NSP], s, tl.int64), epoch, failed, limit,
@@ -876,10 +890,13 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                     if CARRY:
                         wv, failed = _take_ll(wll + slot * MAX_TOPK + ks, kmask, srcs, epoch,
                                               failed, limit, err, POLL, 1)
+                    if i > 0:
+                        _stamp(err, 4, PROFILE, 0, NB)      # a later source's row arrived
                     if failed == 0:
                         _copy_rows(rx, flat, first, v, RW, ws, wm, K, KP)
-                        tl.store(xp + slot * RW + ws, tl.full([HPW], ROW_SENTINEL, tl.int32),
-                                 mask=wm)       # armed again
+                        if own_x == 0:
+                            tl.store(xp + slot * RW + ws, tl.full([HPW], ROW_SENTINEL, tl.int32),
+                                     mask=wm)   # armed again
                         if FP8:
                             _copy_rows(rs, flat, first, sv, NS, ns, nsm, K, KP)
                             tl.store(scp + slot * NS + ns, tl.full([NSP], ROW_SENTINEL,
@@ -887,6 +904,9 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                         if CARRY:
                             tl.store(wout + slot * MAX_TOPK + ks,
                                      wv.to(tl.int32).to(tl.float32, bitcast=True), mask=kmask)
+        if i == 0:
+            _stamp(err, 3, PROFILE, 0, NB)      # the first source's pairs expanded
+            _stamp(err, 4, PROFILE, 0, NB)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -934,9 +954,12 @@ def dispatch_kernel(
         OWN_FIRST: tl.constexpr = 1,    # LL: expand this rank's own pairs before the peers'
         E4M3_ASM: tl.constexpr = 0,     # LL, FP8: round by the GPU's convert (_pack_row_fp8)
         FP8_RCP: tl.constexpr = 0,      # LL, FP8: divide by the reciprocal (_div_by)
+        OWN_X: tl.constexpr = 0,        # LL, not FP8: own rows expanded from x (_expand_ll)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
+    # own rows from x only when one launch sends and receives (a hook's caller may reuse x)
+    OWN_X_ON: tl.constexpr = OWN_X & LL & (FP8 == 0) & ((STAGES & 3) == 3)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -953,17 +976,15 @@ def dispatch_kernel(
                 _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP)
+              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP, OWN_X_ON)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if LL:
         if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
             POLL: tl.constexpr = (STAGES & 8) != 0
-            _stamp(err, 3, PROFILE, 0, NB)
-            _stamp(err, 4, PROFILE, 0, NB)
             _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
                        set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W, WP, NB,
                        MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC, RW,
-                       HPW, CARRY, OFF_WLL, POLL, OWN_FIRST)
+                       HPW, CARRY, OFF_WLL, POLL, OWN_FIRST, PROFILE, x, OWN_X_ON)
             tl.store(ctrl + b, seq + 1)
         _stamp(err, PROF_LAST, PROFILE, 0, NB)
         return
