@@ -71,9 +71,10 @@ E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
 #: ``LLCOMM_EP_FP8_RCP=0``: the LL dispatch's FP8 quantiser divides element by element (div_rn)
 #: instead of by the refined reciprocal (FP8_RCP in kernels/ep.py ``_div_by``; same quotients).
 FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
-#: ``LLCOMM_EP_OWN_X=1``: the LL dispatch (bf16/fp16/fp32 rows, one launch) expands this rank's
-#: own rows straight from x instead of sending them to its own receive slots (OWN_X in
-#: kernels/ep.py ``_expand_ll``).
+#: ``LLCOMM_EP_OWN_X=0``: the LL dispatch (bf16/fp16/fp32 rows, one launch) sends this rank's
+#: own rows to its own receive slots instead of expanding them straight from x (OWN_X in
+#: kernels/ep.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens (write,
+#: read, re-arm): 15.7 -> 14.3 us on 2xH200 (docs/performance.md, session 12).
 OWN_X_ENV = "LLCOMM_EP_OWN_X"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
@@ -174,7 +175,7 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
              ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
-             E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=env_bit(OWN_X_ENV, 0),
+             E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=env_bit(OWN_X_ENV, 1),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
