@@ -623,8 +623,8 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
           FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, ROWS_FIRST: tl.constexpr,
           PROFILE: tl.constexpr, ehi, tag, LL: tl.constexpr, RW: tl.constexpr,
           HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr,
-          SKIP_OWN: tl.constexpr, ROWS_LATER: tl.constexpr = 0):
-    """Dispatch stages 1 and 2 (ROWS_LATER: without the rows; the caller pushes them): counts, token rows and metadata pushed to their ranks.
+          SKIP_OWN: tl.constexpr):
+    """Dispatch stages 1 and 2: counts, token rows and metadata pushed to their ranks.
 
     ROWS_FIRST: the rows go out before the scan (their destinations need only the token's own
     top-k), so they cross NVLink while the block scans; the release before the signal then
@@ -684,7 +684,7 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     for d in tl.static_range(W):
         _store_meta(tab, d, set_off, (rank * T + mt[:, None]) * MAX_TOPK + ks[None, :],
                     tl.full([JP, KP], -1, tl.int32), live2 & (dv2 != d), ehi, OFF_META, LL)
-    if (not ROWS_FIRST) & (ROWS_LATER == 0):
+    if not ROWS_FIRST:
         _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X, FP8,
                    NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, SKIP_OWN)
 
@@ -801,17 +801,14 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr,
                RW: tl.constexpr, HPW: tl.constexpr, CARRY: tl.constexpr,
                OFF_WLL: tl.constexpr, POLL: tl.constexpr, OWN_FIRST: tl.constexpr,
-               PROFILE: tl.constexpr = 0, x=0, OWN_X: tl.constexpr = 0,
-               I0: tl.constexpr = 0, I1: tl.constexpr = 0):
+               PROFILE: tl.constexpr = 0, x=0, OWN_X: tl.constexpr = 0):
     """LL dispatch, receive: what ``_expand`` does, each word waited for where it is read (no
     flag): the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights); the row
     slot is armed again with ROW_SENTINEL once copied. PROFILE: stamp 3 when the first source's
     pairs (this rank's own, with OWN_FIRST) are expanded, stamp 4 when the last row of a later
     source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x`` (the
-    send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm.
-    I0, I1 (I1 > 0): only sources I0 <= i < I1 of the loop's order, and recv_count / ntok_out
-    only with I0 = 0."""
+    send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm."""
     b = tl.program_id(0)
     epoch = (seq + 1).to(tl.int32)
     limit = limit_ticks(timeout_us, POLL)
@@ -841,7 +838,7 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                          tl.reduce(tl.where(other, tl.full([WP], 1, tl.int64) << ps, 0), 0,
                                    _bit_or))
             failed = 1
-    if (b == NB - 1) & (I0 == 0):  # the last block: at small token counts it owns no pair
+    if b == NB - 1:     # the last block: at small token counts it owns no pair
         for l0 in range(0, L, LB):
             ls = l0 + tl.arange(0, LB)
             lm = ls < L
@@ -855,7 +852,7 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
     ks = tl.arange(0, KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
-    for i in range(I0, I1 if I1 > 0 else W):
+    for i in range(W):
         s = i
         if OWN_FIRST:   # this rank's own rows first: they are local, the peers' still crossing
             s = (rank + i) % W
@@ -958,16 +955,11 @@ def dispatch_kernel(
         E4M3_ASM: tl.constexpr = 0,     # LL, FP8: round by the GPU's convert (_pack_row_fp8)
         FP8_RCP: tl.constexpr = 0,      # LL, FP8: divide by the reciprocal (_div_by)
         OWN_X: tl.constexpr = 0,        # LL, not FP8: own rows expanded from x (_expand_ll)
-        ROWS_AFTER_OWN: tl.constexpr = 0,   # LL, one launch: own pairs expanded before the
-        #                                     rows are pushed (an A/B knob)
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
     # own rows from x only when one launch sends and receives (a hook's caller may reuse x)
     OWN_X_ON: tl.constexpr = OWN_X & LL & (FP8 == 0) & ((STAGES & 3) == 3)
-    # (own rows must come from x: from the own slots, each block's own pairs would wait for
-    # rows that other blocks push only after their own pairs)
-    SPLIT: tl.constexpr = ROWS_AFTER_OWN & OWN_X_ON & OWN_FIRST
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -984,23 +976,15 @@ def dispatch_kernel(
                 _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
         _send(x, topk, n_tok, tab, err, rank, set_off, T, H, HP, K, KP, E, L, W, WP, NB, EB, TT,
               TS, JP, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, OFF_SC, ROWS_FIRST,
-              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP, OWN_X_ON, SPLIT)
+              PROFILE, ehi, tag, LL, RW, HPW, E4M3_ASM, FP8_RCP, OWN_X_ON)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if LL:
         if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
             POLL: tl.constexpr = (STAGES & 8) != 0
-            if SPLIT:   # own pairs, then the rows, then the peers' pairs
-                _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
-                           rank, set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W,
-                           WP, NB, MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP,
-                           OFF_SC, RW, HPW, CARRY, OFF_WLL, POLL, OWN_FIRST, PROFILE, x, OWN_X_ON,
-                           0, 1)
-                _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP,
-                           OFF_X, FP8, NS, OFF_SC, LL, RW, HPW, E4M3_ASM, FP8_RCP, OWN_X_ON)
             _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
                        set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W, WP, NB,
                        MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC, RW,
-                       HPW, CARRY, OFF_WLL, POLL, OWN_FIRST, PROFILE, x, OWN_X_ON, SPLIT, 0)
+                       HPW, CARRY, OFF_WLL, POLL, OWN_FIRST, PROFILE, x, OWN_X_ON)
             tl.store(ctrl + b, seq + 1)
         _stamp(err, PROF_LAST, PROFILE, 0, NB)
         return
