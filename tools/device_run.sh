@@ -29,7 +29,7 @@ declare -A BENCH_S=([tp]=200 [ep]=120 [fused]=120 [decode]=200 [soak]=420)
 run_tests() {
     local files=("$@") per_test=()
     python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout)
-    [[ ${#files[@]} -gt 0 ]] || files=(tests/test_tp_gpu.py tests/test_ep_gpu.py tests/test_fused_gpu.py
+    [[ ${#files[@]} -gt 0 ]] || files=(tests/test_tp_gpu.py tests/test_ep_gpu.py tests/test_ep_fp8_quant.py tests/test_fused_gpu.py
                                        tests/test_ep_masks_gpu.py tests/test_compile_gpu.py
                                        tests/test_tune.py tests/test_cli.py tests/test_faults_gpu.py)
     for f in "${files[@]}"; do
