@@ -76,10 +76,6 @@ FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
 #: kernels/ep.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens (write,
 #: read, re-arm): 15.7 -> 14.3 us on 2xH200 (docs/performance.md, session 12).
 OWN_X_ENV = "LLCOMM_EP_OWN_X"
-#: ``LLCOMM_EP_TAB_EARLY``: the LL dispatch reads this rank's region base (and with it the
-#: table's cache line) at kernel start (1) or where the expand needs it (0) (TAB_EARLY in
-#: kernels/ep.py ``dispatch_kernel``; an A/B knob).
-TAB_EARLY_ENV = "LLCOMM_EP_TAB_EARLY"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -180,7 +176,6 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
              E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=env_bit(OWN_X_ENV, 1),
-             TAB_EARLY=env_bit(TAB_EARLY_ENV, 1),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)

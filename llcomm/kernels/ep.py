@@ -191,12 +191,7 @@ def _bit_or(a, b):
 def _at(tab, r, byte_off, DTYPE: tl.constexpr):
     """Pointer ``byte_off`` bytes into rank r's EP region, as DTYPE. Every region offset is a
     multiple of 256 and every base is 256-aligned, so the 16-byte claim holds."""
-    return _at_base(tl.load(tab + r), byte_off, DTYPE)
-
-
-@triton.jit
-def _at_base(base, byte_off, DTYPE: tl.constexpr):
-    """``_at`` from a region base already loaded."""
+    base = tl.load(tab + r)
     return tl.multiple_of((base + byte_off).to(tl.pointer_type(DTYPE)), 16)
 
 
@@ -798,7 +793,7 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
 
 
 @triton.jit
-def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, own, rank, set_off,
+def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
                seq, tag, timeout_us, err, w_off, T: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
                WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
@@ -810,8 +805,7 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
     """LL dispatch, receive: what ``_expand`` does, each word waited for where it is read (no
     flag): the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights); the row
-    slot is armed again with ROW_SENTINEL once copied. ``own``: this rank's region base
-    (``tab[rank]``). PROFILE: stamp 3 when the first source's
+    slot is armed again with ROW_SENTINEL once copied. PROFILE: stamp 3 when the first source's
     pairs (this rank's own, with OWN_FIRST) are expanded, stamp 4 when the last row of a later
     source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x`` (the
     send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm."""
@@ -819,13 +813,13 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
     epoch = (seq + 1).to(tl.int32)
     limit = limit_ticks(timeout_us, POLL)
     failed = tl.zeros([], tl.int32)
-    cntp = _at_base(own, set_off + OFF_CNT, tl.int64)
-    ntp = _at_base(own, set_off + OFF_NTOK, tl.int64)
-    metap = _at_base(own, set_off + OFF_META, tl.int64)
-    xp = _at_base(own, set_off + OFF_X, tl.int32)
-    scp = _at_base(own, set_off + OFF_SC, tl.int32)
-    wll = _at_base(own, set_off + OFF_WLL, tl.int64)
-    wout = _at_base(own, w_off, tl.float32)
+    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
+    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int64)
+    metap = _at(tab, rank, set_off + OFF_META, tl.int64)
+    xp = _at(tab, rank, set_off + OFF_X, tl.int32)
+    scp = _at(tab, rank, set_off + OFF_SC, tl.int32)
+    wll = _at(tab, rank, set_off + OFF_WLL, tl.int64)
+    wout = _at(tab, rank, w_off, tl.float32)
     rx = recv_x.to(tl.pointer_type(tl.int32))
     rs = recv_scales.to(tl.pointer_type(tl.int32))
     ws = tl.arange(0, HPW)
@@ -961,7 +955,6 @@ def dispatch_kernel(
         E4M3_ASM: tl.constexpr = 0,     # LL, FP8: round by the GPU's convert (_pack_row_fp8)
         FP8_RCP: tl.constexpr = 0,      # LL, FP8: divide by the reciprocal (_div_by)
         OWN_X: tl.constexpr = 0,        # LL, not FP8: own rows expanded from x (_expand_ll)
-        TAB_EARLY: tl.constexpr = 0,    # LL: this rank's region base read at kernel start
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
     tl.static_assert((LL == 0) | (MASKS == 0))
@@ -974,8 +967,6 @@ def dispatch_kernel(
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     ehi = (seq + 1) << LL_HI                        # LL words: this call's epoch bits
-    if LL & TAB_EARLY:  # read now, the table's line is in L1 before the scan's remote stores
-        own = tl.load(tab + rank)
     if STAGES & 1:
         if CARRY:       # released with the rows by this dispatch's signal (LL: own words)
             if LL:
@@ -990,10 +981,8 @@ def dispatch_kernel(
     if LL:
         if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
             POLL: tl.constexpr = (STAGES & 8) != 0
-            if TAB_EARLY == 0:
-                own = tl.load(tab + rank)
-            _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, own,
-                       rank, set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W, WP, NB,
+            _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
+                       set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W, WP, NB,
                        MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC, RW,
                        HPW, CARRY, OFF_WLL, POLL, OWN_FIRST, PROFILE, x, OWN_X_ON)
             tl.store(ctrl + b, seq + 1)
