@@ -5,11 +5,13 @@ per scale and a correction by the exact remainder. It must give the very quotien
 division (torch's ``/`` on CUDA, and ``div_rn``) wherever the quantiser uses it: ``|x| <= 448 s``
 (every element of a block is at most its amax = 448 s). Checked over every finite bf16 value
 against scales spread log-uniformly over the whole range ``_div_by`` serves (2**-89 up), plus
-scales made the way the quantiser makes them (amax / 448) and powers of two (round_scale): on
-the GPU, and (fewer scales) under ``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
+scales made the way the quantiser makes them (amax / 448), powers of two (round_scale) and a
+few below 2**-89 (which take div_rn): on the GPU, and (fewer scales) under
+``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
 
-Then, on the GPU only (the interpreter cannot run the inline PTX convert), ``_pack_row_fp8`` as the LL dispatch runs it (the convert and the reciprocal) against
-``llcomm/ep_fp8.quantize`` on rows of mixed magnitudes: the same words, byte for byte.
+Then, on the GPU only (the interpreter cannot run the inline PTX convert), ``_pack_row_fp8`` as
+the LL dispatch runs it (the convert and the reciprocal) against ``llcomm/ep_fp8.quantize`` on
+rows of mixed magnitudes: the same words, byte for byte.
 
 Run on a GPU host: ``python -m pytest tests/test_ep_fp8_quant.py -m gpu -q``.
 """
@@ -72,12 +74,14 @@ def _scales(gen, n: int, device) -> torch.Tensor:
     amax = torch.randn(n, generator=gen).abs().to(torch.bfloat16).float()
     made = amax / torch.full_like(amax, ep_fp8.FP8_MAX)
     pow2 = torch.exp2(torch.randint(-89, 120, (n,), generator=gen).float())
-    s = torch.cat([log_uniform, made, pow2, torch.tensor([RCP_MIN_SCALE.value, 1.0])])
-    return s[s >= RCP_MIN_SCALE.value].to(device)
+    # the bound itself, and scales below it (rows that take div_rn; 2**-140 is subnormal)
+    edge = torch.tensor([RCP_MIN_SCALE.value, 1.0, 0.75 * RCP_MIN_SCALE.value, 2.0 ** -126,
+                         2.0 ** -140])
+    return torch.cat([log_uniform, made, pow2, edge]).to(device)
 
 
 def division_mismatches(device: str, n_scales: int) -> dict:
-    """``_div_by`` against IEEE division over every finite bf16 value and ``3 * n_scales + 2``
+    """``_div_by`` against IEEE division over every finite bf16 value and ``3 * n_scales + 5``
     scales: how many quotients differ (and a few of them), and how many were compared bit for
     bit."""
     gen = torch.Generator().manual_seed(12)
