@@ -172,3 +172,37 @@ def test_expect_exit_rank_that_survives_fails():
     from _dist import RankFailed
     with pytest.raises(RankFailed, match="rank 0 was expected to die"):
         run_distributed(_dies_unplanned, 2, expect_exit={0: 3}, timeout=60)
+
+
+# -- the spawn helper's retry when the process group does not form ---------------------------
+def _count_runs(rank, ws, path):
+    with open(path, "a") as f:
+        f.write(f"{rank}\n")
+    raise RuntimeError("fn itself failed")
+
+
+def test_group_that_never_forms_is_retried_then_reported(monkeypatch):
+    import _dist
+    runs = []
+    once = _dist._run_once
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return once(*args, **kwargs)
+
+    monkeypatch.setattr(_dist, "_run_once", counted)
+    monkeypatch.setattr(_dist, "FAILURE_GRACE_S", 1.0)
+    with pytest.raises(_dist.RankFailed, match="the process group did not form") as info:
+        run_distributed(_count_runs, 2, "unused", backend="no-such-backend", timeout=60)
+    assert "no-such-backend" in str(info.value)
+    assert len(runs) == _dist.INIT_ATTEMPTS
+
+
+def test_failure_inside_fn_is_not_retried(tmp_path):
+    import _dist
+    path = tmp_path / "runs.txt"
+    with pytest.raises(_dist.RankFailed, match="fn itself failed") as info:
+        run_distributed(_count_runs, 2, str(path), timeout=60)
+    assert "did not form" not in str(info.value)
+    assert sorted(path.read_text().split()) == ["0", "1"]     # one run, not INIT_ATTEMPTS
+
