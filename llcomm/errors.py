@@ -33,6 +33,10 @@ class CommBrokenError(LLCommError):
     """The communicator failed earlier (timeout or mismatch) and can no longer be used."""
 
 
+class CommClosedError(LLCommError):
+    """An op was called on a Communicator or EPBuffer after its ``close()``."""
+
+
 class AlgoTableError(LLCommError, ValueError):
     """An all_reduce algorithm table (``llcomm tune``'s file) is unreadable or malformed. The
     message names the file and every problem."""

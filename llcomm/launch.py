@@ -86,12 +86,41 @@ def _spec(a):
 #: Leading arguments of a planned launch that may change from call to call (the operand and the
 #: output); the rest are the plan's own and are in its ``static_key``.
 PLANNED_DYNAMIC = 2
+#: Pointer alignment Triton specialises on (bytes).
+ALIGN = 16
 
 
 def static_key(fn, num_warps: int, tail: tuple, consts: dict) -> tuple:
     """The part of a launch's cache key fixed by a plan: kernel, warps, constexprs and the
     arguments after the first PLANNED_DYNAMIC (``tail``)."""
     return (fn, num_warps, tuple(consts.items()), tuple(map(_spec, tail)))
+
+
+def _raw(a):
+    """What the compiled kernel's C launcher is handed for argument ``a``: a tensor's address
+    as an int. Triton's launcher takes an int pointer as it is, where a tensor costs a
+    ``data_ptr`` call and a ``cuPointerGetAttribute`` driver call per pointer per launch.
+    Callers have already checked that every tensor is on this communicator's GPU."""
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a
+
+
+class Plan:
+    """A launch fixed but for its PLANNED_DYNAMIC leading tensors (``PeerBackend._plan``).
+
+    ``tail``: the other arguments (tensors among them are the communicator's own, allocated
+    once, so their addresses are taken here once); ``view``: the dtype the kernel reads the two
+    tensors as, or None. ``kernels`` keeps the compiled kernel per alignment of the two
+    tensors, so a call costs two ``data_ptr`` calls and one dict lookup before the launch."""
+
+    __slots__ = ("fn", "grid", "tail", "num_warps", "consts", "view", "key", "raw_tail",
+                 "kernels")
+
+    def __init__(self, fn, grid: int, tail: tuple, num_warps: int, consts: dict, view=None):
+        self.fn, self.grid, self.tail, self.num_warps = fn, grid, tail, num_warps
+        self.consts, self.view = consts, view
+        self.key = static_key(fn, num_warps, tail, consts)
+        self.raw_tail = tuple(map(_raw, tail))
+        self.kernels: dict = {}
 
 
 class Launcher:
@@ -108,11 +137,30 @@ class Launcher:
         self._go((fn, num_warps, tuple(consts.items()), tuple(map(_spec, args))), fn, grid, args,
                  num_warps, consts)
 
-    def planned(self, fn, grid: int, args: tuple, num_warps: int, consts: dict, plan_key):
-        """The same launch, where the caller keeps ``plan_key`` (``static_key`` of everything
-        but ``args[:PLANNED_DYNAMIC]``) with its plan: only those tensors are looked at."""
-        self._go((plan_key, *map(_spec, args[:PLANNED_DYNAMIC])), fn, grid, args, num_warps,
-                 consts)
+    def run(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Launch ``plan`` on ``x`` and ``out``."""
+        px, po = x.data_ptr(), out.data_ptr()
+        align = (px % ALIGN == 0, po % ALIGN == 0)
+        hit = plan.kernels.get(align) if self.direct else None
+        if hit is not None:
+            kernel, consts = hit
+            stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+            try:
+                kernel.run(plan.grid, 1, 1, stream, kernel.function, kernel.packed_metadata,
+                           None, None, None, px, po, *plan.raw_tail, *consts)
+                return
+            except Exception as e:  # noqa: BLE001  (fall back for good, and say why once)
+                self._fall_back(e)
+        if plan.view is not None:
+            x, out = x.view(plan.view), out.view(plan.view)
+        key = (plan.key, _spec(x), _spec(out))
+        self._go(key, plan.fn, plan.grid, (x, out, *plan.tail), plan.num_warps, plan.consts)
+        if self.direct and key in self._cache:
+            plan.kernels[align] = self._cache[key]
+
+    def _fall_back(self, e: Exception) -> None:
+        log.warning("llcomm: direct kernel launch failed (%s); using Triton's launcher", e)
+        self.direct = False
 
     def _go(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict):
         hit = self._cache.get(key) if self.direct else None
@@ -123,9 +171,8 @@ class Launcher:
                 kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None,
                            None, None, *args, *tail)
                 return
-            except Exception as e:  # noqa: BLE001  (fall back for good, and say why once)
-                log.warning("llcomm: direct kernel launch failed (%s); using Triton's launcher", e)
-                self.direct = False
+            except Exception as e:  # noqa: BLE001
+                self._fall_back(e)
         if TIMEOUT_ARG in fn.arg_names and not torch.cuda.is_current_stream_capturing():
             i = fn.arg_names.index(TIMEOUT_ARG)
             if i < len(args):

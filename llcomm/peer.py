@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import protocol as P
 from ._env import env_bit, env_int, env_pow2
-from .launch import Launcher, static_key
+from .launch import Launcher, Plan
 from .workspace import REGION_ALIGN, SymmetricWorkspace
 
 #: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
@@ -134,6 +134,10 @@ def _row_shape(hidden: int) -> tuple[int, int]:
     return block, max(1, min(FUSED_MAX_WARPS, block // FUSED_ELEMS_PER_WARP))
 
 
+def _nothing_to_reduce(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
 class PeerBackend:
     """Symmetric workspace plus the kernels. Created by ``Communicator``; a collective."""
 
@@ -220,28 +224,34 @@ class PeerBackend:
 
     # -- all_reduce -----------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
-        n = x.numel()
+        return self.all_reduce_call(algo, x.numel(), x.dtype)(x, out)
+
+    def all_reduce_call(self, algo: str, n: int, dtype: torch.dtype):
+        """``all_reduce`` by ``algo`` of n elements of ``dtype``, bound to its launch plan:
+        ``f(x, out) -> out`` (``Communicator.all_reduce``'s hot path)."""
         if n == 0:
+            return _nothing_to_reduce
+        plan = self._plans.get((algo, n, dtype)) or self._plan(algo, n, dtype)
+        run, check, err = self._launch.run, self._failure.check, self._err_np
+
+        def call(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            check(err[0])
+            run(plan, x, out)
             return out
-        self._precheck()
-        self._run(algo, n, x, out)
-        return out
+        return call
 
     def _run(self, algo: str, n: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """Launch ``algo`` on n elements (per part) of x into out, by its kept plan."""
         plan = self._plans.get((algo, n, x.dtype)) or self._plan(algo, n, x.dtype)
-        fn, tail, warps, consts, view, key = plan
-        if view is not None:
-            x, out = x.view(view), out.view(view)
-        self._launch.planned(fn, self.nb, (x, out, *tail), warps, consts, key)
+        self._launch.run(plan, x, out)
 
-    def _plan(self, algo: str, n: int, dtype: torch.dtype) -> tuple:
+    def _plan(self, algo: str, n: int, dtype: torch.dtype) -> Plan:
         """What every call of ``algo`` ("one_shot", "two_shot", "lamport" or "rs_lamport", the
-        Lamport reduce_scatter) on n elements of ``dtype`` launches, bar its two tensors:
-        (kernel, the arguments after x and out, num_warps, constexprs, the int view the kernel
-        takes or None, the launcher's static key). Made once per (algo, n, dtype) and kept
-        (PLAN_CACHE_MAX at most), so the per-call host path does no shape, tag, constexpr or
-        cache-key work beyond the two tensors."""
+        Lamport reduce_scatter) on n elements of ``dtype`` launches, bar its two tensors (a
+        ``launch.Plan``: kernel, the arguments after x and out, num_warps, constexprs, the int
+        view the kernel takes or None). Made once per (algo, n, dtype) and kept (PLAN_CACHE_MAX
+        at most), so the per-call host path does no shape, tag, constexpr or cache-key work
+        beyond the two tensors."""
         itemsize = dtype.itemsize
         W = self.world_size
         cap = self.cap_bytes // itemsize
@@ -249,7 +259,7 @@ class PeerBackend:
             op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
             block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
             view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
-            plan = (self._k_ar.lamport_kernel, (
+            plan = Plan(self._k_ar.lamport_kernel, self.nb, (
                 n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
                 self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
                 self.lamport_bytes // itemsize), warps, dict(
@@ -259,20 +269,18 @@ class PeerBackend:
                 SCATTER=int(algo == "rs_lamport"), OP=op), view)
         elif algo == "one_shot":
             block, warps = _launch_shape(n, itemsize, self.nb)
-            plan = (self._k_ar.one_shot_kernel, (
+            plan = Plan(self._k_ar.one_shot_kernel, self.nb, (
                 n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
                 self.rank, self._tag(P.OP_ONE_SHOT, n, dtype), self.timeout_us, cap), warps,
-                dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block), None)
+                dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block))
         else:
             shard = -(-n // W)
             shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
             block, warps = _launch_shape(shard, itemsize, self.nb)
-            plan = (self._k_ar.two_shot_kernel, (
+            plan = Plan(self._k_ar.two_shot_kernel, self.nb, (
                 n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
                 self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
-                self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
-                None)
-        plan = (*plan, static_key(plan[0], plan[2], plan[1], plan[3]))
+                self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block))
         if len(self._plans) >= PLAN_CACHE_MAX:
             self._plans.clear()
         self._plans[(algo, n, dtype)] = plan

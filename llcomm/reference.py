@@ -105,6 +105,10 @@ class ReferenceBackend:
             out, op=dist.ReduceOp.SUM, group=self.group, async_op=a))
         return out
 
+    def all_reduce_call(self, algo: str, n: int, dtype: torch.dtype):
+        """``all_reduce`` bound: ``f(x, out) -> out`` (NCCL's or gloo's own algorithm)."""
+        return lambda x, out: self.all_reduce(x, out, algo)
+
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
         # Same arithmetic as the peer kernel (round the sum, add in fp32, round, normalise the
         # rounded h in fp32, round once); only the all-reduce itself is the library's.

@@ -20,7 +20,7 @@ from . import _validate as V
 from . import ops
 from . import algo_table as T
 from . import protocol as P
-from .errors import UnsupportedConfigError
+from .errors import CommClosedError, UnsupportedConfigError
 from .reference import ReferenceBackend
 
 log = logging.getLogger("llcomm")
@@ -31,6 +31,9 @@ BACKENDS = ("auto", "peer", "reference")
 ALGOS = ("auto", "one_shot", "two_shot", "lamport")
 #: all_reduce_residual_rmsnorm algorithms (auto: lamport while x fits a Lamport slot).
 FUSED_ALGOS = ("auto", "one_shot", "lamport")
+#: all_reduce calls remembered for the hot path (one per shape, dtype and algo seen; past this
+#: many the memory starts over, so an endless variety of shapes cannot grow it without bound).
+HOT_CACHE_MAX = 4096
 #: all_reduce_residual_rmsnorm: longest row. The peer kernel keeps a whole row in one block's
 #: registers (32 fp32 per thread at 16 warps); the reference backend enforces the same bound so
 #: code that runs on one backend runs on the other.
@@ -165,6 +168,8 @@ class Communicator:
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
         self.backend = backend
         self.deterministic = bool(deterministic)
+        self._closed = False
+        self._hot: dict = {}        # all_reduce: (shape, dtype, algo) -> bound call (all_reduce)
         self._auto = self._auto_selection()
         self.algo_source = self._auto.source
         ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
@@ -219,6 +224,17 @@ class Communicator:
             the result by 2**-134 against one_shot / two_shot. ``deterministic=True`` rules it
             out. (The reference backend is NCCL's or gloo's own order.)
         """
+        # Hot path: a (shape, dtype, algo) that passed the checks below before needs only the
+        # checks that depend on the tensors themselves; the backend bound the rest (its launch
+        # plan) when it was first seen. An eager decode step calls this about 160 times a token.
+        if type(x) is torch.Tensor and type(algo) is str:
+            call = self._hot.get((x.shape, x.dtype, algo))
+            if call is not None and x.device == self.device and x.is_contiguous() and (
+                    out is None or type(out) is torch.Tensor and out.shape == x.shape
+                    and out.dtype == x.dtype and out.device == self.device
+                    and out.is_contiguous()):
+                return call(x, torch.empty_like(x) if out is None else out)
+        self._check_open("all_reduce")
         pr = V.Problems("all_reduce")
         if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
             V.check_out(pr, out, x, tuple(x.shape), self.device)
@@ -235,11 +251,17 @@ class Communicator:
         pr.raise_if_any()
         if out is None:
             out = torch.empty_like(x)
+        run = algo
         if algo == "auto":
-            algo = self.choose_algo(x.numel() * x.element_size())
-            if algo == "lamport" and self.deterministic and x.dtype == torch.float32:
-                algo = "one_shot"
-        return self._impl.all_reduce(x, out, algo)
+            run = self.choose_algo(x.numel() * x.element_size())
+            if run == "lamport" and self.deterministic and x.dtype == torch.float32:
+                run = "one_shot"
+        call = self._impl.all_reduce_call(run, x.numel(), x.dtype)
+        if type(x) is torch.Tensor and type(algo) is str:
+            if len(self._hot) >= HOT_CACHE_MAX:
+                self._hot.clear()
+            self._hot[(x.shape, x.dtype, algo)] = call
+        return call(x, out)
 
     @property
     def lamport_bytes(self) -> int:
@@ -292,6 +314,7 @@ class Communicator:
             the same bits; the reference backend runs NCCL's / gloo's all_reduce and then the
             same fp32 arithmetic in torch (equal to the peer result within rounding).
         """
+        self._check_open("all_reduce_residual_rmsnorm")
         pr = V.Problems("all_reduce_residual_rmsnorm")
         shape = None
         if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
@@ -351,6 +374,7 @@ class Communicator:
         x: contiguous, any of the supported dtypes, same shape on every rank. Returns x.
         Byte-exact: the bytes that arrive are the bytes that were sent.
         """
+        self._check_open("broadcast")
         pr = V.Problems("broadcast")
         V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes)
         if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < self.world_size:
@@ -363,6 +387,7 @@ class Communicator:
 
         x: ``[d0, ...]``; out: ``[world_size * d0, ...]`` (allocated if not given). Byte-exact.
         """
+        self._check_open("all_gather")
         pr = V.Problems("all_gather")
         if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
             shape = (self.world_size * (x.shape[0] if x.dim() else 1), *x.shape[1:])
@@ -378,6 +403,7 @@ class Communicator:
         Rank r's part of token t lands at ``out[t, r * part:(r + 1) * part]`` (flat offset
         ``t * full + r * part``), the layout a column-parallel projection's output needs.
         """
+        self._check_open("all_gather_2d")
         pr = V.Problems("all_gather_2d")
         if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
             if x.dim() != 2:
@@ -395,6 +421,7 @@ class Communicator:
 
         x: ``[world_size * d0, ...]``; out: ``[d0, ...]``. Accumulation as in all_reduce.
         """
+        self._check_open("reduce_scatter")
         pr = V.Problems("reduce_scatter")
         if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
             if x.dim() == 0 or x.shape[0] % self.world_size:
@@ -409,13 +436,21 @@ class Communicator:
         return self._impl.reduce_scatter(x, out)
 
     # -- lifetime -------------------------------------------------------------------------------
+    def _check_open(self, fn: str) -> None:
+        if self._closed:
+            raise CommClosedError(f"llcomm.{fn}: this Communicator was closed; create a new one")
+
     def check(self) -> None:
         """Wait for this rank's queued ops and raise any error the device reported. Call it after
         replaying a CUDA graph (replays cannot raise) or whenever you want failures surfaced."""
         self._impl.check()
 
     def close(self) -> None:
-        """Release the workspace. A collective: every rank drains its work first."""
+        """Release the workspace. A collective: every rank drains its work first. Every op
+        called afterwards raises CommClosedError (a kernel launched on the released workspace
+        would write into memory that is no longer mapped). Closing twice is a no-op."""
+        self._closed = True
+        self._hot.clear()
         self._impl.close()
 
     def __enter__(self):

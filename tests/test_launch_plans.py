@@ -5,9 +5,9 @@ so that a call only wraps its two tensors (docs/performance.md, "Host path"). A 
 argument in the wrong place, or reused one size's tag for another, would launch a kernel that
 waits for the wrong thing: these tests map every launched argument to the kernel's parameter
 name and check it, for every algorithm, dtype and a spread of sizes, on a backend shell whose
-launcher records instead of launching. ``Launcher.planned`` is checked with stand-in kernels:
+launcher records instead of launching. ``Launcher.run`` is checked with stand-in kernels:
 one compile per key, the cached kernel for later calls, a new key when an operand's alignment
-changes.
+changes, and every pointer handed to the cached kernel as the int address of the right tensor.
 """
 from __future__ import annotations
 
@@ -24,13 +24,17 @@ W, NB, RANK, TIMEOUT_US = 2, 128, 1, 123_000
 
 
 class Recorder:
-    """Stands in for ``Launcher``: keeps each planned launch."""
+    """Stands in for ``Launcher``: keeps each planned launch, with x and out as the kernel
+    reads them (the plan's view)."""
 
     def __init__(self):
         self.calls = []
 
-    def planned(self, fn, grid, args, num_warps, consts, plan_key):
-        self.calls.append((fn, grid, args, num_warps, dict(consts), plan_key))
+    def run(self, plan, x, out):
+        if plan.view is not None:
+            x, out = x.view(plan.view), out.view(plan.view)
+        self.calls.append((plan.fn, plan.grid, (x, out, *plan.tail), plan.num_warps,
+                           dict(plan.consts), plan))
 
 
 def _backend(launcher):
@@ -108,7 +112,7 @@ def test_every_planned_argument_is_the_right_one(algo):
             pb.reduce_scatter(x, out)
         else:
             pb.all_reduce(x, out, algo)
-        fn, grid, args, warps, consts, key = rec.calls[-1]
+        fn, grid, args, warps, consts, plan = rec.calls[-1]
         want_fn, want_warps, want = _expect(pb, algo, n, dtype)
         assert (fn, grid, warps) == (want_fn, NB, want_warps), (algo, n)
         got = _named(fn, args, consts)
@@ -119,7 +123,12 @@ def test_every_planned_argument_is_the_right_one(algo):
             else dtype
         assert got["x"].dtype == got["out"].dtype == view
         assert got["x"].data_ptr() == x.data_ptr() and got["out"].data_ptr() == out.data_ptr()
-        assert key == launch.static_key(fn, warps, args[launch.PLANNED_DYNAMIC:], consts)
+        tail = args[launch.PLANNED_DYNAMIC:]
+        assert plan.key == launch.static_key(fn, warps, tail, consts)
+        # what the cached kernel is handed: each tensor of the tail as its address
+        assert plan.raw_tail == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                      for a in tail)
+        assert any(isinstance(a, torch.Tensor) for a in tail)
     assert len(pb._plans) == len(cases)
 
 
@@ -143,18 +152,20 @@ class _StandIn:
 
     def __init__(self, arg_names):
         self.arg_names = arg_names
-        self.compiles, self.runs = 0, []
+        self.compiles, self.runs, self.fail = 0, [], False
 
     def __getitem__(self, grid):
         def compile_and_launch(*args, num_warps, **consts):
             self.compiles += 1
-            self.consts = consts
+            self.args, self.consts = args, consts
             outer = self
 
             class Kernel:
                 function = packed_metadata = None
 
                 def run(self, *a):
+                    if outer.fail:
+                        raise TypeError("run() takes other arguments")
                     outer.runs.append(a[9:])        # after grid, stream, function, metadata, hooks
             return Kernel()
         return compile_and_launch
@@ -163,23 +174,48 @@ class _StandIn:
 def test_launcher_planned_path_compiles_once_per_key(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    fn = _StandIn(["x", "out", "n", "timeout_us", "BLOCK"])
+    fn = _StandIn(["x", "out", "n", "tab", "timeout_us", "BLOCK"])
     lau = launch.Launcher(torch.device("cpu"))
     consts = {"BLOCK": 64}
-    key = launch.static_key(fn, 4, (10, 5), consts)
-    buf = torch.zeros(64, dtype=torch.int16)
+    tab = torch.arange(4, dtype=torch.int64)
+    plan = launch.Plan(fn, 8, (10, tab, 5), 4, consts, view=torch.int16)
+    buf = torch.zeros(64, dtype=torch.bfloat16)
     a, b = buf[:16], buf[16:32]             # both 16-byte aligned
-    lau.planned(fn, 8, (a, b, 10, 5), 4, consts, key)
-    assert fn.compiles == 1 and fn.runs == []           # the first call goes through Triton
-    lau.planned(fn, 8, (b, a, 10, 5), 4, consts, key)
-    assert fn.compiles == 1 and len(fn.runs) == 1       # then the cached kernel, new tensors
-    assert fn.runs[-1][0] is b and fn.runs[-1][1] is a and fn.runs[-1][2:] == (10, 5, 64)
-    lau.planned(fn, 8, (buf[1:17], b, 10, 5), 4, consts, key)
+    lau.run(plan, a, b)
+    assert fn.compiles == 1 and fn.runs == []           # the first call goes through Triton,
+    x, out, n, t, timeout = fn.args                     # with the plan's view of the operands
+    assert x.dtype == out.dtype == torch.int16 and x.data_ptr() == a.data_ptr()
+    assert out.data_ptr() == b.data_ptr() and t is tab and n == 10
+    assert timeout == launch.FIRST_LAUNCH_TIMEOUT_US    # and the first launch's long bound
+    lau.run(plan, b, a)
+    assert fn.compiles == 1 and len(fn.runs) == 1       # then the cached kernel, new tensors,
+    assert fn.runs[-1] == (b.data_ptr(), a.data_ptr(), 10, tab.data_ptr(), 5, 64)  # as ints
+    lau.run(plan, buf[1:17], b)
     assert fn.compiles == 2                             # misaligned operand: another key
-    lau(fn, 8, (a, b, 10, 5), 4, **consts)              # the unplanned path keys differently
+    lau.run(plan, buf[1:17], a)
+    assert fn.compiles == 2 and fn.runs[-1][:2] == (buf[1:17].data_ptr(), a.data_ptr())
+    other = launch.Plan(fn, 8, (10, tab, 5), 4, consts, view=torch.int16)
+    lau.run(other, a, b)                                # a new plan of the same launch finds
+    assert fn.compiles == 2 and len(fn.runs) == 3       # the launcher's compiled kernel
+    lau(fn, 8, (a, b, 10, tab, 5), 4, **consts)         # the unplanned path keys differently
     assert fn.compiles == 3
-    lau(fn, 8, (a, b, 10, 5), 4, **consts)
-    assert fn.compiles == 3 and len(fn.runs) == 2
+    lau(fn, 8, (a, b, 10, tab, 5), 4, **consts)
+    assert fn.compiles == 3 and fn.runs[-1][0] is a and fn.runs[-1][3] is tab
+
+
+def test_launcher_falls_back_to_triton_when_the_direct_launch_fails(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fn = _StandIn(["x", "out", "n", "BLOCK"])
+    lau = launch.Launcher(torch.device("cpu"))
+    plan = launch.Plan(fn, 8, (10,), 4, {"BLOCK": 64})
+    a = torch.zeros(16, dtype=torch.int16)
+    lau.run(plan, a, a)
+    fn.fail = True                      # the cached kernel's run raises (another Triton)
+    lau.run(plan, a, a)
+    assert lau.direct is False and fn.compiles == 2     # Triton's own launch, tensors given
+    lau.run(plan, a, a)
+    assert fn.compiles == 3 and fn.args[0] is a
 
 
 @pytest.mark.parametrize("pdl", [0, 1])

@@ -241,6 +241,53 @@ def test_rejected_one_rank(world1, case):
     assert_all_reduce_works(comm, 0, 1, case[0])
 
 
+#: Shapes and dtypes of the all_reduce cases above: ran once first, each makes its (shape,
+#: dtype, algo) hot in Communicator.all_reduce, which then checks only the tensors themselves.
+HOT_SHAPES = [(8,), (9,), (16,), (4, 4), (4, 8), (2, 4), (4,)]
+
+
+def warm_hot_path(comm) -> None:
+    for shape in HOT_SHAPES:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for algo in ("auto", "one_shot", "two_shot", "lamport"):
+                comm.all_reduce(torch.ones(shape, dtype=dtype), algo=algo)
+                comm.all_reduce(torch.ones(shape, dtype=dtype), out=torch.empty(
+                    shape, dtype=dtype), algo=algo)
+    assert len(comm._hot) == len(HOT_SHAPES) * 3 * 4
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_rejected_after_the_same_shapes_ran(world1, case):
+    """The hot path must reject whatever the full checks reject: a meta, strided or
+    transposed tensor of a shape and dtype that already ran, an out of another shape."""
+    comm = llcomm.Communicator(backend="reference")
+    warm_hot_path(comm)
+    expect_rejected(comm, 1, case)
+    assert_all_reduce_works(comm, 0, 1, case[0])
+
+
+def test_every_op_refuses_a_closed_communicator(world1):
+    comm = llcomm.Communicator(backend="reference")
+    x = torch.ones(4, 8)
+    comm.all_reduce(x)                          # (4, 8) float32 "auto" is now hot
+    comm.close()
+    comm.close()                                # twice: a no-op
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(x),
+        "all_reduce_residual_rmsnorm": lambda: comm.all_reduce_residual_rmsnorm(
+            x, x, torch.ones(8)),
+        "broadcast": lambda: comm.broadcast(x, 0),
+        "all_gather": lambda: comm.all_gather(x),
+        "all_gather_2d": lambda: comm.all_gather_2d(x),
+        "reduce_scatter": lambda: comm.reduce_scatter(x),
+    }
+    for name, call in calls.items():
+        with pytest.raises(llcomm.CommClosedError, match=rf"llcomm\.{name}: this Communicator "
+                           "was closed"):
+            call()
+    assert torch.equal(x, torch.ones(4, 8))
+
+
 @pytest.mark.parametrize("case", CASES_MAX_BYTES, ids=_ids(CASES_MAX_BYTES))
 def test_over_max_bytes_one_rank(world1, case):
     comm = llcomm.Communicator(backend="reference", max_bytes=SMALL_MAX_BYTES)

@@ -7,8 +7,11 @@ measured), µs per call, median of 5 rounds:
 
 - ``torch add_``: ``x.add_(1)`` on 8 KiB, torch's C++ launch path (the reference floor).
 - ``triton jit``: a trivial Triton kernel through ``kernel[grid](...)`` (Triton's binder).
-- ``llcomm launcher``: the same kernel through ``llcomm.launch.Launcher`` (the cached kernel's
-  ``run``: what every llcomm op pays), with and without PDL.
+- ``llcomm launcher``: a kernel shaped like llcomm's (two operands, four workspace tensors)
+  through ``llcomm.launch.Launcher``, the cached kernel's ``run``: with its six pointers
+  passed as tensors (the unplanned path: the C launcher calls ``data_ptr`` and the driver's
+  ``cuPointerGetAttribute`` for each) and by a ``launch.Plan`` (pointers passed as ints, what
+  all_reduce and reduce_scatter pay), with and without PDL.
 - ``llcomm host path``: ``tools/host_path.py``'s stand-in all_reduce (llcomm's Python per
   call, no launch), for the split.
 
@@ -44,6 +47,15 @@ def _touch(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     tl.store(x + offs, tl.load(x + offs, mask=m) + 1, mask=m)
 
 
+@triton.jit
+def _touch6(x, out, n, a, b, c, d, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    """x + 1 into out; a-d stand for the workspace tables and counters a real op takes."""
+    after_previous_kernel(PDL)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out + offs, tl.load(x + offs, mask=m) + 1, mask=m)
+
+
 def per_call_us(fn, calls: int) -> float:
     """Median over ROUNDS of the wall time per call of ``calls`` calls, synchronised at the end."""
     fn()
@@ -68,12 +80,16 @@ def main():
     x = torch.zeros(4096, dtype=torch.bfloat16, device=dev)
     rows = {"torch add_": per_call_us(lambda: x.add_(1), a.calls),
             "triton jit": per_call_us(lambda: _touch[(1,)](x, 4096, BLOCK=4096), a.calls)}
+    y = torch.zeros_like(x)
+    tabs = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(4)]
     for pdl in (0, 1):
         lau = launch.Launcher(dev)
         lau.pdl = bool(pdl) and lau.pdl
-        key = launch.static_key(_touch, 4, (4096,), {"BLOCK": 4096})
-        rows[f"llcomm launcher (PDL {int(lau.pdl)})"] = per_call_us(
-            lambda: lau.planned(_touch, 1, (x, 4096), 4, {"BLOCK": 4096}, key), a.calls)
+        rows[f"llcomm launcher, tensors (PDL {int(lau.pdl)})"] = per_call_us(
+            lambda: lau(_touch6, 1, (x, y, 4096, *tabs), 4, BLOCK=4096), a.calls)
+        plan = launch.Plan(_touch6, 1, (4096, *tabs), 4, {"BLOCK": 4096})
+        rows[f"llcomm plan, int pointers (PDL {int(lau.pdl)})"] = per_call_us(
+            lambda: lau.run(plan, x, y), a.calls)
     import host_path  # noqa: E402  (tools/, beside this file)
     rows["llcomm host path (no launch)"] = host_path.measure()
     for k, v in rows.items():
