@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import CommClosedError
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -64,3 +66,11 @@ def check_out(pr: Problems, out, x: torch.Tensor, shape: tuple, device: torch.de
         pr.add(f"{name} has shape {tuple(out.shape)}; expected {tuple(shape)}")
     if out.dtype != x.dtype:
         pr.add(f"{name} has dtype {out.dtype}; expected {x.dtype} (the dtype of x)", type_error=True)
+
+
+def check_open(closed: bool, fn: str, what: str) -> None:
+    """Raise CommClosedError for a call of ``fn`` on ``what`` (its class name) after its
+    ``close()``: a kernel launched on a released workspace would write into memory that is no
+    longer mapped."""
+    if closed:
+        raise CommClosedError(f"llcomm.{fn}: this {what} was closed; create a new one")

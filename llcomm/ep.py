@@ -314,6 +314,7 @@ class EPBuffer:
         # return_recv_hook=True: the op's call whose receive hook has not run yet, if any
         self._pending: dict[str, int | None] = {"dispatch": None, "combine": None}
         self._combines = 0
+        self._closed = False
         self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
         from .tp import choose_backend
         backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer")
@@ -429,6 +430,7 @@ class EPBuffer:
             handle: an ``EPHandle`` for ``combine``; valid for two dispatches.
             hook: only with ``return_recv_hook=True`` (see there).
         """
+        V.check_open(self._closed, "EPBuffer.dispatch", "EPBuffer")
         pr = V.Problems("EPBuffer.dispatch")
         self._check_hook(pr, "dispatch", return_recv_hook)
         if V.check_tensor(pr, "x", x, self.device, dtypes=(self.dtype,)):
@@ -498,6 +500,7 @@ class EPBuffer:
         self._pending[op] = index
 
         def hook():
+            V.check_open(self._closed, f"EPBuffer.{op} receive hook", "EPBuffer")
             if self._pending[op] != index:
                 raise RuntimeError(f"llcomm.EPBuffer: the receive hook of {op} #{index} has "
                                    "already been called (a hook runs once)")
@@ -574,6 +577,7 @@ class EPBuffer:
             rounded once. Bitwise reproducible, identical on both backends up to the
             multiply-add contraction noted in docs/ep.md.
         """
+        V.check_open(self._closed, "EPBuffer.combine", "EPBuffer")
         pr = V.Problems("EPBuffer.combine")
         self._check_hook(pr, "combine", return_recv_hook)
         n = None
@@ -712,7 +716,9 @@ class EPBuffer:
         self._impl.precheck()
 
     def close(self) -> None:
-        """Release the symmetric region. A collective: every rank drains its work first."""
+        """Release the symmetric region. A collective: every rank drains its work first.
+        dispatch, combine and receive hooks called afterwards raise CommClosedError."""
+        self._closed = True
         if self.backend == "peer":
             self._impl.close()
 

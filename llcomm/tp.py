@@ -20,7 +20,7 @@ from . import _validate as V
 from . import ops
 from . import algo_table as T
 from . import protocol as P
-from .errors import CommClosedError, UnsupportedConfigError
+from .errors import UnsupportedConfigError
 from .reference import ReferenceBackend
 
 log = logging.getLogger("llcomm")
@@ -437,8 +437,7 @@ class Communicator:
 
     # -- lifetime -------------------------------------------------------------------------------
     def _check_open(self, fn: str) -> None:
-        if self._closed:
-            raise CommClosedError(f"llcomm.{fn}: this Communicator was closed; create a new one")
+        V.check_open(self._closed, fn, "Communicator")
 
     def check(self) -> None:
         """Wait for this rank's queued ops and raise any error the device reported. Call it after
@@ -447,8 +446,7 @@ class Communicator:
 
     def close(self) -> None:
         """Release the workspace. A collective: every rank drains its work first. Every op
-        called afterwards raises CommClosedError (a kernel launched on the released workspace
-        would write into memory that is no longer mapped). Closing twice is a no-op."""
+        called afterwards raises CommClosedError. Closing twice is a no-op."""
         self._closed = True
         self._hot.clear()
         self._impl.close()

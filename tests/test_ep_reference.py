@@ -4,6 +4,8 @@ the CPU suite stays fast."""
 import pytest
 import torch
 
+import llcomm
+
 from _dist import run_distributed
 from test_ep_oracle import (KINDS, expert_fn, make_case, oracle_combine, oracle_combine_f64,
                             oracle_dispatch)
@@ -262,6 +264,16 @@ def _validation_body(rank, W):
     rx, rc, h2 = buf.dispatch(x, idx)
     y = buf.combine(expert_fn(rx, rc, rank), idx, w, h2)
     results.append(("still works", None if y.shape == (3, H) else f"shape {y.shape}"))
+    # closed: every op refuses, the hooks of a split-phase call too (a collective, both ranks)
+    _, _, h3, recv = buf.dispatch(x, idx, return_recv_hook=True)
+    buf.close()
+    buf.close()                                 # twice: a no-op
+    closed = ["this EPBuffer was closed"]
+    expect("dispatch after close", llcomm.CommClosedError, ["EPBuffer.dispatch"] + closed,
+           lambda: d(x, idx))
+    expect("combine after close", llcomm.CommClosedError, ["EPBuffer.combine"] + closed,
+           lambda: c(eo, idx, w, h2))
+    expect("hook after close", llcomm.CommClosedError, ["receive hook"] + closed, recv)
     return results
 
 
