@@ -1,28 +1,42 @@
 """Host-side cost of one ``Communicator.all_reduce`` call on the peer backend, on any machine.
 
-    python tools/host_path.py
+    python tools/host_path.py [--llcomm DIR]
+
+``--llcomm DIR`` measures the llcomm package of another checkout (say a ``git worktree`` of an
+older commit) with this same stand-in and timing loop, for an A/B on one machine.
 
 The GPU part is stood in for: a peer backend without a workspace, whose launcher finds every
 kernel already compiled and whose kernels' ``run`` does nothing. What is left is llcomm's own
 Python per call (argument checks, the algorithm lookup, the launch plan, the launcher's cache
-key), which an eager decode step pays on top of the driver's launch. Prints µs per call.
+key), which an eager decode step pays on top of the driver's launch. Prints µs per call: the
+median and the fastest of ROUNDS rounds of CALLS calls (this development VM's timings wander by
+tens of percent from one round to the next).
 """
 from __future__ import annotations
 
+import argparse
 import os
+import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":
+    _ap = argparse.ArgumentParser()
+    _ap.add_argument("--llcomm", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     help="the checkout whose llcomm package to measure (default: this one)")
+    ARGS = _ap.parse_args()
+    sys.path.insert(0, os.path.abspath(ARGS.llcomm))
+else:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm import algo_table as T  # noqa: E402
 from llcomm import launch, peer, tp  # noqa: E402
 from llcomm import protocol as P  # noqa: E402
 from llcomm.kernels import all_reduce as K  # noqa: E402
 
-CALLS, WARMUP = 20000, 1000
+CALLS, WARMUP, ROUNDS = 5000, 2000, 9
 
 
 class _Kernel:
@@ -69,18 +83,26 @@ def shell() -> tp.Communicator:
     return c
 
 
-def per_call_us(f) -> float:
+def per_call_us(f) -> tuple[float, float]:
+    """(median, fastest) over ROUNDS rounds of µs per call of ``f``."""
     for _ in range(WARMUP):
         f()
-    t = time.perf_counter()
-    for _ in range(CALLS):
-        f()
-    return (time.perf_counter() - t) / CALLS * 1e6
+    rounds = []
+    for _ in range(ROUNDS):
+        t = time.perf_counter()
+        for _ in range(CALLS):
+            f()
+        rounds.append((time.perf_counter() - t) / CALLS * 1e6)
+    return statistics.median(rounds), min(rounds)
 
 
 def measure(nbytes: int = 8 << 10, algo: str = "auto") -> float:
-    """µs per call of a bf16 all_reduce of ``nbytes`` on the stand-in (patches torch's stream
-    and capture queries for the rest of the process: call it last)."""
+    """Median µs per call of a bf16 all_reduce of ``nbytes`` on the stand-in (patches torch's
+    stream and capture queries for the rest of the process: call it last)."""
+    return _measure(nbytes, algo)[0]
+
+
+def _measure(nbytes: int, algo: str) -> tuple[float, float]:
     c = shell()
     x = torch.randn(nbytes // 2).bfloat16()
     out = torch.empty_like(x)
@@ -88,10 +110,13 @@ def measure(nbytes: int = 8 << 10, algo: str = "auto") -> float:
 
 
 def main() -> None:
+    import llcomm
+    print(f"llcomm from {os.path.dirname(llcomm.__file__)}")
     for nbytes in (8 << 10, 1 << 20):
         for algo in ("auto", "lamport", "one_shot"):
-            us = measure(nbytes, algo)
-            print(f"all_reduce {nbytes >> 10:5d} KiB bf16 algo={algo:8s} {us:6.2f} us per call")
+            med, best = _measure(nbytes, algo)
+            print(f"all_reduce {nbytes >> 10:5d} KiB bf16 algo={algo:8s} {med:6.2f} us per call "
+                  f"(fastest round {best:.2f})")
 
 
 if __name__ == "__main__":
