@@ -6,6 +6,7 @@
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh timeline [ARGS]     # EP stage timeline (ep_timeline.py)
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid, lamport-big, pdl, ...
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh link                # tools/nvlink_bw.py (link rates)
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh eager               # tools/eager_floor.py (host cost per launch)
 #
 # The device copy of the tree has no .git: LLCOMM_COMMIT names what the results measured.
 # Each step gets its own `timeout` and pytest its own per-test `--timeout`, so one hang costs
@@ -123,13 +124,20 @@ run_link() {   # link rates: push / pull / TMA / copy engine, and the launch flo
     echo "nvlink_bw: exit $?" | tee -a "$SUMMARY"
 }
 
+run_eager() {   # one eager launch's host cost: torch, Triton's binder, llcomm's launcher and plan
+    timeout 120 python tools/eager_floor.py --json "$DIR/results/eager-floor.json" \
+        > "$DIR/results/eager-floor.txt" 2>&1
+    echo "eager floor: exit $?" | tee -a "$SUMMARY"
+}
+
 case "${1:-}" in
     tests) shift; run_tests "$@" ;;
     bench) shift; run_benches "$@" ;;
     timeline) shift; run_timeline "$@" ;;
     ab) shift; run_ab "$@" ;;
     link) shift; run_link ;;
-    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline|ab|link [what ...]" >&2; exit 2 ;;
+    eager) shift; run_eager ;;
+    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline|ab|link|eager [what ...]" >&2; exit 2 ;;
 esac
 # The device tool brings back at most 8 files from $OUT per call (more are dropped): past that,
 # this invocation's logs and results travel as one archive of their own (a later invocation in
