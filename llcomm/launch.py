@@ -83,16 +83,13 @@ def _spec(a):
     return a
 
 
-#: Leading arguments of a planned launch that may change from call to call (the operand and the
-#: output); the rest are the plan's own and are in its ``static_key``.
-PLANNED_DYNAMIC = 2
 #: Pointer alignment Triton specialises on (bytes).
 ALIGN = 16
 
 
 def static_key(fn, num_warps: int, tail: tuple, consts: dict) -> tuple:
     """The part of a launch's cache key fixed by a plan: kernel, warps, constexprs and the
-    arguments after the first PLANNED_DYNAMIC (``tail``)."""
+    arguments after the plan's leading tensors (``tail``)."""
     return (fn, num_warps, tuple(consts.items()), tuple(map(_spec, tail)))
 
 
@@ -105,19 +102,22 @@ def _raw(a):
 
 
 class Plan:
-    """A launch fixed but for its PLANNED_DYNAMIC leading tensors (``PeerBackend._plan``).
+    """A launch fixed but for its leading tensors (the operand, the output; ``PeerBackend``
+    keeps one per op, size and dtype).
 
+    ``views``: one entry per leading tensor, the dtype the kernel reads it as (None: its own).
     ``tail``: the other arguments (tensors among them are the communicator's own, allocated
-    once, so their addresses are taken here once); ``view``: the dtype the kernel reads the two
-    tensors as, or None. ``kernels`` keeps the compiled kernel per alignment of the two
-    tensors, so a call costs two ``data_ptr`` calls and one dict lookup before the launch."""
+    once, so their addresses are taken here once). ``kernels`` keeps, per alignment of the
+    leading tensors, the compiled kernel and what follows them in its launch (the tail as ints,
+    then the constexprs), so a call costs a ``data_ptr`` per leading tensor and one dict
+    lookup before the launch."""
 
-    __slots__ = ("fn", "grid", "tail", "num_warps", "consts", "view", "key", "raw_tail",
+    __slots__ = ("fn", "grid", "tail", "num_warps", "consts", "views", "key", "raw_tail",
                  "kernels")
 
-    def __init__(self, fn, grid: int, tail: tuple, num_warps: int, consts: dict, view=None):
+    def __init__(self, fn, grid: int, tail: tuple, num_warps: int, consts: dict, views: tuple):
         self.fn, self.grid, self.tail, self.num_warps = fn, grid, tail, num_warps
-        self.consts, self.view = consts, view
+        self.consts, self.views = consts, views
         self.key = static_key(fn, num_warps, tail, consts)
         self.raw_tail = tuple(map(_raw, tail))
         self.kernels: dict = {}
@@ -137,26 +137,26 @@ class Launcher:
         self._go((fn, num_warps, tuple(consts.items()), tuple(map(_spec, args))), fn, grid, args,
                  num_warps, consts)
 
-    def run(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Launch ``plan`` on ``x`` and ``out``."""
-        px, po = x.data_ptr(), out.data_ptr()
-        align = (px % ALIGN == 0, po % ALIGN == 0)
+    def run(self, plan: Plan, *ts: torch.Tensor) -> None:
+        """Launch ``plan`` on its leading tensors ``ts``."""
+        ptrs = [t.data_ptr() for t in ts]
+        align = tuple([p % ALIGN == 0 for p in ptrs])
         hit = plan.kernels.get(align) if self.direct else None
         if hit is not None:
-            kernel, consts = hit
+            kernel, rest = hit
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             try:
                 kernel.run(plan.grid, 1, 1, stream, kernel.function, kernel.packed_metadata,
-                           None, None, None, px, po, *plan.raw_tail, *consts)
+                           None, None, None, *ptrs, *rest)
                 return
             except Exception as e:  # noqa: BLE001  (fall back for good, and say why once)
                 self._fall_back(e)
-        if plan.view is not None:
-            x, out = x.view(plan.view), out.view(plan.view)
-        key = (plan.key, _spec(x), _spec(out))
-        self._go(key, plan.fn, plan.grid, (x, out, *plan.tail), plan.num_warps, plan.consts)
+        ts = tuple(t if v is None else t.view(v) for t, v in zip(ts, plan.views))
+        key = (plan.key, *map(_spec, ts))
+        self._go(key, plan.fn, plan.grid, (*ts, *plan.tail), plan.num_warps, plan.consts)
         if self.direct and key in self._cache:
-            plan.kernels[align] = self._cache[key]
+            kernel, consts = self._cache[key]
+            plan.kernels[align] = (kernel, (*plan.raw_tail, *consts))
 
     def _fall_back(self, e: Exception) -> None:
         log.warning("llcomm: direct kernel launch failed (%s); using Triton's launcher", e)

@@ -138,6 +138,10 @@ def _nothing_to_reduce(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _nothing_to_norm(x, residual, weight, out, res_out):
+    return out, res_out
+
+
 class PeerBackend:
     """Symmetric workspace plus the kernels. Created by ``Communicator``; a collective."""
 
@@ -168,7 +172,7 @@ class PeerBackend:
         self.rs_lamport_bytes = min(env_int(RS_LAMPORT_ENV, self.lamport_bytes, zero_ok=True),
                                     self.lamport_bytes)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
-        self._plans: dict = {}      # (algo, n, dtype) -> launch plan (_plan)
+        self._plans: dict = {}      # (algo, n, dtype) -> launch plan (_plan); fused: fused_call
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
         lamport_data = -(-HALVES * W * self.lamport_bytes // REGION_ALIGN) * REGION_ALIGN
@@ -266,13 +270,13 @@ class PeerBackend:
                 SENTINEL=sent, FT=self._tl_float[dtype], W=W, WP=self.WP, NB=self.nb,
                 BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
                 LAG=lamport_lag(n, block, self.nb, self.lamport_lag),
-                SCATTER=int(algo == "rs_lamport"), OP=op), view)
+                SCATTER=int(algo == "rs_lamport"), OP=op), (view, view))
         elif algo == "one_shot":
             block, warps = _launch_shape(n, itemsize, self.nb)
             plan = Plan(self._k_ar.one_shot_kernel, self.nb, (
                 n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
                 self.rank, self._tag(P.OP_ONE_SHOT, n, dtype), self.timeout_us, cap), warps,
-                dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block))
+                dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
         else:
             shard = -(-n // W)
             shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
@@ -280,10 +284,15 @@ class PeerBackend:
             plan = Plan(self._k_ar.two_shot_kernel, self.nb, (
                 n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
                 self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
-                self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block))
+                self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
+                (None, None))
+        return self._keep((algo, n, dtype), plan)
+
+    def _keep(self, key: tuple, plan: Plan) -> Plan:
+        """Keep ``plan`` under ``key`` (PLAN_CACHE_MAX plans at most: then start over)."""
         if len(self._plans) >= PLAN_CACHE_MAX:
             self._plans.clear()
-        self._plans[(algo, n, dtype)] = plan
+        self._plans[key] = plan
         return plan
 
     # -- fused all-reduce + residual + RMSNorm -------------------------------------------------
@@ -293,31 +302,48 @@ class PeerBackend:
             else "one_shot"
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
-        tokens, hidden = x.shape
+        return self.fused_call(algo, *x.shape, x.dtype, weight.dtype, eps)(
+            x, residual, weight, out, res_out)
+
+    def fused_call(self, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
+                   wdtype: torch.dtype, eps: float):
+        """``all_reduce_residual_rmsnorm`` by ``algo`` of ``[tokens, hidden]`` rows, bound to
+        its launch plan: ``f(x, residual, weight, out, res_out) -> (out, res_out)``
+        (``Communicator.all_reduce_residual_rmsnorm``'s hot path)."""
         if tokens == 0:
+            return _nothing_to_norm
+        key = ("fused", algo, tokens, hidden, dtype, wdtype, eps)
+        plan = self._plans.get(key) or self._keep(key, self._fused_plan(
+            algo, tokens, hidden, dtype, eps))
+        run, check, err = self._launch.run, self._failure.check, self._err_np
+
+        def call(x, residual, weight, out, res_out):
+            check(err[0])
+            run(plan, x, residual, weight, out, res_out)
             return out, res_out
-        self._precheck()
+        return call
+
+    def _fused_plan(self, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
+                    eps: float) -> Plan:
+        """The fused kernel's launch bar x, residual, weight, out and res_out (x read as ints)."""
         block, warps = _row_shape(hidden)
-        W = self.world_size
-        xi, sent = (x.view(torch.int16), SENTINEL16) if x.element_size() == 2 \
-            else (x.view(torch.int32), SENTINEL32)
-        ft = self._tl_float[x.dtype]
+        W, itemsize = self.world_size, dtype.itemsize
+        view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
+        views = (view, None, None, None, None)
+        ft = self._tl_float[dtype]
+        rows = self._rows_numel(tokens, hidden)
         if algo == "lamport":
-            tag = self._lamport_tag(P.OP_FUSED_LAMPORT, self._rows_numel(tokens, hidden), x.dtype)
-            self._launch(self._k_fn.lamport_norm_kernel, self.nb, (
-                xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["lamport"],
-                self.tabs["lamport_tags"], self.ctrl, self.err, self.rank, tag, self.timeout_us,
-                self.lamport_bytes // x.element_size()), warps,
+            return Plan(self._k_fn.lamport_norm_kernel, self.nb, (
+                tokens, hidden, eps, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl,
+                self.err, self.rank, self._lamport_tag(P.OP_FUSED_LAMPORT, rows, dtype),
+                self.timeout_us, self.lamport_bytes // itemsize), warps, dict(
                 SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
-                STAGES=self._k_fn.ALL_STAGES, OWN_LOCAL=self.own_local)
-        else:
-            tag = self._tag(P.OP_FUSED_ONE_SHOT, self._rows_numel(tokens, hidden), x.dtype)
-            self._launch(self._k_fn.one_shot_norm_kernel, self.nb, (
-                xi, residual, weight, out, res_out, tokens, hidden, eps, self.tabs["stage"],
-                self.tabs["flags"], self.flags, self.ctrl, self.err, self.rank, tag,
-                self.timeout_us, self.cap_bytes // x.element_size()), warps,
-                FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES)
-        return out, res_out
+                STAGES=self._k_fn.ALL_STAGES, OWN_LOCAL=self.own_local), views)
+        return Plan(self._k_fn.one_shot_norm_kernel, self.nb, (
+            tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
+            self.err, self.rank, self._tag(P.OP_FUSED_ONE_SHOT, rows, dtype), self.timeout_us,
+            self.cap_bytes // itemsize), warps, dict(
+            FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES), views)
 
     # -- movement -------------------------------------------------------------------------------
     @staticmethod

@@ -109,6 +109,11 @@ class ReferenceBackend:
         """``all_reduce`` bound: ``f(x, out) -> out`` (NCCL's or gloo's own algorithm)."""
         return lambda x, out: self.all_reduce(x, out, algo)
 
+    def fused_call(self, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
+                   wdtype: torch.dtype, eps: float):
+        """``all_reduce_residual_rmsnorm`` bound: ``f(x, residual, weight, out, res_out)``."""
+        return lambda x, r, w, o, ro: self.all_reduce_residual_rmsnorm(x, r, w, eps, o, ro, algo)
+
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
         # Same arithmetic as the peer kernel (round the sum, add in fp32, round, normalise the
         # rounded h in fp32, round once); only the all-reduce itself is the library's.

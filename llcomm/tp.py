@@ -95,6 +95,13 @@ def choose_backend(group: dist.ProcessGroup, backend: str, what: str) -> tuple[s
     return ("peer" if ok else "reference"), why
 
 
+def _remember(hot: dict, key: tuple, call) -> None:
+    """Keep a validated key's bound call (HOT_CACHE_MAX at most: then start over)."""
+    if len(hot) >= HOT_CACHE_MAX:
+        hot.clear()
+    hot[key] = call
+
+
 class Communicator:
     """Tensor-parallel collectives for one process group.
 
@@ -169,7 +176,9 @@ class Communicator:
         self.backend = backend
         self.deterministic = bool(deterministic)
         self._closed = False
-        self._hot: dict = {}        # all_reduce: (shape, dtype, algo) -> bound call (all_reduce)
+        # Hot paths (all_reduce, all_reduce_residual_rmsnorm): validated keys -> bound calls
+        self._hot_ar: dict = {}
+        self._hot_fused: dict = {}
         self._auto = self._auto_selection()
         self.algo_source = self._auto.source
         ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
@@ -228,7 +237,7 @@ class Communicator:
         # checks that depend on the tensors themselves; the backend bound the rest (its launch
         # plan) when it was first seen. An eager decode step calls this about 160 times a token.
         if type(x) is torch.Tensor and type(algo) is str:
-            call = self._hot.get((x.shape, x.dtype, algo))
+            call = self._hot_ar.get((x.shape, x.dtype, algo))
             if call is not None and x.device == self.device and x.is_contiguous() and (
                     out is None or type(out) is torch.Tensor and out.shape == x.shape
                     and out.dtype == x.dtype and out.device == self.device
@@ -258,9 +267,7 @@ class Communicator:
                 run = "one_shot"
         call = self._impl.all_reduce_call(run, x.numel(), x.dtype)
         if type(x) is torch.Tensor and type(algo) is str:
-            if len(self._hot) >= HOT_CACHE_MAX:
-                self._hot.clear()
-            self._hot[(x.shape, x.dtype, algo)] = call
+            _remember(self._hot_ar, (x.shape, x.dtype, algo), call)
         return call(x, out)
 
     @property
@@ -314,6 +321,16 @@ class Communicator:
             the same bits; the reference backend runs NCCL's / gloo's all_reduce and then the
             same fp32 arithmetic in torch (equal to the peer result within rounding).
         """
+        # Hot path, as in all_reduce: a key that passed the checks below before
+        if type(eps) is float and type(algo) is str and self._ready(x) and self._ready(residual) \
+                and self._ready(weight):
+            call = self._hot_fused.get((x.shape, x.dtype, weight.shape, weight.dtype, eps, algo))
+            if call is not None and residual.shape == x.shape and residual.dtype == x.dtype \
+                    and self._fits(out, x) and self._fits(residual_out, x) \
+                    and (out is None or residual_out is None or not out.numel()
+                         or out.data_ptr() != residual_out.data_ptr()):
+                return call(x, residual, weight, torch.empty_like(x) if out is None else out,
+                            torch.empty_like(x) if residual_out is None else residual_out)
         self._check_open("all_reduce_residual_rmsnorm")
         pr = V.Problems("all_reduce_residual_rmsnorm")
         shape = None
@@ -357,10 +374,13 @@ class Communicator:
             out = torch.empty_like(x)
         if residual_out is None:
             residual_out = torch.empty_like(x)
-        if algo == "auto":
-            algo = self.choose_fused_algo(x.numel() * x.element_size())
-        return self._impl.all_reduce_residual_rmsnorm(x, residual, weight, float(eps), out,
-                                                      residual_out, algo)
+        run = self.choose_fused_algo(x.numel() * x.element_size()) if algo == "auto" else algo
+        call = self._impl.fused_call(run, *x.shape, x.dtype, weight.dtype, float(eps))
+        if type(eps) is float and type(algo) is str and all(
+                type(t) is torch.Tensor for t in (x, residual, weight)):
+            _remember(self._hot_fused, (x.shape, x.dtype, weight.shape, weight.dtype, eps, algo),
+                      call)
+        return call(x, residual, weight, out, residual_out)
 
     def choose_fused_algo(self, nbytes: int) -> str:
         """The algorithm ``all_reduce_residual_rmsnorm(algo="auto")`` runs for ``nbytes`` of x."""
@@ -435,6 +455,16 @@ class Communicator:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         return self._impl.reduce_scatter(x, out)
 
+    # -- hot-path checks ----------------------------------------------------------------------
+    def _ready(self, t) -> bool:
+        """``t`` is a plain tensor, on this communicator's device, contiguous."""
+        return type(t) is torch.Tensor and t.device == self.device and t.is_contiguous()
+
+    def _fits(self, out, x: torch.Tensor) -> bool:
+        """``out`` is None or ready and shaped and typed like ``x``."""
+        return out is None or (self._ready(out) and out.shape == x.shape
+                               and out.dtype == x.dtype)
+
     # -- lifetime -------------------------------------------------------------------------------
     def _check_open(self, fn: str) -> None:
         V.check_open(self._closed, fn, "Communicator")
@@ -448,7 +478,8 @@ class Communicator:
         """Release the workspace. A collective: every rank drains its work first. Every op
         called afterwards raises CommClosedError. Closing twice is a no-op."""
         self._closed = True
-        self._hot.clear()
+        self._hot_ar.clear()
+        self._hot_fused.clear()
         self._impl.close()
 
     def __enter__(self):

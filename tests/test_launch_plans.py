@@ -30,10 +30,9 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def run(self, plan, x, out):
-        if plan.view is not None:
-            x, out = x.view(plan.view), out.view(plan.view)
-        self.calls.append((plan.fn, plan.grid, (x, out, *plan.tail), plan.num_warps,
+    def run(self, plan, *ts):
+        ts = [t if v is None else t.view(v) for t, v in zip(ts, plan.views, strict=True)]
+        self.calls.append((plan.fn, plan.grid, (*ts, *plan.tail), plan.num_warps,
                            dict(plan.consts), plan))
 
 
@@ -123,7 +122,7 @@ def test_every_planned_argument_is_the_right_one(algo):
             else dtype
         assert got["x"].dtype == got["out"].dtype == view
         assert got["x"].data_ptr() == x.data_ptr() and got["out"].data_ptr() == out.data_ptr()
-        tail = args[launch.PLANNED_DYNAMIC:]
+        tail = args[len(plan.views):]
         assert plan.key == launch.static_key(fn, warps, tail, consts)
         # what the cached kernel is handed: each tensor of the tail as its address
         assert plan.raw_tail == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
@@ -178,7 +177,7 @@ def test_launcher_planned_path_compiles_once_per_key(monkeypatch):
     lau = launch.Launcher(torch.device("cpu"))
     consts = {"BLOCK": 64}
     tab = torch.arange(4, dtype=torch.int64)
-    plan = launch.Plan(fn, 8, (10, tab, 5), 4, consts, view=torch.int16)
+    plan = launch.Plan(fn, 8, (10, tab, 5), 4, consts, (torch.int16, torch.int16))
     buf = torch.zeros(64, dtype=torch.bfloat16)
     a, b = buf[:16], buf[16:32]             # both 16-byte aligned
     lau.run(plan, a, b)
@@ -194,7 +193,7 @@ def test_launcher_planned_path_compiles_once_per_key(monkeypatch):
     assert fn.compiles == 2                             # misaligned operand: another key
     lau.run(plan, buf[1:17], a)
     assert fn.compiles == 2 and fn.runs[-1][:2] == (buf[1:17].data_ptr(), a.data_ptr())
-    other = launch.Plan(fn, 8, (10, tab, 5), 4, consts, view=torch.int16)
+    other = launch.Plan(fn, 8, (10, tab, 5), 4, consts, (torch.int16, torch.int16))
     lau.run(other, a, b)                                # a new plan of the same launch finds
     assert fn.compiles == 2 and len(fn.runs) == 3       # the launcher's compiled kernel
     lau(fn, 8, (a, b, 10, tab, 5), 4, **consts)         # the unplanned path keys differently
@@ -208,7 +207,7 @@ def test_launcher_falls_back_to_triton_when_the_direct_launch_fails(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     fn = _StandIn(["x", "out", "n", "BLOCK"])
     lau = launch.Launcher(torch.device("cpu"))
-    plan = launch.Plan(fn, 8, (10,), 4, {"BLOCK": 64})
+    plan = launch.Plan(fn, 8, (10,), 4, {"BLOCK": 64}, (None, None))
     a = torch.zeros(16, dtype=torch.int16)
     lau.run(plan, a, a)
     fn.fail = True                      # the cached kernel's run raises (another Triton)

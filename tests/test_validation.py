@@ -244,6 +244,8 @@ def test_rejected_one_rank(world1, case):
 #: Shapes and dtypes of the all_reduce cases above: ran once first, each makes its (shape,
 #: dtype, algo) hot in Communicator.all_reduce, which then checks only the tensors themselves.
 HOT_SHAPES = [(8,), (9,), (16,), (4, 4), (4, 8), (2, 4), (4,)]
+#: The same for all_reduce_residual_rmsnorm: x [2, 8] float32 with each weight dtype.
+HOT_FUSED_WEIGHTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def warm_hot_path(comm) -> None:
@@ -253,13 +255,23 @@ def warm_hot_path(comm) -> None:
                 comm.all_reduce(torch.ones(shape, dtype=dtype), algo=algo)
                 comm.all_reduce(torch.ones(shape, dtype=dtype), out=torch.empty(
                     shape, dtype=dtype), algo=algo)
-    assert len(comm._hot) == len(HOT_SHAPES) * 3 * 4
+    assert len(comm._hot_ar) == len(HOT_SHAPES) * 3 * 4
+    x, res = torch.randn(2, 8), torch.randn(2, 8)
+    for wdtype in HOT_FUSED_WEIGHTS:
+        w = torch.rand(8).to(wdtype)
+        for algo in ("auto", "one_shot", "lamport"):
+            first = comm.all_reduce_residual_rmsnorm(x, res, w, 1e-6, algo=algo)   # full checks
+            again = comm.all_reduce_residual_rmsnorm(                              # hot path
+                x, res, w, 1e-6, out=torch.empty(2, 8), residual_out=torch.empty(2, 8), algo=algo)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert len(comm._hot_fused) == len(HOT_FUSED_WEIGHTS) * 3
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_rejected_after_the_same_shapes_ran(world1, case):
-    """The hot path must reject whatever the full checks reject: a meta, strided or
-    transposed tensor of a shape and dtype that already ran, an out of another shape."""
+    """The hot paths must reject whatever the full checks reject: a meta, strided or
+    transposed tensor of a shape and dtype that already ran, an out of another shape, out and
+    residual_out in the same memory."""
     comm = llcomm.Communicator(backend="reference")
     warm_hot_path(comm)
     expect_rejected(comm, 1, case)

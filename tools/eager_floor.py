@@ -87,7 +87,7 @@ def main():
         lau.pdl = bool(pdl) and lau.pdl
         rows[f"llcomm launcher, tensors (PDL {int(lau.pdl)})"] = per_call_us(
             lambda: lau(_touch6, 1, (x, y, 4096, *tabs), 4, BLOCK=4096), a.calls)
-        plan = launch.Plan(_touch6, 1, (4096, *tabs), 4, {"BLOCK": 4096})
+        plan = launch.Plan(_touch6, 1, (4096, *tabs), 4, {"BLOCK": 4096}, (None, None))
         rows[f"llcomm plan, int pointers (PDL {int(lau.pdl)})"] = per_call_us(
             lambda: lau.run(plan, x, y), a.calls)
     import host_path  # noqa: E402  (tools/, beside this file)

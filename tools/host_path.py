@@ -62,7 +62,7 @@ def shell() -> tp.Communicator:
     torch.cuda.is_current_stream_capturing = lambda: False
     c = object.__new__(tp.Communicator)
     c.device, c.max_bytes, c.backend, c.deterministic = torch.device("cpu"), 16 << 20, "peer", False
-    c.world_size, c.rank, c._closed, c._hot = 2, 0, False, {}
+    c.world_size, c.rank, c._closed, c._hot_ar, c._hot_fused = 2, 0, False, {}, {}
     pb = object.__new__(peer.PeerBackend)
     pb.nb, pb.world_size, pb.WP, pb.rank = peer.NUM_BLOCKS, 2, 2, 0
     pb.cap_bytes = pb.lamport_bytes = pb.rs_lamport_bytes = 16 << 20
