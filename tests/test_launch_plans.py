@@ -17,6 +17,7 @@ import torch
 from llcomm import launch, peer
 from llcomm import protocol as P
 from llcomm.kernels import all_reduce as K
+from llcomm.kernels import fused_norm as F
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SIZES = (1, 7, 4096, 65536 + 3, 1 << 20, (4 << 20) + 5)
@@ -128,6 +129,53 @@ def test_every_planned_argument_is_the_right_one(algo):
         assert plan.raw_tail == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
                                       for a in tail)
         assert any(isinstance(a, torch.Tensor) for a in tail)
+    assert len(pb._plans) == len(cases)
+
+
+def _expect_fused(pb, algo, tokens, hidden, dtype, eps):
+    """What the fused kernel's launch must carry (independent of _fused_plan)."""
+    isz = dtype.itemsize
+    name = str(dtype).removeprefix("torch.")
+    rows = tokens * hidden * peer.GATHER_TAG_MIX + hidden
+    block, warps = peer._row_shape(hidden)
+    common = dict(tokens=tokens, hidden=hidden, eps=eps, ctrl=pb.ctrl, err=pb.err, rank=RANK,
+                  timeout_us=TIMEOUT_US, FT=pb._tl_float[dtype], W=W, WP=2, NB=NB, BLOCK=block,
+                  STAGES=F.ALL_STAGES)
+    if algo == "lamport":
+        return F.lamport_norm_kernel, warps, dict(
+            common, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"],
+            tag=P.lamport_tag(P.OP_FUSED_LAMPORT, rows, name), cap=pb.lamport_bytes // isz,
+            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32, OWN_LOCAL=1)
+    return F.one_shot_norm_kernel, warps, dict(
+        common, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
+        tag=P.size_tag(P.OP_FUSED_ONE_SHOT, rows, name), cap=pb.cap_bytes // isz)
+
+
+@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+def test_every_fused_planned_argument_is_the_right_one(algo):
+    """The fused kernels' plans, as above: per (tokens, hidden, dtype, weight dtype, eps)."""
+    rec = Recorder()
+    pb = _backend(rec)
+    pb._k_fn = F
+    cases = [(t, h, dt, wdt, eps) for t in (1, 3, 128) for h in (8, 1000, 8192)
+             for dt in DTYPES for wdt in (torch.float32, torch.bfloat16) for eps in (1e-6, 1e-5)]
+    for t, h, dt, wdt, eps in cases + cases[::-1]:
+        x, res = torch.randn(t, h).to(dt), torch.randn(t, h).to(dt)
+        w, out, res_out = torch.rand(h).to(wdt), torch.empty(t, h, dtype=dt), torch.empty(t, h, dtype=dt)
+        pb.all_reduce_residual_rmsnorm(x, res, w, eps, out, res_out, algo)
+        fn, grid, args, warps, consts, plan = rec.calls[-1]
+        want_fn, want_warps, want = _expect_fused(pb, algo, t, h, dt, eps)
+        assert (fn, grid, warps) == (want_fn, NB, want_warps), (algo, t, h)
+        got = _named(fn, args, consts)
+        for name, value in want.items():
+            same = got[name] is value if isinstance(value, torch.Tensor) else got[name] == value
+            assert same, (algo, t, h, dt, wdt, eps, name, got[name], value)
+        assert got["x"].dtype == (torch.int16 if dt.itemsize == 2 else torch.int32)
+        assert got["x"].data_ptr() == x.data_ptr()
+        for name, tensor in (("residual", res), ("weight", w), ("out", out), ("res_out", res_out)):
+            assert got[name] is tensor, name
+        assert plan.raw_tail == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                      for a in args[len(plan.views):])
     assert len(pb._plans) == len(cases)
 
 
