@@ -8,7 +8,8 @@ older commit) with this same stand-in and timing loop, for an A/B on one machine
 The GPU part is stood in for: a peer backend without a workspace, whose launcher finds every
 kernel already compiled and whose kernels' ``run`` does nothing. What is left is llcomm's own
 Python per call (argument checks, the algorithm lookup, the launch plan, the launcher's cache
-key), which an eager decode step pays on top of the driver's launch. Prints µs per call: the
+key), which an eager decode step pays on top of the driver's launch; the same for the fused
+``all_reduce_residual_rmsnorm``. Prints µs per call: the
 median and the fastest of ROUNDS rounds of CALLS calls (this development VM's timings wander by
 tens of percent from one round to the next).
 """
@@ -35,6 +36,7 @@ from llcomm import algo_table as T  # noqa: E402
 from llcomm import launch, peer, tp  # noqa: E402
 from llcomm import protocol as P  # noqa: E402
 from llcomm.kernels import all_reduce as K  # noqa: E402
+from llcomm.kernels import fused_norm as F  # noqa: E402
 
 CALLS, WARMUP, ROUNDS = 5000, 2000, 9
 
@@ -77,6 +79,9 @@ def shell() -> tp.Communicator:
     pb._k_ar = type("Kernels", (), {n: _StandIn(getattr(K, n)) for n in
                                      ("lamport_kernel", "one_shot_kernel", "two_shot_kernel")})
     pb._k_ar.ALL_STAGES = K.ALL_STAGES
+    pb._k_fn = type("Kernels", (), {n: _StandIn(getattr(F, n)) for n in
+                                     ("lamport_norm_kernel", "one_shot_norm_kernel")})
+    pb._k_fn.ALL_STAGES = F.ALL_STAGES
     pb._plans, pb._launch = {}, launch.Launcher(torch.device("cpu"))
     c._impl = pb
     c._auto = T.compile_rows([(8 << 20, "lamport")], "two_shot", "rule")
@@ -109,6 +114,15 @@ def _measure(nbytes: int, algo: str) -> tuple[float, float]:
     return per_call_us(lambda: c.all_reduce(x, out=out, algo=algo))
 
 
+def _measure_fused(tokens: int, hidden: int = 8192) -> tuple[float, float]:
+    """all_reduce_residual_rmsnorm of bf16 [tokens, hidden], residual updated in place."""
+    c = shell()
+    x, res = torch.randn(tokens, hidden).bfloat16(), torch.randn(tokens, hidden).bfloat16()
+    w, out = torch.ones(hidden).bfloat16(), torch.empty(tokens, hidden).bfloat16()
+    return per_call_us(lambda: c.all_reduce_residual_rmsnorm(x, res, w, 1e-6, out=out,
+                                                             residual_out=res))
+
+
 def main() -> None:
     import llcomm
     print(f"llcomm from {os.path.dirname(llcomm.__file__)}")
@@ -117,6 +131,10 @@ def main() -> None:
             med, best = _measure(nbytes, algo)
             print(f"all_reduce {nbytes >> 10:5d} KiB bf16 algo={algo:8s} {med:6.2f} us per call "
                   f"(fastest round {best:.2f})")
+    for tokens in (1, 128):
+        med, best = _measure_fused(tokens)
+        print(f"all_reduce_residual_rmsnorm [{tokens}, 8192] bf16 {med:6.2f} us per call "
+              f"(fastest round {best:.2f})")
 
 
 if __name__ == "__main__":
