@@ -132,13 +132,25 @@ class Launcher:
         self.direct = True
         self.pdl = pdl_enabled(device)
 
+    def _elsewhere(self) -> bool:
+        """The caller's current CUDA device is not this launcher's. The compiled kernels belong
+        to this device's context, and Triton's compile path targets the current device, so a
+        launch then runs under ``torch.cuda.device`` of this one (as torch's own ops do)."""
+        return self.device_index is not None and torch._C._cuda_getDevice() != self.device_index
+
     def __call__(self, fn, grid: int, args: tuple, num_warps: int, **consts):
         """Launch ``fn`` on ``grid`` blocks of ``num_warps`` warps."""
+        if self._elsewhere():
+            with torch.cuda.device(self.device_index):
+                return self(fn, grid, args, num_warps, **consts)
         self._go((fn, num_warps, tuple(consts.items()), tuple(map(_spec, args))), fn, grid, args,
                  num_warps, consts)
 
     def run(self, plan: Plan, *ts: torch.Tensor) -> None:
         """Launch ``plan`` on its leading tensors ``ts``."""
+        if self._elsewhere():
+            with torch.cuda.device(self.device_index):
+                return self.run(plan, *ts)
         ptrs = [t.data_ptr() for t in ts]
         align = tuple([p % ALIGN == 0 for p in ptrs])
         hit = plan.kernels.get(align) if self.direct else None

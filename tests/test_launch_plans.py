@@ -200,10 +200,12 @@ class _StandIn:
     def __init__(self, arg_names):
         self.arg_names = arg_names
         self.compiles, self.runs, self.fail = 0, [], False
+        self.on_launch = lambda: None
 
     def __getitem__(self, grid):
         def compile_and_launch(*args, num_warps, **consts):
             self.compiles += 1
+            self.on_launch()
             self.args, self.consts = args, consts
             outer = self
 
@@ -213,6 +215,7 @@ class _StandIn:
                 def run(self, *a):
                     if outer.fail:
                         raise TypeError("run() takes other arguments")
+                    outer.on_launch()
                     outer.runs.append(a[9:])        # after grid, stream, function, metadata, hooks
             return Kernel()
         return compile_and_launch
@@ -263,6 +266,43 @@ def test_launcher_falls_back_to_triton_when_the_direct_launch_fails(monkeypatch)
     assert lau.direct is False and fn.compiles == 2     # Triton's own launch, tensors given
     lau.run(plan, a, a)
     assert fn.compiles == 3 and fn.args[0] is a
+
+
+def test_launcher_switches_to_its_device(monkeypatch):
+    """A launch made while another GPU is current runs under ``torch.cuda.device`` of the
+    launcher's own (its compiled kernels belong to that device's context), and only then."""
+    current = [1]
+    entered = []
+
+    class _Device:                          # stands in for torch.cuda.device
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(launch, "pdl_enabled", lambda device: False)
+    lau = launch.Launcher(torch.device("cuda", 0))
+    fn = _StandIn(["x", "out", "n", "BLOCK"])
+    a = torch.zeros(16, dtype=torch.int16)
+    seen = []
+    fn.on_launch = lambda: seen.append(current[0])
+    plan = launch.Plan(fn, 8, (10,), 4, {"BLOCK": 64}, (None, None))
+    for _ in range(2):                      # the compiling launch, then the cached one
+        lau.run(plan, a, a)
+    lau(fn, 8, (a, a, 10), 4, BLOCK=64)
+    assert seen == [0, 0, 0] and entered == [0, 0, 0] and current == [1]
+    current[0] = 0                          # this launcher's device is current: no switch
+    lau.run(plan, a, a)
+    assert seen[-1] == 0 and len(entered) == 3
 
 
 @pytest.mark.parametrize("pdl", [0, 1])

@@ -83,6 +83,8 @@ def shell() -> tp.Communicator:
                                      ("lamport_norm_kernel", "one_shot_norm_kernel")})
     pb._k_fn.ALL_STAGES = F.ALL_STAGES
     pb._plans, pb._launch = {}, launch.Launcher(torch.device("cpu"))
+    pb._launch.device_index = 0             # as on a GPU: each launch asks for the current device
+    torch._C._cuda_getDevice = lambda: 0
     c._impl = pb
     c._auto = T.compile_rows([(8 << 20, "lamport")], "two_shot", "rule")
     return c
