@@ -318,6 +318,38 @@ def test_second_communicator():
     run_distributed(_second_comm_body, 2, backend="nccl")
 
 
+def _other_gpu_current_body(rank, ws):
+    """Ops called while the *other* GPU is the current device (an engine that switched devices):
+    the launcher must launch on the communicator's own GPU. Fresh sizes, so the compiling
+    launch happens under the switch too."""
+    comm = _comm()
+    me = torch.cuda.current_device()
+    other = (me + 1) % torch.cuda.device_count()
+    for seed, n in enumerate((4096, 65536 + 7, 1 << 20)):
+        x, xs = _inputs(n, torch.bfloat16, 50_000 + seed, rank)
+        want = _oracle_sum(xs)
+        with torch.cuda.device(other):
+            outs = {algo: comm.all_reduce(x, algo=algo) for algo in ALGOS}
+        torch.cuda.synchronize(me)
+        for algo, out in outs.items():
+            assert out.device == x.device and torch.equal(_bits(out), _bits(want)), (algo, n)
+    x, _ = _inputs(2 * 4096, torch.bfloat16, 60_000, rank)
+    g = torch.Generator(device="cuda").manual_seed(7)       # the same on every rank
+    res = torch.randn(2, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.rand(4096, generator=g, device="cuda").to(torch.bfloat16)
+    want = comm.all_reduce_residual_rmsnorm(x.view(2, 4096), res, w)
+    with torch.cuda.device(other):
+        got = comm.all_reduce_residual_rmsnorm(x.view(2, 4096), res, w)
+    torch.cuda.synchronize(me)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want))
+    comm.check()
+    comm.close()
+
+
+def test_ops_with_another_gpu_current():
+    run_distributed(_other_gpu_current_body, 2, backend="nccl")
+
+
 REPLAYS = 100
 
 
