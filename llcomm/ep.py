@@ -707,7 +707,7 @@ class EPBuffer:
         mismatch (``CommTimeoutError`` / ``CommMismatchError``; the buffer is broken after it)
         or out-of-range ``topk_idx`` entries (ValueError). Call it after graph replays."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         bad = self._impl.take_bad_count(sync=True) if self.backend == "peer" \
             else (self._impl.take_bad_count() if self.device.type == "cuda" else 0)
         if bad:

@@ -210,7 +210,7 @@ class PeerBackend:
 
     def check(self) -> None:
         """Wait for this rank's queued work, then raise any error a kernel reported."""
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
         self._precheck()
 
     def _tag(self, op: int, n: int, dtype: torch.dtype) -> int:
