@@ -10,6 +10,7 @@ from . import ops  # noqa: E402,F401  (torch.library custom ops: llcomm.ops, doc
 
 __version__ = "0.1.0"
 __all__ = ["Communicator", "CommTimeoutError", "CommMismatchError", "CommBrokenError",
-           "CommClosedError", "LLCommError", "UnsupportedConfigError", "AlgoTableError", "__version__"]
+           "CommClosedError", "LLCommError", "UnsupportedConfigError", "AlgoTableError",
+           "__version__"]
 from .ep import EPBuffer, EPHandle  # noqa: E402  (EP dispatch / combine, docs/ep.md)
 __all__ += ["EPBuffer", "EPHandle"]

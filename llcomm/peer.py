@@ -253,9 +253,9 @@ class PeerBackend:
         """What every call of ``algo`` ("one_shot", "two_shot", "lamport" or "rs_lamport", the
         Lamport reduce_scatter) on n elements of ``dtype`` launches, bar its two tensors (a
         ``launch.Plan``: kernel, the arguments after x and out, num_warps, constexprs, the int
-        view the kernel takes or None). Made once per (algo, n, dtype) and kept (PLAN_CACHE_MAX
-        at most), so the per-call host path does no shape, tag, constexpr or cache-key work
-        beyond the two tensors."""
+        views the Lamport kernel reads them as). Made once per (algo, n, dtype) and kept
+        (PLAN_CACHE_MAX at most), so the per-call host path does no shape, tag, constexpr or
+        cache-key work beyond the two tensors."""
         itemsize = dtype.itemsize
         W = self.world_size
         cap = self.cap_bytes // itemsize
