@@ -236,12 +236,9 @@ class Communicator:
         # Hot path: a (shape, dtype, algo) that passed the checks below before needs only the
         # checks that depend on the tensors themselves; the backend bound the rest (its launch
         # plan) when it was first seen. An eager decode step calls this about 160 times a token.
-        if type(x) is torch.Tensor and type(algo) is str:
+        if type(algo) is str and self._ready(x):
             call = self._hot_ar.get((x.shape, x.dtype, algo))
-            if call is not None and x.device == self.device and x.is_contiguous() and (
-                    out is None or type(out) is torch.Tensor and out.shape == x.shape
-                    and out.dtype == x.dtype and out.device == self.device
-                    and out.is_contiguous()):
+            if call is not None and self._fits(out, x):
                 return call(x, torch.empty_like(x) if out is None else out)
         self._check_open("all_reduce")
         pr = V.Problems("all_reduce")
