@@ -148,11 +148,15 @@ class Launcher:
 
     def run(self, plan: Plan, *ts: torch.Tensor) -> None:
         """Launch ``plan`` on its leading tensors ``ts``."""
-        if self._elsewhere():
-            with torch.cuda.device(self.device_index):
+        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+            with torch.cuda.device(self.device_index):      # as _elsewhere, inlined
                 return self.run(plan, *ts)
-        ptrs = [t.data_ptr() for t in ts]
-        align = tuple([p % ALIGN == 0 for p in ptrs])
+        if len(ts) == 2:    # all_reduce's x and out, spelled out: 0.7 us less on the dev VM
+            p0, p1 = ptrs = (ts[0].data_ptr(), ts[1].data_ptr())
+            align = (p0 % ALIGN == 0, p1 % ALIGN == 0)
+        else:
+            ptrs = [t.data_ptr() for t in ts]
+            align = tuple([p % ALIGN == 0 for p in ptrs])
         hit = plan.kernels.get(align) if self.direct else None
         if hit is not None:
             kernel, rest = hit
