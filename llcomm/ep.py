@@ -760,6 +760,8 @@ class _PeerEP:
         self.ll = 0 if buf.enable_masks else ll_dispatch(buf.max_tokens)
         self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # RW, HPW by FP8 mode
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
+        self._ctrl = (self.ctrl[0], self.ctrl[1])   # dispatch's, combine's (made once: a view
+        #                                             costs microseconds per eager call)
         # err[0]: device error word; err[1]: host address of the error word; err[2]: host
         # address of the out-of-range top-k count. Pinned host memory is mapped into the GPU's
         # address space, so kernels store to it and the host reads it without a sync.
@@ -782,10 +784,18 @@ class _PeerEP:
         self._failure = P.FailureLatch(self.rank, "EPBuffer")
         self._launch = Launcher(self.device)
         self._consts: dict = {}             # top-k -> (dispatch consts, combine consts)
+        self._call_consts: dict = {}        # (op, top-k, modes) -> one call's constexprs
+        self._slot_views: dict = {}         # (slot, top-k) -> _views
         self.num_warps = kernel_consts(lay, 1)[2]
         self._tags: dict = {}
 
     def _views(self, slot: int, topk: int):
+        hit = self._slot_views.get((slot, topk))
+        if hit is None:
+            hit = self._slot_views[(slot, topk)] = self._make_views(slot, topk)
+        return hit
+
+    def _make_views(self, slot: int, topk: int):
         words = self.slots[slot]
         a, b, c, _ = self._slot_words
         W, T = self.W, self.buf.max_tokens
@@ -829,15 +839,18 @@ class _PeerEP:
         if self.ll and x.data_ptr() % 16:
             x = x.clone()           # the LL dispatch reads rows as aligned int32 words
         args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
-                src_info, recv_count, ntok, self.tab, self.ctrl[0], self.err, self.rank,
+                src_info, recv_count, ntok, self.tab, self._ctrl[0], self.err, self.rank,
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
                 weights if carry else topk_idx, w_off)
-        consts = dict(self._kconsts(K)[0], FP8=fp8, CARRY=carry, **self._rows[fp8])
+        consts = self._call_consts.get(("dispatch", K, fp8, carry))
+        if consts is None:
+            consts = self._call_consts[("dispatch", K, fp8, carry)] = dict(
+                self._kconsts(K)[0], FP8=fp8, CARRY=carry, **self._rows[fp8])
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
-        consts["STAGES"] = self.k.DISPATCH_SEND_HALF
+        consts = dict(consts, STAGES=self.k.DISPATCH_SEND_HALF)
         self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(
@@ -850,9 +863,16 @@ class _PeerEP:
         K = topk_idx.shape[1]
         carried = int(w_off is not None)
         return (expert_out, topk_idx, topk_idx if carried else topk_weights, topk_idx.shape[0],
-                out, row_of, ntok, self.tab, self.ctrl[1], self.err, self.rank,
+                out, row_of, ntok, self.tab, self._ctrl[1], self.err, self.rank,
                 self._tag(P.OP_COMBINE, K, 0, carried), self.timeout_us,
-                w_off if carried else 0), dict(self._kconsts(K)[1], CARRIED=carried)
+                w_off if carried else 0), self._combine_consts(K, carried)
+
+    def _combine_consts(self, topk: int, carried: int) -> dict:
+        """The combine's constexprs (kept per top-k and carried; callers copy to change)."""
+        key = ("combine", topk, carried)
+        if key not in self._call_consts:
+            self._call_consts[key] = dict(self._kconsts(topk)[1], CARRIED=carried)
+        return self._call_consts[key]
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out):
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
