@@ -11,15 +11,13 @@ slot's views, the argument tuple, the constexprs and the launcher's cache key. N
 ``EPBuffer``'s argument checks and its handle. The case: a bf16 LL dispatch of 128 tokens,
 hidden 7168, 256 experts, top-8, two ranks, and its combine. ``--llcomm DIR`` measures another
 checkout's package with this same shell and loop. Prints µs per call: the median and the
-fastest of ROUNDS rounds of CALLS calls.
+fastest of ``host_path.ROUNDS`` rounds of ``host_path.CALLS`` calls.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -36,9 +34,8 @@ from llcomm import launch  # noqa: E402
 from llcomm import protocol as P  # noqa: E402
 from llcomm.ep_layout import ep_layout  # noqa: E402
 from llcomm.kernels import ep as K  # noqa: E402
-import host_path  # noqa: E402  (its kernel stand-in)
+import host_path  # noqa: E402  (its kernel stand-in and timing loop)
 
-CALLS, WARMUP, ROUNDS = 3000, 2000, 7
 TOKENS, HIDDEN, EXPERTS, TOPK, W, NB = 128, 7168, 256, 8, 2, 128
 
 
@@ -72,18 +69,6 @@ def shell():
     return pe
 
 
-def per_call_us(f) -> tuple[float, float]:
-    for _ in range(WARMUP):
-        f()
-    rounds = []
-    for _ in range(ROUNDS):
-        t = time.perf_counter()
-        for _ in range(CALLS):
-            f()
-        rounds.append((time.perf_counter() - t) / CALLS * 1e6)
-    return statistics.median(rounds), min(rounds)
-
-
 def main() -> None:
     print(f"llcomm from {os.path.dirname(E.__file__)}")
     pe = shell()
@@ -102,7 +87,7 @@ def main() -> None:
     _, _, state, _ = dispatch()
     for name, f in (("dispatch", dispatch),
                     ("combine", lambda: pe.combine(recv, idx, w, state, out))):
-        med, best = per_call_us(f)
+        med, best = host_path.per_call_us(f)
         print(f"EP {name:8s} (bf16, {TOKENS} tokens, hidden {HIDDEN}, top-{TOPK}): {med:6.1f} us "
               f"per call (fastest round {best:.1f})")
 
