@@ -783,7 +783,6 @@ class _PeerEP:
                       for _ in range(HANDLE_SLOTS)]
         self._failure = P.FailureLatch(self.rank, "EPBuffer")
         self._launch = Launcher(self.device)
-        self._consts: dict = {}             # top-k -> (dispatch consts, combine consts)
         self._call_consts: dict = {}        # (op, top-k, modes) -> one call's constexprs
         self._slot_views: dict = {}         # (slot, top-k) -> _views
         self.num_warps = kernel_consts(lay, 1)[2]
@@ -805,15 +804,22 @@ class _PeerEP:
         ntok = words[a + b + c:]
         return row_of, src_info, recv_count, ntok
 
-    def _kconsts(self, topk: int):
-        hit = self._consts.get(topk)
+    def _consts(self, op: str, topk: int, fp8: int, carry: int) -> dict:
+        """The constexprs of one ``op`` ("dispatch" or "combine") call, kept per top-k, FP8
+        mode and carried weights (``carry``; the combine's CARRIED); callers copy to change."""
+        key = (op, topk, fp8, carry)
+        hit = self._call_consts.get(key)
         if hit is None:
             d, c, _ = kernel_consts(self.layout, topk)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            d["LL"], d["ROWS_FIRST"] = self.ll, rows_first(self.ll)
-            hit = self._consts[topk] = (dict(d, STAGES=self.k.DISPATCH_ALL, **mode),
-                                        dict(c, STAGES=self.k.COMBINE_ALL, **mode,
-                                             enable_fp_fusion=False))
+            if op == "dispatch":
+                hit = dict(d, LL=self.ll, ROWS_FIRST=rows_first(self.ll),
+                           STAGES=self.k.DISPATCH_ALL, **mode, FP8=fp8, CARRY=carry,
+                           **self._rows[fp8])
+            else:
+                hit = dict(c, STAGES=self.k.COMBINE_ALL, **mode, enable_fp_fusion=False,
+                           CARRIED=carry)
+            self._call_consts[key] = hit
         return hit
 
     def _tag(self, op: int, topk: int, fp8: int = 0, carry: int = 0) -> int:
@@ -842,10 +848,7 @@ class _PeerEP:
                 src_info, recv_count, ntok, self.tab, self._ctrl[0], self.err, self.rank,
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
                 weights if carry else topk_idx, w_off)
-        consts = self._call_consts.get(("dispatch", K, fp8, carry))
-        if consts is None:
-            consts = self._call_consts[("dispatch", K, fp8, carry)] = dict(
-                self._kconsts(K)[0], FP8=fp8, CARRY=carry, **self._rows[fp8])
+        consts = self._consts("dispatch", K, fp8, carry)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
@@ -865,14 +868,7 @@ class _PeerEP:
         return (expert_out, topk_idx, topk_idx if carried else topk_weights, topk_idx.shape[0],
                 out, row_of, ntok, self.tab, self._ctrl[1], self.err, self.rank,
                 self._tag(P.OP_COMBINE, K, 0, carried), self.timeout_us,
-                w_off if carried else 0), self._combine_consts(K, carried)
-
-    def _combine_consts(self, topk: int, carried: int) -> dict:
-        """The combine's constexprs (kept per top-k and carried; callers copy to change)."""
-        key = ("combine", topk, carried)
-        if key not in self._call_consts:
-            self._call_consts[key] = dict(self._kconsts(topk)[1], CARRIED=carried)
-        return self._call_consts[key]
+                w_off if carried else 0), self._consts("combine", K, 0, carried)
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out):
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)

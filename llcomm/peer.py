@@ -235,7 +235,7 @@ class PeerBackend:
         ``f(x, out) -> out`` (``Communicator.all_reduce``'s hot path)."""
         if n == 0:
             return _nothing_to_reduce
-        plan = self._plans.get((algo, n, dtype)) or self._plan(algo, n, dtype)
+        plan = self._plan(algo, n, dtype)
         run, check, err = self._launch.run, self._failure.check, self._err_np
 
         def call(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -246,10 +246,14 @@ class PeerBackend:
 
     def _run(self, algo: str, n: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """Launch ``algo`` on n elements (per part) of x into out, by its kept plan."""
-        plan = self._plans.get((algo, n, x.dtype)) or self._plan(algo, n, x.dtype)
-        self._launch.run(plan, x, out)
+        self._launch.run(self._plan(algo, n, x.dtype), x, out)
 
     def _plan(self, algo: str, n: int, dtype: torch.dtype) -> Plan:
+        """The kept plan of ``algo`` on n elements of ``dtype`` (made on first use)."""
+        return self._plans.get((algo, n, dtype)) or self._keep((algo, n, dtype),
+                                                                self._make_plan(algo, n, dtype))
+
+    def _make_plan(self, algo: str, n: int, dtype: torch.dtype) -> Plan:
         """What every call of ``algo`` ("one_shot", "two_shot", "lamport" or "rs_lamport", the
         Lamport reduce_scatter) on n elements of ``dtype`` launches, bar its two tensors (a
         ``launch.Plan``: kernel, the arguments after x and out, num_warps, constexprs, the int
@@ -286,7 +290,7 @@ class PeerBackend:
                 self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
                 self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
                 (None, None))
-        return self._keep((algo, n, dtype), plan)
+        return plan
 
     def _keep(self, key: tuple, plan: Plan) -> Plan:
         """Keep ``plan`` under ``key`` (PLAN_CACHE_MAX plans at most: then start over)."""

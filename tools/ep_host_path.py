@@ -64,7 +64,9 @@ def shell():
     pe._failure = P.FailureLatch(0, "EPBuffer")
     pe._launch = launch.Launcher(torch.device("cpu"))
     pe._launch.device_index = 0
-    pe._consts, pe._call_consts, pe._slot_views, pe._tags = {}, {}, {}, {}
+    pe._call_consts, pe._slot_views, pe._tags = {}, {}, {}
+    if not callable(getattr(E._PeerEP, "_consts", None)):
+        pe._consts = {}                     # an older checkout's per-top-k constexpr cache
     pe.num_warps = E.kernel_consts(lay, 1)[2]
     return pe
 
