@@ -7,6 +7,7 @@
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid, lamport-big, pdl, ...
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh link                # tools/nvlink_bw.py (link rates)
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh eager               # tools/eager_floor.py (host cost per launch)
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh one-gpu             # tools/one_gpu_check.py (2 ranks, 1 GPU)
 #
 # The device copy of the tree has no .git: LLCOMM_COMMIT names what the results measured.
 # Each step gets its own `timeout` and pytest its own per-test `--timeout`, so one hang costs
@@ -130,6 +131,13 @@ run_eager() {   # one eager launch's host cost: torch, Triton's binder, llcomm's
     echo "eager floor: exit $?" | tee -a "$SUMMARY"
 }
 
+run_one_gpu() {   # the kernels' functional check with two ranks on one GPU (one-GPU machines)
+    timeout 480 python tools/one_gpu_check.py --json "$DIR/results/one-gpu.json" \
+        > "$DIR/results/one-gpu.txt" 2>&1
+    echo "one-gpu check: exit $? ($(grep -c ' ok ' "$DIR/results/one-gpu.txt") ok," \
+         "$(grep -c ' FAIL ' "$DIR/results/one-gpu.txt") failed)" | tee -a "$SUMMARY"
+}
+
 case "${1:-}" in
     tests) shift; run_tests "$@" ;;
     bench) shift; run_benches "$@" ;;
@@ -137,7 +145,8 @@ case "${1:-}" in
     ab) shift; run_ab "$@" ;;
     link) shift; run_link ;;
     eager) shift; run_eager ;;
-    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline|ab|link|eager [what ...]" >&2; exit 2 ;;
+    one-gpu) shift; run_one_gpu ;;
+    *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline|ab|link|eager|one-gpu [what ...]" >&2; exit 2 ;;
 esac
 # The device tool brings back at most 8 files from $OUT per call (more are dropped): past that,
 # this invocation's logs and results travel as one archive of their own (a later invocation in
