@@ -5,7 +5,9 @@
 For sessions that are lent a one-GPU machine only. Two processes (a gloo group) both use
 cuda:0; ``llcomm.tp.peer_support`` is overridden, since the library refuses this setup on
 purpose (two contexts on one device are time-sliced, not concurrent, and a store between them
-is not a supported peer path). So this proves nothing about speed or about NVLink ordering;
+is not a supported peer path). PyTorch's symmetric memory refuses two ranks on one device too
+("allocations from overlapping devices"), so the workspace here is a plain allocation mapped
+into the other process with CUDA IPC (``_ipc_workspace``). So this proves nothing about speed or about NVLink ordering;
 it does run the real Triton kernels, the launch path (plans, int pointers, hot paths) and the
 EP host side on the machine's own torch and Triton, against exact oracles computed on the CPU:
 
@@ -164,10 +166,32 @@ def _ep_checks(rank, record):
         buf.close()
 
 
+class _IpcHandle:
+    """What llcomm's workspace reads from a symmetric-memory handle: rank, world size, and every
+    rank's base address, here from CUDA IPC (the peers' tensors are kept alive with it)."""
+
+    def __init__(self, buffer):
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        shared = [None] * self.world_size
+        dist.all_gather_object(shared, reduce_tensor(buffer))
+        self._peers = [buffer if r == self.rank else fn(*args) for r, (fn, args) in enumerate(shared)]
+        self.buffer_ptrs = [t.data_ptr() for t in self._peers]
+
+
+def _ipc_workspace():
+    """Point llcomm's workspace at plain allocations shared by CUDA IPC (one group: the world)."""
+    import torch.distributed._symmetric_memory as symm_mem
+    symm_mem.empty = lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device)
+    symm_mem.rendezvous = lambda buffer, group_name: _IpcHandle(buffer)
+
+
 def _body(rank, world_size):
     import llcomm.tp as tp
     torch.cuda.set_device(0)
     tp.peer_support = lambda group: (True, "tools/one_gpu_check.py: two ranks on one GPU")
+    _ipc_workspace()
     results = []
 
     def record(name, ok, detail):
