@@ -132,10 +132,10 @@ run_eager() {   # one eager launch's host cost: torch, Triton's binder, llcomm's
 }
 
 run_one_gpu() {   # the kernels' functional check with two ranks on one GPU (one-GPU machines)
-    timeout 480 python tools/one_gpu_check.py --json "$DIR/results/one-gpu.json" \
-        > "$DIR/results/one-gpu.txt" 2>&1
-    echo "one-gpu check: exit $? ($(grep -c ' ok ' "$DIR/results/one-gpu.txt") ok," \
-         "$(grep -c ' FAIL ' "$DIR/results/one-gpu.txt") failed)" | tee -a "$SUMMARY"
+    local log=$DIR/results/one-gpu${1:+-$1}.txt      # one-gpu [NAME]: a second run's own log
+    timeout 480 python tools/one_gpu_check.py > "$log" 2>&1
+    echo "one-gpu check${1:+ $1}: exit $? ($(grep -cE '^rank [0-9]+ ok ' "$log") ok," \
+         "$(grep -cE '^rank [0-9]+ FAIL ' "$log") failed)" | tee -a "$SUMMARY"
 }
 
 case "${1:-}" in
@@ -145,7 +145,7 @@ case "${1:-}" in
     ab) shift; run_ab "$@" ;;
     link) shift; run_link ;;
     eager) shift; run_eager ;;
-    one-gpu) shift; run_one_gpu ;;
+    one-gpu) shift; run_one_gpu "$@" ;;
     *) echo "usage: LLCOMM_COMMIT=<sha> $0 tests|bench|timeline|ab|link|eager|one-gpu [what ...]" >&2; exit 2 ;;
 esac
 # The device tool brings back at most 8 files from $OUT per call (more are dropped): past that,

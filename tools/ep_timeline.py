@@ -12,6 +12,10 @@ over all blocks. Prints, per rank, the median (and p90) over blocks and replays 
 the kernel span (first block start to last block end) and the spread of block start times.
 
 Needs two or more GPUs with peer access (the peer backend); not part of the test suite.
+``--one-rank`` runs one rank on GPU 0 instead (a group of one: every expert is local), for a
+one-GPU machine: no link, but the scan and the expand write as many rows per rank as at two
+ranks (every token's top-k pairs land locally), so the local stages can be worked on there.
+It also prints the graph's time per dispatch + combine pair (CUDA events over each replay).
 """
 import argparse
 import json
@@ -114,14 +118,19 @@ def _rank(rank, world, cfg):
     with torch.cuda.graph(g):
         for _ in range(cfg["ops"]):
             pair()
-    got = []
+    got, pair_us = [], []
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(cfg["replays"]):
         dist.barrier()
+        t0.record()
         g.replay()
+        t1.record()
         torch.cuda.synchronize()
+        pair_us.append(t0.elapsed_time(t1) * 1e3 / cfg["ops"])
         got.append(prof.clone().cpu())
     buf.check()
     mine = _summary(torch.stack(got), nb, stage_names(buf._impl.ll))
+    mine["pair_us"] = statistics.median(pair_us)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     buf.close()
@@ -138,19 +147,30 @@ def main():
     ap.add_argument("--ops", type=int, default=10, help="dispatch + combine pairs per graph")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--one-rank", action="store_true",
+                    help="one rank on GPU 0 (a one-GPU machine): local stages only")
     a = ap.parse_args()
     os.environ[PROF_ENV] = "1"
     world, backend = C.plan()
-    if backend != "nccl":
-        raise SystemExit("ep_timeline needs two or more GPUs")
+    if a.one_rank:
+        world = 1
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{C.free_port()}", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0))
+    elif backend != "nccl":
+        raise SystemExit("ep_timeline needs two or more GPUs (or --one-rank)")
     results = []
     for t in (int(v) for v in a.tokens.split(",")):
         cfg = dict(tokens=t, hidden=a.hidden, experts=a.experts, topk=a.topk, fp8=a.fp8,
                    ops=a.ops, replays=a.replays)
-        per_rank = C.launch(_rank, cfg)
+        per_rank = _rank(0, 1, cfg) if a.one_rank else C.launch(_rank, cfg)
         results.append({"config": cfg, "ranks": per_rank})
         for r, summ in enumerate(per_rank):
+            print(f"# {t} tokens/rank, rank {r}: {summ['pair_us']:.2f} µs per dispatch + "
+                  "combine pair (graph replay)")
             for kind, v in summ.items():
+                if kind == "pair_us":
+                    continue
                 print(f"# {kind}, {t} tokens/rank, rank {r}: span {v['span_us']:.1f} µs, block "
                       f"starts spread {v['start_spread_us']:.1f} µs")
                 for label, st in v["stages"].items():

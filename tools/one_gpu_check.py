@@ -131,39 +131,95 @@ def _graph_check(rank, comm, record):
     record("all_reduce graph replay + eager, 5 rounds", bad == 0, f"{bad} mismatches")
 
 
+def _ep_case(E, H, T, topk, seed, kind, rank):
+    from test_ep_oracle import make_case
+    xs, topks, ws = make_case(WORLD, E, T, H, topk, seed, kind)
+    return xs, topks, ws, (xs[rank].cuda(), topks[rank].cuda(), ws[rank].cuda())
+
+
+def _ep_round(buf, rank, s, seed, kind, *, fp8=False, carry=False, hook=False, topk=None):
+    """One dispatch + combine against the oracles: (dispatch ok, combine ok or None, detail)."""
+    from test_ep_oracle import expert_fn, oracle_combine, oracle_dispatch, oracle_dispatch_fp8
+    E, H, T = s["E"], s["H"], s["T"]
+    xs, topks, ws, (x, idx, w) = _ep_case(E, H, T, topk or s["topk"], seed, kind, rank)
+    got = buf.dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook,
+                       topk_weights=w if carry else None)
+    if hook:
+        x.fill_(float("nan"))           # the send half has the rows: x may be reused
+        got[3]()
+    recv, count, handle = got[:3]
+    if fp8:
+        codes, scales, want_count, _ = oracle_dispatch_fp8(xs, topks, WORLD, E, T, False)[rank]
+        got_x, got_s = recv[0].view(torch.uint8).cpu(), recv[1].cpu()
+        ok = torch.equal(count.cpu(), want_count) and all(
+            torch.equal(got_x[e, :c], codes[e, :c]) and torch.equal(got_s[e, :c], scales[e, :c])
+            for e, c in enumerate(want_count.tolist()))
+        return ok, None, "codes, scales and counts"
+    want = oracle_dispatch(xs, topks, WORLD, E, T)
+    want_x, want_count, _ = want[rank]
+    got_x = recv.cpu()
+    ok = torch.equal(count.cpu(), want_count) and all(
+        torch.equal(got_x[e, :c], want_x[e, :c]) for e, c in enumerate(want_count.tolist()))
+    outs = [expert_fn(want[r][0], want[r][1], r) for r in range(WORLD)]
+    res = buf.combine(expert_fn(recv, count, rank), idx, None if carry else w, handle,
+                      return_recv_hook=hook)
+    if hook:
+        res[1]()
+        res = res[0]
+    ref = oracle_combine(outs, topks, ws, WORLD, E, torch.bfloat16)[rank]
+    got = res.cpu()
+    diff = (got.float() - ref.float()).abs().max().item() if got.numel() else 0.0
+    return ok, torch.equal(got, ref), f"combine max diff {diff}"
+
+
 def _ep_checks(rank, record):
     import llcomm.ep as ep
-    from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch,
-                                oracle_dispatch_fp8)
     for name, s in EP_SHAPES.items():
-        E, H, T, topk = s["E"], s["H"], s["T"], s["topk"]
-        buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+        buf = ep.EPBuffer(num_experts=s["E"], hidden=s["H"], num_max_dispatch_tokens_per_rank=s["T"],
                           backend="peer", timeout_ms=TIMEOUT_MS)
-        for i, kind in enumerate(("random", "sparse", "zero_and_max", "random")):
-            fp8 = i == 3 and H % 128 == 0
-            xs, topks, ws = make_case(WORLD, E, T, H, topk, 300 + i, kind)
-            x, idx, w = xs[rank].cuda(), topks[rank].cuda(), ws[rank].cuda()
-            recv, count, handle = buf.dispatch(x, idx, use_fp8=fp8)
-            if fp8:
-                codes, scales, want_count, _ = oracle_dispatch_fp8(xs, topks, WORLD, E, T, False)[rank]
-                got_x, got_s = recv[0].view(torch.uint8).cpu(), recv[1].cpu()
-                ok = torch.equal(count.cpu(), want_count) and all(
-                    torch.equal(got_x[e, :c], codes[e, :c]) and torch.equal(got_s[e, :c], scales[e, :c])
-                    for e, c in enumerate(want_count.tolist()))
-                record(f"EP {name} fp8 dispatch", ok, "codes, scales and counts")
-                continue
-            want = oracle_dispatch(xs, topks, WORLD, E, T)
-            want_x, want_count, _ = want[rank]
-            got_x = recv.cpu()
-            ok = torch.equal(count.cpu(), want_count) and all(
-                torch.equal(got_x[e, :c], want_x[e, :c]) for e, c in enumerate(want_count.tolist()))
-            record(f"EP {name} {kind} dispatch", ok, "rows and counts")
-            outs = [expert_fn(want[r][0], want[r][1], r) for r in range(WORLD)]
-            got = buf.combine(expert_fn(recv, count, rank), idx, w, handle).cpu()
-            ref = oracle_combine(outs, topks, ws, WORLD, E, torch.bfloat16)[rank]
-            record(f"EP {name} {kind} combine", torch.equal(got, ref),
-                   f"max diff {(got.float() - ref.float()).abs().max().item() if got.numel() else 0}")
+        # Fresh routings over alternating buffer sets; modes and top-k change between calls, so
+        # the launch side's per-(slot, top-k, mode) views and constexprs are all exercised.
+        rounds = [("random", {}), ("sparse", {}), ("zero_and_max", {}), ("random", {"fp8": True}),
+                  ("random", {"carry": True}), ("dups", {"topk": 2}), ("random", {"hook": True}),
+                  ("random", {"carry": True, "hook": True}), ("random", {"topk": 2, "carry": True}),
+                  ("random", {})]
+        for i, (kind, mode) in enumerate(rounds):
+            ok_d, ok_c, detail = _ep_round(buf, rank, s, 300 + i, kind, **mode)
+            label = f"EP {name} round {i} {kind} {' '.join(mode) or 'plain'}"
+            record(f"{label} dispatch", ok_d, "rows and counts")
+            if ok_c is not None:
+                record(f"{label} combine", ok_c, detail)
+        _ep_graph_check(buf, rank, s, name, record)
         buf.close()
+
+
+def _ep_graph_check(buf, rank, s, name, record):
+    """dispatch + combine captured once, replayed with fresh routings copied into the statics."""
+    from llcomm.bench.common import capture
+    from test_ep_oracle import expert_fn, oracle_combine, oracle_dispatch
+    E, H, T, K = s["E"], s["H"], s["T"], s["topk"]
+    sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+    sidx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
+    sw = torch.zeros(T, K, dtype=torch.float32, device="cuda")
+    got = {}
+
+    def step():
+        recv, count, handle = buf.dispatch(sx, sidx)
+        got["count"], got["recv"] = count, recv
+        got["y"] = buf.combine(expert_fn(recv, count, rank), sidx, sw, handle)
+
+    graph = capture(step, 1)
+    bad = 0
+    for i in range(4):
+        xs, topks, ws, (x, idx, w) = _ep_case(E, H, T, K, 3 * (500 + i), "random", rank)  # n = T
+        sx.copy_(x), sidx.copy_(idx), sw.copy_(w)
+        graph.replay()
+        want = oracle_dispatch(xs, topks, WORLD, E, T)
+        outs = [expert_fn(want[r][0], want[r][1], r) for r in range(WORLD)]
+        ref = oracle_combine(outs, topks, ws, WORLD, E, torch.bfloat16)[rank]
+        bad += int(not torch.equal(got["count"].cpu(), want[rank][1]))
+        bad += int(not torch.equal(got["y"].cpu(), ref))
+    record(f"EP {name} graph replay, 4 routings", bad == 0, f"{bad} mismatches")
 
 
 class _IpcHandle:
