@@ -1,7 +1,7 @@
 """How long one block takes to quantise one token row to FP8 and issue its stores, per variant
 (one GPU, no peers): the LL dispatch's send stage without the NVLink part.
 
-    python tools/ep_fp8_micro.py [--hidden 7168] [--rows 128] [--reps 200]
+    python tools/ep_fp8_micro.py [--hidden 7168] [--rows 128] [--reps 200] [--llcomm DIR]
 
 Every block quantises row ``program_id`` (the dispatch at 128 tokens: one row per block) and
 stores the words locally; each block stamps its SM cycle counter before its load and after its
@@ -9,8 +9,11 @@ last store is issued. Prints the median over blocks and repetitions, in cycles a
 SM clock the run measured (cycles of a timed 1 ms spin). Variants: ``copy`` (the bf16 row as
 int32 words: the bf16 dispatch's send), ``fp8`` (kernels/ep.py ``_pack_row_fp8`` with the
 hardware convert, a division per element), ``fp8-bits`` (the bit rounding), ``fp8-rcp`` (the
-convert, divisions by the refined reciprocal ``_div_by``: the LL dispatch's default). Checks that every FP8 variant wrote the same bytes as torch's
-reference (llcomm/ep_fp8.py) and prints the number of words that differ.
+convert, divisions by the refined reciprocal ``_div_by``: the LL dispatch's default),
+``scales`` (the row's load and its scales only: what the rest of ``fp8-rcp`` adds to it).
+Checks that every FP8 variant wrote the same bytes as torch's reference (llcomm/ep_fp8.py)
+and prints the number of words that differ. ``--llcomm DIR`` times the kernels of another
+checkout's llcomm package (an A/B in one call).
 """
 import argparse
 import os
@@ -20,10 +23,19 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _llcomm_dir() -> str:
+    """``--llcomm DIR``, read before the imports below: whose llcomm package to time."""
+    if "--llcomm" in sys.argv[:-1]:
+        return os.path.abspath(sys.argv[sys.argv.index("--llcomm") + 1])
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+sys.path.insert(0, _llcomm_dir())
 
 from llcomm import ep_fp8  # noqa: E402
-from llcomm.kernels.ep import FP8_BLOCK, _pack_row_fp8, _row_words  # noqa: E402
+from llcomm.kernels.ep import FP8_BLOCK, _fp8_scales, _pack_row_fp8, _row_words  # noqa: E402
 from llcomm.kernels._sync import sm_cycles  # noqa: E402
 
 
@@ -36,10 +48,16 @@ def _micro(x, outw, outs, stamps, H: tl.constexpr, HP: tl.constexpr, RW: tl.cons
     if MODE == 0:
         words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=ws < RW))
         tl.store(outw + t * RW + ws, words, mask=ws < RW)
+    elif MODE == 4:
+        hs = tl.arange(0, HP)
+        v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
+        sc = _fp8_scales(tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK)), 0)
+        ns = tl.arange(0, HP // FP8_BLOCK)
+        tl.store(outs + t * NS + ns, sc.to(tl.int32, bitcast=True), mask=ns < NS)
     else:
         hs = tl.arange(0, HP)
         v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-        words, sw = _pack_row_fp8(v, HP, HPW, 0, MODE != 2, MODE >= 3)
+        words, sw = _pack_row_fp8(v, HP, HPW, 0, MODE != 2, MODE == 3)
         ns = tl.arange(0, HP // FP8_BLOCK)
         tl.store(outw + t * RW + ws, words, mask=ws < RW)
         tl.store(outs + t * NS + ns, sw, mask=ns < NS)
@@ -74,15 +92,17 @@ def main():
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--llcomm", default=_llcomm_dir(), help="the checkout whose kernels to time")
     a = ap.parse_args()
     H, n = a.hidden, a.rows
     HP = triton.next_power_of_2(H)
     x = torch.randn(n, H, device="cuda").to(torch.bfloat16)
     ref_q, ref_s = ep_fp8.quantize(x)
     ghz = sm_clock_ghz()
-    print(f"# {torch.cuda.get_device_name()}, hidden {H}, {n} rows, SM clock {ghz:.2f} GHz")
+    print(f"# {torch.cuda.get_device_name()}, hidden {H}, {n} rows, SM clock {ghz:.2f} GHz, "
+          f"llcomm from {a.llcomm}")
     print(f"{'variant':10s} {'median cycles':>14s} {'µs':>7s} {'p90 µs':>7s}  wrong words")
-    for name, mode in (("copy", 0), ("fp8", 1), ("fp8-bits", 2), ("fp8-rcp", 3)):
+    for name, mode in (("copy", 0), ("fp8", 1), ("fp8-bits", 2), ("fp8-rcp", 3), ("scales", 4)):
         rw = H * 2 // 4 if mode == 0 else H // 4
         outw = torch.zeros(n, rw, dtype=torch.int32, device="cuda")
         outs = torch.zeros(n, H // FP8_BLOCK, dtype=torch.int32, device="cuda")
@@ -96,7 +116,9 @@ def main():
         cyc = torch.cat(got).double()
         med, p90 = cyc.median().item(), cyc.quantile(0.9).item()
         wrong = "-"
-        if mode:
+        if mode == 4:
+            wrong = int((outs.view(torch.float32) != ref_s).sum())
+        elif mode:
             q = ref_q.view(torch.uint8).view(n, rw, 4).to(torch.int32)
             want = q[..., 0] | (q[..., 1] << 8) | (q[..., 2] << 16) | (q[..., 3] << 24)
             wrong = int((outw != want).sum()) + int((outs.view(torch.float32) != ref_s).sum())

@@ -380,11 +380,16 @@ E4M3X4_PTX = tl.constexpr("""{
 }""")
 
 
-#: ``_div_by`` divides by the reciprocal only where every scale of the row is at least this:
-#: then an element whose quotient reaches e4m3's rounding range (2**-11 and up) is at least
-#: 2**-100, so the remainder ``x - s * q`` is a normal fp32 number and exact; smaller
-#: quotients round to 0 in e4m3 whatever their last fp32 bits.
+#: ``_div_by``'s remainder argument needs every scale to be at least this: then an element whose
+#: quotient reaches e4m3's rounding range (2**-11 and up) is at least 2**-100, so the remainder
+#: ``x - s * q`` is a normal fp32 number and exact; smaller quotients round to 0 in e4m3
+#: whatever their last fp32 bits.
 RCP_MIN_SCALE = tl.constexpr(2.0 ** -89)
+#: A block whose scale is below RCP_MIN_SCALE is divided as ``(x * RCP_LIFT) / (s * RCP_LIFT)``:
+#: both products are exact (a power of two; no overflow, since ``|x| <= 448 s``), the quotient
+#: is the same, and the lifted scale is at least 2**-77: the smallest scale the quantiser makes
+#: is the smallest bf16 amax over 448, about 2**-141.8.
+RCP_LIFT = tl.constexpr(2.0 ** 64)
 
 
 @triton.jit
@@ -392,17 +397,18 @@ def _div_by(v2, sc):
     """``v2 / sc[:, None]`` rounded once, as IEEE division (div_rn) rounds it, without a
     division per element: ``r = 1 / s`` once per scale (div_rn), ``q = x * r``, then one
     correction by the exact remainder ``fma(-s, q, x)``: ``fma(rem, r, q)`` (the refinement of
-    the GPU's own div.rn fast path, with a correctly rounded reciprocal). Rows with a scale
-    below RCP_MIN_SCALE take div_rn (uniform branch)."""
-    if tl.min(sc, axis=0) >= RCP_MIN_SCALE:
-        r = tl.math.div_rn(tl.full(sc.shape, 1.0, tl.float32), sc)[:, None]
-        q = v2 * r
-        rem = tl.fma(-sc[:, None] + tl.zeros_like(q), q, v2)
-        # an exact q stays as it is: fma(+0, r, -0) would turn a -0 quotient into +0
-        q = tl.where(rem == 0, q, tl.fma(rem, r, q))
-    else:
-        q = tl.math.div_rn(v2, sc[:, None])
-    return q
+    the GPU's own div.rn fast path, with a correctly rounded reciprocal). Blocks with a scale
+    below RCP_MIN_SCALE are lifted by RCP_LIFT first, block by block: no branch and no
+    reduction across the block's warps (session 12 had a uniform branch to div_rn on the
+    row's smallest scale, whose reduction went through shared memory and a barrier)."""
+    lift = tl.where(sc < RCP_MIN_SCALE, RCP_LIFT, 1.0)
+    s = sc * lift
+    v = v2 * lift[:, None]
+    r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
+    q = v * r
+    rem = tl.fma(-s[:, None] + tl.zeros_like(q), q, v)
+    # an exact q stays as it is: fma(+0, r, -0) would turn a -0 quotient into +0
+    return tl.where(rem == 0, q, tl.fma(rem, r, q))
 
 
 @triton.jit
