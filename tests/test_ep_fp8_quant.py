@@ -108,7 +108,7 @@ def division_mismatches(device: str, n_scales: int) -> dict:
     return dict(compared=compared, wrong=wrong, examples=examples[:8])
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(gpus=1)
 def test_div_by_is_ieee_division_gpu():
     got = division_mismatches("cuda", SCALES_GPU)
     assert got["wrong"] == 0, f"quotients that differ from IEEE division (x, s): {got}"
@@ -121,7 +121,7 @@ def test_div_by_is_ieee_division_interpreter():
     assert got["compared"] > MIN_COMPARED_PER_SCALE * 3 * SCALES_CPU, got
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(gpus=1)
 @pytest.mark.parametrize("round_scale", [False, True])
 def test_pack_row_fp8_matches_torch(round_scale):
     gen = torch.Generator().manual_seed(5 + round_scale)
