@@ -16,23 +16,14 @@ and prints the number of words that differ. ``--llcomm DIR`` times the kernels o
 checkout's llcomm package (an A/B in one call).
 """
 import argparse
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
 
-
-def _llcomm_dir() -> str:
-    """``--llcomm DIR``, read before the imports below: whose llcomm package to time."""
-    if "--llcomm" in sys.argv[:-1]:
-        return os.path.abspath(sys.argv[sys.argv.index("--llcomm") + 1])
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-sys.path.insert(0, _llcomm_dir())
+use_llcomm_dir()
 
 from llcomm import ep_fp8  # noqa: E402
 from llcomm.kernels.ep import FP8_BLOCK, _fp8_scales, _pack_row_fp8, _row_words  # noqa: E402
@@ -92,7 +83,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--llcomm", default=_llcomm_dir(), help="the checkout whose kernels to time")
+    ap.add_argument("--llcomm", default=llcomm_dir(), help="the checkout whose kernels to time")
     a = ap.parse_args()
     H, n = a.hidden, a.rows
     HP = triton.next_power_of_2(H)

@@ -1,7 +1,7 @@
 """Where an EP dispatch / combine spends its time, stage by stage, on this host's GPUs.
 
     python tools/ep_timeline.py [--tokens 1,128] [--hidden 7168] [--experts 256] [--topk 8]
-                                [--fp8] [--replays 50] [--json PATH]
+                                [--fp8] [--replays 50] [--json PATH] [--one-rank] [--llcomm DIR]
 
 Runs EPBuffer with ``LLCOMM_EP_PROFILE=1``: every block of the kernels stamps its SM cycle
 counter at each stage boundary (and the global timer at its start and end) into the buffer's
@@ -26,7 +26,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+
+use_llcomm_dir()
 
 from llcomm.bench import common as C  # noqa: E402
 from llcomm.ep import rows_first  # noqa: E402
@@ -147,6 +149,7 @@ def main():
     ap.add_argument("--ops", type=int, default=10, help="dispatch + combine pairs per graph")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--llcomm", default=llcomm_dir(), help="the checkout whose llcomm to run")
     ap.add_argument("--one-rank", action="store_true",
                     help="one rank on GPU 0 (a one-GPU machine): local stages only")
     a = ap.parse_args()
@@ -179,7 +182,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"world_size": world, "commit": os.environ.get("LLCOMM_COMMIT"),
-                       "runs": results}, f, indent=1)
+                       "llcomm": a.llcomm, "runs": results}, f, indent=1)
         print(f"wrote {a.json}")
 
 

@@ -1,0 +1,17 @@
+"""Which checkout's llcomm a tool imports: ``--llcomm DIR`` on its command line (read before the
+tool's own imports, so an A/B of two checkouts runs in one device call), else this one."""
+import os
+import sys
+
+
+def llcomm_dir() -> str:
+    if "--llcomm" in sys.argv[:-1]:
+        return os.path.abspath(sys.argv[sys.argv.index("--llcomm") + 1])
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def use_llcomm_dir() -> str:
+    """Put ``llcomm_dir()`` first on sys.path; returns it."""
+    d = llcomm_dir()
+    sys.path.insert(0, d)
+    return d
