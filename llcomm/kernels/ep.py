@@ -800,7 +800,8 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
     ks = tl.arange(0, KP)
     for k in tl.static_range(K):
         row1 = tl.sum(tl.where((ks == k) & first, flat + 1, 0), axis=0).to(tl.int64)
-        tl.store(dst + (row1 - 1) * ROW + lanes, v, mask=lm & (row1 > 0))
+        row1 = row1 + tl.zeros_like(lanes).to(tl.int64)    # a lane tensor: the interpreter
+        tl.store(dst + (row1 - 1) * ROW + lanes, v, mask=lm & (row1 > 0))  # masks no scalar
 
 
 @triton.jit
