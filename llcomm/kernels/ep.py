@@ -334,14 +334,6 @@ def _first_token(b, s, NB: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _routed(tile, ids):
-    """``[TT, N]``: token row t of ``tile`` (``[TT, KP]``, invalid entries -2) names expert
-    ``ids[n]``. A token that lists an expert twice still counts once (it gets one row; combine
-    applies both weights); ids of -1 (no expert) match nothing."""
-    return tl.max((tile[:, :, None] == ids[None, None, :]).to(tl.int32), axis=1)
-
-
-@triton.jit
 def _rank_bits(row, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr):
     """Bit d set when one of the K expert ids at ``row`` lives on rank d (scalar loads: every
     thread computes the same mask, no reduction across threads)."""
@@ -570,9 +562,16 @@ def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, ehi, T: tl.constexpr, K: t
                 OFF_META: tl.constexpr, LL: tl.constexpr):
     """The top-k scan of ``_send``, TT tokens per tile: for this block's experts ``ids``, the
     tokens routed to each (returned: counts ``[EB]``, and the out-of-range entries seen), and
-    each entry's metadata word stored into the rank that holds its expert."""
+    each entry's metadata word stored into the rank that holds its expert.
+
+    One own expert at a time, in the tile's own ``[TT, KP]`` layout: its hits, the tokens
+    routed to it (a max over the entries), their exclusive running sum over the tokens and
+    the metadata words, broadcast back over the entries. (A ``[TT, KP, EB]`` compare of every
+    expert at once made Triton move the tile and the words between layouts through shared
+    memory five times a tile.)"""
     ks = tl.arange(0, KP)
     kmask = ks < K
+    eix = tl.arange(0, EB)
     cnt = tl.zeros([EB], tl.int32)                  # tokens so far routed to each own expert
     nbad = tl.full([], 0, tl.int32)
     for t0 in range(0, n_tok, TT):
@@ -581,19 +580,24 @@ def _scan_tiles(topk, n_tok, tab, rank, set_off, ids, ehi, T: tl.constexpr, K: t
         tile = tl.load(topk + ts[:, None] * K + ks[None, :], mask=m2, other=-1)
         nbad += tl.sum(tl.sum((m2 & ((tile < -1) | (tile >= E))).to(tl.int32), axis=1), axis=0)
         tile = tl.where((tile >= 0) & (tile < E), tile, -2).to(tl.int32)
-        routed = _routed(tile, ids)                                     # [TT, EB]
-        pre = cnt[None, :] + tl.cumsum(routed, axis=0) - routed         # exclusive, + carry
-        cnt += tl.sum(routed, axis=0)
         # each entry naming an own expert (at most one of them): its metadata word, stored
         # into the one rank that holds the expert
-        hit = tile[:, :, None] == ids[None, None, :]                    # [TT, KP, EB]
-        word = ((ids - (ids // L) * L) << META_SHIFT)[None, :] | pre    # [TT, EB]
-        meta = tl.sum(tl.where(hit, word[:, None, :], 0), axis=2)       # [TT, KP]
-        mine = tl.max(hit.to(tl.int32), axis=2) > 0
+        meta = tl.zeros([TT, KP], tl.int32)
+        mine = tl.zeros([TT, KP], tl.int32)
+        for i in tl.static_range(EB):
+            e = tl.sum(tl.where(eix == i, ids, 0), axis=0)              # -1: no expert
+            hit = (tile == e).to(tl.int32)                              # [TT, KP]
+            routed = tl.max(hit, axis=1)        # [TT]: a token listing e twice gets one row
+            before = tl.sum(tl.where(eix == i, cnt, 0), axis=0)        # earlier tiles
+            pre = before + tl.cumsum(routed, axis=0) - routed           # exclusive
+            cnt += tl.where(eix == i, tl.sum(routed, axis=0), 0)
+            word = ((e - (e // L) * L) << META_SHIFT) | pre             # [TT]
+            meta += hit * word[:, None]
+            mine += hit
         dv = tile // L
         for d in tl.static_range(W):
             _store_meta(tab, d, set_off, (rank * T + ts[:, None]) * MAX_TOPK + ks[None, :], meta,
-                        m2 & mine & (dv == d), ehi, OFF_META, LL)
+                        m2 & (mine > 0) & (dv == d), ehi, OFF_META, LL)
     return cnt, nbad
 
 
