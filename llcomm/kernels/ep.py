@@ -645,9 +645,9 @@ def _send(x, topk, n_tok, tab, err, rank, set_off,
     for every other rank). One scan over this rank's top-k rows, a tile of TT tokens at a time,
     marks which tokens route to each own expert; an exclusive running sum of those marks is the
     prefix (earlier tokens routed to the same expert) that fixes each entry's row on the
-    receiver, and its total is the count. The compare tile is ``[TT, KP, EB]``: the work does
-    not grow with the tokens a block owns (a ``[TT, KP, JP * KP]`` token-owner form took 167 us
-    at 512 tokens when the buffer held 512, session 5).
+    receiver, and its total is the count. The compare is ``[TT, KP]`` once per own expert
+    (``_scan_tiles``): the work does not grow with the tokens a block owns (a ``[TT, KP, JP *
+    KP]`` token-owner form took 167 us at 512 tokens when the buffer held 512, session 5).
     """
     b = tl.program_id(0)
     if ROWS_FIRST:
