@@ -4,9 +4,9 @@
 per scale and a correction by the exact remainder. It must give the very quotients of IEEE
 division (torch's ``/`` on CUDA, and ``div_rn``) wherever the quantiser uses it: ``|x| <= 448 s``
 (every element of a block is at most its amax = 448 s). Checked over every finite bf16 value
-against scales spread log-uniformly over the whole range ``_div_by`` serves (2**-89 up), plus
+against scales spread log-uniformly from 2**-89 (RCP_MIN_SCALE) to 2**119, plus
 scales made the way the quantiser makes them (amax / 448), powers of two (round_scale) and a
-few below 2**-89 (which take div_rn): on the GPU, and (fewer scales) under
+few below 2**-89 (which ``_div_by`` lifts by 2**64 first): on the GPU, and (fewer scales) under
 ``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
 
 Then, on the GPU only (the interpreter cannot run the inline PTX convert), ``_pack_row_fp8`` as
@@ -74,7 +74,7 @@ def _scales(gen, n: int, device) -> torch.Tensor:
     amax = torch.randn(n, generator=gen).abs().to(torch.bfloat16).float()
     made = amax / torch.full_like(amax, ep_fp8.FP8_MAX)
     pow2 = torch.exp2(torch.randint(-89, 120, (n,), generator=gen).float())
-    # the bound itself, and scales below it (rows that take div_rn; 2**-140 is subnormal)
+    # the bound itself, and scales below it (rows lifted by RCP_LIFT; 2**-140 is subnormal)
     edge = torch.tensor([RCP_MIN_SCALE.value, 1.0, 0.75 * RCP_MIN_SCALE.value, 2.0 ** -126,
                          2.0 ** -140])
     return torch.cat([log_uniform, made, pow2, edge]).to(device)

@@ -379,8 +379,8 @@ E4M3X4_PTX = tl.constexpr("""{
 RCP_MIN_SCALE = tl.constexpr(2.0 ** -89)
 #: A block whose scale is below RCP_MIN_SCALE is divided as ``(x * RCP_LIFT) / (s * RCP_LIFT)``:
 #: both products are exact (a power of two; no overflow, since ``|x| <= 448 s``), the quotient
-#: is the same, and the lifted scale is at least 2**-77: the smallest scale the quantiser makes
-#: is the smallest bf16 amax over 448, about 2**-141.8.
+#: is the same, and the lifted scale is above 2**-78: the smallest scale the quantiser makes is
+#: the smallest bf16 amax over 448, about 2**-141.8.
 RCP_LIFT = tl.constexpr(2.0 ** 64)
 
 
@@ -804,8 +804,9 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
     ks = tl.arange(0, KP)
     for k in tl.static_range(K):
         row1 = tl.sum(tl.where((ks == k) & first, flat + 1, 0), axis=0).to(tl.int64)
-        row1 = row1 + tl.zeros_like(lanes).to(tl.int64)    # a lane tensor: the interpreter
-        tl.store(dst + (row1 - 1) * ROW + lanes, v, mask=lm & (row1 > 0))  # masks no scalar
+        # as a lane tensor: the interpreter takes no scalar in a store's mask
+        row1 = row1 + tl.zeros_like(lanes).to(tl.int64)
+        tl.store(dst + (row1 - 1) * ROW + lanes, v, mask=lm & (row1 > 0))
 
 
 @triton.jit
