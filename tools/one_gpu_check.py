@@ -3,20 +3,23 @@
     python tools/one_gpu_check.py [--json PATH]
 
 For sessions that are lent a one-GPU machine only. Two processes (a gloo group) both use
-cuda:0; ``llcomm.tp.peer_support`` is overridden, since the library refuses this setup on
-purpose (two contexts on one device are time-sliced, not concurrent, and a store between them
-is not a supported peer path). PyTorch's symmetric memory refuses two ranks on one device too
-("allocations from overlapping devices"), so the workspace here is a plain allocation mapped
-into the other process with CUDA IPC (``_ipc_workspace``). So this proves nothing about speed or about NVLink ordering;
-it does run the real Triton kernels, the launch path (plans, int pointers, hot paths) and the
-EP host side on the machine's own torch and Triton, against exact oracles computed on the CPU:
+cuda:0, and ``llcomm.tp.peer_support`` is overridden: the library refuses this setup on
+purpose, since two contexts on one device are time-sliced, not concurrent, and a store between
+them is not a supported peer path. PyTorch's symmetric memory refuses two ranks on one device
+too ("allocations from overlapping devices"), so the workspace here is a plain allocation
+mapped into the other process with CUDA IPC (``_ipc_workspace``). This proves nothing about
+speed or NVLink ordering. It does run the real Triton kernels, the launch path (plans, int
+pointers, hot paths) and the EP host side on the machine's own torch and Triton, against exact
+oracles computed on the CPU:
 
 - all_reduce (every algorithm, bf16 and fp32, three sizes, three rounds: the hot path),
   broadcast, all_gather, all_gather_2d, reduce_scatter: bit for bit;
 - the fused join: residual_out bit for bit, out within one bf16 step of the unfused math;
-- all_reduce captured in a CUDA graph, replayed with fresh inputs;
-- EP dispatch (bf16 and FP8) byte for byte against ``test_ep_oracle``, combine bit for bit
-  against its ordered fp32 oracle, over alternating buffer sets and fresh routings.
+- all_reduce captured in a CUDA graph, replayed with fresh inputs between eager calls;
+- EP at two shapes (DeepSeek-V3's included), ten rounds in one buffer over alternating
+  buffer sets with fresh routings, top-k 8 and 2, FP8, carried weights and receive hooks:
+  dispatch byte for byte against ``test_ep_oracle``, combine bit for bit against its ordered
+  fp32 oracle; then a captured dispatch + combine replayed with four routings.
 
 Prints one line per check and a summary; exits 1 if any check failed.
 """
