@@ -76,11 +76,6 @@ FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
 #: kernels/ep.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens (write,
 #: read, re-arm): 15.7 -> 14.3 us on 2xH200 (docs/performance.md, session 12).
 OWN_X_ENV = "LLCOMM_EP_OWN_X"
-#: ``LLCOMM_EP_PREFETCH=0``: the dispatch does not ask L1 for the top-k rows and the region
-#: table before it reads its ctrl word (PREFETCH in kernels/ep.py ``_prefetch_lines``).
-PREFETCH_ENV = "LLCOMM_EP_PREFETCH"
-#: Bytes of one L1 line (what one ``prefetch.global.L1`` asks for).
-PREFETCH_LINE = 128
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -137,14 +132,6 @@ def e4m3_asm() -> int:
     return env_bit(E4M3_ASM_ENV, 1)
 
 
-def prefetch_on() -> int:
-    """PREFETCH of the dispatch kernel: ``LLCOMM_EP_PREFETCH`` (1 unless set to 0), never under
-    ``TRITON_INTERPRET=1``, which cannot run inline PTX (a prefetch changes no value)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return env_bit(PREFETCH_ENV, 1)
-
-
 def ll_row_consts(lay, fp8: int) -> dict:
     """RW and HPW of the LL dispatch: int32 words per row slot (FP8: e4m3 bytes, four to a
     word; else buffer-dtype rows) and the power of two above."""
@@ -189,7 +176,6 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
              ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
              E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=env_bit(OWN_X_ENV, 1),
-             PREFETCH=prefetch_on(), PL=_pow2(-(-T * topk * 8 // PREFETCH_LINE)),
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)

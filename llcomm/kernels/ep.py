@@ -196,18 +196,6 @@ def _at(tab, r, byte_off, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_lines(p, nbytes, LINES: tl.constexpr):
-    """Ask L1 for the 128-byte lines of the ``nbytes`` bytes at ``p`` (LINES at most) by inline
-    PTX; nothing waits for them. The dispatch does it for the top-k rows and the region table
-    before it reads its ctrl word: ncu showed those three loads in series at the scan's start
-    (session 14)."""
-    offs = tl.arange(0, LINES) * 128
-    addr = p.to(tl.pointer_type(tl.int8)) + tl.where(offs < nbytes, offs, 0)
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
     """Store ``word`` at int64 index ``word_idx`` of every rank's EP region (release, system
     scope). Caller issues ``tl.debug_barrier()`` first so the whole block's stores precede it."""
@@ -984,13 +972,8 @@ def dispatch_kernel(
         E4M3_ASM: tl.constexpr = 0,     # LL, FP8: round by the GPU's convert (_pack_row_fp8)
         FP8_RCP: tl.constexpr = 0,      # LL, FP8: divide by the reciprocal (_div_by)
         OWN_X: tl.constexpr = 0,        # LL, not FP8: own rows expanded from x (_expand_ll)
-        PREFETCH: tl.constexpr = 0,     # top-k rows and table asked of L1 first (_prefetch_lines)
-        PL: tl.constexpr = 1,           # PREFETCH: L1 lines of T tokens' top-k rows
         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     after_previous_kernel(PDL)
-    if PREFETCH & (STAGES & 1):
-        _prefetch_lines(topk, n_tok * K * 8, PL)
-        _prefetch_lines(tab, W * 8, 1)
     tl.static_assert((LL == 0) | (MASKS == 0))
     # own rows from x only when one launch sends and receives (a hook's caller may reuse x)
     OWN_X_ON: tl.constexpr = OWN_X & LL & (FP8 == 0) & ((STAGES & 3) == 3)
