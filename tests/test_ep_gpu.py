@@ -14,6 +14,7 @@ import torch.distributed as dist
 from _dist import absent_peer_error, run_distributed
 from llcomm.bench.common import capture
 from test_ep_oracle import KINDS, make_case, oracle_combine_f64
+from test_ep_oracle import expert_fn_all_rows as _experts  # graph-safe stand-in experts
 
 pytestmark = pytest.mark.gpu
 
@@ -34,13 +35,6 @@ def _buffers(E, H, T, dtype=torch.bfloat16, **kw):
                       backend="reference")
     assert peer.backend == "peer" and ref.backend == "reference"
     return peer, ref
-
-
-def _experts(recv_x, rank):
-    """Stand-in experts, graph-safe: every row (filled or not) gets x * (1 + e / 8) + rank - e / 4."""
-    L = recv_x.shape[0]
-    e = torch.arange(L, device=recv_x.device, dtype=torch.float32).view(L, 1, 1)
-    return (recv_x.float() * (1 + e / 8) + (rank - e / 4)).to(recv_x.dtype)
 
 
 def _case(rank, W, E, H, T, topk, seed, kind, dtype=torch.bfloat16):

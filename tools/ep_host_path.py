@@ -21,15 +21,12 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if __name__ == "__main__":
-    _ap = argparse.ArgumentParser()
-    _ap.add_argument("--llcomm", default=os.path.dirname(HERE),
-                     help="the checkout whose llcomm package to measure (default: this one)")
-    sys.path.insert(0, os.path.abspath(_ap.parse_args().llcomm))
-sys.path.insert(1, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
 
-from llcomm import ep as E  # noqa: E402  (before host_path, which puts this checkout first)
+use_llcomm_dir()
+
+from llcomm import ep as E  # noqa: E402
 from llcomm import launch  # noqa: E402
 from llcomm import protocol as P  # noqa: E402
 from llcomm.ep_layout import ep_layout  # noqa: E402
@@ -72,6 +69,10 @@ def shell():
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llcomm", default=llcomm_dir(),
+                    help="the checkout whose llcomm package to measure (default: this one)")
+    ap.parse_args()
     print(f"llcomm from {os.path.dirname(E.__file__)}")
     pe = shell()
     L = EXPERTS // W

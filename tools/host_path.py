@@ -23,14 +23,10 @@ import time
 
 import torch
 
-if __name__ == "__main__":
-    _ap = argparse.ArgumentParser()
-    _ap.add_argument("--llcomm", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     help="the checkout whose llcomm package to measure (default: this one)")
-    ARGS = _ap.parse_args()
-    sys.path.insert(0, os.path.abspath(ARGS.llcomm))
-else:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+
+use_llcomm_dir()
 
 from llcomm import algo_table as T  # noqa: E402
 from llcomm import launch, peer, tp  # noqa: E402
@@ -126,6 +122,10 @@ def _measure_fused(tokens: int, hidden: int = 8192) -> tuple[float, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llcomm", default=llcomm_dir(),
+                    help="the checkout whose llcomm package to measure (default: this one)")
+    ap.parse_args()
     import llcomm
     print(f"llcomm from {os.path.dirname(llcomm.__file__)}")
     for nbytes in (8 << 10, 1 << 20):

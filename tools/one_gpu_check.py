@@ -204,17 +204,10 @@ def _ep_shape_checks(rank, name, s, record):
     buf.close()
 
 
-def _graph_experts(recv_x, rank):
-    """``test_ep_oracle.expert_fn``'s formula on every row (no per-expert count read: capturable)."""
-    L = recv_x.shape[0]
-    e = torch.arange(L, device=recv_x.device, dtype=torch.float32).view(L, 1, 1)
-    return (recv_x.float() * (1 + e / 8) + (rank - e / 4)).to(recv_x.dtype)
-
-
 def _ep_graph_check(buf, rank, s, name, record):
     """dispatch + combine captured once, replayed with fresh routings copied into the statics."""
     from llcomm.bench.common import capture
-    from test_ep_oracle import expert_fn, oracle_combine, oracle_dispatch
+    from test_ep_oracle import expert_fn, expert_fn_all_rows, oracle_combine, oracle_dispatch
     E, H, T, K = s["E"], s["H"], s["T"], s["topk"]
     sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
     sidx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
@@ -224,7 +217,7 @@ def _ep_graph_check(buf, rank, s, name, record):
     def step():
         recv, count, handle = buf.dispatch(sx, sidx)
         got["count"], got["recv"] = count, recv
-        got["y"] = buf.combine(_graph_experts(recv, rank), sidx, sw, handle)
+        got["y"] = buf.combine(expert_fn_all_rows(recv, rank), sidx, sw, handle)
 
     graph = capture(step, 1)
     bad = 0
