@@ -1,5 +1,6 @@
 """Which checkout's llcomm a tool imports: ``--llcomm DIR`` on its command line (read before the
 tool's own imports, so an A/B of two checkouts runs in one device call), else this one."""
+import argparse
 import os
 import sys
 
@@ -15,3 +16,11 @@ def use_llcomm_dir() -> str:
     d = llcomm_dir()
     sys.path.insert(0, d)
     return d
+
+
+def argument_parser(**kw) -> argparse.ArgumentParser:
+    """An ArgumentParser that already takes ``--llcomm DIR`` (so ``--help`` lists it)."""
+    ap = argparse.ArgumentParser(**kw)
+    ap.add_argument("--llcomm", default=llcomm_dir(),
+                    help="the checkout whose llcomm package to use (default: this one)")
+    return ap

@@ -15,13 +15,12 @@ Checks that every FP8 variant wrote the same bytes as torch's reference (llcomm/
 and prints the number of words that differ. ``--llcomm DIR`` times the kernels of another
 checkout's llcomm package (an A/B in one call).
 """
-import argparse
 
 import torch
 import triton
 import triton.language as tl
 
-from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
 
 use_llcomm_dir()
 
@@ -79,11 +78,10 @@ def sm_clock_ghz() -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argument_parser()
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--llcomm", default=llcomm_dir(), help="the checkout whose kernels to time")
     a = ap.parse_args()
     H, n = a.hidden, a.rows
     HP = triton.next_power_of_2(H)

@@ -15,14 +15,13 @@ fastest of ``host_path.ROUNDS`` rounds of ``host_path.CALLS`` calls.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
 
 use_llcomm_dir()
 
@@ -69,10 +68,7 @@ def shell():
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--llcomm", default=llcomm_dir(),
-                    help="the checkout whose llcomm package to measure (default: this one)")
-    ap.parse_args()
+    argument_parser().parse_args()
     print(f"llcomm from {os.path.dirname(E.__file__)}")
     pe = shell()
     L = EXPERTS // W

@@ -17,7 +17,6 @@ one-GPU machine: no link, but the scan and the expand write as many rows per ran
 ranks (every token's top-k pairs land locally), so the local stages can be worked on there.
 It also prints the graph's time per dispatch + combine pair (CUDA events over each replay).
 """
-import argparse
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
 
 use_llcomm_dir()
 
@@ -139,7 +138,7 @@ def _rank(rank, world, cfg):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argument_parser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,128")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
@@ -148,7 +147,6 @@ def main():
     ap.add_argument("--ops", type=int, default=10, help="dispatch + combine pairs per graph")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--llcomm", default=llcomm_dir(), help="the checkout whose llcomm to run")
     ap.add_argument("--one-rank", action="store_true",
                     help="one rank on GPU 0 (a one-GPU machine): local stages only")
     a = ap.parse_args()

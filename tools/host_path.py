@@ -15,7 +15,6 @@ tens of percent from one round to the next).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checkout import llcomm_dir, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
 
 use_llcomm_dir()
 
@@ -122,10 +121,7 @@ def _measure_fused(tokens: int, hidden: int = 8192) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--llcomm", default=llcomm_dir(),
-                    help="the checkout whose llcomm package to measure (default: this one)")
-    ap.parse_args()
+    argument_parser().parse_args()
     import llcomm
     print(f"llcomm from {os.path.dirname(llcomm.__file__)}")
     for nbytes in (8 << 10, 1 << 20):
