@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import llcomm
-from llcomm.ep_fp8 import dequantize
+from llcomm.ep.fp8 import dequantize
 from _launch import device, launch
 
 

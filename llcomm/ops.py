@@ -44,13 +44,12 @@ offered: a hook is a Python callable, which cannot cross a custom op's boundary 
 """
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from .ep.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from .runtime.registry import handle_of as _handle_of, lookup as _lookup, register  # noqa: F401
 
 if TYPE_CHECKING:
     from .ep import EPBuffer
@@ -59,37 +58,7 @@ if TYPE_CHECKING:
 #: Dispatch handles kept per EPBuffer for ``ep_combine``; the buffer itself refuses a handle
 #: older than its two slots, so one more than that is enough to give its message.
 KEPT_HANDLES = 3
-
-_objects: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_next_handle = itertools.count(1)
 _ep_handles: dict[int, dict[int, object]] = {}      # buffer handle -> {dispatch index: EPHandle}
-
-
-def register(obj) -> int:
-    """Give ``obj`` (a Communicator or EPBuffer) its ``op_handle`` and return it.
-
-    Called by the constructors; calling it again returns the same int. The registry holds a weak
-    reference, so registering keeps nothing alive. Handles are per process and never reused.
-    """
-    h = getattr(obj, "op_handle", None)
-    if h is None:
-        h = next(_next_handle)
-        _objects[h] = obj
-        obj.op_handle = h
-    return h
-
-
-def _lookup(h: int, fn: str):
-    obj = _objects.get(h)
-    if obj is None:
-        raise ValueError(f"llcomm.ops.{fn}: no live Communicator or EPBuffer has op_handle={h} "
-                         "in this process (pass obj.op_handle of an object that is still alive)")
-    return obj
-
-
-def _handle_of(obj) -> int:
-    h = getattr(obj, "op_handle", None)
-    return h if h is not None else register(obj)
 
 
 # -- TP ops -------------------------------------------------------------------------------------

@@ -175,7 +175,7 @@ def test_doctor_names_the_backend(tmp_path):
 
 def test_doctor_pdl_line(monkeypatch):
     """The PDL line says off, and why, for each reason; on where nothing stands in the way."""
-    from llcomm import launch
+    from llcomm.runtime import launch
     monkeypatch.setenv("LLCOMM_PDL", "0")
     assert doctor.pdl_line(2, True).endswith("off (LLCOMM_PDL=0)")
     monkeypatch.setenv("LLCOMM_PDL", "yes")
@@ -363,7 +363,7 @@ def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
     byte for byte, on blocks that reach the corners: zeros, -0.0, tiny (subnormal scales),
     huge, e4m3 ties and subnormal codes."""
     from llcomm.bench import ep
-    from llcomm.ep_fp8 import quantize
+    from llcomm.ep.fp8 import quantize
     g = torch.Generator().manual_seed(3)
     H = 128
     rows = [torch.randn(64, H, generator=g) * 10.0 ** torch.randint(-6, 6, (64, 1), generator=g),
@@ -386,7 +386,7 @@ def test_bench_ep_fp8_check_catches_a_wrong_byte():
     x = torch.randn(T, H).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
     exp = _expected_both_ranks_alike(x, idx, W, T, E)
-    from llcomm.ep_fp8 import quantize
+    from llcomm.ep.fp8 import quantize
     q, s = quantize(exp.rows, round_scale=True)
     codes = torch.zeros(E // W, W * T, H, dtype=torch.float8_e4m3fn)
     scales = torch.zeros(E // W, W * T, 1)

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from _interp import run_in_interpreter
-from llcomm import ep_fp8
-from llcomm.ep_fp8 import FP8_BLOCK
-from llcomm.kernels.ep import RCP_MIN_SCALE, _div_by, _pack_row_fp8
+from llcomm.ep import fp8 as ep_fp8
+from llcomm.ep.fp8 import FP8_BLOCK
+from llcomm.ep.kernels.dispatch_combine import RCP_MIN_SCALE, _div_by, _pack_row_fp8
 
 ROWS = 64                   # 128-channel blocks per program of the division kernel
 SCALES_GPU = 512            # random scales of each kind, against every finite bf16 value

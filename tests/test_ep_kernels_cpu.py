@@ -59,10 +59,10 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ``plant``: some row words are the LL sentinel (0xFFFFFFFF); they must arrive escaped
     (``_escaped``) and the combine is skipped (those rows are NaNs)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep import kernel_consts, ll_row_consts
-    from llcomm.ep_fp8 import dequantize, quantize
-    from llcomm.ep_layout import ARM_BYTE, ep_layout
-    from llcomm.kernels import ep as K
+    from llcomm.ep.peer import kernel_consts, ll_row_consts
+    from llcomm.ep.fp8 import dequantize, quantize
+    from llcomm.ep.layout import ARM_BYTE, ep_layout
+    from llcomm.ep.kernels import dispatch_combine as K
     from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch,
                                 oracle_dispatch_fp8)
 
@@ -192,7 +192,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
 def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
     """Every flag ``[phase][block][source]`` of the set in use holds ``(seq + 1) << EPOCH_SHIFT``
     (the kernels ran with tag 0), as the receive half's wait requires."""
-    from llcomm.protocol import EPOCH_SHIFT
+    from llcomm.runtime.protocol import EPOCH_SHIFT
     fails = []
     for r in range(W):
         seq = int(ctrl[r][op][0])
@@ -208,9 +208,9 @@ def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
 
 def _bad_topk():
     """Out-of-range entries are counted into the host word and routed nowhere."""
-    from llcomm.ep import kernel_consts
-    from llcomm.ep_layout import ep_layout
-    from llcomm.kernels import ep as K
+    from llcomm.ep.peer import kernel_consts
+    from llcomm.ep.layout import ep_layout
+    from llcomm.ep.kernels import dispatch_combine as K
     W, E, T, H, NB, topk = 1, 4, 4, 16, 2, 2
     lay = ep_layout(T, H, W, E, 2, num_blocks=NB)
     region = torch.zeros(lay.total_bytes, dtype=torch.uint8)
@@ -288,7 +288,7 @@ def _e4m3_exhaustive():
     subnormal range, the saturation edge and random values."""
     import triton
     import triton.language as tl
-    from llcomm.kernels import ep as K
+    from llcomm.ep.kernels import dispatch_combine as K
     globals()["_E4M3_BITS"] = K._e4m3_bits      # a jit function resolves module globals
 
     @triton.jit
@@ -326,9 +326,9 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     absent: dispatch as if they had sent no token, combine as if their experts were not in any
     top-k (zeros for a token routed only to them). Returns failures."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep import kernel_consts
-    from llcomm.ep_layout import ep_layout
-    from llcomm.kernels import ep as K
+    from llcomm.ep.peer import kernel_consts
+    from llcomm.ep.layout import ep_layout
+    from llcomm.ep.kernels import dispatch_combine as K
     from test_ep_oracle import expert_fn, make_case, oracle_combine, oracle_dispatch
 
     dtype = getattr(torch, dtype_name)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from llcomm.ep import EPBuffer
-from llcomm.ep_layout import (ALIGN, DEFAULT_NUM_BLOCKS, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS,
+from llcomm.ep.layout import (ALIGN, DEFAULT_NUM_BLOCKS, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS,
                               SIGNAL_PHASES, deepep_ll_size_hint, ep_layout)
 
 SHAPES = [  # (tokens, hidden, ranks, experts)
@@ -94,7 +94,7 @@ def test_num_blocks_env_reaches_both(monkeypatch):
 @pytest.mark.parametrize("T,H,W,E", [s for s in SHAPES if s[1] % 128 == 0])
 def test_fp8_layout(T, H, W, E):
     """FP8-only buffers are smaller; every buffer's dispatch region holds FP8 rows and scales."""
-    from llcomm.ep_layout import fp8_dispatch_bytes
+    from llcomm.ep.layout import fp8_dispatch_bytes
     bf16 = ep_layout(T, H, W, E, 2, num_blocks=64)
     f8 = ep_layout(T, H, W, E, 2, num_blocks=64, fp8=True)
     assert EPBuffer.size_hint(T, H, W, E, torch.bfloat16, fp8=True) == f8.total_bytes
@@ -120,7 +120,7 @@ def test_fp8_size_hint_refusals():
 
 def test_wait_lanes_knob(monkeypatch):
     """LLCOMM_EP_WAIT_LANES picks how the EP waits poll: one lane per flag (default), or 1024."""
-    from llcomm.ep import WAIT_LANES_ENV, kernel_consts
+    from llcomm.ep.peer import WAIT_LANES_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, c, _ = kernel_consts(lay, 8)
     assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
@@ -136,7 +136,7 @@ def test_order_and_tile_knobs(monkeypatch):
     """Defaults: the LL dispatch with metadata before the rows up to LL_MAX_TOKENS, the flag
     dispatch with rows before the scan above; one 128-token scan tile (fewer tokens per tile
     when a block owns more experts); each env knob overrides and refuses a bad value by name."""
-    from llcomm.ep import LL_ENV, LL_MAX_TOKENS, ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
+    from llcomm.ep.peer import LL_ENV, LL_MAX_TOKENS, ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
     assert (d["LL"], d["ROWS_FIRST"], d["TT"], d["TS"]) == (1, 0, 128, 16)   # TS: small tile

@@ -217,7 +217,7 @@ def _mismatch_round(rank, name):
     the others with them off, so the flagged movement kernels meet each other; likewise the
     Lamport reduce_scatter runs only where a spec says ``lamport_reduce_scatter``."""
     import llcomm
-    from llcomm.peer import LL_BYTES_ENV, LL_MAX_BYTES, RS_LAMPORT_ENV
+    from llcomm.tp.peer import LL_BYTES_ENV, LL_MAX_BYTES, RS_LAMPORT_ENV
     specs = MISMATCHES[name]
     os.environ[LL_BYTES_ENV] = str(LL_MAX_BYTES) if name.startswith("ll_") else "0"
     if any(kind == "lamport_reduce_scatter" for kind, _, _ in specs):
@@ -226,7 +226,7 @@ def _mismatch_round(rank, name):
         os.environ[RS_LAMPORT_ENV] = "0"
     comm = _comm(timeout_ms=TIMEOUT_MS)
     # good rounds of both calls first: a kernel's first launch waits up to 60 s for a peer that
-    # may still be compiling (llcomm/launch.py), which would outlast the test's timeout
+    # may still be compiling (llcomm/runtime/launch.py), which would outlast the test's timeout
     for spec in specs:
         _call(comm, spec)
     comm.check()

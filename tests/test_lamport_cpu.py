@@ -1,4 +1,4 @@
-"""The Lamport kernels' tags on the CPU: ``all_reduce.lamport_kernel`` and
+"""The Lamport kernels' tags on the CPU: ``lamport.lamport_kernel`` and
 ``fused_norm.lamport_norm_kernel`` under ``TRITON_INTERPRET=1`` on virtual ranks, on Lamport
 regions laid out as ``peer.PeerBackend`` lays them out (data slots idle at SENTINEL, tag words
 idle at 0).
@@ -26,7 +26,7 @@ class Regions:
 
     def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None, lag=1):
         import torch
-        from llcomm import peer
+        from llcomm.tp import peer
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
         self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
@@ -41,14 +41,14 @@ class Regions:
         self.ctrl = [torch.zeros(NB, dtype=torch.int64) for _ in range(W)]
 
     def idle(self) -> bool:
-        from llcomm import peer
+        from llcomm.tp import peer
         return all(bool((d == peer.SENTINEL16).all()) for d in self.data) and \
             all(int(t.abs().sum()) == 0 for t in self.tags)
 
 
 def _int_view(dtype):
     import torch
-    from llcomm import peer
+    from llcomm.tp import peer
     return (torch.int16, peer.SENTINEL16) if dtype.itemsize == 2 else (torch.int32, peer.SENTINEL32)
 
 
@@ -86,13 +86,13 @@ class Call:
                                    float("nan"))
 
     def op(self) -> int:
-        from llcomm import protocol as P
+        from llcomm.runtime import protocol as P
         return {"all_reduce": P.OP_LAMPORT, "reduce_scatter": P.OP_LAMPORT_REDUCE_SCATTER,
                 "fused": P.OP_FUSED_LAMPORT}[self.kind]
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
-        from llcomm import peer
-        from llcomm.kernels import all_reduce, fused_norm
+        from llcomm.tp import peer
+        from llcomm.tp.kernels import all_reduce, fused_norm, lamport
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize
         wp = 1 << (R.W - 1).bit_length()
@@ -101,7 +101,7 @@ class Call:
         if self.kind != "fused":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
-            all_reduce.lamport_kernel[(R.NB,)](
+            lamport.lamport_kernel[(R.NB,)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
                 R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
                 LAG=peer.lamport_lag(self.n, block, R.NB, R.lag),
@@ -138,13 +138,13 @@ class Call:
 def _round(R: Regions, specs, seed: int, pushers=None):
     """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push, then every
     rank reduces. Returns the calls."""
-    from llcomm.kernels import all_reduce
+    from llcomm.tp.kernels import all_reduce, lamport
     calls = [Call(s, seed, r, R.W) for r, s in enumerate(specs)]
     for r, c in enumerate(calls):
         if pushers is None or r in pushers:
-            c.launch(R, r, all_reduce.PUSH)
+            c.launch(R, r, lamport.PUSH)
     for r, c in enumerate(calls):
-        c.launch(R, r, all_reduce.REDUCE)
+        c.launch(R, r, lamport.REDUCE)
     return calls
 
 
@@ -173,7 +173,7 @@ def simulate_matched(W, NB, rounds, own_local=None, lag=1):
 def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None, lag=1):
     """A matched warm-up round, then one round where rank r calls specs[r]. Returns per rank
     (exception type name, op, phase, ranks) decoded from its error word, or None."""
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), own_local=own_local,
                 lag=lag)
     _round(R, [warmup] * W, seed=0)
@@ -238,7 +238,7 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
 @pytest.mark.parametrize("own_local", [None, [1, 1]])
 @pytest.mark.parametrize("name", list(MISMATCHES))
 def test_mismatch_is_reported_on_every_rank(name, own_local):
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     other = MISMATCHES[name]
     seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local)
     other_op = {"all_reduce": P.OP_LAMPORT, "reduce_scatter": P.OP_LAMPORT_REDUCE_SCATTER,
@@ -250,7 +250,7 @@ def test_mismatch_is_reported_on_every_rank(name, own_local):
 
 def test_fused_row_shapes_mismatch():
     """Same element count, other row length: the fused tag mixes in ``hidden``."""
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     warm = ("fused", 2, 8, BF)
     seen = _run_in_interpreter("simulate_mismatch", 2, 3, warm, [("fused", 2, 8, BF),
                                                                   ("fused", 4, 4, BF)])
@@ -262,7 +262,7 @@ def test_fused_row_shapes_mismatch():
 def test_mismatch_names_the_first_disagreeing_source():
     """W = 3, rank 2 disagrees: ranks 0 and 1 name rank 2; rank 2 names rank 0 (its first
     source) and waits for nobody after it."""
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     seen = _run_in_interpreter("simulate_mismatch", 3, 2, A, [A, A, ("all_reduce", 4104, BF)])
     want = [[2], [2], [0]]
     for r in range(3):
@@ -273,7 +273,7 @@ def test_mismatch_names_the_first_disagreeing_source():
 @pytest.mark.parametrize("spec", [A, ("all_reduce", 70000, BF), ("reduce_scatter", 70000, BF)],
                          ids=["one-chunk", "pipelined", "reduce-scatter"])
 def test_rank_that_never_pushed_is_a_timeout(spec):
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [spec, spec], [0])
     op = P.OP_LAMPORT_REDUCE_SCATTER if spec[0] == "reduce_scatter" else P.OP_LAMPORT
     assert seen[0] == ["CommTimeoutError", P.OPS[op], P.PHASES[P.PHASE_DATA], [1]]
@@ -281,7 +281,7 @@ def test_rank_that_never_pushed_is_a_timeout(spec):
 
 def test_own_local_setting(monkeypatch):
     """LLCOMM_LAMPORT_OWN_LOCAL: 1 by default, 0 or 1, anything else refused by name."""
-    from llcomm.peer import LAMPORT_OWN_LOCAL_ENV, lamport_own_local_setting
+    from llcomm.tp.peer import LAMPORT_OWN_LOCAL_ENV, lamport_own_local_setting
     monkeypatch.delenv(LAMPORT_OWN_LOCAL_ENV, raising=False)
     assert lamport_own_local_setting() == 1
     monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "0")
@@ -294,7 +294,7 @@ def test_own_local_setting(monkeypatch):
 def test_lamport_slot_setting(monkeypatch):
     """LLCOMM_LAMPORT_BYTES: 16 MiB at 2 ranks and 1 MiB elsewhere by default; anything but a
     positive integer refused by name."""
-    from llcomm.peer import (LAMPORT_BYTES_ENV, LAMPORT_MAX_BYTES, LAMPORT_MAX_BYTES_W2,
+    from llcomm.tp.peer import (LAMPORT_BYTES_ENV, LAMPORT_MAX_BYTES, LAMPORT_MAX_BYTES_W2,
                              lamport_bytes_setting)
     monkeypatch.delenv(LAMPORT_BYTES_ENV, raising=False)
     assert (lamport_bytes_setting(2), lamport_bytes_setting(4)) == (16 << 20, 1 << 20)
@@ -310,7 +310,7 @@ def test_lamport_slot_setting(monkeypatch):
 def test_lamport_lag_only_with_several_chunks():
     """LAG is the setting where some block has two chunks or more, else 0 (the plain kernel,
     the code the small sizes ran before the pipelined one existed)."""
-    from llcomm.peer import lamport_lag
+    from llcomm.tp.peer import lamport_lag
     assert lamport_lag(n=128 * 2048, block=2048, nb=128, lag=1) == 0      # one chunk each
     assert lamport_lag(n=128 * 2048 + 1, block=2048, nb=128, lag=1) == 1  # block 0 has two
     assert lamport_lag(n=4 << 20, block=2048, nb=128, lag=2) == 2

@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llcomm import launch, peer
-from llcomm import protocol as P
-from llcomm.kernels import all_reduce as K
-from llcomm.kernels import fused_norm as F
+from llcomm.runtime import launch
+from llcomm.tp import peer
+from llcomm.runtime import protocol as P
+from llcomm.tp.kernels import all_reduce as K, lamport as LK
+from llcomm.tp.kernels import fused_norm as F
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SIZES = (1, 7, 4096, 65536 + 3, 1 << 20, (4 << 20) + 5)
@@ -54,6 +55,7 @@ def _backend(launcher):
     pb._failure = P.FailureLatch(RANK, "communicator")
     pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
     pb._k_ar = K
+    pb._k_lam = LK
     pb._plans = {}
     pb._launch = launcher
     return pb
@@ -77,7 +79,7 @@ def _expect(pb, algo, n, dtype):
     if algo in ("lamport", "rs_lamport"):
         op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
         block, warps = peer._launch_shape(n, isz, NB, pb.lamport_chunk)
-        return K.lamport_kernel, warps, dict(
+        return LK.lamport_kernel, warps, dict(
             n=n, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"], ctrl=pb.ctrl,
             err=pb.err, rank=RANK, tag=P.lamport_tag(op, n, name), timeout_us=TIMEOUT_US,
             cap=pb.lamport_bytes // isz, BLOCK=block, OP=op,

@@ -25,7 +25,7 @@ class Regions:
 
     def __init__(self, W: int, NB: int, cap: int):
         import torch
-        from llcomm import peer
+        from llcomm.tp import peer
 
         self.W, self.NB, self.cap = W, NB, cap
         self.words = [torch.zeros(peer.HALVES * W * cap, dtype=torch.int64) for _ in range(W)]
@@ -66,16 +66,16 @@ class Call:
         """The protocol op code and the tag word, as ``peer.PeerBackend`` computes them (the
         data is int32 words here)."""
         import torch
-        from llcomm import peer
-        from llcomm import protocol as P
+        from llcomm.tp import peer
+        from llcomm.runtime import protocol as P
         op = P.OP_ALL_GATHER if self.kind == "gather" else P.OP_BROADCAST
         mix = self.n // self.part if self.kind == "gather" else self.src
         return op, peer.PeerBackend._lamport_tag(op, self.n * peer.GATHER_TAG_MIX + mix,
                                                  torch.int32)
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
-        from llcomm import peer
-        from llcomm.kernels import ll
+        from llcomm.tp import peer
+        from llcomm.tp.kernels import ll
         op, tag = self.op_and_tag()
         block, _ = peer._launch_shape(self.n, 4, R.NB)
         ll.ll_gather_kernel[(R.NB,)](
@@ -98,7 +98,7 @@ def _round(R: Regions, specs, seed: int, pushers=None, tags_only=()):
     """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push; ranks in
     ``tags_only`` store only their tag words (as if their data were still in flight); then every
     rank receives."""
-    from llcomm.kernels import _lamport
+    from llcomm.runtime.kernels import lamport as _lamport
     calls = [Call(s, seed, r, R.W) for r, s in enumerate(specs)]
     for r, c in enumerate(calls):
         if r in tags_only:
@@ -133,7 +133,7 @@ def simulate_faulty(W, NB, cap, warmup, specs, pushers=None, tags_only=()):
     """Matched ``warmup`` rounds, then one round where rank r calls specs[r] (see ``_round``
     for ``pushers`` and ``tags_only``). Returns per rank [the decoded error (type, op, phase,
     ranks) or None, the number of output words that are neither poison nor its own data]."""
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     R = Regions(W, NB, cap)
     for i, spec in enumerate(warmup):
         _round(R, [tuple(spec)] * W, seed=i)
@@ -173,7 +173,7 @@ def test_stale_words_are_never_taken_for_data():
     """Round 2 uses the half round 0 used, with the same call. Rank 1's tag has arrived but its
     words have not: rank 0 finds round 0's words there (same size, same tag, older epoch) and
     must time out naming rank 1, with none of them in its output."""
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     seen = run_in_interpreter("test_ll_cpu", "simulate_faulty", 2, 2, 256, [G64, G64],
                               [G64, G64], None, [1])
     assert seen[0] == [["CommTimeoutError", P.OPS[P.OP_ALL_GATHER], P.PHASES[P.PHASE_DATA], [1]],
@@ -181,7 +181,7 @@ def test_stale_words_are_never_taken_for_data():
 
 
 def test_rank_that_never_pushed_is_a_timeout():
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     seen = run_in_interpreter("test_ll_cpu", "simulate_faulty", 2, 4, 256, [G64], [G64, G64],
                               [0])
     assert seen[0] == [["CommTimeoutError", P.OPS[P.OP_ALL_GATHER], P.PHASES[P.PHASE_DATA], [1]],
@@ -198,7 +198,7 @@ MISMATCHES = {  # name: (rank 0's call, rank 1's call, the op each reports)
 
 @pytest.mark.parametrize("name", list(MISMATCHES))
 def test_mismatch_is_reported_on_every_rank(name):
-    from llcomm import protocol as P
+    from llcomm.runtime import protocol as P
     a, b, ops = MISMATCHES[name]
     seen = run_in_interpreter("test_ll_cpu", "simulate_faulty", 2, 4, 256, [G64], [a, b])
     for r in range(2):
@@ -209,7 +209,7 @@ def test_mismatch_is_reported_on_every_rank(name):
 def test_ll_bytes_setting(monkeypatch):
     """LL_MAX_BYTES by default; 0 turns it off; at most LL_MAX_BYTES; a bad value is refused
     naming the variable."""
-    from llcomm.peer import LL_BYTES_ENV, LL_MAX_BYTES, ll_bytes_setting
+    from llcomm.tp.peer import LL_BYTES_ENV, LL_MAX_BYTES, ll_bytes_setting
     monkeypatch.delenv(LL_BYTES_ENV, raising=False)
     assert ll_bytes_setting() == LL_MAX_BYTES
     monkeypatch.setenv(LL_BYTES_ENV, "0")

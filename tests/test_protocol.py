@@ -1,11 +1,11 @@
-"""llcomm/protocol.py: size tags, error words and the timeout setting.
+"""llcomm/runtime/protocol.py: size tags, error words and the timeout setting.
 
 Error words are built here from the bit layout documented in protocol.py (status at bit 48, op at
 bit 40, phase at bit 32, rank mask in bits 31..0), not with a helper of the module under test.
 """
 import pytest
 
-from llcomm import protocol as P
+from llcomm.runtime import protocol as P
 from llcomm.errors import CommMismatchError, CommTimeoutError, LLCommError
 
 DTYPES = ("bfloat16", "float16", "float32")

@@ -28,11 +28,11 @@ def test_every_setting_is_documented_and_every_documented_one_exists():
 
 
 def test_env_parsers_take_defaults_and_refuse_by_name(monkeypatch):
-    """llcomm/_env.py: the default when unset; a bad value refused naming the variable (a
+    """llcomm/runtime/settings.py: the default when unset; a bad value refused naming the variable (a
     Lamport chunk that is not a power of two would not compile as a Triton block)."""
     import pytest
 
-    from llcomm._env import env_bit, env_int, env_pow2
+    from llcomm.runtime.settings import env_bit, env_int, env_pow2
     name = "LLCOMM_TEST_SETTING"
     monkeypatch.delenv(name, raising=False)
     assert (env_int(name, 7), env_bit(name, 1), env_pow2(name, 0)) == (7, 1, 0)

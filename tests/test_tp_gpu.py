@@ -143,7 +143,7 @@ def _ll_body(rank, ws):
     import os
 
     import llcomm
-    from llcomm.peer import LL_BYTES_ENV
+    from llcomm.tp.peer import LL_BYTES_ENV
     os.environ[LL_BYTES_ENV] = str(LL_BYTES)
     comm = _comm()
     assert comm._impl.ll_bytes == LL_BYTES
@@ -202,7 +202,7 @@ def _own_local_body(rank, ws, own):
     eager and in a replayed graph, sizes changing every call."""
     import os
 
-    from llcomm.peer import LAMPORT_OWN_LOCAL_ENV
+    from llcomm.tp.peer import LAMPORT_OWN_LOCAL_ENV
     os.environ[LAMPORT_OWN_LOCAL_ENV] = str(own[rank])
     comm = _comm()
     assert comm._impl.own_local == own[rank]
@@ -254,7 +254,7 @@ BIG_SIZES = (((2 << 20) + 7, torch.bfloat16), (4 << 20, torch.bfloat16), ((1 << 
 def _big_lamport_body(rank, ws):
     import os
 
-    from llcomm.peer import LAMPORT_BYTES_ENV, RS_LAMPORT_ENV
+    from llcomm.tp.peer import LAMPORT_BYTES_ENV, RS_LAMPORT_ENV
     os.environ[LAMPORT_BYTES_ENV] = str(BIG_LAMPORT_BYTES)
     os.environ.pop(RS_LAMPORT_ENV, None)
     comm = _comm(max_bytes=BIG_LAMPORT_BYTES)
@@ -403,7 +403,7 @@ def _timeout_body(rank, ws, op):
     import os
 
     import llcomm
-    from llcomm.peer import LL_BYTES_ENV
+    from llcomm.tp.peer import LL_BYTES_ENV
     # "ll_broadcast": the LL kernel (kernels/ll.py, the default at this size); "broadcast":
     # the flagged one
     os.environ[LL_BYTES_ENV] = str(LL_BYTES) if op.startswith("ll_") else "0"

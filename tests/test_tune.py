@@ -1,4 +1,4 @@
-"""``llcomm tune`` and the all_reduce algorithm tables (llcomm/algo_table.py): parsing, merging,
+"""``llcomm tune`` and the all_reduce algorithm tables (llcomm/tp/algo_table.py): parsing, merging,
 lookup, the resolution order Communicator follows, the converter from a bench result file, and
 the command line on a host without GPUs."""
 import json
@@ -12,13 +12,13 @@ import torch
 
 import llcomm
 from _dist import run_distributed
-from llcomm import algo_table as T
+from llcomm.tp import algo_table as T
 from llcomm.bench import tune
-from llcomm.tp import AUTO_TABLE
+from llcomm.tp.api import AUTO_TABLE
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_RESULT = REPO / "bench" / "results" / "h200x2-tp.json"
-SHIPPED_H200 = REPO / "llcomm" / "tables" / "h200-w2.json"
+SHIPPED_H200 = REPO / "llcomm" / "tp" / "tables" / "h200-w2.json"
 RUN_TIMEOUT_S = 120
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -193,7 +193,7 @@ def test_converter_from_the_h200_bench_result():
 
 
 def test_shipped_h200_table_is_the_converted_measurement():
-    """llcomm/tables/h200-w2.json is generated, not typed: regenerate it to compare."""
+    """llcomm/tp/tables/h200-w2.json is generated, not typed: regenerate it to compare."""
     shipped = json.loads(SHIPPED_H200.read_text())
     doc = tune.table_from_bench(json.loads(BENCH_RESULT.read_text()),
                                 source="bench/results/h200x2-tp.json")
@@ -214,7 +214,7 @@ def test_converter_refuses_results_without_per_algorithm_rows():
 def _reference_comm(rank, ws):
     comm = llcomm.Communicator(backend="reference", deterministic=True)
     try:
-        assert comm.algo_source == "rule llcomm.tp.AUTO_TABLE" and comm.deterministic
+        assert comm.algo_source == "rule llcomm.tp.api.AUTO_TABLE" and comm.deterministic
         assert comm.choose_algo(8) == "lamport" and comm.choose_algo(64 << 20) == "two_shot"
         x = torch.full((16,), float(rank + 1))
         assert comm.all_reduce(x).eq(3.0).all()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import llcomm
 from _dist import run_distributed
-from llcomm import protocol as P
+from llcomm.runtime import protocol as P
 
 SMALL_MAX_BYTES = 1024  # bytes; the communicator of the max_bytes cases
 

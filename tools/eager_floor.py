@@ -33,8 +33,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llcomm import launch  # noqa: E402
-from llcomm.kernels._sync import after_previous_kernel  # noqa: E402
+from llcomm.runtime import launch  # noqa: E402
+from llcomm.runtime.kernels.sync import after_previous_kernel  # noqa: E402
 
 ROUNDS = 5
 

@@ -11,7 +11,7 @@ int32 words: the bf16 dispatch's send), ``fp8`` (kernels/ep.py ``_pack_row_fp8``
 hardware convert, a division per element), ``fp8-bits`` (the bit rounding), ``fp8-rcp`` (the
 convert, divisions by the refined reciprocal ``_div_by``: the LL dispatch's default),
 ``scales`` (the row's load and its scales only: what the rest of ``fp8-rcp`` adds to it).
-Checks that every FP8 variant wrote the same bytes as torch's reference (llcomm/ep_fp8.py)
+Checks that every FP8 variant wrote the same bytes as torch's reference (llcomm/ep/fp8.py)
 and prints the number of words that differ. ``--llcomm DIR`` times the kernels of another
 checkout's llcomm package (an A/B in one call).
 """
@@ -24,9 +24,9 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 
 use_llcomm_dir()
 
-from llcomm import ep_fp8  # noqa: E402
-from llcomm.kernels.ep import FP8_BLOCK, _fp8_scales, _pack_row_fp8, _row_words  # noqa: E402
-from llcomm.kernels._sync import sm_cycles  # noqa: E402
+from llcomm.ep import fp8 as ep_fp8  # noqa: E402
+from llcomm.ep.kernels.dispatch_combine import FP8_BLOCK, _fp8_scales, _pack_row_fp8, _row_words  # noqa: E402
+from llcomm.runtime.kernels.sync import sm_cycles  # noqa: E402
 
 
 @triton.jit

@@ -26,10 +26,10 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 use_llcomm_dir()
 
 from llcomm import ep as E  # noqa: E402
-from llcomm import launch  # noqa: E402
-from llcomm import protocol as P  # noqa: E402
-from llcomm.ep_layout import ep_layout  # noqa: E402
-from llcomm.kernels import ep as K  # noqa: E402
+from llcomm.runtime import launch  # noqa: E402
+from llcomm.runtime import protocol as P  # noqa: E402
+from llcomm.ep.layout import ep_layout  # noqa: E402
+from llcomm.ep.kernels import dispatch_combine as K  # noqa: E402
 import host_path  # noqa: E402  (its kernel stand-in and timing loop)
 
 TOKENS, HIDDEN, EXPERTS, TOPK, W, NB = 128, 7168, 256, 8, 2, 128

@@ -5,7 +5,7 @@
 
 Runs EPBuffer with ``LLCOMM_EP_PROFILE=1``: every block of the kernels stamps its SM cycle
 counter at each stage boundary (and the global timer at its start and end) into the buffer's
-private ``err`` tensor (``_stamp`` in ``llcomm/kernels/ep.py``). A CUDA graph of ``--ops``
+private ``err`` tensor (``_stamp`` in ``llcomm/ep/kernels/dispatch_combine.py``). A CUDA graph of ``--ops``
 back-to-back dispatch + combine pairs is replayed; the stamps of the last pair of each replay
 (ranks in lockstep by then) are read back. Cycles become µs by the ratio of global-timer to cycle spans
 over all blocks. Prints, per rank, the median (and p90) over blocks and replays of each stage,
@@ -29,9 +29,9 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 use_llcomm_dir()
 
 from llcomm.bench import common as C  # noqa: E402
-from llcomm.ep import rows_first  # noqa: E402
-from llcomm.ep_fp8 import dequantize  # noqa: E402
-from llcomm.ep_layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
+from llcomm.ep.peer import rows_first  # noqa: E402
+from llcomm.ep.fp8 import dequantize  # noqa: E402
+from llcomm.ep.layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
 
 def stage_names(ll: int) -> dict:
     """Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start), for

@@ -27,11 +27,12 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 
 use_llcomm_dir()
 
-from llcomm import algo_table as T  # noqa: E402
-from llcomm import launch, peer, tp  # noqa: E402
-from llcomm import protocol as P  # noqa: E402
-from llcomm.kernels import all_reduce as K  # noqa: E402
-from llcomm.kernels import fused_norm as F  # noqa: E402
+from llcomm.tp import algo_table as T  # noqa: E402
+from llcomm.runtime import launch
+from llcomm.tp import api as tp, peer  # noqa: E402
+from llcomm.runtime import protocol as P  # noqa: E402
+from llcomm.tp.kernels import all_reduce as K, lamport as LK  # noqa: E402
+from llcomm.tp.kernels import fused_norm as F  # noqa: E402
 
 CALLS, WARMUP, ROUNDS = 5000, 2000, 9
 

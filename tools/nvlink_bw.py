@@ -34,7 +34,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llcomm.bench import common as C  # noqa: E402
-from llcomm.workspace import SymmetricWorkspace  # noqa: E402
+from llcomm.runtime.workspace import SymmetricWorkspace  # noqa: E402
 
 #: (blocks, warps, vec): grids tried for the SM ways; vec = 16-byte vectors per thread per step.
 GRIDS = ((128, 8, 1), (132, 8, 1), (132, 16, 1), (132, 8, 4), (264, 8, 1), (132, 4, 4),

@@ -3,7 +3,7 @@
     python tools/one_gpu_check.py [--json PATH]
 
 For sessions that are lent a one-GPU machine only. Two processes (a gloo group) both use
-cuda:0, and ``llcomm.tp.peer_support`` is overridden: the library refuses this setup on
+cuda:0, and ``llcomm.runtime.backend.peer_support`` is overridden: the library refuses this setup on
 purpose, since two contexts on one device are time-sliced, not concurrent, and a store between
 them is not a supported peer path. PyTorch's symmetric memory refuses two ranks on one device
 too ("allocations from overlapping devices"), so the workspace here is a plain allocation
@@ -60,7 +60,7 @@ def _sum(xs):
 
 
 def _tp_checks(rank, comm, record):
-    import llcomm.tp as tp
+    import llcomm.tp.api as tp
     seed = 1000
     for algo in tp.ALGOS:
         for dtype in (torch.bfloat16, torch.float32):
@@ -98,7 +98,7 @@ def _tp_checks(rank, comm, record):
 
 
 def _fused_checks(rank, comm, record):
-    import llcomm.tp as tp
+    import llcomm.tp.api as tp
     hidden, eps = 8192, 1e-6
     for algo in tp.FUSED_ALGOS:
         for tokens in (1, 16, 128):
@@ -255,9 +255,10 @@ def _ipc_workspace():
 
 
 def _body(rank, world_size):
-    import llcomm.tp as tp
+    import llcomm.runtime.backend as backend
+    import llcomm.tp.api as tp
     torch.cuda.set_device(0)
-    tp.peer_support = lambda group: (True, "tools/one_gpu_check.py: two ranks on one GPU")
+    backend.peer_support = lambda group: (True, "tools/one_gpu_check.py: two ranks on one GPU")
     _ipc_workspace()
     results = []
 

@@ -18,8 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llcomm import protocol as P
-from llcomm.kernels import all_reduce, fused_norm, ll, movement
+from llcomm.runtime import protocol as P
+from llcomm.tp.kernels import all_reduce, fused_norm, lamport, ll, movement
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -32,7 +32,7 @@ LL_SIG = {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32", "
           "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32",
           "timeout_us": "i32", "cap": "i64"}
 #: (constexprs follow the kernel's parameter order: compile_one indexes them by position)
-LL_8K = {"W": 2, "WP": 2, "NB": 128, "BLOCK": 128, "STAGES": all_reduce.ALL_STAGES}
+LL_8K = {"W": 2, "WP": 2, "NB": 128, "BLOCK": 128, "STAGES": lamport.ALL_STAGES}
 
 LAMPORT_SIG = {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "tag_tab": "*i64",
                "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32", "timeout_us": "i32",
@@ -40,11 +40,11 @@ LAMPORT_SIG = {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "tag_t
 
 
 def _lamport(nb, block, warps=4, **later):
-    """``all_reduce.lamport_kernel`` on bf16 (its int16 view) at 2 ranks; ``later``: the
+    """``lamport.lamport_kernel`` on bf16 (its int16 view) at 2 ranks; ``later``: the
     constexprs after STAGES, in the kernel's parameter order (compile_one needs that order)."""
-    return (all_reduce.lamport_kernel, LAMPORT_SIG,
+    return (lamport.lamport_kernel, LAMPORT_SIG,
             {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": nb, "BLOCK": block,
-             "STAGES": all_reduce.ALL_STAGES, **later}, warps)
+             "STAGES": lamport.ALL_STAGES, **later}, warps)
 
 
 KERNELS = {

@@ -23,9 +23,9 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llcomm.ep import kernel_consts, ll_row_consts  # noqa: E402
-from llcomm.ep_layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
-from llcomm.kernels import ep as K  # noqa: E402
+from llcomm.ep.peer import kernel_consts, ll_row_consts  # noqa: E402
+from llcomm.ep.layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
+from llcomm.ep.kernels import dispatch_combine as K  # noqa: E402
 from ptx import ptx_summary, ptxas_usage, same_as  # noqa: E402  (tools/ptx.py, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -33,7 +33,7 @@ ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def compile_one(fn, sig, consts, num_warps, options=None, pdl=False):
-    """``pdl``: as launched with LLCOMM_PDL=1 (llcomm/launch.py sets PDL, not the caller)."""
+    """``pdl``: as launched with LLCOMM_PDL=1 (llcomm/runtime/launch.py sets PDL, not the caller)."""
     consts = {**consts, "PDL": int(pdl)}
     names = list(fn.arg_names)          # the kernel's parameter order
     full = {k: sig.get(k, "constexpr") for k in names}

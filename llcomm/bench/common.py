@@ -548,7 +548,7 @@ def result_header(world: int, device: torch.device) -> dict:
     commit, dirty = git_state()
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith("LLCOMM_") or k in MULTICAST_OFF_ENV}
-    from llcomm import launch
+    from llcomm.runtime import launch
     return {"commit": commit, "dirty": dirty, "machine": machine_string(world, device),
             "date": datetime.date.today().isoformat(), "versions": versions(),
             "world_size": world, "env": env, "pdl": launch.pdl_enabled(device)}

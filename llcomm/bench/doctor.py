@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from .. import launch
-from .._env import env_bit
+from ..runtime import launch
+from ..runtime.settings import env_bit
 from . import common as C
 
 GIB = 1 << 30
@@ -27,7 +27,7 @@ def peer_matrix(n: int) -> list[list[bool]]:
 
 def predict_backend(n_gpus: int, peers: list[list[bool]], triton_ok: bool) -> tuple[str, str]:
     """The backend ``Communicator(backend="auto")`` would choose for a job of one process per
-    visible GPU on this host, and why. Pure: mirrors ``llcomm.tp.peer_support`` (which decides
+    visible GPU on this host, and why. Pure: mirrors ``llcomm.runtime.backend.peer_support`` (which decides
     for real, collectively, when a Communicator is created) without a process group."""
     if n_gpus == 0:
         return "reference", "no CUDA device is available: torch.distributed on gloo (CPU)"

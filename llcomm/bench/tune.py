@@ -12,7 +12,7 @@ compete. Per size the fastest wins; adjacent sizes with the same winner merge in
 
 The table goes to ``--out``, else to ``llcomm.algo_table.user_table_path`` (``LLCOMM_TUNE_TABLE``
 or ``~/.cache/llcomm/tune-<gpu>-w<W>.json``), which is where Communicator looks first. Format:
-``llcomm/algo_table.py``.
+``llcomm/tp/algo_table.py``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import datetime
 import json
 import re
 
-from llcomm import algo_table as T
+from llcomm.tp import algo_table as T
 
 from . import common as C
 from . import tp as B
@@ -202,7 +202,7 @@ def run(a) -> int:
         print("llcomm tune: measures the peer backend's all_reduce algorithms (one_shot, "
               "two_shot, lamport), which needs two or more GPUs with peer access on this host; "
               "this host has fewer than two CUDA GPUs. Elsewhere all_reduce(algo='auto') uses "
-              "the tables shipped in llcomm/tables or the built-in rule. (--from-bench derives "
+              "the tables shipped in llcomm/tp/tables or the built-in rule. (--from-bench derives "
               "a table from a result file without GPUs.)")
         return 2
     import torch

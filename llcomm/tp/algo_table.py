@@ -6,7 +6,7 @@ A *table* is a JSON file measured by ``llcomm tune`` (or derived from a ``llcomm
 1. the user's table: the file named by ``LLCOMM_TUNE_TABLE``, else
    ``$XDG_CACHE_HOME/llcomm/tune-<gpu>-w<W>.json`` (``~/.cache`` without XDG_CACHE_HOME),
    if it exists and was measured on this GPU model with this world size;
-2. the tables shipped in the package (``llcomm/tables/*.json``) for this GPU and world size;
+2. the tables shipped in the package (``llcomm/tp/tables/*.json``) for this GPU and world size;
 3. the built-in rule, ``llcomm.tp.AUTO_TABLE``.
 
 A table for another GPU or world size is skipped (logged); a malformed one raises
@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import AlgoTableError
+from ..errors import AlgoTableError
 
 log = logging.getLogger("llcomm")
 

@@ -1,6 +1,6 @@
 """Device-side protocol helpers shared by every kernel: clock, bounded waits, signals.
 
-Numbers mirror ``llcomm/protocol.py``. Every wait here is bounded by ``timeout_us`` (read from
+Numbers mirror ``llcomm/runtime/protocol.py``. Every wait here is bounded by ``timeout_us`` (read from
 the GPU's global nanosecond timer); on expiry it writes an error word to host-visible memory and
 reports failure, so a missing peer becomes an exception on the host, never a hung GPU.
 
@@ -20,7 +20,7 @@ STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
 #: Arguments the kernels must not be specialised on: their values differ between ranks (or
 #: between a first launch and the rest), and a specialisation would make one rank compile at
-#: a call where its peers do not, while they wait on it (llcomm/launch.py).
+#: a call where its peers do not, while they wait on it (llcomm/runtime/launch.py).
 RANK_VARYING = ["rank", "timeout_us"]
 
 

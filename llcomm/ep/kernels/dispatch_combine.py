@@ -19,7 +19,7 @@ the local work that follows:
        atomics are involved. Each row is copied from the receive slot into ``recv_x``.
 
     FP8 (``FP8`` = 1, or 2 with power-of-two scales): stage 2 quantises each token row on the
-    sender (``_quantize_row``, the arithmetic of ``llcomm/ep_fp8.py``) and pushes ``H`` bytes of
+    sender (``_quantize_row``, the arithmetic of ``llcomm/ep/fp8.py``) and pushes ``H`` bytes of
     e4m3 plus ``H // 128`` fp32 scales: half the NVLink bytes of bf16. Stage 4 copies bytes and
     scales. The fp32 -> e4m3 rounding is done on the bits (``_e4m3_bits``), byte-equal to
     torch's ``.to(torch.float8_e4m3fn)`` on the GPU and under ``TRITON_INTERPRET=1`` (whose own
@@ -101,11 +101,11 @@ two-set argument above still holds. The CPU tests run the data stages alone (``D
 import triton
 import triton.language as tl
 
-from ._lamport import _pending, _poll, limit_ticks
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, global_time_lanes,
+from ...runtime.kernels.lamport import _pending, _poll, limit_ticks
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, after_previous_kernel, global_time_lanes,
                     global_time_ns, report_error, sm_cycles, wait_bound_us)
-from .. import ep_layout as EL
-from .. import protocol as P
+from .. import layout as EL
+from ...runtime import protocol as P
 
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 #: Token counts differ between ranks too (see _sync.RANK_VARYING).
@@ -170,7 +170,7 @@ SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
 META_SHIFT = tl.constexpr(EL.META_SHIFT)
 META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
 FP8_BLOCK = tl.constexpr(EL.FP8_BLOCK)
-FP8_MAX = tl.constexpr(448.0)           # largest finite float8_e4m3fn (llcomm/ep_fp8.py)
+FP8_MAX = tl.constexpr(448.0)           # largest finite float8_e4m3fn (llcomm/ep/fp8.py)
 # fp32 bit fields, and e4m3's exponent bias relative to fp32's (127 - 7)
 F32_MANT_BITS = tl.constexpr(23)
 F32_MANT_MASK = tl.constexpr(0x7FFFFF)
@@ -406,7 +406,7 @@ def _div_by(v2, sc):
 @triton.jit
 def _fp8_scales(v2, ROUND: tl.constexpr):
     """Scales of the 128-channel blocks ``v2`` ``[HP // 128, 128]``: amax / 448 (1 where amax
-    is 0), ROUND: rounded up to a power of two (on the bits, as llcomm/ep_fp8.py)."""
+    is 0), ROUND: rounded up to a power of two (on the bits, as llcomm/ep/fp8.py)."""
     amax = tl.max(tl.abs(v2), axis=1)
     sc = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FP8_MAX))
     if ROUND:

@@ -68,6 +68,9 @@ SIGNAL_PHASES = 3
 PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
 #: Buffer sets used alternately (double buffering; kernels/ep.py says why two are enough).
 NUM_SETS = 2
+#: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites;
+#: set k holds handle slot k's carried weights, so there are as many slots as sets.
+HANDLE_SLOTS = NUM_SETS
 #: Metadata word: local expert index in the high half, within-source prefix in the low half.
 META_SHIFT = 16
 MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
@@ -78,7 +81,7 @@ MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the w
 ERR_PROF = 8
 PROF_WORDS = 8
 PROF_ENV = "LLCOMM_EP_PROFILE"
-#: FP8 dispatch: channels per fp32 scale (llcomm/ep_fp8.py defines the format).
+#: FP8 dispatch: channels per fp32 scale (llcomm/ep/fp8.py defines the format).
 FP8_BLOCK = 128
 #: Bytes of a metadata, count or ntok word: room for an LL word (epoch in the high half).
 LL_WORD = 8

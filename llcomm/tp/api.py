@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 
 import torch
 import torch.distributed as dist
 
-from . import _validate as V
-from . import ops
+from ..runtime import validate as V
 from . import algo_table as T
-from . import protocol as P
-from .errors import UnsupportedConfigError
+from ..runtime import protocol as P
+from ..errors import UnsupportedConfigError
+from ..runtime.backend import choose_backend
+from ..runtime.registry import register
 from .reference import ReferenceBackend
 
 log = logging.getLogger("llcomm")
@@ -39,8 +39,8 @@ HOT_CACHE_MAX = 4096
 #: code that runs on one backend runs on the other.
 FUSED_MAX_HIDDEN = 16384
 
-#: all_reduce(algo="auto") where no measured table applies (llcomm/algo_table.py: the user's
-#: `llcomm tune` table, then llcomm/tables/*.json, then this rule): (world_size, largest bytes,
+#: all_reduce(algo="auto") where no measured table applies (llcomm/tp/algo_table.py: the user's
+#: `llcomm tune` table, then llcomm/tp/tables/*.json, then this rule): (world_size, largest bytes,
 #: algo) rows, first match wins, two_shot beyond. World size 2 is measured on 2xH200
 #: (session 7, bench/results/session7-ab: the pipelined Lamport fastest to 8 MiB, two-shot
 #: above). Other world sizes are a rule until measured: the one-shot's remote traffic grows
@@ -50,49 +50,6 @@ AUTO_TABLE = (
     (None, 256 << 10, "lamport"),
     (None, 1 << 20, "one_shot"),
 )
-
-
-def peer_support(group: dist.ProcessGroup) -> tuple[bool, str]:
-    """Can the peer backend run on ``group``? Returns (ok, reason). A collective."""
-    if not torch.cuda.is_available():
-        return False, "no CUDA device is available"
-    dev = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(dev)
-    me = (socket.gethostname(), str(getattr(props, "uuid", dev)), dev)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, me, group=group)
-    if len({h for h, _, _ in everyone}) != 1:
-        return False, "the ranks are on more than one host (peer memory is one host only)"
-    uuids = [u for _, u, _ in everyone]
-    if len(set(uuids)) != len(uuids):
-        return False, ("two or more ranks share one GPU: a peer store between two contexts on one "
-                       "device is undefined; give every rank its own GPU")
-    local = {str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i
-             for i in range(torch.cuda.device_count())}
-    for _, u, _ in everyone:
-        if u not in local:
-            return False, "a peer's GPU is not visible to this process, so peer access cannot be checked"
-        j = local[u]
-        if j != dev and not torch.cuda.can_device_access_peer(dev, j):
-            return False, f"GPU {dev} cannot access GPU {j} as a peer (no P2P/NVLink path)"
-    return True, "every rank has its own GPU on this host and peer access works"
-
-
-def choose_backend(group: dist.ProcessGroup, backend: str, what: str) -> tuple[str, str]:
-    """Resolve ``backend`` ("auto", "peer" or "reference") for ``what`` (the class asking):
-    returns (backend, reason). A collective where peer support must be checked; "peer" on a
-    group that cannot run it raises UnsupportedConfigError with the reason."""
-    if backend not in ("auto", "peer"):
-        return backend, "requested"
-    ok, why = peer_support(group)
-    if backend == "peer" and not ok:
-        raise UnsupportedConfigError(
-            f"llcomm.{what}(backend='peer'): {why}. Use backend='reference' "
-            "(torch.distributed) for this configuration.")
-    if not ok:
-        log.info("llcomm: rank %d: %s uses the reference backend: %s", dist.get_rank(group),
-                 what, why)
-    return ("peer" if ok else "reference"), why
 
 
 def _remember(hot: dict, key: tuple, call) -> None:
@@ -128,7 +85,7 @@ class Communicator:
             so this keeps float32 off Lamport and costs bf16 / fp16 nothing.
 
     ``all_reduce(algo="auto")`` looks its algorithm up in a table chosen here, once (see
-    ``llcomm/algo_table.py``): the user's ``llcomm tune`` table for this GPU and world size,
+    ``llcomm/tp/algo_table.py``): the user's ``llcomm tune`` table for this GPU and world size,
     else a table shipped in the package, else the rule ``AUTO_TABLE``. Every rank uses rank 0's
     choice. ``algo_source`` says which.
 
@@ -181,20 +138,20 @@ class Communicator:
         self._hot_fused: dict = {}
         self._auto = self._auto_selection()
         self.algo_source = self._auto.source
-        ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
+        register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     def _auto_selection(self) -> T.Selection:
         """Resolve all_reduce's "auto" table (a collective on the peer backend)."""
         W = self.world_size
         rule = [(limit, algo) for ws, limit, algo in AUTO_TABLE if ws in (None, W)]
         if self.backend != "peer":  # the reference backend runs its own algorithm anyway
-            return T.compile_rows(rule, "two_shot", "rule llcomm.tp.AUTO_TABLE")
+            return T.compile_rows(rule, "two_shot", "rule llcomm.tp.api.AUTO_TABLE")
         cap = self._impl.lamport_bytes
         sel, err = None, None
         try:
             table = T.find_table(torch.cuda.get_device_name(self.device), W)
             sel = (T.table_selection(table, cap) if table is not None else
-                   T.compile_rows(rule, "two_shot", "rule llcomm.tp.AUTO_TABLE", cap))
+                   T.compile_rows(rule, "two_shot", "rule llcomm.tp.api.AUTO_TABLE", cap))
         except T.AlgoTableError as e:
             err = str(e)
         # Different algorithms never meet (one waits on flags, Lamport on data), so every

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CommClosedError
+from ..errors import CommClosedError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -23,8 +23,8 @@ receive half alone reads each source once (the CPU tests run virtual ranks in tu
 import triton
 import triton.language as tl
 
-from ._lamport import NO_SPECIALIZE, PHASE_DATA, _poll, push_tag, receive_context
-from ._sync import op_start, ptr_from_table, report_error
+from ...runtime.kernels.lamport import NO_SPECIALIZE, PHASE_DATA, _poll, push_tag, receive_context
+from ...runtime.kernels.sync import op_start, ptr_from_table, report_error
 
 
 @triton.jit

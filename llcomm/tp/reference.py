@@ -20,8 +20,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from . import protocol as P
-from .errors import CommTimeoutError
+from ..runtime import protocol as P
+from ..errors import CommTimeoutError
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

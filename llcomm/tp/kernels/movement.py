@@ -8,9 +8,9 @@ words (int32 or uint8 views), so they are byte-exact by construction.
 import triton
 import triton.language as tl
 
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, push_to_slot,
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, push_to_slot,
                     signal_peers, wait_peers)
-from .. import protocol as P
+from ...runtime import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 OP_BROADCAST = tl.constexpr(P.OP_BROADCAST)

@@ -1,7 +1,7 @@
 """The wire protocol between ranks: op codes, flag words, error words, timeouts.
 
 Pure Python (no Triton): the kernels mirror these numbers as ``tl.constexpr`` in
-``llcomm/kernels/_sync.py`` and the host decodes what the kernels write with the functions here.
+``llcomm/runtime/kernels/sync.py`` and the host decodes what the kernels write with the functions here.
 
 Flag word (int64, written by a peer into this rank's signal region)::
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError
+from ..errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError
 
 #: Default bound of every device-side wait, milliseconds (env ``LLCOMM_TIMEOUT_MS`` overrides).
 DEFAULT_TIMEOUT_MS = 1000
@@ -135,7 +135,7 @@ def decode_error(word: int, rank: int) -> LLCommError | None:
         return LLCommError(
             f"llcomm: rank {rank}: unrecognised error word {word:#x} (status {status}, {op}, "
             f"{phase}, ranks {ranks}): the error memory was overwritten or the kernels and "
-            "llcomm/protocol.py disagree. The communicator is now broken: destroy it and create "
+            "llcomm/runtime/protocol.py disagree. The communicator is now broken: destroy it and create "
             "a new one.")
     if status == STATUS_MISMATCH:
         return CommMismatchError(

@@ -1,4 +1,4 @@
-"""The Lamport protocol of ``all_reduce.lamport_kernel`` and ``fused_norm.lamport_norm_kernel``:
+"""The Lamport protocol of ``lamport.lamport_kernel`` and ``fused_norm.lamport_norm_kernel``:
 data that is its own flag, plus a tag word that says which call wrote it.
 
 Every rank's Lamport region (``lam_tab[r]``: data, ``tag_tab[r]``: tags, after the data)::
@@ -28,7 +28,7 @@ have: the CPU tests run virtual ranks in turn under ``TRITON_INTERPRET=1`` that 
 import triton
 import triton.language as tl
 
-from ._sync import RANK_VARYING, global_time_ns, ptr_from_table, report_error
+from .sync import RANK_VARYING, global_time_ns, ptr_from_table, report_error
 from .. import protocol as P
 
 #: Not specialised on, besides RANK_VARYING: the tag is only compared, so specialising on its

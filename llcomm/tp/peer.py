@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import protocol as P
-from ._env import env_bit, env_int, env_pow2
-from .launch import Launcher, Plan
-from .workspace import REGION_ALIGN, SymmetricWorkspace
+from ..runtime import protocol as P
+from ..runtime.settings import env_bit, env_int, env_pow2
+from ..runtime.launch import Launcher, Plan
+from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
 
 #: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
 #: advances counter ctrl[b], so all counters stay equal to the number of ops run.
@@ -34,7 +34,7 @@ LAMPORT_MAX_BYTES_W2 = 16 << 20
 LAMPORT_BYTES_ENV = "LLCOMM_LAMPORT_BYTES"
 #: Lamport kernels move LAMPORT_CHUNK_BYTES per block-iteration (LLCOMM_LAMPORT_CHUNK_BYTES,
 #: at most MAX_BLOCK_BYTES), and with several chunks per block receive chunk i - LAMPORT_LAG
-#: right after pushing chunk i (LLCOMM_LAMPORT_LAG; all_reduce.lamport_kernel, LAG). Tuning
+#: right after pushing chunk i (LLCOMM_LAMPORT_LAG; lamport.lamport_kernel, LAG). Tuning
 #: knobs (docs/performance.md has the A/B); every rank must use the same values.
 LAMPORT_CHUNK_ENV = "LLCOMM_LAMPORT_CHUNK_BYTES"
 LAMPORT_CHUNK_BYTES = 4 << 10
@@ -107,7 +107,7 @@ def lamport_bytes_setting(world_size: int) -> int:
 
 
 def lamport_lag(n: int, block: int, nb: int, lag: int) -> int:
-    """LAG of ``all_reduce.lamport_kernel`` for n elements in chunks of ``block`` over ``nb``
+    """LAG of ``lamport.lamport_kernel`` for n elements in chunks of ``block`` over ``nb``
     blocks: 0 (the single-chunk kernel) unless some block has several chunks, else ``lag``."""
     return lag if n > nb * block else 0
 
@@ -149,10 +149,11 @@ class PeerBackend:
 
     def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int):
         import triton.language as tl  # kernels need Triton: fail here, not mid-op
-        from .kernels import all_reduce, fused_norm, ll, movement
+        from .kernels import all_reduce, fused_norm, lamport, ll, movement
 
         self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
+        self._k_lam = lamport
         self._k_mv = movement
         self._k_ll = ll
         self._k_fn = fused_norm
@@ -267,12 +268,12 @@ class PeerBackend:
             op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
             block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
             view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
-            plan = Plan(self._k_ar.lamport_kernel, self.nb, (
+            plan = Plan(self._k_lam.lamport_kernel, self.nb, (
                 n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
                 self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
                 self.lamport_bytes // itemsize), warps, dict(
                 SENTINEL=sent, FT=self._tl_float[dtype], W=W, WP=self.WP, NB=self.nb,
-                BLOCK=block, STAGES=self._k_ar.ALL_STAGES, OWN_LOCAL=self.own_local,
+                BLOCK=block, STAGES=self._k_lam.ALL_STAGES, OWN_LOCAL=self.own_local,
                 LAG=lamport_lag(n, block, self.nb, self.lamport_lag),
                 SCATTER=int(algo == "rs_lamport"), OP=op), (view, view))
         elif algo == "one_shot":
@@ -370,7 +371,7 @@ class PeerBackend:
             self.err, self.rank, self._lamport_tag(op, numel_tag, dtype), self.timeout_us,
             self.ll_bytes // 4), warps,
             op=op, BCAST=int(op == P.OP_BROADCAST), W=self.world_size, WP=self.WP, NB=self.nb,
-            BLOCK=block, STAGES=self._k_ar.ALL_STAGES)
+            BLOCK=block, STAGES=self._k_lam.ALL_STAGES)
         return True
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:

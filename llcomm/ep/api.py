@@ -13,173 +13,30 @@ same ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from . import _validate as V
-from . import ops
-from . import protocol as P
-from ._env import env_bit, env_pow2
-from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .ep_layout import (ARM_BYTE, ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS, PROF_ENV,
-                        PROF_WORDS, check_shape_args, default_num_blocks, ep_layout)
-from .ep_reference import ReferenceEP
-from .errors import UnsupportedConfigError
+from ..runtime import validate as V
+from ..runtime import protocol as P
+from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from .layout import HANDLE_SLOTS, MAX_TOPK, check_shape_args, ep_layout
+from .peer import PeerEP
+from .reference import ReferenceEP
+from ..runtime.registry import register
+from ..errors import UnsupportedConfigError
+from ..runtime.backend import choose_backend
 
 
 BACKENDS = ("auto", "peer", "reference")
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites.
-HANDLE_SLOTS = 2
-assert HANDLE_SLOTS == NUM_SETS     # set k holds handle slot k's carried weights (kernels/ep.py)
-#: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
-#: block owns many experts, so the scan's compare tile (tokens x top-k x the block's experts)
-#: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
-TOPK_TILE_TOKENS = 128
-SCAN_TILE_ELEMS = 8192
-#: The scan's tile when one tile of this many tokens covers them all: at 1 token per rank a
-#: 16-token tile made the dispatch 9.7 -> 9.0 us on 2xH200, while 16-token tiles at 128 tokens
-#: cost 17.1 -> 20.7 us (session 9, two runs each); so the small tile only ever runs once.
-SMALL_SCAN_TILE = 16
-#: Env override of the scan tile (a power of two). On 2xH200 at 128 tokens a 128-token tile beat
-#: 32-token tiles by 2.1 us (docs/performance.md, session 4). Every EP knob below may differ
-#: between ranks: none changes what crosses between them.
-SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
-#: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
-#: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
-ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_LL=0 / 1``: the flag or the LL dispatch (kernels/ep.py, ``LL``) whatever the
-#: buffer's size. It changes what crosses between ranks, so every rank must use the same value;
-#: buffers with rank masks always run the flag dispatch.
-LL_ENV = "LLCOMM_EP_LL"
-#: Largest buffer (max tokens per rank) that runs the LL dispatch unless LLCOMM_EP_LL says
-#: otherwise. On 2xH200 (docs/performance.md, session 11) it took the dispatch from 9.3 / 17.5
-#: to 6.6 / 15.2 us at 1 / 128 tokens with the buffer for 128, and lost at 256 and 512 tokens
-#: with the buffer for 512 (30.3 / 64.9 against 29.6 / 56.0 us): its receive slots are armed
-#: again after every read, and each pair waits on its own words in turn.
-LL_MAX_TOKENS = 256
-#: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
-#: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
-OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
-#: ``LLCOMM_EP_E4M3_ASM=0``: FP8 dispatches round fp32 -> e4m3 on the bits instead of with the
-#: GPU's convert in inline PTX (E4M3_ASM in kernels/ep.py ``_quantize_row``). On 2xH200 the
-#: convert took the FP8 dispatch from 9.7 / 15.5 to 8.8 / 14.9 us at 1 / 128 tokens
-#: (docs/performance.md, session 11), byte-equal to torch's cast in the FP8 GPU tests.
-E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
-#: ``LLCOMM_EP_FP8_RCP=0``: the LL dispatch's FP8 quantiser divides element by element (div_rn)
-#: instead of by the refined reciprocal (FP8_RCP in kernels/ep.py ``_div_by``; same quotients).
-FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
-#: ``LLCOMM_EP_OWN_X=0``: the LL dispatch (bf16/fp16/fp32 rows, one launch) sends this rank's
-#: own rows to its own receive slots instead of expanding them straight from x (OWN_X in
-#: kernels/ep.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens (write,
-#: read, re-arm): 15.7 -> 14.3 us on 2xH200 (docs/performance.md, session 12).
-OWN_X_ENV = "LLCOMM_EP_OWN_X"
-#: Local experts summed per step when the dispatch kernel writes recv_count.
-COUNT_CHUNK = 1024
-#: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
-VECTORS_PER_THREAD = 4
-MAX_WARPS = 16
-#: How the EP waits poll their flags (measured: docs/performance.md, session 4).
-WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
-#: Env override of the EP kernels' num_warps (a tuning knob).
-NUM_WARPS_ENV = "LLCOMM_EP_NUM_WARPS"
 #: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
 MAX_MASK_RANKS = 32
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
-
-def wait_lanes_block() -> bool:
-    """How EP waits poll (kernels/ep.py ``_wait_flags``): ``LLCOMM_EP_WAIT_LANES=flags``
-    (default) polls each flag once per warp, ``block`` spreads the flags over 1024 lanes. On
-    2xH200 ``flags`` gave the faster dispatch in two runs (docs/performance.md)."""
-    raw = os.environ.get(WAIT_LANES_ENV, "flags")
-    if raw not in ("block", "flags"):
-        raise ValueError(f"{WAIT_LANES_ENV}={raw!r}: expected 'block' or 'flags'")
-    return raw == "block"
-
-
-def rows_first(ll: int = 0) -> int:
-    """ROWS_FIRST of the dispatch kernel: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
-    dispatch and 0 for the LL one (metadata and counts first: 6.5 / 15.3 against 7.1 / 17.0 us
-    at 1 / 128 tokens on 2xH200, docs/performance.md, session 11)."""
-    return env_bit(ROWS_FIRST_ENV, 0 if ll else 1)
-
-
-def ll_dispatch(max_tokens: int) -> int:
-    """LL of the dispatch kernel: ``LLCOMM_EP_LL`` when set, else 1 (the LL dispatch) for
-    buffers of at most LL_MAX_TOKENS tokens per rank. The rule follows the buffer, which every
-    rank shares, never a call's token count, which ranks do not."""
-    if os.environ.get(LL_ENV) is not None:
-        return env_bit(LL_ENV, 1)
-    return int(max_tokens <= LL_MAX_TOKENS)
-
-
-def e4m3_asm() -> int:
-    """E4M3_ASM of the dispatch kernel: ``LLCOMM_EP_E4M3_ASM`` (1 unless set to 0), never under
-    ``TRITON_INTERPRET=1``, which cannot run inline PTX (the bit rounding it runs instead gives
-    the same bytes: both match torch's cast, on the CPU and on the GPU respectively)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return env_bit(E4M3_ASM_ENV, 1)
-
-
-def ll_row_consts(lay, fp8: int) -> dict:
-    """RW and HPW of the LL dispatch: int32 words per row slot (FP8: e4m3 bytes, four to a
-    word; else buffer-dtype rows) and the power of two above."""
-    rw = (lay.hidden if fp8 else lay.hidden * lay.itemsize) // 4
-    return dict(RW=rw, HPW=_pow2(rw))
-
-
-def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
-                  small_tile_tokens: int | None = None):
-    """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
-    but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
-    Shared with tools/ptx_ep.py and the interpreter tests (which pick small tiles with
-    ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span several)."""
-    W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
-    L = E // W
-    off = lay.offsets()
-    hp = _pow2(H)
-    num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
-    raw = os.environ.get(NUM_WARPS_ENV)
-    if raw:
-        if raw not in ("1", "2", "4", "8", "16", "32"):
-            raise ValueError(f"{NUM_WARPS_ENV}={raw!r}: expected 1, 2, 4, 8, 16 or 32")
-        num_warps = int(raw)
-    common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
-                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
-                  MASKS=0, PROFILE=0)
-    jp = _pow2(-(-T // nb))
-    if tile_tokens is None:
-        tile_tokens = env_pow2(SCAN_TILE_ENV, 0)
-    if not tile_tokens:
-        per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
-        tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
-        tile_tokens = 1 << (tile_tokens.bit_length() - 1)
-    ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
-    fp = _pow2(nb * W)
-    block = wait_lanes_block()
-    ts = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
-    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens, TS=ts,
-             JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
-             OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
-             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
-             OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
-             E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=env_bit(OWN_X_ENV, 1),
-             **ll_row_consts(lay, 0))
-    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
-             LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
-    return d, c, num_warps
 
 
 class EPHandle:
@@ -316,11 +173,10 @@ class EPBuffer:
         self._combines = 0
         self._closed = False
         self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
-        from .tp import choose_backend
         backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer")
         self.backend = backend
         if backend == "peer":
-            self._impl = _PeerEP(self)
+            self._impl = PeerEP(self)
             self.device = self._impl.device
         else:
             self.timeout_ms = P.timeout_ms_from_env(timeout_ms, P.REFERENCE_DEFAULT_TIMEOUT_MS)
@@ -329,7 +185,7 @@ class EPBuffer:
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
                                      max_tokens=self.max_tokens, dtype=dtype, device=self.device,
                                      timeout_ms=self.timeout_ms)
-        ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
+        register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     @staticmethod
     def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -405,7 +261,7 @@ class EPBuffer:
                 ``(recv_x_fp8, recv_scales)``); allocated when not given.
             use_fp8: quantise on the sender to float8_e4m3fn with one fp32 scale per 128
                 channels (``hidden`` a multiple of 128): half the bytes of bf16 cross the
-                links. The format is defined in ``llcomm/ep_fp8.py`` (amax / 448 per block,
+                links. The format is defined in ``llcomm/ep/fp8.py`` (amax / 448 per block,
                 round to nearest even, saturating); both backends give the same bytes.
             round_scale: with ``use_fp8``, round each scale up to a power of two.
             return_recv_hook: issue only the send half (rows leave for their ranks; ``x`` may
@@ -727,180 +583,3 @@ class EPBuffer:
 
     def __exit__(self, *exc):
         self.close()
-
-
-class _PeerEP:
-    """The peer backend of EPBuffer: symmetric region, counters, handle slots, launches."""
-
-    def __init__(self, buf: EPBuffer):
-        from .kernels import ep as kernels
-        from .launch import Launcher
-        from .workspace import SymmetricWorkspace
-
-        self.k = kernels
-        self.rank, self.W = buf.rank, buf.num_ranks
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.nb = nb = default_num_blocks(sms)
-        if nb > sms:
-            raise UnsupportedConfigError(
-                f"llcomm.EPBuffer: LLCOMM_EP_NUM_BLOCKS={nb} exceeds this GPU's {sms} SMs; every "
-                "block of a dispatch waits for the others, so all must be resident")
-        itemsize = torch.tensor([], dtype=buf.dtype).element_size()
-        self.layout = lay = ep_layout(buf.max_tokens, buf.hidden, self.W, buf.num_experts,
-                                      itemsize, num_blocks=nb, fp8=buf.fp8)
-        self.buf = buf
-        self.timeout_us = buf.timeout_ms * P.US_PER_MS
-        # the receive slots start in the LL dispatch's idle state (ep_layout.ARM_BYTE), set on
-        # every rank before any rank's first dispatch can write there
-        self.ws = SymmetricWorkspace(buf.group, {"ep": lay.total_bytes}, self.device,
-                                     fill={"ep": [(a, b, ARM_BYTE) for a, b in
-                                                  lay.armed_ranges()]})
-        self.tab = self.ws.table("ep")
-        self.ll = 0 if buf.enable_masks else ll_dispatch(buf.max_tokens)
-        self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # RW, HPW by FP8 mode
-        self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
-        self._ctrl = (self.ctrl[0], self.ctrl[1])   # dispatch's, combine's (made once: a view
-        #                                             costs microseconds per eager call)
-        # err[0]: device error word; err[1]: host address of the error word; err[2]: host
-        # address of the out-of-range top-k count. Pinned host memory is mapped into the GPU's
-        # address space, so kernels store to it and the host reads it without a sync.
-        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-        self._host_np = self._host.numpy()
-        # err[3]: rank mask (bit s: rank s masked); err[4]: the mask the blocks of the latest
-        # dispatch agreed on, with its epoch (kernels/ep.py: ERR_MASK, ERR_VERDICT).
-        self.masks = int(buf.enable_masks)
-        # err[ERR_PROF:]: stage stamps of each block when LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
-        self.profile = int(os.environ.get(PROF_ENV, "0") == "1")
-        self.err = torch.zeros(ERR_PROF + 2 * nb * PROF_WORDS, dtype=torch.int64,
-                               device=self.device)
-        self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8])
-        L, T = buf.num_local_experts, buf.max_tokens
-        # handle slot (int32 words): row_of [W, T, K <= MAX_TOPK] | src_info [L, W T] |
-        # recv_count [L] | ntok [W]
-        self._slot_words = (self.W * T * MAX_TOPK, L * self.W * T, L, self.W)
-        self.slots = [torch.zeros(sum(self._slot_words), dtype=torch.int32, device=self.device)
-                      for _ in range(HANDLE_SLOTS)]
-        self._failure = P.FailureLatch(self.rank, "EPBuffer")
-        self._launch = Launcher(self.device)
-        self._call_consts: dict = {}        # (op, top-k, modes) -> one call's constexprs
-        self._slot_views: dict = {}         # (slot, top-k) -> _views
-        self.num_warps = kernel_consts(lay, 1)[2]
-        self._tags: dict = {}
-
-    def _views(self, slot: int, topk: int):
-        hit = self._slot_views.get((slot, topk))
-        if hit is None:
-            hit = self._slot_views[(slot, topk)] = self._make_views(slot, topk)
-        return hit
-
-    def _make_views(self, slot: int, topk: int):
-        words = self.slots[slot]
-        a, b, c, _ = self._slot_words
-        W, T = self.W, self.buf.max_tokens
-        row_of = words[:W * T * topk].view(W, T, topk)
-        src_info = words[a:a + b].view(self.buf.num_local_experts, W * T)
-        recv_count = words[a + b:a + b + c]
-        ntok = words[a + b + c:]
-        return row_of, src_info, recv_count, ntok
-
-    def _consts(self, op: str, topk: int, fp8: int, carry: int) -> dict:
-        """The constexprs of one ``op`` ("dispatch" or "combine") call, kept per top-k, FP8
-        mode and carried weights (``carry``; the combine's CARRIED); callers copy to change."""
-        key = (op, topk, fp8, carry)
-        hit = self._call_consts.get(key)
-        if hit is None:
-            d, c, _ = kernel_consts(self.layout, topk)
-            mode = dict(MASKS=self.masks, PROFILE=self.profile)
-            if op == "dispatch":
-                hit = dict(d, LL=self.ll, ROWS_FIRST=rows_first(self.ll),
-                           STAGES=self.k.DISPATCH_ALL, **mode, FP8=fp8, CARRY=carry,
-                           **self._rows[fp8])
-            else:
-                hit = dict(c, STAGES=self.k.COMBINE_ALL, **mode, enable_fp_fusion=False,
-                           CARRIED=carry)
-            self._call_consts[key] = hit
-        return hit
-
-    def _tag(self, op: int, topk: int, fp8: int = 0, carry: int = 0) -> int:
-        key = (op, topk, fp8, carry)
-        if key not in self._tags:
-            # fp8 and carry in the tag: ranks that disagree about use_fp8 / round_scale, or
-            # about whether the weights travel with the dispatch, are a mismatch
-            self._tags[key] = P.size_tag(op, ((self.buf.hidden * 4 + fp8) * 2 + carry) * 64
-                                         + topk, _name(self.buf.dtype))
-        return self._tags[key]
-
-    def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
-                 split: bool = False, weights=None):
-        """Launch the dispatch (``split``: its send half only, and return the launch of its
-        receive half as the fourth value; otherwise that is None). ``weights``: push them too,
-        into handle slot ``slot``'s weights region (set ``slot``; kernels/ep.py)."""
-        K = topk_idx.shape[1]
-        row_of, src_info, recv_count, ntok = self._views(slot, K)
-        if fp8:
-            recv_x = recv_x.view(torch.uint8)       # the kernel moves e4m3 as bytes
-        carry = int(weights is not None)
-        w_off = self.layout.sets[slot].dispatch_weights
-        if self.ll and x.data_ptr() % 16:
-            x = x.clone()           # the LL dispatch reads rows as aligned int32 words
-        args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
-                src_info, recv_count, ntok, self.tab, self._ctrl[0], self.err, self.rank,
-                self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
-                weights if carry else topk_idx, w_off)
-        consts = self._consts("dispatch", K, fp8, carry)
-        state = (row_of, ntok, w_off if carry else None)
-        if not split:
-            self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
-            return recv_count, src_info, state, None
-        consts = dict(consts, STAGES=self.k.DISPATCH_SEND_HALF)
-        self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
-        recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
-        return recv_count, src_info, state, lambda: self._launch(
-            self.k.dispatch_kernel, self.nb, args, self.num_warps, **recv)
-
-    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
-        """Kernel arguments and constexprs; with weights carried by the dispatch (``state``'s
-        weights offset set) ``topk_weights`` is None and the kernel reads the handle slot's."""
-        row_of, ntok, w_off = state
-        K = topk_idx.shape[1]
-        carried = int(w_off is not None)
-        return (expert_out, topk_idx, topk_idx if carried else topk_weights, topk_idx.shape[0],
-                out, row_of, ntok, self.tab, self._ctrl[1], self.err, self.rank,
-                self._tag(P.OP_COMBINE, K, 0, carried), self.timeout_us,
-                w_off if carried else 0), self._consts("combine", K, 0, carried)
-
-    def combine(self, expert_out, topk_idx, topk_weights, state, out):
-        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
-        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **consts)
-        return out
-
-    def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
-        """Launch the combine's send half; return the launch of its receive half."""
-        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
-        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps,
-                     **dict(consts, STAGES=self.k.COMBINE_SEND_HALF))
-        recv = dict(consts, STAGES=self.k.COMBINE_RECV_HALF)
-        return lambda: self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **recv)
-
-    def query_mask(self) -> torch.Tensor:
-        word = self.err[self.k.ERR_MASK.value]
-        ranks = torch.arange(self.W, dtype=torch.int64, device=self.device)
-        return ((word >> ranks) & 1).to(torch.int32)
-
-    def clean_mask(self) -> None:
-        self.err[self.k.ERR_MASK.value].zero_()
-
-    def take_bad_count(self, sync: bool) -> int:
-        bad = int(self._host_np[1])
-        if bad:
-            self._host_np[1] = 0
-        return bad
-
-    def precheck(self) -> None:
-        self._failure.check(self._host_np[0])
-
-    def close(self) -> None:
-        if self.ws is not None:
-            self.ws.close()
-            self.ws = None

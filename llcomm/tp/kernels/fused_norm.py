@@ -33,12 +33,12 @@ import triton
 import triton.language as tl
 
 # PUSH, REDUCE, ALL_STAGES: the stage bits, for the host and the tests as before
-from ._lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
-from ._lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ._lamport import limit_ticks, own_words, push_tag, receive, tag_slots
-from ._sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, signal_peers,
+from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
+from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
+from ...runtime.kernels.lamport import limit_ticks, own_words, push_tag, receive, tag_slots
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, signal_peers,
                     wait_peers)
-from .. import protocol as P
+from ...runtime import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 OP_FUSED_LAMPORT = tl.constexpr(P.OP_FUSED_LAMPORT)
@@ -72,7 +72,7 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
                         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
-    Slot and tag layout as ``all_reduce.lamport_kernel`` (element i of rank r's operand at
+    Slot and tag layout as ``lamport.lamport_kernel`` (element i of rank r's operand at
     ``(half * W + r) * cap + i`` of every rank's Lamport region, tags ``[half][block][r]``), so
     both kernels share halves. ``tag`` is ``protocol.lamport_tag`` of OP_FUSED_LAMPORT and the
     shape (tokens and hidden, as the one-shot variant's flag): it differs from every plain

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from ._env import env_bit
+from .settings import env_bit
 
 log = logging.getLogger("llcomm")
 

@@ -1,0 +1,1 @@
+"""Triton kernels of EP dispatch and combine."""

@@ -1,1 +1,0 @@
-"""Triton kernels, one module per op family. Imported only where kernels run (CUDA machines)."""
