@@ -3,7 +3,8 @@ the variable at import, so the pytest process itself cannot switch to the interp
 
     run_in_interpreter("test_ll_cpu", "simulate_matched", 2, 4, rounds)
 
-The function's arguments and return value travel as JSON.
+The function's arguments and return value travel as JSON. Inside that process, ``run_ranks``
+runs several virtual ranks' kernels at once, one thread each (kernels with flag barriers).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def run_in_interpreter(module: str, fn_name: str, *args):
 #     builder object);
 #   - triton.language is patched for the interpreter once, on entry, and restored on exit (each
 #     launch would otherwise restore it when it ends, under the launches still running);
-#   - a scalar comparison splat over a block (``offs < n) & (s != rank)``) stays a boolean
+#   - a scalar comparison splat over a block (``(offs < n) & (s != rank)``) stays a boolean
 #     block: the interpreter keeps the operands' type in a comparison's scalar result and
 #     splats it as that type, which loads and stores then refuse as a mask;
 #   - the inline PTX reads of the GPU clocks (``%globaltimer``, ``%clock64``), which the
@@ -110,7 +111,6 @@ class concurrent_kernels:
         return self
 
     def __exit__(self, *exc):
-        I = _interp_module()
         for obj, name, value in reversed(self._saved):
             if value is None:
                 delattr(obj, name)
