@@ -3,7 +3,8 @@ the variable at import, so the pytest process itself cannot switch to the interp
 
     run_in_interpreter("test_ll_cpu", "simulate_matched", 2, 4, rounds)
 
-The function's arguments and return value travel as JSON.
+The function's arguments and return value travel as JSON. Inside that process, ``run_ranks``
+runs several virtual ranks' kernels at once, one thread each (kernels with flag barriers).
 """
 from __future__ import annotations
 
@@ -26,3 +27,125 @@ def run_in_interpreter(module: str, fn_name: str, *args):
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert p.returncode == 0 and line, f"interpreter run failed:\n{p.stdout}\n{p.stderr}"
     return json.loads(line[0][len("RESULT"):])
+
+
+# -- several virtual ranks' kernels at once (inside the interpreter process) -------------------
+# Kernels with flag barriers (signal, then a bounded wait for every peer) cannot run rank after
+# rank: each rank's launch must be running while its peers' launches run. ``run_ranks`` runs
+# one thread per rank. Triton's interpreter is written for one launch at a time, so
+# ``concurrent_kernels`` adapts it for the duration:
+#   - the block index and grid size become per-thread (the interpreter keeps them in its one
+#     builder object);
+#   - triton.language is patched for the interpreter once, on entry, and restored on exit (each
+#     launch would otherwise restore it when it ends, under the launches still running);
+#   - a scalar comparison splat over a block (``(offs < n) & (s != rank)``) stays a boolean
+#     block: the interpreter keeps the operands' type in a comparison's scalar result and
+#     splats it as that type, which loads and stores then refuse as a mask;
+#   - the inline PTX reads of the GPU clocks (``%globaltimer``, ``%clock64``), which the
+#     interpreter refuses, return the host's monotonic clock in ns, so bounded waits run and
+#     time out; each read also yields the other threads their turn, so a spinning rank lets
+#     the rank it waits for make progress.
+
+def _interp_module():
+    import triton.runtime.interpreter as I
+    return I
+
+
+class _ClockRead:
+    """What ``create_inline_asm`` returns for a clock read: one int64 result."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def get_result(self, i):
+        assert i == 0
+        return self._handle
+
+
+class concurrent_kernels:
+    """Context manager: while it is active, threads may run interpreted kernels at once."""
+
+    _CLOCKS = ("%globaltimer", "%clock64")
+
+    def __enter__(self):
+        import threading
+        import time
+        import types
+
+        import numpy as np
+        import triton.language as tl
+
+        I = _interp_module()
+        B = I.InterpreterBuilder
+        local = threading.local()
+        self._saved = [(B, name, B.__dict__.get(name)) for name in
+                       ("grid_idx", "grid_dim", "create_inline_asm", "create_splat")]
+        self._saved.append((I, "_patch_lang", I._patch_lang))
+        self._scope = I._patch_lang(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
+
+        def per_thread(name):
+            return property(lambda self: getattr(local, name, None),
+                            lambda self, value: setattr(local, name, value))
+
+        refuse = B.create_inline_asm
+
+        def create_inline_asm(builder, asm, constraints, values, type, is_pure, pack):
+            if not any(c in asm for c in concurrent_kernels._CLOCKS):
+                return refuse(builder, asm, constraints, values, type, is_pure, pack)
+            time.sleep(0)                           # let the other ranks' threads run
+            now = np.full(values[0].data.shape, time.monotonic_ns(), dtype=np.int64)
+            return _ClockRead(I.TensorHandle(now, tl.int64))
+
+        splat = B.create_splat
+
+        def create_splat(builder, ret_ty, arg):
+            if arg.data.dtype == np.bool_ and ret_ty.scalar == tl.int1:
+                return I.TensorHandle(np.full(ret_ty.shape, arg.data.reshape(-1)[0]), tl.int1)
+            return splat(builder, ret_ty, arg)
+
+        B.grid_idx = per_thread("grid_idx")
+        B.grid_dim = per_thread("grid_dim")
+        B.create_inline_asm = create_inline_asm
+        B.create_splat = create_splat
+        I._patch_lang = lambda fn: I._LangPatchScope()     # already patched, restored on exit
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, value in reversed(self._saved):
+            if value is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+        self._scope.restore()
+        return False
+
+
+def run_ranks(fns, timeout: float = 300.0):
+    """Run ``fns[r]()`` for every virtual rank r, each in its own thread, all at once (under
+    ``concurrent_kernels``); return their results in rank order. A function that raises makes
+    this raise its exception; one that has not returned after ``timeout`` seconds (a wait that
+    never ends) makes this raise TimeoutError."""
+    import threading
+
+    results = [None] * len(fns)
+    errors = [None] * len(fns)
+
+    def body(r):
+        try:
+            results[r] = fns[r]()
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the caller's thread)
+            errors[r] = e
+
+    with concurrent_kernels():
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(fns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        if stuck:
+            raise TimeoutError(f"virtual ranks {stuck} still running after {timeout} s")
+    for e in errors:
+        if e is not None:
+            raise e
+    return results

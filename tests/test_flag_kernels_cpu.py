@@ -1,0 +1,411 @@
+"""The flag kernels on the CPU: ``one_shot_kernel`` and ``two_shot_kernel`` (all_reduce),
+``broadcast_kernel``, ``all_gather_kernel`` and ``reduce_scatter_kernel`` (movement) and the flag
+protocol they share (``signal_peers`` / ``wait_peers``), under ``TRITON_INTERPRET=1`` on virtual
+ranks.
+
+Each virtual rank is a ``peer.PeerBackend`` whose workspace regions (flags, staging, gather)
+are plain CPU tensors laid out as its constructor lays them out, the tables of their addresses
+playing the peer tables; its own op code (plans, tags, word views, shards, launch arguments)
+runs unchanged and launches through the interpreter. A flag kernel signals and then waits for
+every peer, so the ranks' launches run at once, one thread per rank (``_interp.run_ranks``,
+which also gives the interpreter the GPU clock the bounded waits read). Checked:
+
+- matched rounds on one workspace (sizes and dtypes that change every round, 1 and 4099
+  elements, blocks without data, blocks that loop, a call repeated so only the epoch tells the
+  rounds apart): all_reduce by one_shot and two_shot is the fp32 sum of every rank's fresh
+  random operand in rank order, rounded once, the same bits on every rank; broadcast from
+  every root, all_gather (contiguous and 2-D) and reduce_scatter are byte-exact against torch;
+  outputs are poisoned before every call, inputs unchanged, no error word, every op counter
+  equal to the rounds run;
+- ranks that disagree about the call (size, dtype, op, row shape): every rank's error word is
+  a mismatch of its own op at the entry barrier naming the ranks that disagree, and nothing is
+  written to its output;
+- a rank that never launches: its peers' error words are a timeout naming it (at the entry
+  barrier, after a round whose same-tag words of an older epoch are still in the flags), the
+  wait ended after the bound and not long after; a peer that stops between two_shot's barriers
+  is a timeout at the exit barrier; a peer's word of a later epoch counts as arrived.
+"""
+from __future__ import annotations
+
+import pytest
+
+from _interp import run_in_interpreter, run_ranks
+from llcomm import peer                              # PeerBackend and its region layout
+from llcomm import protocol as P                     # op / phase codes, decode_error
+from llcomm.kernels import all_reduce, movement      # the kernels PeerBackend launches
+
+BF, F32 = "bfloat16", "float32"
+#: Poison written over every output (and a non-root's broadcast buffer) before each call.
+POISON_BYTE = 0xA5
+#: Bound of the device waits in matched rounds and mismatches: long enough for any peer thread
+#: of a loaded CPU to arrive (a mismatch is seen as soon as the peer's word arrives).
+LONG_US = 10_000_000
+
+
+class InterpreterLauncher:
+    """``launch.Launcher``'s two entry points on Triton's own launch path, which is the
+    interpreter here (no compiled-kernel cache, no CUDA stream, no first-launch bound)."""
+
+    def __call__(self, fn, grid, args, num_warps, **consts):
+        fn[(grid,)](*args, num_warps=num_warps, **consts)
+
+    def run(self, plan, *ts):
+        ts = tuple(t if v is None else t.view(v) for t, v in zip(ts, plan.views))
+        self(plan.fn, plan.grid, (*ts, *plan.tail), plan.num_warps, **plan.consts)
+
+
+class VirtualPeers:
+    """W virtual ranks: per rank the flags, staging and gather regions (sized as
+    ``PeerBackend.__init__`` sizes them), private op counters and error words, and a
+    ``PeerBackend`` bound to them with LL and the Lamport reduce_scatter off (so every op runs
+    its flag kernel)."""
+
+    def __init__(self, W: int, NB: int, max_bytes: int, timeout_us: int = LONG_US):
+        import torch
+
+        self.W, self.NB = W, NB
+        cap_bytes = (max_bytes + 255) // 256 * 256
+        sizes = {"flags": 8 * peer.FLAG_PHASES * NB * W, "stage": peer.HALVES * W * cap_bytes,
+                 "gather": peer.HALVES * cap_bytes}
+        self.regions = {k: [torch.zeros(v, dtype=torch.uint8) for _ in range(W)]
+                        for k, v in sizes.items()}
+        tabs = {k: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+                for k, ts in self.regions.items()}
+        self.host = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
+        self.ranks = []
+        for r in range(W):
+            b = peer.PeerBackend.__new__(peer.PeerBackend)  # its __init__ needs GPUs and a group
+            b.rank, b.world_size, b.nb, b.WP = r, W, NB, 1 << (W - 1).bit_length()
+            b.max_bytes, b.cap_bytes, b.timeout_us = max_bytes, cap_bytes, timeout_us
+            b.ll_bytes = b.rs_lamport_bytes = b.lamport_bytes = 0
+            b._k_ar, b._k_mv, b._plans, b.tabs = all_reduce, movement, {}, tabs
+            b.flags = self.regions["flags"][r].view(torch.int64)
+            ctrl = torch.zeros(NB + peer.CTRL_ERR_WORDS, dtype=torch.int64)
+            b.ctrl, b.err = ctrl[:NB], ctrl[NB:]
+            b.err[1] = self.host[r].data_ptr()
+            b._err, b._err_np = self.host[r], self.host[r].numpy()
+            b._failure = P.FailureLatch(r, "communicator")
+            b._launch = InterpreterLauncher()
+            self.ranks.append(b)
+
+    def error(self, r: int):
+        """Rank r's error word decoded: [exception type, op, phase, ranks], or None."""
+        e = P.decode_error(int(self.host[r][0]), r)
+        return None if e is None else [type(e).__name__, e.op, e.phase, list(e.ranks)]
+
+
+# -- one call of one rank ------------------------------------------------------------------------
+def _dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def _poisoned(shape, dtype):
+    import torch
+    t = torch.empty(shape, dtype=dtype)
+    t.view(-1).view(torch.uint8).fill_(POISON_BYTE)
+    return t
+
+
+def _numbers(spec, seed: int, rank: int, shape, dtype):
+    """Fresh operand of one rank: normal floats for the sums, any bit pattern (NaN payloads
+    included) for the byte-exact movement."""
+    import zlib
+
+    import torch
+    g = torch.Generator().manual_seed(zlib.crc32(repr((tuple(spec), seed, rank)).encode()))
+    if spec[0] in ("one_shot", "two_shot", "reduce_scatter"):
+        return torch.randn(shape, generator=g).to(dtype)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class Call:
+    """Rank ``rank``'s call of ``spec``: ``("one_shot" | "two_shot", n, dtype)``,
+    ``("broadcast", n, dtype, src)``, ``("all_gather", n, dtype)``, ``("all_gather_2d", rows,
+    cols, dtype)`` or ``("reduce_scatter", m, dtype)`` (m elements out, W * m in)."""
+
+    def __init__(self, spec, seed: int, rank: int, W: int):
+        self.spec, self.kind, self.rank = tuple(spec), spec[0], rank
+        dtype = _dtype(spec[3] if self.kind == "all_gather_2d" else spec[2])
+        shape = {"all_gather_2d": (spec[1], spec[2]),
+                 "reduce_scatter": (W * spec[1],)}.get(self.kind, (spec[1],))
+        self.x = _numbers(spec, seed, rank, shape, dtype)
+        self.x0 = self.x.clone()
+        if self.kind == "broadcast" and rank != spec[3]:
+            self.x = _poisoned(shape, dtype)
+        out_shape = {"all_gather": (W * spec[1],), "all_gather_2d": (spec[1], W * spec[2]),
+                     "reduce_scatter": (spec[1],), "broadcast": (0,)}.get(self.kind, shape)
+        self.out = _poisoned(out_shape, dtype)
+
+    def run(self, b) -> None:
+        if self.kind in ("one_shot", "two_shot"):
+            b.all_reduce(self.x, self.out, self.kind)
+        elif self.kind == "broadcast":
+            b.broadcast(self.x, self.spec[3])
+        elif self.kind == "all_gather":
+            b.all_gather(self.x, self.out)
+        elif self.kind == "all_gather_2d":
+            b.all_gather_2d(self.x, self.out)
+        else:
+            b.reduce_scatter(self.x, self.out)
+
+    def result(self):
+        return self.x if self.kind == "broadcast" else self.out
+
+    def untouched(self) -> bool:
+        """Nothing written to the output (the poison is whole)."""
+        import torch
+        if self.kind == "broadcast":
+            return self.rank == self.spec[3] or bool((self.x.view(-1).view(torch.uint8)
+                                                      == POISON_BYTE).all())
+        return bool((self.out.view(-1).view(torch.uint8) == POISON_BYTE).all())
+
+
+def _same_bits(a, b) -> bool:
+    import torch
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8))
+
+
+def _rounded_once(got, acc) -> bool:
+    """``got`` is the fp32 ``acc`` rounded once to got's dtype, element by element: to nearest
+    even (the GPU) or, for bf16, toward zero (the interpreter truncates fp32 -> bf16)."""
+    import torch
+    if got.dtype == torch.float32:
+        return _same_bits(got, acc)
+    g = got.view(torch.int16)
+    near = acc.to(got.dtype).view(torch.int16)
+    ok = g == near
+    if got.dtype == torch.bfloat16:
+        ok |= g == (acc.view(torch.int32) >> 16).to(torch.int16)
+    return bool(ok.all())
+
+
+def check_round(calls) -> list[str]:
+    """What is wrong with one matched round's results (empty: nothing)."""
+    import torch
+    fails = []
+    kind, spec = calls[0].kind, calls[0].spec
+    for r, c in enumerate(calls):
+        where = f"{spec} rank {r}"
+        if kind != "broadcast" and not _same_bits(c.x, c.x0):
+            fails.append(f"{where}: the input changed")
+        if kind in ("one_shot", "two_shot", "reduce_scatter"):
+            acc = torch.zeros(c.x.shape)
+            for o in calls:                         # fp32, in rank order
+                acc += o.x0.float()
+            if kind == "reduce_scatter":
+                m = spec[1]
+                acc = acc[r * m:(r + 1) * m]
+            if not _rounded_once(c.out, acc):
+                fails.append(f"{where}: not the rank-order fp32 sum rounded once")
+            if kind != "reduce_scatter" and not _same_bits(c.out, calls[0].out):
+                fails.append(f"{where}: other bits than rank 0")
+        elif kind == "broadcast":
+            if not _same_bits(c.x, calls[spec[3]].x0):
+                fails.append(f"{where}: not the root's bytes")
+        else:
+            rows = spec[1] if kind == "all_gather_2d" else 1
+            want = torch.cat([o.x0.reshape(rows, -1) for o in calls], 1)
+            if not _same_bits(c.out, want.reshape(c.out.shape)):
+                fails.append(f"{where}: not the ranks' bytes in rank order")
+    return fails
+
+
+def _nbytes(spec) -> int:
+    """Bytes of one rank's operand (what a staging slot must hold)."""
+    n = spec[1] * spec[2] if spec[0] == "all_gather_2d" else spec[1]
+    return n * _dtype(spec[-2] if spec[0] == "broadcast" else spec[-1]).itemsize
+
+
+def _launch_round(V: VirtualPeers, specs, seed: int):
+    """Rank r calls specs[r] (None: it does not launch), all ranks at once. Returns the calls
+    and each launching rank's seconds in its call."""
+    import time
+    calls = [None if s is None else Call(s, seed, r, V.W) for r, s in enumerate(specs)]
+
+    def rank_fn(r):
+        def go():
+            t0 = time.monotonic()
+            calls[r].run(V.ranks[r])
+            return time.monotonic() - t0
+        return go
+    secs = run_ranks([rank_fn(r) for r, c in enumerate(calls) if c is not None])
+    return calls, secs
+
+
+# -- run in the interpreter process --------------------------------------------------------------
+def simulate_matched(W, NB, rounds):
+    """Matched rounds (every rank calls ``rounds[i]``) on one set of workspaces; returns the
+    failures."""
+    V = VirtualPeers(W, NB, max(_nbytes(s) for s in rounds))
+    fails = []
+    for i, spec in enumerate(rounds):
+        calls, _ = _launch_round(V, [spec] * W, seed=i)
+        fails += [f"round {i}: {f}" for f in check_round(calls)]
+        fails += [f"round {i} {spec} rank {r}: error word {V.error(r)}" for r in range(W)
+                  if V.error(r)]
+    fails += [f"rank {r}: op counters {b.ctrl.tolist()}" for r, b in enumerate(V.ranks)
+              if b.ctrl.tolist() != [len(rounds)] * NB]
+    return fails
+
+
+def simulate_faulty(W, NB, warmup, specs, timeout_us):
+    """``warmup`` matched rounds, then one round where rank r calls specs[r] (None: it never
+    launches) with waits bounded by ``timeout_us``. Returns per launching rank [its error word
+    decoded, seconds in its call, whether its output is untouched]; None for the others."""
+    V = VirtualPeers(W, NB, max(_nbytes(s) for s in [*warmup, *specs] if s), timeout_us)
+    for i, spec in enumerate(warmup):   # its results are test_matched_rounds' business
+        _launch_round(V, [spec] * W, seed=i)
+        assert not any(map(V.error, range(W))), "an error in the warm-up"
+    calls, secs = _launch_round(V, specs, seed=len(warmup))
+    secs = iter(secs)
+    return [None if c is None else [V.error(r), next(secs), c.untouched()]
+            for r, c in enumerate(calls)]
+
+
+def two_shot_exit_timeout(n, timeout_us):
+    """Rank 0 of 2 runs two_shot (fp32, TIMEOUT_NB blocks); rank 1 is a peer that arrived at
+    the entry barrier (its flag words; its shard in rank 0's staging is left zero) and then
+    stopped. Returns rank 0's error word decoded and the seconds of its call."""
+    import time
+    V = VirtualPeers(2, TIMEOUT_NB, n * 4, timeout_us)
+    tag = P.size_tag(P.OP_TWO_SHOT, n, "float32")
+    V.ranks[0].flags.view(V.NB * peer.FLAG_PHASES, 2)[:V.NB, 1] = (1 << P.EPOCH_SHIFT) | tag
+    c = Call(("two_shot", n, F32), 0, 0, 2)
+    t0 = time.monotonic()
+    run_ranks([lambda: c.run(V.ranks[0])])
+    return [V.error(0), time.monotonic() - t0]
+
+
+def later_epoch_arrives(n):
+    """Rank 0 of 2 runs its first one_shot (epoch 1) where rank 1's flag words already hold
+    epoch 2 with another tag (rank 1 finished this op and signalled its next one over the same
+    slot). Returns rank 0's error word decoded and its op counters."""
+    V = VirtualPeers(2, 2, n * 4, 1_000_000)
+    word = (2 << P.EPOCH_SHIFT) | P.size_tag(P.OP_ALL_GATHER, 7, "int32")
+    V.ranks[0].flags.view(V.NB * peer.FLAG_PHASES, 2)[:V.NB, 1] = word
+    c = Call(("one_shot", n, F32), 0, 0, 2)
+    run_ranks([lambda: c.run(V.ranks[0])])
+    return [V.error(0), V.ranks[0].ctrl.tolist()]
+
+
+# -- the tests -------------------------------------------------------------------------------------
+def _rounds(W):
+    """Matched rounds: sizes and dtypes change every round, 1 and 4099 elements (a partial
+    last block, blocks without data), 16389 fp32 (every block loops: 64 KiB over NB blocks of
+    16 KiB at NB 2), odd byte counts (uint8 word views) and 4-byte ones (int32), broadcast
+    from every root; rounds 1 and 3 (and 2 and 4) make the same call on the same staging half,
+    so only the epoch tells them apart."""
+    return [("one_shot", 1, BF), ("one_shot", 4099, BF), ("two_shot", 4099, F32),
+            ("one_shot", 4099, BF), ("two_shot", 4099, F32), ("two_shot", 1, BF),
+            ("one_shot", 16389, F32), ("two_shot", 4099, BF),
+            *[("broadcast", 4099, BF, s) for s in range(W)], ("broadcast", 1, BF, W - 1),
+            ("all_gather", 1001, BF), ("all_gather", 4099, F32), ("all_gather_2d", 3, 5, BF),
+            ("all_gather_2d", 4, 8, F32), ("reduce_scatter", 1, BF),
+            ("reduce_scatter", 4099, F32), ("reduce_scatter", 1001, BF), ("one_shot", 5, F32)]
+
+
+@pytest.mark.parametrize("W,NB", [(2, 2), (3, 3)])
+def test_matched_rounds(W, NB):
+    fails = run_in_interpreter("test_flag_kernels_cpu", "simulate_matched", W, NB, _rounds(W))
+    assert not fails, "\n".join(fails[:20])
+
+
+A = ("one_shot", 4099, BF)
+#: name: (W, rank r's call, the op each rank names). Ranks that disagree about the call.
+MISMATCHES = {
+    "sizes": (2, [A, ("one_shot", 64, BF)], ["one_shot"] * 2),
+    "dtypes": (2, [A, ("one_shot", 4099, F32)], ["one_shot"] * 2),
+    "one_shot-vs-two_shot": (2, [A, ("two_shot", 4099, BF)], ["one_shot", "two_shot"]),
+    "two_shot-sizes": (2, [("two_shot", 4099, BF), ("two_shot", 4000, BF)], ["two_shot"] * 2),
+    "all_gather-rows": (2, [("all_gather_2d", 2, 8, F32), ("all_gather_2d", 4, 4, F32)],
+                        ["all_gather"] * 2),
+    "broadcast-vs-reduce_scatter": (2, [("broadcast", 64, F32, 0), ("reduce_scatter", 64, F32)],
+                                    ["broadcast", "reduce_scatter"]),
+    "all_gather-vs-one_shot-w3": (3, [A, ("all_gather", 4099, BF), A],
+                                  ["one_shot", "all_gather", "one_shot"]),
+}
+_OP = {"one_shot": P.OP_ONE_SHOT, "two_shot": P.OP_TWO_SHOT, "broadcast": P.OP_BROADCAST,
+       "all_gather": P.OP_ALL_GATHER, "reduce_scatter": P.OP_REDUCE_SCATTER}
+#: name: (W, rank r's call or None: never launches, timeout_us), at NB blocks that all have
+#: data. After a matched warm-up of the same call, so the missing rank's words of the previous
+#: epoch, same tag, are in the flags.
+TIMEOUTS = {
+    "one_shot": (2, [("one_shot", 8192, BF), None], 500_000),
+    "broadcast-w3": (3, [("broadcast", 4096, F32, 2)] * 2 + [None], 2_000_000),
+}
+TIMEOUT_NB = 4
+
+
+def _within_bound(secs: float, bound_us: int, nb: int) -> bool:
+    """A call whose first wait ran out: it took the bound, and well under what blocks that
+    waited a whole bound each would take (the later ones wait AFTER_FAILURE_US)."""
+    bound = bound_us / 1e6
+    return bound <= secs < bound * (1 + (nb - 1) / 2)
+
+
+def simulate_faults(mismatches, timeouts):
+    """Every case of MISMATCHES (after a matched round of A) and TIMEOUTS (after a matched
+    round of the same call), each on fresh workspaces: name -> ``simulate_faulty``'s answer;
+    and the two protocol cases below (``exit`` and ``later-epoch``)."""
+    got = {name: simulate_faulty(W, 2, [A], specs, LONG_US)
+           for name, (W, specs, _) in mismatches.items()}
+    for name, (W, specs, bound) in timeouts.items():
+        got[name] = simulate_faulty(W, TIMEOUT_NB, [next(s for s in specs if s)], specs, bound)
+    got["exit"] = two_shot_exit_timeout(16384, 500_000)
+    got["later-epoch"] = later_epoch_arrives(4099)
+    return got
+
+
+@pytest.fixture(scope="module")
+def faults():
+    """Every fault case, run in one interpreter process."""
+    return run_in_interpreter("test_flag_kernels_cpu", "simulate_faults", MISMATCHES, TIMEOUTS)
+
+
+@pytest.mark.parametrize("name", list(MISMATCHES))
+def test_mismatch_is_reported_on_every_rank(faults, name):
+    """Each rank names its own op at the entry barrier and ranks whose call differs from its
+    own: all of them where there is one (a rank reports the first disagreeing words it sees,
+    so with several it may name some before the others arrive); no output is written."""
+    W, specs, ops = MISMATCHES[name]
+    seen = faults[name]
+    for r in range(W):
+        differ = [p for p in range(W) if specs[p] != specs[r]]
+        assert seen[r][0], (r, seen)
+        (kind, op, phase, ranks), _, untouched = seen[r]
+        assert [kind, op, phase] == ["CommMismatchError", P.OPS[_OP[ops[r]]],
+                                     P.PHASES[P.PHASE_ENTRY]], (r, seen)
+        assert ranks and set(ranks) <= set(differ) and (len(differ) > 1 or ranks == differ), \
+            (r, seen)
+        assert untouched, f"rank {r} wrote its output after a mismatch"
+
+
+@pytest.mark.parametrize("name", list(TIMEOUTS))
+def test_rank_that_never_launches_is_a_timeout(faults, name):
+    """The waiting ranks name the missing one at the entry barrier, within the bound
+    (``_within_bound``), and write nothing."""
+    W, specs, bound = TIMEOUTS[name]
+    missing = [r for r, s in enumerate(specs) if s is None]
+    seen = faults[name]
+    for r in range(W):
+        if specs[r] is None:
+            continue
+        err, secs, untouched = seen[r]
+        assert err == ["CommTimeoutError", P.OPS[_OP[specs[r][0]]], P.PHASES[P.PHASE_ENTRY],
+                       missing], (r, seen)
+        assert _within_bound(secs, bound, TIMEOUT_NB), (r, secs)
+        assert untouched, f"rank {r} wrote its output without its peers"
+
+
+def test_peer_stopped_between_two_shot_barriers_is_an_exit_timeout(faults):
+    err, secs = faults["exit"]
+    assert err == ["CommTimeoutError", P.OPS[P.OP_TWO_SHOT], P.PHASES[P.PHASE_EXIT], [1]], err
+    assert _within_bound(secs, 500_000, TIMEOUT_NB), secs
+
+
+def test_peer_word_of_a_later_epoch_counts_as_arrived(faults):
+    err, ctrl = faults["later-epoch"]
+    assert err is None and ctrl == [1] * 2, (err, ctrl)
