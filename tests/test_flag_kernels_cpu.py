@@ -30,9 +30,9 @@ from __future__ import annotations
 import pytest
 
 from _interp import run_in_interpreter, run_ranks
-from llcomm import peer                              # PeerBackend and its region layout
-from llcomm import protocol as P                     # op / phase codes, decode_error
-from llcomm.kernels import all_reduce, movement      # the kernels PeerBackend launches
+from llcomm.tp import peer                                  # PeerBackend and its region layout
+from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
+from llcomm.tp.kernels import all_reduce, movement  # the kernels PeerBackend launches
 
 BF, F32 = "bfloat16", "float32"
 #: Poison written over every output (and a non-root's broadcast buffer) before each call.
@@ -324,6 +324,8 @@ MISMATCHES = {
                         ["all_gather"] * 2),
     "broadcast-vs-reduce_scatter": (2, [("broadcast", 64, F32, 0), ("reduce_scatter", 64, F32)],
                                     ["broadcast", "reduce_scatter"]),
+    "broadcast-roots": (2, [("broadcast", 64, F32, 0), ("broadcast", 64, F32, 1)],
+                        ["broadcast"] * 2),
     "all_gather-vs-one_shot-w3": (3, [A, ("all_gather", 4099, BF), A],
                                   ["one_shot", "all_gather", "one_shot"]),
 }

@@ -24,7 +24,7 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 
 use_llcomm_dir()
 
-from llcomm.ep import fp8 as ep_fp8  # noqa: E402
+from llcomm.ep.peer import fp8 as ep_fp8  # noqa: E402
 from llcomm.ep.kernels.dispatch_combine import FP8_BLOCK, _fp8_scales, _pack_row_fp8, _row_words  # noqa: E402
 from llcomm.runtime.kernels.sync import sm_cycles  # noqa: E402
 

@@ -27,9 +27,9 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 
 use_llcomm_dir()
 
-from llcomm.tp import algo_table as T  # noqa: E402
+from llcomm.tp.api import algo_table as T  # noqa: E402
 from llcomm.runtime import launch
-from llcomm.tp import api as tp, peer  # noqa: E402
+from llcomm.tp.api import api as tp, peer  # noqa: E402
 from llcomm.runtime import protocol as P  # noqa: E402
 from llcomm.tp.kernels import all_reduce as K, lamport as LK  # noqa: E402
 from llcomm.tp.kernels import fused_norm as F  # noqa: E402

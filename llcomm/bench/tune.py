@@ -20,7 +20,7 @@ import datetime
 import json
 import re
 
-from llcomm.tp import algo_table as T
+from llcomm.tp.api import algo_table as T
 
 from . import common as C
 from . import tp as B

@@ -380,13 +380,14 @@ class PeerBackend:
         if n == 0:
             return x
         self._precheck()
-        # the root is in the LL tag: ranks that disagree about it are a mismatch
-        if self._ll(xb, n, n * GATHER_TAG_MIX + src, x.dtype, P.OP_BROADCAST, xb, n, src):
+        # the root is in the tag: ranks that disagree about it are a mismatch
+        numel_tag = n * GATHER_TAG_MIX + src
+        if self._ll(xb, n, numel_tag, x.dtype, P.OP_BROADCAST, xb, n, src):
             return x
         block, warps = _launch_shape(n, xb.element_size(), self.nb)
         self._launch(self._k_mv.broadcast_kernel, self.nb, (
             xb, n, src, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err, self.rank, self._tag(P.OP_BROADCAST, n, x.dtype), self.timeout_us,
+            self.err, self.rank, self._tag(P.OP_BROADCAST, numel_tag, x.dtype), self.timeout_us,
             self.cap_bytes // xb.element_size()), warps,
             W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return x
