@@ -23,7 +23,7 @@ other rank to report and to exit on its own (exit code 0) within ``KILL_WAIT_S``
 
 A run whose process group could not form (``init_process_group`` raised on some rank, before
 ``fn`` ran anywhere: gloo's TCP mesh on the loopback now and then reports "Connection closed
-by peer" there: once in four CI runs in session 12) is started again from scratch, on a fresh
+by peer" there, about once in four CI runs) is started again from scratch, on a fresh
 port, up to ``INIT_ATTEMPTS`` times in all. A failure inside ``fn`` is never retried.
 """
 from __future__ import annotations

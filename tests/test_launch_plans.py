@@ -1,7 +1,7 @@
 """The peer backend's launch plans and the launcher's planned path, on the CPU.
 
 ``PeerBackend.all_reduce`` / ``reduce_scatter`` keep one launch plan per (algorithm, size, dtype)
-so that a call only wraps its two tensors (docs/performance.md, "Host path"). A plan that put an
+so that a call only wraps its two tensors (docs/design.md, "Launch path"). A plan that put an
 argument in the wrong place, or reused one size's tag for another, would launch a kernel that
 waits for the wrong thing: these tests map every launched argument to the kernel's parameter
 name and check it, for every algorithm, dtype and a spread of sizes, on a backend shell whose

@@ -1,29 +1,27 @@
-"""mkdocs hooks (``hooks:`` in mkdocs.yml): generated parts of the docs site.
+"""mkdocs hooks (``hooks:`` in mkdocs.yml): the benchmark plots on the docs site.
 
-- ``docs/performance.md``: the marker ``<!-- perf-tables -->`` becomes the tables of every
-  ``bench/results/*.json`` (``tools/perf_table.py``), so the page always shows the result files.
-- The plots next to them (``bench/results/*.png``) are added to the site under ``bench/``.
+The tables of ``docs/performance.md`` are committed in the page (``tools/perf_table.py --write``
+renders them from ``bench/results/*.json``; ``tests/test_perf_tables.py`` keeps them current), so
+the page reads the same on GitHub and on the site. Its plots are linked as
+``../bench/results/<name>.png``, which is right in the repository but outside the docs folder:
+
+- ``on_files`` adds every ``bench/results/*.png`` to the site under ``bench/``;
+- ``on_page_markdown`` points those links there.
 """
 from __future__ import annotations
 
-import importlib.util
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File
 
-MARKER = "<!-- perf-tables -->"
 IMAGE_DIR = "bench"
+#: An image link into bench/results from a page in docs/: ``](../bench/results/NAME.png)``.
+PLOT_LINK = re.compile(r"\]\((?:\.\./)+bench/results/([\w.-]+\.png)\)")
 
 
 def _root(config) -> Path:
     return Path(config.config_file_path).resolve().parent
-
-
-def _perf_table(root: Path):
-    spec = importlib.util.spec_from_file_location("llcomm_perf_table", root / "tools" / "perf_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def on_files(files, config):
@@ -33,13 +31,6 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    if MARKER not in markdown:
-        return markdown
-    root = _root(config)
-    results = sorted((root / "bench" / "results").glob("*.json"))
-    if not results:
-        raise ValueError(f"{page.file.src_uri}: {MARKER} but no bench/results/*.json")
     # Links are relative to the page's source file; mkdocs rewrites them for the site.
     up = "../" * page.file.src_uri.count("/")
-    tables = _perf_table(root).results_markdown(results, image_dir=f"{up}{IMAGE_DIR}")
-    return markdown.replace(MARKER, tables)
+    return PLOT_LINK.sub(lambda m: f"]({up}{IMAGE_DIR}/{m.group(1)})", markdown)

@@ -6,7 +6,7 @@ Process layout (``launch``): one process per visible GPU when there are two or m
 then picks its reference backend). NVLink multicast is switched off in the environment before
 anything is spawned.
 
-Timing (``time_graph`` / ``time_eager``), per the measuring rules of docs/DESIGN "How we measure"::
+Timing (``time_graph`` / ``time_eager``), per docs/performance.md, "How we measure"::
 
     warm-up -> synchronize -> barrier (ranks lined up) -> iters x [event, work, event] -> sync
     per-iteration times -> all_reduce MAX over ranks (the slowest rank of each iteration)
@@ -544,7 +544,7 @@ def versions() -> dict:
 
 
 def result_header(world: int, device: torch.device) -> dict:
-    """The keys of a result file (docs/DESIGN "Result files") other than ``rows``."""
+    """The keys of a result file (docs/design.md, "Result files") other than ``rows``."""
     commit, dirty = git_state()
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith("LLCOMM_") or k in MULTICAST_OFF_ENV}

@@ -8,7 +8,8 @@ Per token count (hidden fixed, default 8192 bf16): CUDA-graph and eager rows for
   ``torch.nn.functional.rms_norm`` (a manual fp32 RMSNorm where torch lacks it).
 
 On CPU (two gloo processes) only eager rows run. ``bytes`` is the all-reduced x of one rank.
-Timing and result files as ``llcomm bench tp`` (bench/common.py, docs/DESIGN "How we measure").
+Timing and result files as ``llcomm bench tp`` (llcomm/bench/common.py; docs/performance.md,
+"How we measure").
 
 Correctness, after the first call and after the timed loop, outputs poisoned with NaN before
 each: ``residual_out`` must equal the rank-order fp32 sum rounded, plus the residual, rounded
