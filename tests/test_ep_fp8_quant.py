@@ -10,7 +10,7 @@ few below 2**-89 (which ``_div_by`` lifts by 2**64 first): on the GPU, and (fewe
 ``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
 
 Then, on the GPU only (the interpreter cannot run the inline PTX convert), ``_pack_row_fp8`` as
-the LL dispatch runs it (the convert and the reciprocal) against ``llcomm/ep_fp8.quantize`` on
+the LL dispatch runs it (the convert and the reciprocal) against ``llcomm.ep.fp8.quantize`` on
 rows of mixed magnitudes: the same words, byte for byte.
 
 Run on a GPU host: ``python -m pytest tests/test_ep_fp8_quant.py -m gpu -q``.
