@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Communicator backend to check (default auto)")
     check.add_argument("--cpu", action="store_true",
                        help="run on CPU (2 gloo processes) even where GPUs are present")
+    importlib.import_module("llcomm.bench.options").add_no_multicast_argument(check)
     check.set_defaults(func=lambda a: importlib.import_module("llcomm.bench.check").run(a))
 
     tune_mod = importlib.import_module("llcomm.bench.tune")
@@ -99,7 +100,7 @@ def _default_bench(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = _default_bench(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    from llcomm.bench.common import LaunchError
+    from llcomm.bench.spawn import LaunchError
     try:
         return int(args.func(args) or 0)
     except LaunchError as e:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llcomm import cli
-from llcomm.bench import check, common, doctor
+from llcomm.bench import check, doctor, options, verify
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds one CLI run may take before the test fails instead of hanging.
@@ -136,14 +136,15 @@ def test_bench_ep_carry_weights_cpu(tmp_path):
 def _expected_both_ranks_alike(x, idx, W, T, E):
     """The EP bench's oracle in one process: a stand-in for its gather in which every rank sent
     the same tokens (``x``, ``idx``), weights 0.5, the bench's stand-in experts."""
-    from llcomm.bench import ep
-    scale, bias = ep.expert_affine(E, "cpu")
-    orig = common.gather_inputs
-    common.gather_inputs = lambda t: torch.stack([t] * W)
+    from llcomm.bench import ep_oracle
+    scale, bias = ep_oracle.expert_affine(E, "cpu")
+    orig = verify.gather_inputs
+    verify.gather_inputs = lambda t: torch.stack([t] * W)
     try:
-        return ep.Expected(x, idx, torch.full((T, idx.shape[1]), 0.5), 0, W, T, scale, bias)
+        w = torch.full((T, idx.shape[1]), 0.5)
+        return ep_oracle.Expected(x, idx, w, 0, W, T, scale, bias)
     finally:
-        common.gather_inputs = orig
+        verify.gather_inputs = orig
 
 
 def test_bench_ep_oracle_catches_a_wrong_byte():
@@ -234,19 +235,19 @@ def test_bad_arguments_are_refused(tmp_path):
 
 
 def test_sizes_and_oracles():
-    assert common.parse_sizes("8,64K,1M") == [8, 65536, 1 << 20]
-    assert common.parse_sizes(None)[0] == 8 and common.parse_sizes(None)[-1] == 16 << 20
-    assert len(common.parse_sizes(None)) == 22
+    assert options.parse_sizes("8,64K,1M") == [8, 65536, 1 << 20]
+    assert options.parse_sizes(None)[0] == 8 and options.parse_sizes(None)[-1] == 16 << 20
+    assert len(options.parse_sizes(None)) == 22
     stack = torch.randn(3, 100, dtype=torch.bfloat16)
-    exp = common.rank_order_sum(stack, torch.bfloat16)
-    assert common.count_wrong(exp.clone(), exp) == 0
+    exp = verify.rank_order_sum(stack, torch.bfloat16)
+    assert verify.count_wrong(exp.clone(), exp) == 0
     bad = exp.clone()
     bad.view(torch.int16)[7] ^= 1                       # one flipped bit is wrong
-    assert common.count_wrong(bad, exp) == 1
-    bound = common.sum_bound(stack, torch.bfloat16)
+    assert verify.count_wrong(bad, exp) == 1
+    bound = verify.sum_bound(stack, torch.bfloat16)
     exact = stack.double().sum(0)
-    assert common.count_wrong(exp, exact, bound) == 0  # rounding is within the bound
-    assert common.count_wrong(common.poison_(exp.clone()), exact, bound) == 100  # NaN is wrong
+    assert verify.count_wrong(exp, exact, bound) == 0  # rounding is within the bound
+    assert verify.count_wrong(verify.poison_(exp.clone()), exact, bound) == 100  # NaN is wrong
 
 
 def test_predict_backend():
@@ -362,7 +363,7 @@ def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
     """The bench's own quantiser and llcomm.ep_fp8 (what the reference backend sends) agree
     byte for byte, on blocks that reach the corners: zeros, -0.0, tiny (subnormal scales),
     huge, e4m3 ties and subnormal codes."""
-    from llcomm.bench import ep
+    from llcomm.bench import ep_oracle
     from llcomm.ep_fp8 import quantize
     g = torch.Generator().manual_seed(3)
     H = 128
@@ -375,7 +376,7 @@ def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
     x = torch.cat(rows + [tie])
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        codes, scales = ep.fp8_oracle(xd, round_scale)
+        codes, scales = ep_oracle.fp8_oracle(xd, round_scale)
         q, s = quantize(xd, round_scale=round_scale)
         assert torch.equal(codes, q.view(torch.uint8)), dtype
         assert torch.equal(scales.view(torch.int32), s.view(torch.int32)), dtype

@@ -14,7 +14,7 @@ import torch
 
 from .. import launch
 from .._env import env_bit
-from . import common as C
+from . import result_files, spawn
 
 GIB = 1 << 30
 
@@ -72,7 +72,7 @@ def report() -> list[str]:
     import llcomm
 
     out = []
-    v = C.versions()
+    v = result_files.versions()
     triton_ok, triton_v = _triton()
     out.append(f"llcomm {llcomm.__version__} (python {v['python']}, {sys.executable})")
     out.append(f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl'] or 'n/a'}, "
@@ -90,7 +90,7 @@ def report() -> list[str]:
         for i in range(n):
             out.append(f"  GPU{i:<3} " + "".join(
                 f"{'-' if i == j else ('yes' if peers[i][j] else 'NO'):<7}" for j in range(n)))
-    topo = C.nvidia_topo()
+    topo = result_files.nvidia_topo()
     out.append("")
     if topo is None:
         out.append("nvidia-smi topo -m: not available (no nvidia-smi, or it failed)")
@@ -100,7 +100,7 @@ def report() -> list[str]:
     out.append("")
     out.append("NVLink multicast must stay off (llcomm bench / check set these for the processes "
                "they start; set them yourself in your own jobs):")
-    for name, off in C.MULTICAST_OFF_ENV.items():
+    for name, off in spawn.MULTICAST_OFF_ENV.items():
         val = os.environ.get(name)
         state = "off" if val == off else f"NOT off: set {name}={off}"
         out.append(f"  {name}={val if val is not None else '(unset)'}  {state}")
