@@ -168,7 +168,9 @@ def test_doctor_names_the_backend(tmp_path):
     p = llcomm("doctor", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert 'Communicator(backend="auto")' in p.stdout
-    assert "NCCL_NVLS_ENABLE" in p.stdout
+    assert "NVLink multicast (NVLS):" in p.stdout and "NCCL_NVLS_ENABLE" in p.stdout
+    assert "llcomm: does not use multicast" in p.stdout
+    assert "must stay off" not in p.stdout and "NOT off" not in p.stdout
     if not torch.cuda.is_available():
         assert '"reference"' in p.stdout
         assert "programmatic dependent launch (LLCOMM_PDL): off (no CUDA GPU)" in p.stdout
@@ -188,6 +190,74 @@ def test_doctor_pdl_line(monkeypatch):
     assert doctor.pdl_line(2, True).endswith("off (sm_80 is older than sm_90)")
     monkeypatch.setattr(launch, "pdl_unavailable", lambda device: None)
     assert doctor.pdl_line(2, True).endswith(": on")
+
+
+def test_doctor_multicast_section_reports_the_settings():
+    """Neutral: what the GPUs report and how NCCL / torch are set, no advice either way."""
+    lines = doctor.multicast_lines([True, True], {})
+    text = "\n".join(lines)
+    assert "GPUs: supported (driver attribute MULTICAST_SUPPORTED, all 2)" in text
+    assert "NCCL: NVLS used where NCCL finds it supported (NCCL_NVLS_ENABLE unset)" in text
+    assert ("torch symmetric memory: rendezvous sets up a multicast object where the GPUs "
+            "support it (TORCH_SYMM_MEM_DISABLE_MULTICAST unset)") in text
+    text = "\n".join(doctor.multicast_lines(
+        [True, False, None], {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}))
+    assert "GPU0 supported, GPU1 not supported, GPU2 unknown (not readable)" in text
+    assert "NCCL: NVLS off (NCCL_NVLS_ENABLE=0)" in text
+    assert ("torch symmetric memory: no multicast object "
+            "(TORCH_SYMM_MEM_DISABLE_MULTICAST=1)") in text
+    assert "GPUs: no CUDA GPU" in "\n".join(doctor.multicast_lines([], {}))
+
+
+def test_doctor_multicast_support_reads_the_device_attribute(monkeypatch):
+    """The driver is asked for CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED of each GPU, and nothing
+    that creates a multicast object; a failed query is None, a missing driver all None."""
+    asked = []
+
+    class FakeDriver:
+        def cuInit(self, flags):
+            return 0
+
+        def cuDeviceGet(self, dev, ordinal):
+            dev._obj.value = 10 + ordinal
+            return 0
+
+        def cuDeviceGetAttribute(self, val, attr, dev):
+            asked.append((attr, dev.value))
+            if dev.value == 12:
+                return 1                                   # CUDA_ERROR_INVALID_VALUE
+            val._obj.value = 1 if dev.value == 10 else 0
+            return 0
+
+        def __getattr__(self, name):
+            raise AssertionError(f"doctor called {name}")
+
+    monkeypatch.setattr(doctor.ctypes, "CDLL", lambda name: FakeDriver())
+    assert doctor.multicast_support(3) == [True, False, None]
+    assert asked == [(132, 10), (132, 11), (132, 12)]
+    assert doctor.multicast_support(0) == []
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(doctor.ctypes, "CDLL", no_driver)
+    assert doctor.multicast_support(2) == [None, None]
+
+
+def _rank_env(rank, world, names):
+    return {n: os.environ.get(n) for n in names}
+
+
+def test_launch_leaves_multicast_settings_unless_asked(monkeypatch):
+    """Benchmarks pass the user's multicast settings on; --no-multicast switches it off."""
+    from llcomm.bench import spawn
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    names = list(spawn.MULTICAST_OFF_ENV)
+    got = spawn.launch(_rank_env, names, force_cpu=True)
+    assert got["NCCL_NVLS_ENABLE"] == "1" and got["TORCH_SYMM_MEM_DISABLE_MULTICAST"] is None
+    assert spawn.launch(_rank_env, names, force_cpu=True, multicast_off=True) == \
+        spawn.MULTICAST_OFF_ENV
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"           # the caller's own is untouched
 
 
 def test_check_passes_on_cpu(tmp_path):
