@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _interp import run_in_interpreter
 
 from llcomm import cli
-from llcomm.bench import check, doctor, options, verify
+from llcomm.bench import check, doctor, link, options, verify
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds one CLI run may take before the test fails instead of hanging.
@@ -292,10 +293,57 @@ def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
 
 
 def test_bench_subcommands_and_default(capsys):
-    assert set(cli.BENCHES) == {"tp", "fused", "ep", "decode", "soak"}
+    assert set(cli.BENCHES) == {"tp", "fused", "ep", "decode", "soak", "link"}
     assert cli._default_bench(["bench", "--sizes", "8"]) == ["bench", "tp", "--sizes", "8"]
     assert cli._default_bench(["bench"]) == ["bench", "tp"]
     assert cli._default_bench(["bench", "-h"]) == ["bench", "-h"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host can run the probe")
+def test_bench_link_says_why_it_cannot_run(tmp_path):
+    """Without two peer GPUs `llcomm bench link` says so and exits 2 (as `llcomm tune`), and
+    refuses bad options first."""
+    p = llcomm("bench", "link", cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "llcomm bench link: needs two or more CUDA GPUs with peer access" in p.stdout
+    assert "Traceback" not in p.stderr
+    p = llcomm("bench", "link", "--sizes", "64K,24", "--blocks", "-1", cwd=tmp_path)
+    assert p.returncode == 2 and "--sizes" in p.stdout and "--blocks" in p.stdout, p.stdout
+    p = llcomm("bench", "link", "--help", cwd=tmp_path)
+    assert p.returncode == 0 and "--no-multicast" in p.stdout
+
+
+def test_bench_link_routing():
+    """Whose words land where: a push writes into the next GPU's buffer, a pull reads the next
+    GPU's; in pattern 'one' only GPU 0 moves data."""
+    for W in (2, 3, 4):
+        for way in ("copy_engine", "sm_push"):
+            assert [link.sender_of(way, "all", r, W) for r in range(W)] == \
+                [(r - 1) % W for r in range(W)]
+            assert [link.sender_of(way, "one", r, W) for r in range(W)] == \
+                [0 if r == 1 else None for r in range(W)]
+        assert [link.sender_of("sm_pull", "all", r, W) for r in range(W)] == \
+            [(r + 1) % W for r in range(W)]
+        assert [link.sender_of("sm_pull", "one", r, W) for r in range(W)] == \
+            [1] + [None] * (W - 1)
+
+
+def simulate_link_move(n: int, blocks: int) -> list[int]:
+    """Under the Triton interpreter: link's kernel moves ``n`` words with ``blocks`` blocks;
+    returns the destination (one word past ``n`` included, which must stay untouched)."""
+    from llcomm.bench.link import POISON, pattern_of
+    from llcomm.bench.link_kernel import move
+    src = pattern_of(3, n + 1, "cpu")
+    dst = torch.full((n + 1,), POISON, dtype=torch.int32)
+    move[(blocks,)](src, dst, n, BLOCK=link.WARPS * 32 * 4)
+    return dst.tolist()
+
+
+def test_bench_link_kernel_moves_every_word():
+    n, blocks = 3 * 1024 + 5, 2          # more words than one step of all blocks, a ragged end
+    got = run_in_interpreter("test_cli", "simulate_link_move", n, blocks)
+    want = link.pattern_of(3, n, "cpu").tolist()
+    assert got[:n] == want and got[n] == link.POISON
 
 
 def test_bad_arguments_are_refused(tmp_path):

@@ -9,6 +9,8 @@ this package.
 - ``decode``: ``llcomm bench decode``, whole synthetic decode steps with each communication
   implementation and with none; ``decode_models`` holds the steps (what each one contains).
 - ``soak``: ``llcomm bench soak``, many random ops, each checked, then a replayed CUDA graph.
+- ``link``: ``llcomm bench link``, the bandwidth between this host's GPUs (``link_kernel``: its
+  Triton kernel).
 - ``check``: ``llcomm check``, the correctness self-test; ``doctor``: ``llcomm doctor``;
   ``tune``: ``llcomm tune``, the all_reduce algorithm table of this host.
 
