@@ -100,7 +100,7 @@ def _run_case(comm, device, mode: str, fn, out, expected, bound, reset) -> tuple
         else:
             fn()
             poison()
-            fn()  # a repeat call: the seed's hazards showed up on the second call
+            fn()  # a repeat call: what the first call leaves behind must not break the next
         comm.check()
         return verify.count_wrong(out, expected, bound), None
     except Exception as e:  # noqa: BLE001 - reported as FAIL

@@ -301,8 +301,8 @@ def _gather_reports(result: dict, world: int, device) -> dict | None:
 
 
 def _result_file(got: dict, cfg: SoakConfig) -> dict:
-    """The result file (DESIGN "Result files"): one row per kind, summed over ranks, plus a graph
-    row; ``soak`` holds the totals."""
+    """The result file (docs/design.md#result-files): one row per kind, summed over ranks, plus
+    a graph row; ``soak`` holds the totals."""
     ranks = got["ranks"]
     world = len(ranks)
     rows = []
