@@ -9,7 +9,6 @@ from . import console
 OPS = ("dispatch", "combine", "dispatch_fp8")
 OVERLAP_OP = "overlap_step"
 
-
 HEADERS = ["tokens", "bytes", "llcomm graph µs", "llcomm eager µs", "ref graph µs",
            "ref eager µs", "llcomm GB/s", "ref GB/s", "ref / llcomm", "#wrong"]
 
