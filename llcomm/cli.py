@@ -5,6 +5,8 @@
     llcomm bench fused [--tokens 1,8,32,64,128] [--hidden 8192] [--json F]
     llcomm bench ep [--tokens 1,32,128,256,512] [--json F] [--plot F]
     llcomm bench decode [--parts tp,ep] [--batches 1,8,32,64] [--json F] [--plot F]
+    llcomm bench soak [--ops N] [--json F]
+    llcomm bench link [--sizes 64K,1M,8M,64M] [--json F]
     llcomm doctor
     llcomm check
     llcomm tune [--sizes 8,64K,1M] [--out F] | llcomm tune --from-bench RESULT.json
@@ -27,7 +29,9 @@ BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gathe
            "decode": ("llcomm.bench.decode", "whole synthetic decode steps (dense TP, MoE EP) "
                       "with each communication implementation and with none"),
            "soak": ("llcomm.bench.soak", "soak test: many random ops of every kind, each result "
-                    "checked, then a replayed CUDA graph; counts of ops, wrong, timeouts")}
+                    "checked, then a replayed CUDA graph; counts of ops, wrong, timeouts"),
+           "link": ("llcomm.bench.link", "bandwidth between this host's GPUs (copy engine, SM "
+                    "stores, SM loads; GPU 0 alone and every GPU at once); needs 2+ GPUs")}
 #: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
 #: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
 PLANNED_BENCHES: dict[str, str] = {}
@@ -76,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Communicator backend to check (default auto)")
     check.add_argument("--cpu", action="store_true",
                        help="run on CPU (2 gloo processes) even where GPUs are present")
+    importlib.import_module("llcomm.bench.options").add_no_multicast_argument(check)
     check.set_defaults(func=lambda a: importlib.import_module("llcomm.bench.check").run(a))
 
     tune_mod = importlib.import_module("llcomm.bench.tune")
@@ -99,7 +104,7 @@ def _default_bench(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = _default_bench(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    from llcomm.bench.common import LaunchError
+    from llcomm.bench.spawn import LaunchError
     try:
         return int(args.func(args) or 0)
     except LaunchError as e:

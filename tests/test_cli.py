@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _interp import run_in_interpreter
 
 from llcomm import cli
-from llcomm.bench import check, common, doctor
+from llcomm.bench import check, doctor, link, options, verify
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds one CLI run may take before the test fails instead of hanging.
@@ -136,14 +137,15 @@ def test_bench_ep_carry_weights_cpu(tmp_path):
 def _expected_both_ranks_alike(x, idx, W, T, E):
     """The EP bench's oracle in one process: a stand-in for its gather in which every rank sent
     the same tokens (``x``, ``idx``), weights 0.5, the bench's stand-in experts."""
-    from llcomm.bench import ep
-    scale, bias = ep.expert_affine(E, "cpu")
-    orig = common.gather_inputs
-    common.gather_inputs = lambda t: torch.stack([t] * W)
+    from llcomm.bench import ep_oracle
+    scale, bias = ep_oracle.expert_affine(E, "cpu")
+    orig = verify.gather_inputs
+    verify.gather_inputs = lambda t: torch.stack([t] * W)
     try:
-        return ep.Expected(x, idx, torch.full((T, idx.shape[1]), 0.5), 0, W, T, scale, bias)
+        w = torch.full((T, idx.shape[1]), 0.5)
+        return ep_oracle.Expected(x, idx, w, 0, W, T, scale, bias)
     finally:
-        common.gather_inputs = orig
+        verify.gather_inputs = orig
 
 
 def test_bench_ep_oracle_catches_a_wrong_byte():
@@ -167,7 +169,9 @@ def test_doctor_names_the_backend(tmp_path):
     p = llcomm("doctor", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert 'Communicator(backend="auto")' in p.stdout
-    assert "NCCL_NVLS_ENABLE" in p.stdout
+    assert "NVLink multicast (NVLS):" in p.stdout and "NCCL_NVLS_ENABLE" in p.stdout
+    assert "llcomm: does not use multicast" in p.stdout
+    assert "must stay off" not in p.stdout and "NOT off" not in p.stdout
     if not torch.cuda.is_available():
         assert '"reference"' in p.stdout
         assert "programmatic dependent launch (LLCOMM_PDL): off (no CUDA GPU)" in p.stdout
@@ -187,6 +191,74 @@ def test_doctor_pdl_line(monkeypatch):
     assert doctor.pdl_line(2, True).endswith("off (sm_80 is older than sm_90)")
     monkeypatch.setattr(launch, "pdl_unavailable", lambda device: None)
     assert doctor.pdl_line(2, True).endswith(": on")
+
+
+def test_doctor_multicast_section_reports_the_settings():
+    """Neutral: what the GPUs report and how NCCL / torch are set, no advice either way."""
+    lines = doctor.multicast_lines([True, True], {})
+    text = "\n".join(lines)
+    assert "GPUs: supported (driver attribute MULTICAST_SUPPORTED, all 2)" in text
+    assert "NCCL: NVLS used where NCCL finds it supported (NCCL_NVLS_ENABLE unset)" in text
+    assert ("torch symmetric memory: rendezvous sets up a multicast object where the GPUs "
+            "support it (TORCH_SYMM_MEM_DISABLE_MULTICAST unset)") in text
+    text = "\n".join(doctor.multicast_lines(
+        [True, False, None], {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}))
+    assert "GPU0 supported, GPU1 not supported, GPU2 unknown (not readable)" in text
+    assert "NCCL: NVLS off (NCCL_NVLS_ENABLE=0)" in text
+    assert ("torch symmetric memory: no multicast object "
+            "(TORCH_SYMM_MEM_DISABLE_MULTICAST=1)") in text
+    assert "GPUs: no CUDA GPU" in "\n".join(doctor.multicast_lines([], {}))
+
+
+def test_doctor_multicast_support_reads_the_device_attribute(monkeypatch):
+    """The driver is asked for CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED of each GPU, and nothing
+    that creates a multicast object; a failed query is None, a missing driver all None."""
+    asked = []
+
+    class FakeDriver:
+        def cuInit(self, flags):
+            return 0
+
+        def cuDeviceGet(self, dev, ordinal):
+            dev._obj.value = 10 + ordinal
+            return 0
+
+        def cuDeviceGetAttribute(self, val, attr, dev):
+            asked.append((attr, dev.value))
+            if dev.value == 12:
+                return 1                                   # CUDA_ERROR_INVALID_VALUE
+            val._obj.value = 1 if dev.value == 10 else 0
+            return 0
+
+        def __getattr__(self, name):
+            raise AssertionError(f"doctor called {name}")
+
+    monkeypatch.setattr(doctor.ctypes, "CDLL", lambda name: FakeDriver())
+    assert doctor.multicast_support(3) == [True, False, None]
+    assert asked == [(132, 10), (132, 11), (132, 12)]
+    assert doctor.multicast_support(0) == []
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(doctor.ctypes, "CDLL", no_driver)
+    assert doctor.multicast_support(2) == [None, None]
+
+
+def _rank_env(rank, world, names):
+    return {n: os.environ.get(n) for n in names}
+
+
+def test_launch_leaves_multicast_settings_unless_asked(monkeypatch):
+    """Benchmarks pass the user's multicast settings on; --no-multicast switches it off."""
+    from llcomm.bench import spawn
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    names = list(spawn.MULTICAST_OFF_ENV)
+    got = spawn.launch(_rank_env, names, force_cpu=True)
+    assert got["NCCL_NVLS_ENABLE"] == "1" and got["TORCH_SYMM_MEM_DISABLE_MULTICAST"] is None
+    assert spawn.launch(_rank_env, names, force_cpu=True, multicast_off=True) == \
+        spawn.MULTICAST_OFF_ENV
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"           # the caller's own is untouched
 
 
 def test_check_passes_on_cpu(tmp_path):
@@ -221,10 +293,57 @@ def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
 
 
 def test_bench_subcommands_and_default(capsys):
-    assert set(cli.BENCHES) == {"tp", "fused", "ep", "decode", "soak"}
+    assert set(cli.BENCHES) == {"tp", "fused", "ep", "decode", "soak", "link"}
     assert cli._default_bench(["bench", "--sizes", "8"]) == ["bench", "tp", "--sizes", "8"]
     assert cli._default_bench(["bench"]) == ["bench", "tp"]
     assert cli._default_bench(["bench", "-h"]) == ["bench", "-h"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host can run the probe")
+def test_bench_link_says_why_it_cannot_run(tmp_path):
+    """Without two peer GPUs `llcomm bench link` says so and exits 2 (as `llcomm tune`), and
+    refuses bad options first."""
+    p = llcomm("bench", "link", cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "llcomm bench link: needs two or more CUDA GPUs with peer access" in p.stdout
+    assert "Traceback" not in p.stderr
+    p = llcomm("bench", "link", "--sizes", "64K,24", "--blocks", "-1", cwd=tmp_path)
+    assert p.returncode == 2 and "--sizes" in p.stdout and "--blocks" in p.stdout, p.stdout
+    p = llcomm("bench", "link", "--help", cwd=tmp_path)
+    assert p.returncode == 0 and "--no-multicast" in p.stdout
+
+
+def test_bench_link_routing():
+    """Whose words land where: a push writes into the next GPU's buffer, a pull reads the next
+    GPU's; in pattern 'one' only GPU 0 moves data."""
+    for W in (2, 3, 4):
+        for way in ("copy_engine", "sm_push"):
+            assert [link.sender_of(way, "all", r, W) for r in range(W)] == \
+                [(r - 1) % W for r in range(W)]
+            assert [link.sender_of(way, "one", r, W) for r in range(W)] == \
+                [0 if r == 1 else None for r in range(W)]
+        assert [link.sender_of("sm_pull", "all", r, W) for r in range(W)] == \
+            [(r + 1) % W for r in range(W)]
+        assert [link.sender_of("sm_pull", "one", r, W) for r in range(W)] == \
+            [1] + [None] * (W - 1)
+
+
+def simulate_link_move(n: int, blocks: int) -> list[int]:
+    """Under the Triton interpreter: link's kernel moves ``n`` words with ``blocks`` blocks;
+    returns the destination (one word past ``n`` included, which must stay untouched)."""
+    from llcomm.bench.link import POISON, pattern_of
+    from llcomm.bench.link_kernel import move
+    src = pattern_of(3, n + 1, "cpu")
+    dst = torch.full((n + 1,), POISON, dtype=torch.int32)
+    move[(blocks,)](src, dst, n, BLOCK=link.WARPS * 32 * 4)
+    return dst.tolist()
+
+
+def test_bench_link_kernel_moves_every_word():
+    n, blocks = 3 * 1024 + 5, 2          # more words than one step of all blocks, a ragged end
+    got = run_in_interpreter("test_cli", "simulate_link_move", n, blocks)
+    want = link.pattern_of(3, n, "cpu").tolist()
+    assert got[:n] == want and got[n] == link.POISON
 
 
 def test_bad_arguments_are_refused(tmp_path):
@@ -234,19 +353,19 @@ def test_bad_arguments_are_refused(tmp_path):
 
 
 def test_sizes_and_oracles():
-    assert common.parse_sizes("8,64K,1M") == [8, 65536, 1 << 20]
-    assert common.parse_sizes(None)[0] == 8 and common.parse_sizes(None)[-1] == 16 << 20
-    assert len(common.parse_sizes(None)) == 22
+    assert options.parse_sizes("8,64K,1M") == [8, 65536, 1 << 20]
+    assert options.parse_sizes(None)[0] == 8 and options.parse_sizes(None)[-1] == 16 << 20
+    assert len(options.parse_sizes(None)) == 22
     stack = torch.randn(3, 100, dtype=torch.bfloat16)
-    exp = common.rank_order_sum(stack, torch.bfloat16)
-    assert common.count_wrong(exp.clone(), exp) == 0
+    exp = verify.rank_order_sum(stack, torch.bfloat16)
+    assert verify.count_wrong(exp.clone(), exp) == 0
     bad = exp.clone()
     bad.view(torch.int16)[7] ^= 1                       # one flipped bit is wrong
-    assert common.count_wrong(bad, exp) == 1
-    bound = common.sum_bound(stack, torch.bfloat16)
+    assert verify.count_wrong(bad, exp) == 1
+    bound = verify.sum_bound(stack, torch.bfloat16)
     exact = stack.double().sum(0)
-    assert common.count_wrong(exp, exact, bound) == 0  # rounding is within the bound
-    assert common.count_wrong(common.poison_(exp.clone()), exact, bound) == 100  # NaN is wrong
+    assert verify.count_wrong(exp, exact, bound) == 0  # rounding is within the bound
+    assert verify.count_wrong(verify.poison_(exp.clone()), exact, bound) == 100  # NaN is wrong
 
 
 def test_predict_backend():
@@ -359,10 +478,10 @@ def test_bench_ep_fp8_option_errors(tmp_path):
 
 @pytest.mark.parametrize("round_scale", [False, True])
 def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
-    """The bench's own quantiser and llcomm.ep_fp8 (what the reference backend sends) agree
+    """The bench's own quantiser and llcomm.ep.fp8 (what the reference backend sends) agree
     byte for byte, on blocks that reach the corners: zeros, -0.0, tiny (subnormal scales),
     huge, e4m3 ties and subnormal codes."""
-    from llcomm.bench import ep
+    from llcomm.bench import ep_oracle
     from llcomm.ep.fp8 import quantize
     g = torch.Generator().manual_seed(3)
     H = 128
@@ -375,7 +494,7 @@ def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
     x = torch.cat(rows + [tie])
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        codes, scales = ep.fp8_oracle(xd, round_scale)
+        codes, scales = ep_oracle.fp8_oracle(xd, round_scale)
         q, s = quantize(xd, round_scale=round_scale)
         assert torch.equal(codes, q.view(torch.uint8)), dtype
         assert torch.equal(scales.view(torch.int32), s.view(torch.int32)), dtype

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from _interp import run_in_interpreter
-from llcomm.ep.peer import fp8 as ep_fp8
+from llcomm.ep import fp8 as ep_fp8
 from llcomm.ep.fp8 import FP8_BLOCK
 from llcomm.ep.kernels.dispatch_combine import RCP_MIN_SCALE, _div_by, _pack_row_fp8
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import absent_peer_error, run_distributed
-from llcomm.bench.common import capture
+from llcomm.bench.timing import capture
 from test_ep_oracle import KINDS, make_case, oracle_combine_f64
 from test_ep_oracle import expert_fn_all_rows as _experts  # graph-safe stand-in experts
 

@@ -9,7 +9,7 @@ contraction either); in bf16 within two bf16 ulps, since the interpreter's fp32 
 truncates where the GPU rounds to nearest even (the GPU tests compare bf16 bit for bit).
 Consecutive calls alternate buffer sets through the kernels' own counters, as on the GPU.
 FP8 dispatches are checked byte for byte (e4m3 codes and fp32 scales) against the oracle's
-quantiser and against ``llcomm.ep_fp8.quantize`` (what the reference backend sends).
+quantiser and against ``llcomm.ep.fp8.quantize`` (what the reference backend sends).
 
 The interpreter is chosen when Triton is imported, so the simulation runs in a subprocess.
 """
@@ -140,7 +140,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                             if not (torch.equal(recv[r][e, j], q.view(torch.uint8))
                                     and torch.equal(scales[r][e, j], sc)):
                                 fails.append(f"{tag} rank {r} expert {e} row {j} differs from "
-                                             "llcomm.ep_fp8.quantize (the reference backend)")
+                                             "llcomm.ep.fp8.quantize (the reference backend)")
                 # the rest of the checks and the combine run on the dequantised rows
                 recv = [dequantize(recv[r].view(torch.float8_e4m3fn), scales[r], dtype)
                         for r in range(W)]

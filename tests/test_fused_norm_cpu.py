@@ -95,7 +95,7 @@ def simulate(W, NB, calls, dtype_name, algo):
     """Run ``calls`` ([tokens, hidden] per call, in order) through one fused kernel on W virtual
     ranks, stage by stage, and return the failures (strings)."""
     import triton.language as tl  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.tp.api import peer
+    from llcomm.tp import peer
     from llcomm.runtime import protocol as P
     from llcomm.tp.kernels import fused_norm as K
 

@@ -26,7 +26,7 @@ class Regions:
 
     def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None, lag=1):
         import torch
-        from llcomm.tp.api import peer
+        from llcomm.tp import peer
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
         self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
@@ -41,14 +41,14 @@ class Regions:
         self.ctrl = [torch.zeros(NB, dtype=torch.int64) for _ in range(W)]
 
     def idle(self) -> bool:
-        from llcomm.tp.api import peer
+        from llcomm.tp import peer
         return all(bool((d == peer.SENTINEL16).all()) for d in self.data) and \
             all(int(t.abs().sum()) == 0 for t in self.tags)
 
 
 def _int_view(dtype):
     import torch
-    from llcomm.tp.api import peer
+    from llcomm.tp import peer
     return (torch.int16, peer.SENTINEL16) if dtype.itemsize == 2 else (torch.int32, peer.SENTINEL32)
 
 
@@ -91,7 +91,7 @@ class Call:
                 "fused": P.OP_FUSED_LAMPORT}[self.kind]
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
-        from llcomm.tp.api import peer
+        from llcomm.tp import peer
         from llcomm.tp.kernels import all_reduce, fused_norm, lamport
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llcomm.runtime import launch
-from llcomm.tp.api import peer
+from llcomm.tp import peer
 from llcomm.runtime import protocol as P
 from llcomm.tp.kernels import all_reduce as K, lamport as LK
 from llcomm.tp.kernels import fused_norm as F

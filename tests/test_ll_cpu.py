@@ -25,7 +25,7 @@ class Regions:
 
     def __init__(self, W: int, NB: int, cap: int):
         import torch
-        from llcomm.tp.api import peer
+        from llcomm.tp import peer
 
         self.W, self.NB, self.cap = W, NB, cap
         self.words = [torch.zeros(peer.HALVES * W * cap, dtype=torch.int64) for _ in range(W)]
@@ -66,7 +66,7 @@ class Call:
         """The protocol op code and the tag word, as ``peer.PeerBackend`` computes them (the
         data is int32 words here)."""
         import torch
-        from llcomm.tp.api import peer
+        from llcomm.tp import peer
         from llcomm.runtime import protocol as P
         op = P.OP_ALL_GATHER if self.kind == "gather" else P.OP_BROADCAST
         mix = self.n // self.part if self.kind == "gather" else self.src
@@ -74,7 +74,7 @@ class Call:
                                                  torch.int32)
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
-        from llcomm.tp.api import peer
+        from llcomm.tp import peer
         from llcomm.tp.kernels import ll
         op, tag = self.op_and_tag()
         block, _ = peer._launch_shape(self.n, 4, R.NB)

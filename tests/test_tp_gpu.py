@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import absent_peer_error, run_distributed
-from llcomm.bench.common import capture
+from llcomm.bench.timing import capture
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import torch
 
 import llcomm
 from _dist import run_distributed
-from llcomm.tp.api import algo_table as T
+from llcomm.tp import algo_table as T
 from llcomm.bench import tune
 from llcomm.tp.api import AUTO_TABLE
 

@@ -1,5 +1,5 @@
 """Which checkout's llcomm a tool imports: ``--llcomm DIR`` on its command line (read before the
-tool's own imports, so an A/B of two checkouts runs in one device call), else this one."""
+tool's own imports, so one command can time two checkouts against each other), else this one."""
 import argparse
 import os
 import sys

@@ -28,7 +28,7 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 
 use_llcomm_dir()
 
-from llcomm.bench import common as C  # noqa: E402
+from llcomm.bench import spawn  # noqa: E402
 from llcomm.ep.peer import rows_first  # noqa: E402
 from llcomm.ep.fp8 import dequantize  # noqa: E402
 from llcomm.ep.layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
@@ -151,11 +151,12 @@ def main():
                     help="one rank on GPU 0 (a one-GPU machine): local stages only")
     a = ap.parse_args()
     os.environ[PROF_ENV] = "1"
-    world, backend = C.plan()
+    world, backend = spawn.plan()
     if a.one_rank:
         world = 1
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{C.free_port()}", rank=0,
+        port = spawn.free_port()
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1, device_id=torch.device("cuda", 0))
     elif backend != "nccl":
         raise SystemExit("ep_timeline needs two or more GPUs (or --one-rank)")
@@ -163,7 +164,7 @@ def main():
     for t in (int(v) for v in a.tokens.split(",")):
         cfg = dict(tokens=t, hidden=a.hidden, experts=a.experts, topk=a.topk, fp8=a.fp8,
                    ops=a.ops, replays=a.replays)
-        per_rank = _rank(0, 1, cfg) if a.one_rank else C.launch(_rank, cfg)
+        per_rank = _rank(0, 1, cfg) if a.one_rank else spawn.launch(_rank, cfg)
         results.append({"config": cfg, "ranks": per_rank})
         for r, summ in enumerate(per_rank):
             print(f"# {t} tokens/rank, rank {r}: {summ['pair_us']:.2f} µs per dispatch + "

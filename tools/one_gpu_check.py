@@ -118,7 +118,7 @@ def _fused_checks(rank, comm, record):
 
 
 def _graph_check(rank, comm, record):
-    from llcomm.bench.common import capture
+    from llcomm.bench.timing import capture
     n = 4096
     static = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
     outs = {}
@@ -206,7 +206,7 @@ def _ep_shape_checks(rank, name, s, record):
 
 def _ep_graph_check(buf, rank, s, name, record):
     """dispatch + combine captured once, replayed with fresh routings copied into the statics."""
-    from llcomm.bench.common import capture
+    from llcomm.bench.timing import capture
     from test_ep_oracle import expert_fn, expert_fn_all_rows, oracle_combine, oracle_dispatch
     E, H, T, K = s["E"], s["H"], s["T"], s["topk"]
     sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import common as C
+from . import options, result_files, spawn, timing, verify
 
 #: Elements per rank: a single element, an odd small count, an odd count of about 0.5 MiB (bf16).
 COUNTS = (1, 4099, 262147)
@@ -47,8 +47,8 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
     """(label, fn, out, expected, bound, reset) for every op at ``count`` elements per rank."""
     def reduced(stack):
         if exact:
-            return C.rank_order_sum(stack, dtype), None
-        return stack.double().sum(0), C.sum_bound(stack, dtype)
+            return verify.rank_order_sum(stack, dtype), None
+        return stack.double().sum(0), verify.sum_bound(stack, dtype)
 
     stack = all_inputs(world, count, dtype, device, seed)
     x = stack[rank].clone()
@@ -68,7 +68,7 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
             if rank == src:
                 buf.copy_(x)
             else:
-                C.poison_(buf)
+                verify.poison_(buf)
         yield (f"broadcast[src={src}]", lambda buf=buf, src=src: comm.broadcast(buf, src), buf,
                stack[src], None, reset)
     out = torch.empty(world * count, dtype=dtype, device=device)
@@ -89,20 +89,20 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
 
 def _run_case(comm, device, mode: str, fn, out, expected, bound, reset) -> tuple[int, str | None]:
     """(wrong elements on this rank, error or None)."""
-    poison = reset or (lambda: C.poison_(out))
+    poison = reset or (lambda: verify.poison_(out))
     try:
         poison()
         if mode == "graph":
-            graph = C.capture(fn, 1)
+            graph = timing.capture(fn, 1)
             poison()
             for _ in range(REPLAYS):
                 graph.replay()
         else:
             fn()
             poison()
-            fn()  # a repeat call: the seed's hazards showed up on the second call
+            fn()  # a repeat call: what the first call leaves behind must not break the next
         comm.check()
-        return C.count_wrong(out, expected, bound), None
+        return verify.count_wrong(out, expected, bound), None
     except Exception as e:  # noqa: BLE001 - reported as FAIL
         return 0, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
@@ -115,29 +115,29 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     largest = max(world * c for c in cfg.counts) * max(
-        torch.empty(0, dtype=C.parse_dtype(d)).element_size() for d in cfg.dtypes)
+        torch.empty(0, dtype=options.parse_dtype(d)).element_size() for d in cfg.dtypes)
     comm = Communicator(max_bytes=largest, backend=cfg.backend)
     exact = comm.backend == "peer"
     results = []
     modes = ("eager", "graph") if cuda else ("eager",)
     for di, dname in enumerate(cfg.dtypes):
-        dtype = C.parse_dtype(dname)
+        dtype = options.parse_dtype(dname)
         for ci, count in enumerate(cfg.counts):
             seed = cfg.seed + 100 * di + 10 * ci
             for label, fn, out, exp, bound, reset in _cases(comm, rank, world, dtype, count,
                                                              device, seed, exact):
                 for mode in modes:
                     wrong, err = _run_case(comm, device, mode, fn, out, exp, bound, reset)
-                    failed_somewhere = C.any_rank(err is not None, device)
+                    failed_somewhere = spawn.any_rank(err is not None, device)
                     if failed_somewhere and err is None:
                         err = "failed on another rank"
                     results.append({"op": label, "count": count, "dtype": dname, "mode": mode,
-                                    "wrong": C.sum_over_ranks(wrong, device), "error": err,
+                                    "wrong": spawn.sum_over_ranks(wrong, device), "error": err,
                                     "exact": bound is None})
     backend, why = comm.backend, comm.backend_reason
     comm.close()
     return {"backend": backend, "reason": why, "world_size": world, "results": results,
-            "machine": C.machine_string(world, device)} if rank == 0 else None
+            "machine": result_files.machine_string(world, device)} if rank == 0 else None
 
 
 def summarize(res: dict) -> tuple[list[str], int]:
@@ -161,7 +161,8 @@ def summarize(res: dict) -> tuple[list[str], int]:
 
 def run(args) -> int:
     cfg = CheckConfig(backend=args.backend)
-    res = C.launch(rank_main, cfg, force_cpu=args.cpu)
+    res = spawn.launch(rank_main, cfg, force_cpu=args.cpu,
+                       multicast_off=args.no_multicast)
     print(f"# llcomm check: {res['machine']}, world size {res['world_size']}, backend "
           f"{res['backend']} ({res['reason']})")
     lines, failures = summarize(res)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from . import common as C
+from . import console, options, result_files, spawn, timing, verify
 from . import decode_models as M
-from .common import Impl
+from .timing import Impl
 
 DEFAULT_ITERS = 30
 DEFAULT_WARMUP = 3
@@ -63,7 +63,7 @@ class Rank:
         self.rank, self.world, self.cfg = rank, world, cfg
         self.cuda = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
-        self.timing = C.Timing(self.device, cfg.iters, cfg.warmup, 1)
+        self.timing = timing.Timing(self.device, cfg.iters, cfg.warmup, 1)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
         self.modes = ("graph",) if self.cuda else ("eager",)
@@ -73,7 +73,7 @@ class Rank:
 
 
 def _cross_rank_wrong(out: torch.Tensor) -> int:
-    all_out = C.gather_bytes(out)
+    all_out = verify.gather_bytes(out)
     same = all_out[0].view(torch.int16) == out.view(torch.int16)
     return int((~same | ~torch.isfinite(out)).sum())
 
@@ -115,7 +115,7 @@ def tp_impls(R: Rank, model: M.DenseTP, comm, symm, batch: int) -> list[Impl]:
     for name, (algo, proj) in projs.items():
         def fn(proj=proj):
             out.copy_(model.step(x, proj))
-        impls.append(Impl(name, algo, fn, reset=lambda: C.poison_(out), modes=R.modes,
+        impls.append(Impl(name, algo, fn, reset=lambda: verify.poison_(out), modes=R.modes,
                           check=None if name == "none" else (lambda: _cross_rank_wrong(out)),
                           raise_errors=comm.check if name == comm_name(comm) else None))
     if R.cuda and symm[0] is None:
@@ -135,16 +135,16 @@ def run_tp(R: Rank, bar) -> list[dict]:
     model = M.DenseTP(cfg.dense, R.world, cfg.weight_sets, R.gen, R.device, DTYPE)
     max_bytes = max(cfg.batches) * cfg.dense.hidden * 2
     comm = Communicator(max_bytes=max_bytes)
-    symm = (C.torch_symm_buffer(max_bytes // 2, DTYPE, R.device) if R.cuda
+    symm = (timing.torch_symm_buffer(max_bytes // 2, DTYPE, R.device) if R.cuda
             else (None, None, "CPU"))
     rows = []
     for batch in cfg.batches:
         base = {"op": "decode_step", "part": "tp", "model": MODELS["tp"], "batch": batch,
-                "dtype": C.dtype_name(DTYPE), "world_size": R.world,
+                "dtype": options.dtype_name(DTYPE), "world_size": R.world,
                 "bytes": batch * cfg.dense.hidden * 2, "layers": cfg.dense.layers,
                 "joins_per_step": 2 * cfg.dense.layers}
         for impl in tp_impls(R, model, comm, symm, batch):
-            rows += C.time_impl(impl, base, R.timing)
+            rows += timing.time_impl(impl, base, R.timing)
         bar.advance(f"tp batch {batch}")
     comm.close()
     return rows
@@ -169,7 +169,8 @@ def run_ep(R: Rank, bar) -> list[dict]:
         dests = torch.zeros(tokens, R.world, dtype=torch.bool, device=R.device)
         dests.scatter_(1, model.routing[0][0] // (cfg.moe.experts // R.world), True)
         base = {"op": "decode_step", "part": "ep", "model": MODELS["ep"], "batch": tokens,
-                "tokens_per_rank": tokens, "dtype": C.dtype_name(DTYPE), "world_size": R.world,
+                "tokens_per_rank": tokens, "dtype": options.dtype_name(DTYPE),
+                "world_size": R.world,
                 "bytes": int(dests.sum()) * cfg.moe.hidden * 2, "hidden": cfg.moe.hidden,
                 "num_experts": cfg.moe.experts, "topk": cfg.moe.topk, "fp8": False,
                 "layers": cfg.moe.layers, "expert_rows": model.rows,
@@ -183,11 +184,12 @@ def run_ep(R: Rank, bar) -> list[dict]:
             def fn(buf=buf, recv=recv, y=y, out=out):
                 out.copy_(model.step(x, buf, recv, y))
 
-            check = (lambda out=out: C.count_wrong(out, expected)) if name == "llcomm" else None
+            check = ((lambda out=out: verify.count_wrong(out, expected)) if name == "llcomm"
+                     else None)
             impl = Impl(name, "ll" if buf is not None else "none", fn, modes=modes,
-                        reset=lambda out=out: C.poison_(out), check=check,
+                        reset=lambda out=out: verify.poison_(out), check=check,
                         raise_errors=buf.check if buf is not None else None)
-            rows += C.time_impl(impl, base, R.timing)
+            rows += timing.time_impl(impl, base, R.timing)
         for buf in bufs.values():
             buf.close()
         bar.advance(f"ep {tokens} tokens")
@@ -221,7 +223,7 @@ def rank_main(rank: int, world: int, cfg: Config):
     R = Rank(rank, world, cfg)
     rows = []
     total = len(cfg.batches) * ("tp" in cfg.parts) + len(cfg.ep_tokens) * ("ep" in cfg.parts)
-    with C.progress(total, "bench decode", enabled=rank == 0 and cfg.progress) as bar:
+    with console.progress(total, "bench decode", enabled=rank == 0 and cfg.progress) as bar:
         if "tp" in cfg.parts:
             rows += run_tp(R, bar)
         if "ep" in cfg.parts:
@@ -229,7 +231,7 @@ def rank_main(rank: int, world: int, cfg: Config):
     if rank != 0:
         return None
     add_shares(rows)
-    return {**C.result_header(world, R.device), "bench": "decode", "iters": cfg.iters,
+    return {**result_files.result_header(world, R.device), "bench": "decode", "iters": cfg.iters,
             "warmup": cfg.warmup, "dense": cfg.dense.__dict__, "moe": cfg.moe.__dict__,
             "weight_sets": cfg.weight_sets, "rows": rows}
 
@@ -290,7 +292,7 @@ def print_result(result: dict) -> None:
     for part in PARTS:
         if any(r["part"] == part for r in result["rows"]):
             headers, lines = table(result["rows"], part)
-            C.print_table(titles[part], headers, lines)
+            console.print_table(titles[part], headers, lines)
     for r in result["rows"]:
         if r.get("error"):
             print(f"# note: {r['part']} {r['impl']} {r['mode']} at batch {r['batch']}: "
@@ -312,7 +314,7 @@ def add_arguments(p) -> None:
                    f"CPU {M.MOE_CPU.layers})")
     p.add_argument("--moe-intermediate", type=int, help="expert intermediate width (default "
                    f"{M.MoEShape.intermediate}; CPU {M.MOE_CPU.intermediate})")
-    C.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
+    options.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
 
 
 def config_from_args(a, on_cpu: bool) -> Config:
@@ -322,9 +324,9 @@ def config_from_args(a, on_cpu: bool) -> Config:
         problems.append(f"--parts {a.parts!r}: expected tp, ep or tp,ep")
     batches, ep_tokens = [], []
     try:
-        batches = C.parse_ints(a.batches or (CPU_BATCHES if on_cpu else GPU_BATCHES),
+        batches = options.parse_ints(a.batches or (CPU_BATCHES if on_cpu else GPU_BATCHES),
                                "--batches")
-        ep_tokens = C.parse_ints(a.ep_tokens or (CPU_EP_TOKENS if on_cpu else GPU_EP_TOKENS),
+        ep_tokens = options.parse_ints(a.ep_tokens or (CPU_EP_TOKENS if on_cpu else GPU_EP_TOKENS),
                                  "--ep-tokens")
     except ValueError as e:
         problems.append(str(e))
@@ -335,7 +337,7 @@ def config_from_args(a, on_cpu: bool) -> Config:
                     ("--weight-sets", a.weight_sets)):
         if v is not None and v < 1:
             problems.append(f"{flag} must be at least 1")
-    C.check_run_arguments(a, problems)
+    options.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
     if a.layers:
@@ -351,15 +353,16 @@ def config_from_args(a, on_cpu: bool) -> Config:
 
 def run(a) -> int:
     """``llcomm bench decode``: exit status 1 if an llcomm row was wrong or failed."""
-    world, backend = C.plan(a.cpu)
+    world, backend = spawn.plan(a.cpu)
     try:
         cfg = config_from_args(a, backend == "gloo")
     except ValueError as e:
         print(f"llcomm bench decode: {e}")
         return 2
-    result = C.launch(rank_main, cfg, force_cpu=a.cpu)
+    result = spawn.launch(rank_main, cfg, force_cpu=a.cpu,
+                          multicast_off=a.no_multicast)
     print_result(result)
-    C.write_outputs(result, a)
+    result_files.write_outputs(result, a)
     bad = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")
            and (r.get("wrong") or r.get("error"))
            and not (r["part"] == "ep" and r["impl"] == "reference" and r["mode"] == "graph")]

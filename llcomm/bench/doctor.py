@@ -1,12 +1,14 @@
 """``llcomm doctor``: what this host offers llcomm. Works without GPUs; starts no process group.
 
 Reports GPUs, the peer-access matrix, NVLink topology (``nvidia-smi topo -m`` where present),
-versions, the multicast-off environment, whether kernels launch with programmatic dependent
-launch, and which backend ``Communicator(backend="auto")``
-would pick in a job of one process per visible GPU, and why.
+versions, NVLink multicast (whether the driver reports it, how NCCL and torch symmetric memory
+are configured to use it; llcomm itself does not), whether kernels launch with programmatic
+dependent launch, and which backend ``Communicator(backend="auto")`` would pick in a job of one
+process per visible GPU, and why.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -14,7 +16,7 @@ import torch
 
 from ..runtime import launch
 from ..runtime.settings import env_bit
-from . import common as C
+from . import result_files
 
 GIB = 1 << 30
 
@@ -68,11 +70,73 @@ def pdl_line(n_gpus: int, triton_ok: bool) -> str:
     return head + ("on" if why is None else f"off ({why})")
 
 
+#: ``CUdevice_attribute`` value of CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED (CUDA 12.0 and later).
+CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132
+
+
+def multicast_support(n_gpus: int) -> list[bool | None]:
+    """Per GPU, whether the CUDA driver reports NVLink multicast support (the device attribute
+    CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, read through libcuda; an attribute query, no
+    multicast object is created). None where it cannot be read (no driver library, a driver
+    older than the attribute)."""
+    if n_gpus == 0:
+        return []
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        if cuda.cuInit(0) != 0:
+            return [None] * n_gpus
+    except (OSError, AttributeError):
+        return [None] * n_gpus
+    out: list[bool | None] = []
+    for i in range(n_gpus):
+        dev, val = ctypes.c_int(), ctypes.c_int()
+        if (cuda.cuDeviceGet(ctypes.byref(dev), i) != 0 or cuda.cuDeviceGetAttribute(
+                ctypes.byref(val), CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev) != 0):
+            out.append(None)
+        else:
+            out.append(bool(val.value))
+    return out
+
+
+def _setting(env, name: str) -> str:
+    val = env.get(name)
+    return f"{name}={val}" if val is not None else f"{name} unset"
+
+
+def multicast_lines(support: list[bool | None], env) -> list[str]:
+    """The NVLink multicast section: what the driver reports per GPU, how NCCL and torch
+    symmetric memory are set to use it (from ``env``), and that llcomm does not use it."""
+    out = ["NVLink multicast (NVLS):"]
+    if not support:
+        out.append("  GPUs: no CUDA GPU")
+    else:
+        names = {True: "supported", False: "not supported", None: "unknown (not readable)"}
+        states = [names[s] for s in support]
+        if len(set(states)) == 1:
+            out.append(f"  GPUs: {states[0]} (driver attribute MULTICAST_SUPPORTED, all "
+                       f"{len(states)})")
+        else:
+            out.append("  GPUs: " + ", ".join(f"GPU{i} {st}" for i, st in enumerate(states))
+                       + " (driver attribute MULTICAST_SUPPORTED)")
+    nvls = env.get("NCCL_NVLS_ENABLE")
+    out.append("  NCCL: " + ("NVLS off" if nvls == "0" else "NVLS used where NCCL finds it "
+                             "supported") + f" ({_setting(env, 'NCCL_NVLS_ENABLE')})")
+    symm = env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")
+    out.append("  torch symmetric memory: " + (
+        "no multicast object" if symm == "1" else
+        "rendezvous sets up a multicast object where the GPUs support it")
+        + f" ({_setting(env, 'TORCH_SYMM_MEM_DISABLE_MULTICAST')})")
+    out.append("  llcomm: does not use multicast (its workspace is torch symmetric memory, above)")
+    out.append("  `llcomm bench|check|tune --no-multicast` switch it off in the processes they "
+               "start; by default they leave these settings as they are")
+    return out
+
+
 def report() -> list[str]:
     import llcomm
 
     out = []
-    v = C.versions()
+    v = result_files.versions()
     triton_ok, triton_v = _triton()
     out.append(f"llcomm {llcomm.__version__} (python {v['python']}, {sys.executable})")
     out.append(f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl'] or 'n/a'}, "
@@ -90,7 +154,7 @@ def report() -> list[str]:
         for i in range(n):
             out.append(f"  GPU{i:<3} " + "".join(
                 f"{'-' if i == j else ('yes' if peers[i][j] else 'NO'):<7}" for j in range(n)))
-    topo = C.nvidia_topo()
+    topo = result_files.nvidia_topo()
     out.append("")
     if topo is None:
         out.append("nvidia-smi topo -m: not available (no nvidia-smi, or it failed)")
@@ -98,12 +162,7 @@ def report() -> list[str]:
         out.append("nvidia-smi topo -m:")
         out.extend("  " + line for line in topo.rstrip().splitlines())
     out.append("")
-    out.append("NVLink multicast must stay off (llcomm bench / check set these for the processes "
-               "they start; set them yourself in your own jobs):")
-    for name, off in C.MULTICAST_OFF_ENV.items():
-        val = os.environ.get(name)
-        state = "off" if val == off else f"NOT off: set {name}={off}"
-        out.append(f"  {name}={val if val is not None else '(unset)'}  {state}")
+    out.extend(multicast_lines(multicast_support(n), os.environ))
     out.append("")
     out.append(pdl_line(n, triton_ok))
     backend, why = predict_backend(n, peers, triton_ok)

@@ -29,10 +29,10 @@ Correctness (``wrong``, summed over ranks), from every rank's inputs gathered by
 ``--fp8`` adds ``dispatch_fp8`` rows: ``dispatch(..., use_fp8=True)`` (``--round-scale``: with
 ``round_scale=True``) on the same buffers and inputs, timed alone (a combine after it would be the
 bf16 combine above, fed by dequantised rows). Checked byte for byte: ``recv_count``,
-``src_info``, and each row's e4m3 codes and fp32 scales against ``fp8_oracle``, a quantiser
-written here independently of ``llcomm.ep_fp8`` (a nearest-value search over the e4m3 table, ties
-to the even code, ``frexp`` for the power-of-two scales), so both backends are held to the same
-bytes. ``bytes`` counts ``hidden + hidden / 32`` per (token, destination rank).
+``src_info``, and each row's e4m3 codes and fp32 scales against ``ep_oracle.fp8_oracle``, a
+quantiser written independently of ``llcomm.ep.fp8`` (a nearest-value search over the e4m3 table,
+ties to the even code, ``frexp`` for the power-of-two scales), so both backends are held to the
+same bytes. ``bytes`` counts ``hidden + hidden / 32`` per (token, destination rank).
 
 ``--overlap`` adds ``overlap_step`` rows: a decode step of two micro-batches A and B (``tokens``
 each per rank), run with ``return_recv_hook=True`` (algo ``recv_hook``) and without (``plain``),
@@ -59,22 +59,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import common as C
-from .common import Impl
-
-#: Channels per FP8 scale (docs/ep.md).
-FP8_BLOCK = 128
+from . import console, options, result_files, spawn, timing, verify
+from .ep_oracle import FP8_BLOCK, Expected, expert_affine, run_experts, uniform_routing
+from .ep_report import OVERLAP_OP, print_result
+from .timing import Impl
 
 DEFAULT_ITERS = 50
 DEFAULT_WARMUP = 5
 #: (tokens per rank, hidden, experts, topk) on GPUs, and the tiny CPU defaults.
 GPU_SHAPE = ("1,32,128,256,512", 7168, 256, 8)
 CPU_SHAPE = ("1,8,32", 256, 16, 4)
-OPS = ("dispatch", "combine", "dispatch_fp8")
-OVERLAP_OP = "overlap_step"
 #: Micro-batches of the ``--overlap`` step.
 MICRO_BATCHES = 2
-IMPLS = ("llcomm", "reference")
 DTYPE = torch.bfloat16
 
 
@@ -86,7 +82,7 @@ class Config:
     topk: int
     iters: int = DEFAULT_ITERS
     warmup: int = DEFAULT_WARMUP
-    graph_ops: int = C.GRAPH_OPS
+    graph_ops: int = timing.GRAPH_OPS
     seed: int = 0
     progress: bool = True
     fp8: bool = False
@@ -98,131 +94,6 @@ class Config:
     @property
     def buffer_tokens(self) -> int:
         return self.max_tokens or max(self.tokens)
-
-
-# -- inputs and oracles --------------------------------------------------------------------------
-def uniform_routing(n: int, experts: int, topk: int, gen: torch.Generator, device):
-    """``(topk_idx [n, topk] int64, topk_weights [n, topk] fp32)``: distinct uniform experts per
-    token, uniform weights summing to 1."""
-    idx = torch.rand(n, experts, generator=gen, device=device).topk(topk, dim=1).indices
-    w = torch.rand(n, topk, generator=gen, device=device) + 0.01
-    return idx.contiguous(), (w / w.sum(1, keepdim=True)).contiguous()
-
-
-def expert_affine(experts: int, device):
-    """fp32 ``(scale, bias)`` of the stand-in expert of each global expert id."""
-    g = torch.arange(experts, device=device, dtype=torch.float32)
-    return 1 + (g % 7) / 8, (g % 5) / 4 - 0.5
-
-
-def run_experts(recv_x, recv_count, scale, bias, rank: int) -> torch.Tensor:
-    """``expert_out`` for ``recv_x [L, W*T, H]``: ``x * scale[g] + bias[g]`` (fp32, rounded) on the
-    filled rows, zeros elsewhere."""
-    L = recv_x.shape[0]
-    out = torch.zeros_like(recv_x)
-    m = int(recv_count.max()) if L else 0
-    s = scale[rank * L:(rank + 1) * L].view(L, 1, 1)
-    b = bias[rank * L:(rank + 1) * L].view(L, 1, 1)
-    out[:, :m] = (recv_x[:, :m].float() * s + b).to(recv_x.dtype)
-    return out
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-#: The e4m3 maximum of ``use_fp8=True`` (docs/ep.md) and the smallest normal fp32 scale (a
-#: smaller one is raised to it).
-FP8_MAX, MIN_NORMAL_SCALE = 448.0, 2.0 ** -126
-
-
-def _e4m3_magnitudes() -> torch.Tensor:
-    """float64 values of the non-negative finite e4m3 codes 0 .. 126, decoded from the bits
-    (ascending in the code)."""
-    vals = []
-    for code in range(127):
-        exp, man = code >> 3, code & 7
-        vals.append(man * 2.0 ** -9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7))
-    return torch.tensor(vals, dtype=torch.float64)
-
-
-def fp8_oracle(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., H]`` -> ``(codes [..., H] uint8, scales [..., H / 128] float32)`` by the
-    documented FP8 arithmetic, without torch's float8 cast: each ``x / scale`` goes to the
-    nearest e4m3 value of the table (ties to the even code, the sign bit kept for zeros)."""
-    H = x.shape[-1]
-    xf = x.float().reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
-    amax = xf.abs().amax(-1)
-    # a tensor divisor: CUDA torch multiplies by the (inexact) reciprocal of a Python scalar
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
-    if round_scale:
-        mant, exp = torch.frexp(scale)                # scale = mant * 2 ** exp, mant in [0.5, 1)
-        up = torch.where(mant == 0.5, scale, torch.ldexp(torch.ones_like(scale), exp))
-        scale = torch.where(scale < MIN_NORMAL_SCALE, torch.full_like(scale, MIN_NORMAL_SCALE),
-                            up).float()
-    v = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    mags = _e4m3_magnitudes().to(v.device)
-    a = v.abs().double().reshape(-1)
-    hi = torch.searchsorted(mags, a).clamp(1, mags.numel() - 1)   # mags[hi - 1] < a <= mags[hi]
-    lo = hi - 1
-    d_lo, d_hi = a - mags[lo], mags[hi] - a
-    code = torch.where(d_hi < d_lo, hi, torch.where(d_lo < d_hi, lo, torch.where(hi % 2 == 0,
-                                                                                   hi, lo)))
-    code = code + 128 * torch.signbit(v.reshape(-1)).to(code.dtype)
-    return code.to(torch.uint8).reshape(x.shape), scale
-
-
-class Expected:
-    """What this rank's dispatch and combine must return, from every rank's inputs."""
-
-    def __init__(self, x, idx, w, rank: int, world: int, max_tokens: int, scale, bias):
-        L = scale.shape[0] // world
-        n, K = idx.shape
-        xs = C.gather_bytes(x).reshape(world * n, -1)                 # pair p = s * n + t
-        ids = C.gather_inputs(idx).reshape(world * n, K)
-        mine = torch.arange(rank * L, (rank + 1) * L, device=idx.device)
-        hit = (ids.unsqueeze(-1) == mine).any(1).T                   # [L, W * n]
-        self.count = hit.sum(1).to(torch.int32)
-        self.e, self.p = hit.nonzero(as_tuple=True)                  # expert-major, then pair
-        self.row = (hit.cumsum(1) - 1)[self.e, self.p]
-        self.rows = xs[self.p]
-        self.src = ((self.p // n) * max_tokens + self.p % n).to(torch.int32)
-        self.combine = self._combine(x, idx, w, world, L, scale, bias)
-        self._fp8: dict = {}
-
-    @staticmethod
-    def _combine(x, idx, w, world, L, scale, bias):
-        total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        owner = idx // L
-        for q in range(world):
-            acc = torch.zeros_like(total)
-            for k in range(idx.shape[1]):
-                g = idx[:, k]
-                y = (x.float() * scale[g].unsqueeze(1) + bias[g].unsqueeze(1)).to(x.dtype)
-                acc = torch.where((owner[:, k] == q).unsqueeze(1), acc + w[:, k:k + 1] * y.float(),
-                                  acc)
-            went = (owner == q).any(1, keepdim=True)
-            total = torch.where(went, total + acc.to(x.dtype).float(), total)
-        return total.to(x.dtype)
-
-    def dispatch_wrong(self, recv_x, recv_count, handle) -> int:
-        bad = int((recv_count != self.count).sum())
-        got = recv_x[self.e, self.row]
-        bad += int((_bits(got) != _bits(self.rows)).sum())
-        bad += int((handle.src_info[self.e, self.row] != self.src).sum())
-        return bad
-
-    def dispatch_fp8_wrong(self, recv, recv_count, handle, round_scale: bool) -> int:
-        """Wrong elements of an FP8 dispatch result ``recv = (codes, scales)``: counts,
-        ``src_info``, codes and scales, each byte for byte against ``fp8_oracle``."""
-        if round_scale not in self._fp8:
-            self._fp8[round_scale] = fp8_oracle(self.rows, round_scale)
-        codes, scales = self._fp8[round_scale]
-        bad = int((recv_count != self.count).sum())
-        bad += int((recv[0].view(torch.uint8)[self.e, self.row] != codes).sum())
-        bad += int((_bits(recv[1][self.e, self.row]) != _bits(scales)).sum())
-        bad += int((handle.src_info[self.e, self.row] != self.src).sum())
-        return bad
 
 
 # -- one token count ---------------------------------------------------------------------------
@@ -237,7 +108,7 @@ def _impls(buf, name: str, x, idx, w, exp: Expected, ref_out, scale, bias, R,
 
     def dispatch():
         got["d"] = buf.dispatch(x, idx, out=recv, topk_weights=wd)
-    d = Impl(name, "ll", dispatch, reset=lambda: C.poison_(recv),
+    d = Impl(name, "ll", dispatch, reset=lambda: verify.poison_(recv),
              check=lambda: exp.dispatch_wrong(*got["d"]), raise_errors=buf.check)
     recv_c = torch.zeros_like(recv)
     out = torch.empty_like(x)
@@ -246,11 +117,11 @@ def _impls(buf, name: str, x, idx, w, exp: Expected, ref_out, scale, bias, R,
     def prepare():  # a dispatch of its own: the handle lives until this buffer's next two
         rx, rc, state["h"] = buf.dispatch(x, idx, out=recv_c, topk_weights=wd)
         state["y"] = run_experts(rx, rc, scale, bias, R.rank)
-        C.poison_(out)
+        verify.poison_(out)
 
     expected = exp.combine if ref_out is None else ref_out
     c = Impl(name, "ll", lambda: buf.combine(state["y"], idx, wc, state["h"], out=out),
-             reset=lambda: C.poison_(out), check=lambda: C.count_wrong(out, expected),
+             reset=lambda: verify.poison_(out), check=lambda: verify.count_wrong(out, expected),
              raise_errors=buf.check)
     return [d, (prepare, c)]
 
@@ -268,7 +139,7 @@ def _fp8_impl(buf, name: str, x, idx, exp: Expected, round_scale: bool, R) -> Im
 
     def reset():
         for t in recv:
-            C.poison_(t)
+            verify.poison_(t)
     return Impl(name, "ll", dispatch, reset=reset, raise_errors=buf.check,
                 check=lambda: exp.dispatch_fp8_wrong(*got["d"], round_scale))
 
@@ -322,7 +193,7 @@ class OverlapStep:
 
     def reset(self) -> None:
         for t in self.recv + self.out:
-            C.poison_(t)
+            verify.poison_(t)
 
 
 def _nothing() -> None:
@@ -336,7 +207,8 @@ def _overlap_impls(buf, name: str, mbs, expected, weight) -> list[Impl]:
         step = OverlapStep(buf, mbs, weight, hooks)
         impls.append(Impl(
             name, "recv_hook" if hooks else "plain", step, reset=step.reset,
-            check=lambda step=step: sum(C.count_wrong(o, e) for o, e in zip(step.out, expected)),
+            check=lambda step=step: sum(verify.count_wrong(o, e)
+                                        for o, e in zip(step.out, expected)),
             raise_errors=buf.check,
             extra={"recv_hook": hooks, "micro_batches": len(mbs)}))
     return impls
@@ -349,7 +221,7 @@ class Rank:
         self.rank, self.world, self.cfg = rank, world, cfg
         self.cuda = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
-        self.timing = C.Timing(self.device, cfg.iters, cfg.warmup,
+        self.timing = timing.Timing(self.device, cfg.iters, cfg.warmup,
                                cfg.graph_ops if self.cuda else 1)
         kw = dict(num_experts=cfg.experts, hidden=cfg.hidden,
                   num_max_dispatch_tokens_per_rank=cfg.buffer_tokens, dtype=DTYPE)
@@ -369,9 +241,9 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
     L = cfg.experts // R.world
     dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
     dests.scatter_(1, idx // L, True)
-    pairs = C.sum_over_ranks(int(dests.sum()), R.device)      # (token, destination rank)
+    pairs = spawn.sum_over_ranks(int(dests.sum()), R.device)      # (token, destination rank)
     nbytes = pairs * cfg.hidden * 2 // R.world
-    base = {"op": None, "dtype": C.dtype_name(DTYPE), "world_size": R.world, "bytes": nbytes,
+    base = {"op": None, "dtype": options.dtype_name(DTYPE), "world_size": R.world, "bytes": nbytes,
             "tokens_per_rank": n, "hidden": cfg.hidden, "num_experts": cfg.experts,
             "topk": cfg.topk, "max_tokens": cfg.buffer_tokens, "fp8": False,
             "carry_weights": cfg.carry_weights}
@@ -384,19 +256,19 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
         buf = R.bufs[name]
         d, (prepare, c) = _impls(buf, name, x, idx, w, exp, ref_out, R.scale, R.bias, R,
                                  cfg.carry_weights)
-        rows += C.time_impl(d, {**base, "op": "dispatch"}, R.timing)
+        rows += timing.time_impl(d, {**base, "op": "dispatch"}, R.timing)
         for mode in c.modes:
             err = [None]
-            if not C.attempt(prepare, err, R.device):
+            if not spawn.attempt(prepare, err, R.device):
                 rows.append({**base, "op": "combine", "impl": name, "algo": c.algo, "mode": mode,
                              "median_us": None, "p10_us": None, "p90_us": None, "wrong": None,
                              "error": f"dispatch before combine: {err[0]}"})
                 continue
             one = Impl(**{**c.__dict__, "modes": (mode,)})
-            rows += C.time_impl(one, {**base, "op": "combine"}, R.timing)
+            rows += timing.time_impl(one, {**base, "op": "combine"}, R.timing)
         if cfg.fp8:
-            rows += C.time_impl(_fp8_impl(buf, name, x, idx, exp, cfg.round_scale, R), fp8_base,
-                                R.timing)
+            fp8 = _fp8_impl(buf, name, x, idx, exp, cfg.round_scale, R)
+            rows += timing.time_impl(fp8, fp8_base, R.timing)
         if name == "reference" and R.cuda:
             ref_out = _reference_combine(buf, x, idx, w, R)
     if cfg.overlap:
@@ -420,7 +292,7 @@ def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
                                  zeros).combine)
         dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
         dests.scatter_(1, idx // L, True)
-        nbytes += 2 * C.sum_over_ranks(int(dests.sum()), R.device) * cfg.hidden * 2 // R.world
+        nbytes += 2 * spawn.sum_over_ranks(int(dests.sum()), R.device) * cfg.hidden * 2 // R.world
     weight = (torch.randn(cfg.hidden, cfg.hidden, generator=R.gen, device=R.device)
               / cfg.hidden ** 0.5).to(DTYPE)
     row = {**base, "op": OVERLAP_OP, "bytes": nbytes}
@@ -428,7 +300,7 @@ def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
     for name in reversed(list(R.bufs)):
         got = []
         for impl in _overlap_impls(R.bufs[name], name, mbs, expected, weight):
-            got += C.time_impl(impl, row, R.timing)
+            got += timing.time_impl(impl, row, R.timing)
         plain = {r["mode"]: r for r in got if not r["recv_hook"]}
         for r in got:
             p = plain.get(r["mode"])
@@ -448,7 +320,7 @@ def rank_main(rank: int, world: int, cfg: Config):
     """One rank of ``llcomm bench ep``: rank 0 returns the result."""
     R = Rank(rank, world, cfg)
     rows = []
-    with C.progress(len(cfg.tokens), "bench ep", enabled=rank == 0 and cfg.progress) as bar:
+    with console.progress(len(cfg.tokens), "bench ep", enabled=rank == 0 and cfg.progress) as bar:
         for n in cfg.tokens:
             rows += run_tokens(R, n)
             bar.advance(f"{n} tokens")
@@ -456,100 +328,9 @@ def rank_main(rank: int, world: int, cfg: Config):
         buf.close()
     if rank != 0:
         return None
-    return {**C.result_header(world, R.device), "bench": "ep", "iters": cfg.iters,
+    return {**result_files.result_header(world, R.device), "bench": "ep", "iters": cfg.iters,
             "warmup": cfg.warmup, "graph_ops": R.timing.ops if R.cuda else None,
             "routing": "uniform", "rows": rows}
-
-
-# -- table ----------------------------------------------------------------------------------------
-HEADERS = ["tokens", "bytes", "llcomm graph µs", "llcomm eager µs", "ref graph µs",
-           "ref eager µs", "llcomm GB/s", "ref GB/s", "ref / llcomm", "#wrong"]
-
-
-def _cell(row: dict | None) -> str:
-    if row is None:
-        return "-"
-    return "err" if row.get("error") else C.fmt_us(row["median_us"])
-
-
-def _best(*rows):
-    return next((r["median_us"] for r in rows if r and r.get("median_us")), None)
-
-
-def table_rows(rows: list[dict], op: str) -> list[list[str]]:
-    lines: dict = {}
-    for r in rows:
-        if r["op"] == op:
-            lines.setdefault(r["tokens_per_rank"], {})[(r["impl"], r["mode"])] = r
-    out = []
-    for n, cells in lines.items():
-        lg, le = cells.get(("llcomm", "graph")), cells.get(("llcomm", "eager"))
-        rg, re_ = cells.get(("reference", "graph")), cells.get(("reference", "eager"))
-        nbytes = next(iter(cells.values()))["bytes"]
-        tl, tr = _best(lg, le), _best(rg, re_)
-        wrongs = [r["wrong"] for r in cells.values() if r.get("wrong") is not None]
-        out.append([str(n), C.fmt_bytes(nbytes), _cell(lg), _cell(le), _cell(rg), _cell(re_),
-                    f"{nbytes / (tl * 1e3):.1f}" if tl else "-",
-                    f"{nbytes / (tr * 1e3):.1f}" if tr else "-",
-                    f"{tr / tl:.2f}x" if tl and tr else "-",
-                    str(sum(wrongs)) if wrongs else "-"])
-    return out
-
-
-OVERLAP_HEADERS = ["tokens / micro-batch", "impl", "mode", "plain µs / step", "hooks µs / step",
-                   "saving µs", "saving %", "#wrong"]
-
-
-def overlap_table_rows(rows: list[dict]) -> list[list[str]]:
-    """One line per (tokens, impl, mode) of the ``--overlap`` rows: plain vs hooked step."""
-    lines: dict = {}
-    for r in rows:
-        if r["op"] == OVERLAP_OP:
-            key = (r["tokens_per_rank"], r["impl"], r["mode"])
-            lines.setdefault(key, {})[r["recv_hook"]] = r
-    out = []
-    for (n, impl, mode), cells in lines.items():
-        plain, hooked = cells.get(False), cells.get(True)
-        tp, th = _best(plain), _best(hooked)
-        wrongs = [r["wrong"] for r in cells.values() if r.get("wrong") is not None]
-        out.append([str(n), impl, mode, _cell(plain), _cell(hooked),
-                    f"{tp - th:.1f}" if tp and th else "-",
-                    f"{100 * (tp - th) / tp:.0f}%" if tp and th else "-",
-                    str(sum(wrongs)) if wrongs else "-"])
-    return out
-
-
-def print_result(result: dict) -> None:
-    r0 = result["rows"][0] if result["rows"] else {}
-    v = result["versions"]
-    print(f"# llcomm bench ep: {result['machine']}, world size {result['world_size']}, hidden "
-          f"{r0.get('hidden')}, {r0.get('num_experts')} experts, top-{r0.get('topk')}, "
-          f"{result['routing']} routing, {r0.get('dtype')}, buffer for "
-          f"{r0.get('max_tokens', '?')} tokens per rank"
-          + (", weights carried by the dispatch" if r0.get("carry_weights") else ""))
-    print(f"# torch {v.get('torch')}, triton {v.get('triton')}, nccl {v.get('nccl')}; commit "
-          f"{result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; {result['iters']} "
-          f"iters after {result['warmup']} warm-up"
-          + (f", {result['graph_ops']} ops per graph" if result.get("graph_ops")
-             else ", eager only (CPU, reference backend on gloo)")
-          + (", PDL on" if result.get("pdl") else ""))
-    print("# GB/s from the graph time where there is one; ref = reference backend "
-          "(all_to_all_single)")
-    present = {r["op"] for r in result["rows"]}
-    for op in OPS:
-        if op in present:
-            title = op
-            if op == "dispatch_fp8":
-                rs = next(r.get("round_scale") for r in result["rows"] if r["op"] == op)
-                title += " (round_scale)" if rs else ""
-            C.print_table(title, HEADERS, table_rows(result["rows"], op))
-    if OVERLAP_OP in present:
-        C.print_table(f"{OVERLAP_OP}: {MICRO_BATCHES} micro-batches, return_recv_hook vs plain",
-                      OVERLAP_HEADERS, overlap_table_rows(result["rows"]))
-    for r in result["rows"]:
-        if r.get("error"):
-            print(f"# note: {r['op']} {r['impl']} {r['mode']} at {r['tokens_per_rank']} tokens: "
-                  f"{r['error']}")
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -559,8 +340,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, help=f"token width (default {g[1]}; CPU {c[1]})")
     p.add_argument("--experts", type=int, help=f"global experts (default {g[2]}; CPU {c[2]})")
     p.add_argument("--topk", type=int, help=f"experts per token (default {g[3]}; CPU {c[3]})")
-    p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
-                   help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
+    options.add_graph_ops_argument(p)
     p.add_argument("--fp8", action="store_true",
                    help="add dispatch_fp8 rows: dispatch(use_fp8=True), codes and scales checked "
                         "(hidden a multiple of 128)")
@@ -575,7 +355,7 @@ def add_arguments(p) -> None:
     p.add_argument("--overlap", action="store_true",
                    help="add overlap_step rows: a 2-micro-batch step with return_recv_hook=True "
                         "against the same step without hooks")
-    C.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
+    options.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
 
 
 def config_from_args(a, on_cpu: bool) -> Config:
@@ -584,7 +364,7 @@ def config_from_args(a, on_cpu: bool) -> Config:
     d = CPU_SHAPE if on_cpu else GPU_SHAPE
     tokens = []
     try:
-        tokens = C.parse_ints(a.tokens or d[0], "--tokens")
+        tokens = options.parse_ints(a.tokens or d[0], "--tokens")
     except ValueError as e:
         problems.append(str(e))
     hidden, experts, topk = (v if v is not None else dv
@@ -603,7 +383,7 @@ def config_from_args(a, on_cpu: bool) -> Config:
                         f"least the largest --tokens ({max(tokens) if tokens else '?'})")
     if a.round_scale and not a.fp8:
         problems.append("--round-scale needs --fp8 (it rounds the FP8 scales)")
-    C.check_run_arguments(a, problems)
+    options.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
     return Config(tokens=tokens, hidden=hidden, experts=experts, topk=topk, iters=a.iters,
@@ -614,7 +394,7 @@ def config_from_args(a, on_cpu: bool) -> Config:
 
 def run(a) -> int:
     """``llcomm bench ep``: exit status 1 if any result was wrong or an llcomm row failed."""
-    world, backend = C.plan(a.cpu)
+    world, backend = spawn.plan(a.cpu)
     try:
         cfg = config_from_args(a, backend == "gloo")
         if cfg.experts % world:
@@ -622,9 +402,10 @@ def run(a) -> int:
     except ValueError as e:
         print(f"llcomm bench ep: {e}")
         return 2
-    result = C.launch(rank_main, cfg, force_cpu=a.cpu)
+    result = spawn.launch(rank_main, cfg, force_cpu=a.cpu,
+                          multicast_off=a.no_multicast)
     print_result(result)
-    C.write_outputs(result, a)
+    result_files.write_outputs(result, a)
     bad = [r for r in result["rows"] if (r["wrong"] or 0) > 0
            or (r.get("error") and r["impl"] == "llcomm")]
     if bad:

@@ -8,8 +8,8 @@ Per token count (hidden fixed, default 8192 bf16): CUDA-graph and eager rows for
   ``torch.nn.functional.rms_norm`` (a manual fp32 RMSNorm where torch lacks it).
 
 On CPU (two gloo processes) only eager rows run. ``bytes`` is the all-reduced x of one rank.
-Timing and result files as ``llcomm bench tp`` (llcomm/bench/common.py; docs/performance.md,
-"How we measure").
+Timing and result files as ``llcomm bench tp`` (``bench.timing``,
+docs/performance.md#how-we-measure).
 
 Correctness, after the first call and after the timed loop, outputs poisoned with NaN before
 each: ``residual_out`` must equal the rank-order fp32 sum rounded, plus the residual, rounded
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import common as C
+from . import console, options, result_files, spawn, timing, verify
 from . import tp as TP
 
 OP = "all_reduce_residual_rmsnorm"
@@ -43,7 +43,7 @@ class Config:
     dtype: str = "bfloat16"
     iters: int = TP.DEFAULT_ITERS
     warmup: int = TP.DEFAULT_WARMUP
-    graph_ops: int = C.GRAPH_OPS
+    graph_ops: int = timing.GRAPH_OPS
     backend: str = "auto"
     seed: int = 0
     progress: bool = True
@@ -62,7 +62,7 @@ def _wrong_norm(y: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> int:
     want = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
     fi = torch.finfo(y.dtype)
     bound = (NORM_EPS_ALLOWED * fi.eps + FP32_SLACK) * want.abs() + fi.tiny
-    return C.count_wrong(y, want, bound)
+    return verify.count_wrong(y, want, bound)
 
 
 def _impls(R: TP.Rank, tokens: int, hidden: int) -> list[TP.Impl]:
@@ -71,12 +71,12 @@ def _impls(R: TP.Rank, tokens: int, hidden: int) -> list[TP.Impl]:
     g.manual_seed(R.cfg.seed * 1_000_003 + 7919 * tokens)  # no rank: the same on every rank
     res = torch.randn(tokens, hidden, dtype=R.dtype, device=R.device, generator=g)
     w = torch.rand(hidden, dtype=R.dtype, device=R.device, generator=g) + 0.5
-    stack = torch.cat([C.gather_inputs(x), res[None]])
+    stack = torch.cat([verify.gather_inputs(x), res[None]])
     if R.exact:
-        s = C.rank_order_sum(stack[:-1], R.dtype)
+        s = verify.rank_order_sum(stack[:-1], R.dtype)
         h_want, h_bound = (s.float() + res.float()).to(R.dtype), None
     else:
-        h_want, h_bound = stack.double().sum(0), C.sum_bound(stack, R.dtype)
+        h_want, h_bound = stack.double().sum(0), verify.sum_bound(stack, R.dtype)
     extra = {"tokens": tokens, "hidden": hidden}
     impls = []
     for name in ("fused", "unfused"):
@@ -98,12 +98,12 @@ def _impls(R: TP.Rank, tokens: int, hidden: int) -> list[TP.Impl]:
                     else "reference")
 
         def reset(y=y, h=h):
-            C.poison_(y)
-            C.poison_(h)
+            verify.poison_(y)
+            verify.poison_(h)
 
         def check(y=y, h=h):
-            return C.count_wrong(h, h_want, h_bound) + _wrong_norm(y, h, w)
-        impls.append(C.Impl(impl, algo, fn, reset=reset, check=check,
+            return verify.count_wrong(h, h_want, h_bound) + _wrong_norm(y, h, w)
+        impls.append(timing.Impl(impl, algo, fn, reset=reset, check=check,
                             raise_errors=R.comm.check,
                             extra={**extra, "requested_algo": "auto",
                                    "backend": R.comm.backend}))
@@ -112,13 +112,14 @@ def _impls(R: TP.Rank, tokens: int, hidden: int) -> list[TP.Impl]:
 
 def rank_main(rank: int, world: int, cfg: Config):
     """One rank of ``llcomm bench fused``: rank 0 returns the result (header, rows, notes)."""
-    itemsize = torch.empty(0, dtype=C.parse_dtype(cfg.dtype)).element_size()
+    itemsize = torch.empty(0, dtype=options.parse_dtype(cfg.dtype)).element_size()
     tp_cfg = TP.Config(sizes=[max(cfg.tokens) * cfg.hidden * itemsize], dtype=cfg.dtype,
                        iters=cfg.iters, warmup=cfg.warmup, graph_ops=cfg.graph_ops, ops=(),
                        backend=cfg.backend, seed=cfg.seed, progress=False)
     R = TP.Rank(rank, world, tp_cfg)
     rows = []
-    with C.progress(len(cfg.tokens), "bench fused", enabled=rank == 0 and cfg.progress) as bar:
+    with console.progress(len(cfg.tokens), "bench fused",
+                          enabled=rank == 0 and cfg.progress) as bar:
         for tokens in cfg.tokens:
             nbytes = tokens * cfg.hidden * itemsize
             for impl in _impls(R, tokens, cfg.hidden):
@@ -128,7 +129,7 @@ def rank_main(rank: int, world: int, cfg: Config):
     R.comm.close()
     if rank != 0:
         return None
-    return {**C.result_header(world, R.device), "bench": "fused", "backend": backend,
+    return {**result_files.result_header(world, R.device), "bench": "fused", "backend": backend,
             "backend_reason": reason, "iters": cfg.iters, "warmup": cfg.warmup,
             "graph_ops": R.timing.ops if R.cuda else None, "hidden": cfg.hidden, "eps": EPS,
             "rows": rows, "notes": []}
@@ -154,9 +155,10 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
         unfused = us("unfused", "graph") or us("unfused", "eager")
         wrong = [r["wrong"] for r in cells.values() if r.get("wrong") is not None]
         algo = next((r["algo"] for (side, _), r in cells.items() if side == "fused"), "-")
-        out.append([str(tokens), C.fmt_bytes(any_row["bytes"]), any_row["dtype"],
-                    C.fmt_us(us("fused", "graph")), C.fmt_us(us("fused", "eager")), algo,
-                    C.fmt_us(us("unfused", "graph")), C.fmt_us(us("unfused", "eager")),
+        out.append([str(tokens), console.fmt_bytes(any_row["bytes"]), any_row["dtype"],
+                    console.fmt_us(us("fused", "graph")), console.fmt_us(us("fused", "eager")),
+                    algo,
+                    console.fmt_us(us("unfused", "graph")), console.fmt_us(us("unfused", "eager")),
                     f"{unfused / fused:.2f}x" if fused and unfused else "-",
                     str(sum(wrong)) if wrong else "-"])
     return out
@@ -165,7 +167,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
 def print_result(result: dict) -> None:
     print(f"# llcomm bench fused  {result['machine']}  backend {result['backend']}  "
           f"hidden {result['hidden']}  commit {str(result['commit'])[:10]}")
-    C.print_table(f"{OP} vs all_reduce + add + rms_norm (median µs per op)", HEADERS,
+    console.print_table(f"{OP} vs all_reduce + add + rms_norm (median µs per op)", HEADERS,
                   table_rows(result["rows"]))
     for r in result["rows"]:
         if r.get("error"):
@@ -179,32 +181,32 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN,
                    help=f"row length (default {DEFAULT_HIDDEN})")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
-    p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
-                   help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
+    options.add_graph_ops_argument(p)
     p.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
                    help="llcomm Communicator backend (default auto)")
-    C.add_run_arguments(p, iters=TP.DEFAULT_ITERS, warmup=TP.DEFAULT_WARMUP)
+    options.add_run_arguments(p, iters=TP.DEFAULT_ITERS, warmup=TP.DEFAULT_WARMUP)
 
 
 def config_from_args(a) -> Config:
     """Validate every argument; raise one ValueError naming each problem."""
     problems, tokens = [], []
     try:
-        tokens = C.parse_ints(a.tokens, "--tokens")
+        tokens = options.parse_ints(a.tokens, "--tokens")
     except ValueError as e:
         problems.append(str(e))
     try:
-        C.parse_dtype(a.dtype)
+        options.parse_dtype(a.dtype)
     except ValueError as e:
         problems.append(str(e))
     if a.hidden < 1:
         problems.append("--hidden must be at least 1")
     if a.graph_ops < 1:
         problems.append("--graph-ops must be at least 1")
-    C.check_run_arguments(a, problems)
+    options.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
-    return Config(tokens=tokens, hidden=a.hidden, dtype=C.dtype_name(C.parse_dtype(a.dtype)),
+    dtype = options.dtype_name(options.parse_dtype(a.dtype))
+    return Config(tokens=tokens, hidden=a.hidden, dtype=dtype,
                   iters=a.iters, warmup=a.warmup, graph_ops=a.graph_ops, backend=a.backend,
                   seed=a.seed, progress=not a.no_progress)
 
@@ -216,9 +218,10 @@ def run(a) -> int:
     except ValueError as e:
         print(f"llcomm bench fused: {e}")
         return 2
-    result = C.launch(rank_main, cfg, force_cpu=a.cpu)
+    result = spawn.launch(rank_main, cfg, force_cpu=a.cpu,
+                          multicast_off=a.no_multicast)
     print_result(result)
-    C.write_outputs(result, a)
+    result_files.write_outputs(result, a)
     bad = [r for r in result["rows"] if r.get("error") or (r["wrong"] or 0) > 0]
     if bad:
         print(f"llcomm bench fused: {len(bad)} result rows are wrong or failed")

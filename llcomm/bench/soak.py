@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import common as C
+from . import console, options, result_files, spawn, verify
 
 TP_KINDS = ("one_shot", "two_shot", "lamport", "broadcast", "all_gather", "all_gather_2d",
             "reduce_scatter")
@@ -69,17 +69,17 @@ class _Checker:
         self.exact_sums = exact_sums
 
     def bits(self, kind: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        iv = C._INT_VIEW[got.element_size()]
+        iv = verify.INT_VIEW[got.element_size()]
         bad = (got.reshape(-1).view(iv) != want.reshape(-1).view(iv)).sum()
         self.wrong[KINDS.index(kind)].add_(bad)
 
     def sum(self, kind: str, got: torch.Tensor, stack: torch.Tensor) -> None:
         """``got`` is the sum over dim 0 of ``stack`` (or a slice: see reduce_scatter)."""
         if self.exact_sums:
-            self.bits(kind, got, C.rank_order_sum(stack, got.dtype))
+            self.bits(kind, got, verify.rank_order_sum(stack, got.dtype))
             return
         err = (got.double() - stack.double().sum(0)).abs()
-        self.wrong[KINDS.index(kind)].add_((~(err <= C.sum_bound(stack, got.dtype))).sum())
+        self.wrong[KINDS.index(kind)].add_((~(err <= verify.sum_bound(stack, got.dtype))).sum())
 
     def read(self) -> list[int]:
         return [int(v) for v in self.wrong.tolist()]
@@ -222,7 +222,7 @@ def rank_main(rank: int, world: int, cfg: SoakConfig) -> dict:
     t0 = time.perf_counter()
     done = 0
     checks = -(-cfg.ops // cfg.check_every)  # the bar advances once per check
-    with C.progress(checks, "soak", enabled=cfg.progress and rank == 0) as bar:
+    with console.progress(checks, "soak", enabled=cfg.progress and rank == 0) as bar:
         try:
             for i in range(cfg.ops):
                 if cfg.ep_every and i % cfg.ep_every == cfg.ep_every - 1:
@@ -297,12 +297,12 @@ def _gather_reports(result: dict, world: int, device) -> dict | None:
     dist.all_gather_object(everyone, result)
     if result["rank"] != 0:
         return None
-    return {"ranks": everyone, "header": C.result_header(world, device)}
+    return {"ranks": everyone, "header": result_files.result_header(world, device)}
 
 
 def _result_file(got: dict, cfg: SoakConfig) -> dict:
-    """The result file (DESIGN "Result files"): one row per kind, summed over ranks, plus a graph
-    row; ``soak`` holds the totals."""
+    """The result file (docs/design.md#result-files): one row per kind, summed over ranks, plus
+    a graph row; ``soak`` holds the totals."""
     ranks = got["ranks"]
     world = len(ranks)
     rows = []
@@ -353,11 +353,12 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu", action="store_true",
                    help="run on CPU (2 gloo processes) even where GPUs are present")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    options.add_no_multicast_argument(p)
 
 
 def run(a) -> int:
     """``llcomm bench soak``: exit status 1 if any result was wrong or any op failed."""
-    world, backend = C.plan(a.cpu)
+    world, backend = spawn.plan(a.cpu)
     gpu = backend == "nccl"
     cfg = SoakConfig(ops=a.ops if a.ops is not None else (GPU_OPS if gpu else CPU_OPS),
                      graph_ops=a.graph_ops, replays=a.replays, ep_every=a.ep_every,
@@ -374,9 +375,10 @@ def run(a) -> int:
     if problems:
         print("llcomm bench soak: " + "; ".join(problems))
         return 2
-    result = _result_file(C.launch(rank_main, cfg, force_cpu=a.cpu), cfg)
+    result = _result_file(spawn.launch(rank_main, cfg, force_cpu=a.cpu,
+                                       multicast_off=a.no_multicast), cfg)
     s = result["soak"]
-    C.print_table(f"soak: {s['ops']} eager ops + {s['graph_ops']} graph ops x {s['replays']} "
+    console.print_table(f"soak: {s['ops']} eager ops + {s['graph_ops']} graph ops x {s['replays']} "
                   f"replays on {result['machine']} ({result['rows'][0]['backend']})",
                   ["op", "algo", "mode", "count", "wrong"],
                   [[r["op"], r["algo"] or "-", r["mode"], str(r["count"]), str(r["wrong"])]
@@ -386,6 +388,6 @@ def run(a) -> int:
     for f in s["failures"]:
         print(f"FAILED {f}")
     if a.json:
-        C.write_json(a.json, result)
+        result_files.write_json(a.json, result)
         print(f"wrote {a.json}")
     return 1 if s["wrong"] or s["failures"] else 0

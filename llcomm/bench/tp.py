@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import common as C
-from .common import Impl
+from . import console, options, result_files, spawn, timing, verify
+from .timing import Impl
+from .tp_report import print_result
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter")
 EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
@@ -47,22 +48,13 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def bus_factor(op: str, world: int) -> float:
-    """nccl-tests' busbw / algbw factor."""
-    if op == "all_reduce":
-        return 2 * (world - 1) / world
-    if op == "broadcast":
-        return 1.0
-    return (world - 1) / world
-
-
 @dataclass
 class Config:
     sizes: list[int]
     dtype: str = "bfloat16"
     iters: int = DEFAULT_ITERS
     warmup: int = DEFAULT_WARMUP
-    graph_ops: int = C.GRAPH_OPS
+    graph_ops: int = timing.GRAPH_OPS
     algos: str = "auto"
     ops: tuple = ("all_reduce",)
     backend: str = "auto"
@@ -79,18 +71,18 @@ class Rank:
         self.rank, self.world, self.cfg = rank, world, cfg
         self.cuda = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
-        self.dtype = C.parse_dtype(cfg.dtype)
+        self.dtype = options.parse_dtype(cfg.dtype)
         self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
         self.comm = Communicator(max_bytes=max(cfg.sizes), backend=cfg.backend)
         self.llcomm_name = "llcomm" if self.comm.backend == "peer" else "reference"
         self.exact = self.comm.backend == "peer"
-        self.timing = C.Timing(self.device, cfg.iters, cfg.warmup,
+        self.timing = timing.Timing(self.device, cfg.iters, cfg.warmup,
                                cfg.graph_ops if self.cuda else 1)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
         self.symm, self.group_name, self.symm_error = None, None, None
         if self.cuda and "all_reduce" in cfg.ops:
-            self.symm, self.group_name, self.symm_error = C.torch_symm_buffer(
+            self.symm, self.group_name, self.symm_error = timing.torch_symm_buffer(
                 max(cfg.sizes) // self.itemsize, self.dtype, self.device)
 
     def rand(self, *shape: int) -> torch.Tensor:
@@ -99,13 +91,13 @@ class Rank:
     def reduced(self, stack: torch.Tensor):
         """(expected, bound) of a sum over dim 0 of ``stack`` for this run's backend."""
         if self.exact:
-            return C.rank_order_sum(stack, self.dtype), None
-        return stack.double().sum(0), C.sum_bound(stack, self.dtype)
+            return verify.rank_order_sum(stack, self.dtype), None
+        return stack.double().sum(0), verify.sum_bound(stack, self.dtype)
 
     def llcomm_impl(self, algo: str, fn, out: torch.Tensor, expected, bound=None,
                     requested: str | None = None, reset=None) -> Impl:
-        return Impl(self.llcomm_name, algo, fn, reset=reset or (lambda: C.poison_(out)),
-                    check=lambda: C.count_wrong(out, expected, bound),
+        return Impl(self.llcomm_name, algo, fn, reset=reset or (lambda: verify.poison_(out)),
+                    check=lambda: verify.count_wrong(out, expected, bound),
                     raise_errors=self.comm.check,
                     extra={"requested_algo": requested or "auto", "backend": self.comm.backend})
 
@@ -113,7 +105,7 @@ class Rank:
 # -- one builder per op: inputs, expected result, and the impls to time ------------------------
 def _all_reduce(R: Rank, count: int) -> list[Impl]:
     x = R.rand(count)
-    expected, bound = R.reduced(C.gather_inputs(x))
+    expected, bound = R.reduced(verify.gather_inputs(x))
     nbytes = count * R.itemsize
     requested = ["auto"]
     if R.cfg.algos == "all" and R.comm.backend == "peer":
@@ -143,14 +135,14 @@ def _all_reduce(R: Rank, count: int) -> list[Impl]:
 
 def _broadcast(R: Rank, count: int) -> list[Impl]:
     x = R.rand(count)
-    expected = C.gather_inputs(x)[BROADCAST_SRC]
+    expected = verify.gather_inputs(x)[BROADCAST_SRC]
     buf = torch.empty_like(x)
 
     def reset():
         if R.rank == BROADCAST_SRC:
             buf.copy_(x)
         else:
-            C.poison_(buf)
+            verify.poison_(buf)
     impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.broadcast(buf, BROADCAST_SRC), buf,
                            expected, reset=reset)]
     if R.cuda:
@@ -161,7 +153,7 @@ def _broadcast(R: Rank, count: int) -> list[Impl]:
 
 def _all_gather(R: Rank, count: int) -> list[Impl]:
     x = R.rand(count // R.world)
-    expected = C.gather_inputs(x).reshape(-1)
+    expected = verify.gather_inputs(x).reshape(-1)
     out = torch.empty(count, dtype=R.dtype, device=R.device)
     impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.all_gather(x, out=out), out, expected)]
     if R.cuda:
@@ -175,7 +167,7 @@ def _all_gather_2d(R: Rank, count: int) -> list[Impl]:
     part = math.gcd(per, GATHER_2D_MAX_PART)
     tokens = per // part
     x = R.rand(tokens, part)
-    expected = C.gather_inputs(x).transpose(0, 1).reshape(tokens, R.world * part)
+    expected = verify.gather_inputs(x).transpose(0, 1).reshape(tokens, R.world * part)
     out = torch.empty(tokens, R.world * part, dtype=R.dtype, device=R.device)
     impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.all_gather_2d(x, out=out), out,
                            expected)]
@@ -195,7 +187,7 @@ def _all_gather_2d(R: Rank, count: int) -> list[Impl]:
 def _reduce_scatter(R: Rank, count: int) -> list[Impl]:
     m = count // R.world
     x = R.rand(count)
-    stack = C.gather_inputs(x)[:, R.rank * m:(R.rank + 1) * m]
+    stack = verify.gather_inputs(x)[:, R.rank * m:(R.rank + 1) * m]
     expected, bound = R.reduced(stack)
     out = torch.empty(m, dtype=R.dtype, device=R.device)
     impls = [R.llcomm_impl(R.comm.backend, lambda: R.comm.reduce_scatter(x, out=out), out,
@@ -221,30 +213,31 @@ def skip_reason(op: str, nbytes: int, itemsize: int, world: int) -> str | None:
 # -- running one impl ---------------------------------------------------------------------------
 def run_impl(R: Rank, op: str, nbytes: int, impl: Impl) -> list[dict]:
     """Time ``impl`` in each of its modes (graph only on GPUs); one result row per mode."""
-    return C.time_impl(impl, {"op": op, "dtype": C.dtype_name(R.dtype), "world_size": R.world,
-                              "bytes": nbytes, "count": nbytes // R.itemsize}, R.timing)
+    row = {"op": op, "dtype": options.dtype_name(R.dtype), "world_size": R.world,
+           "bytes": nbytes, "count": nbytes // R.itemsize}
+    return timing.time_impl(impl, row, R.timing)
 
 
 def rank_main(rank: int, world: int, cfg: Config):
     """One rank of ``llcomm bench tp``: rank 0 returns the result (header, rows, notes)."""
     R = Rank(rank, world, cfg)
     rows, notes = [], []
-    with C.progress(len(cfg.ops) * len(cfg.sizes), "bench tp",
+    with console.progress(len(cfg.ops) * len(cfg.sizes), "bench tp",
                     enabled=rank == 0 and cfg.progress) as bar:
         for op in cfg.ops:
             for nbytes in cfg.sizes:
                 why = skip_reason(op, nbytes, R.itemsize, world)
                 if why:
-                    notes.append(f"{op} {C.fmt_bytes(nbytes)}: skipped, {why}")
+                    notes.append(f"{op} {console.fmt_bytes(nbytes)}: skipped, {why}")
                 else:
                     for impl in BUILDERS[op](R, nbytes // R.itemsize):
                         rows += run_impl(R, op, nbytes, impl)
-                bar.advance(f"{op} {C.fmt_bytes(nbytes)}")
+                bar.advance(f"{op} {console.fmt_bytes(nbytes)}")
     backend, reason = R.comm.backend, R.comm.backend_reason
     R.comm.close()
     if rank != 0:
         return None
-    header = C.result_header(world, R.device)
+    header = result_files.result_header(world, R.device)
     return {**header, "bench": "tp", "backend": backend, "backend_reason": reason,
             "iters": cfg.iters, "warmup": cfg.warmup,
             "graph_ops": R.timing.ops if R.cuda else None, "rows": rows, "notes": notes}
@@ -255,15 +248,14 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", help="comma list of byte sizes with K/M suffixes "
                    "(default: every power of two from 8 B to 16 MiB)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
-    p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
-                   help=f"ops per CUDA graph / per eager iteration on GPU (default {C.GRAPH_OPS})")
+    options.add_graph_ops_argument(p)
     p.add_argument("--algos", choices=("auto", "all"), default="auto",
                    help="llcomm all_reduce algorithms: auto only, or also each one explicitly")
     p.add_argument("--ops", default="all_reduce",
                    help=f"comma list of {', '.join(OPS)}, or 'all' (default all_reduce)")
     p.add_argument("--backend", choices=("auto", "peer", "reference"), default="auto",
                    help="llcomm Communicator backend (default auto)")
-    C.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
+    options.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
 
 
 def config_from_args(a) -> Config:
@@ -271,11 +263,11 @@ def config_from_args(a) -> Config:
     problems = []
     sizes, ops = [], ()
     try:
-        sizes = C.parse_sizes(a.sizes)
+        sizes = options.parse_sizes(a.sizes)
     except ValueError as e:
         problems.append(str(e))
     try:
-        C.parse_dtype(a.dtype)
+        options.parse_dtype(a.dtype)
     except ValueError as e:
         problems.append(str(e))
     if a.ops.strip() == "all":
@@ -287,26 +279,26 @@ def config_from_args(a) -> Config:
             problems.append(f"--ops {a.ops!r}: expected 'all' or a comma list of {', '.join(OPS)}")
     if a.graph_ops < 1:
         problems.append("--graph-ops must be at least 1")
-    C.check_run_arguments(a, problems)
+    options.check_run_arguments(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
-    return Config(sizes=sizes, dtype=C.dtype_name(C.parse_dtype(a.dtype)), iters=a.iters,
+    dtype = options.dtype_name(options.parse_dtype(a.dtype))
+    return Config(sizes=sizes, dtype=dtype, iters=a.iters,
                   warmup=a.warmup, graph_ops=a.graph_ops, algos=a.algos, ops=ops,
                   backend=a.backend, seed=a.seed, progress=not a.no_progress)
 
 
 def run(a) -> int:
     """``llcomm bench tp``: returns the exit status (1 if any llcomm result was wrong or failed)."""
-    from . import tp_report
-
     try:
         cfg = config_from_args(a)
     except ValueError as e:
         print(f"llcomm bench tp: {e}")
         return 2
-    result = C.launch(rank_main, cfg, force_cpu=a.cpu)
-    tp_report.print_result(result)
-    C.write_outputs(result, a)
+    result = spawn.launch(rank_main, cfg, force_cpu=a.cpu,
+                          multicast_off=a.no_multicast)
+    print_result(result)
+    result_files.write_outputs(result, a)
     bad = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")
            and (r.get("error") or (r["wrong"] or 0) > 0)]
     if bad:

@@ -6,8 +6,7 @@ graph time (the eager time on CPU); ``#wrong`` adds up the llcomm rows of the li
 """
 from __future__ import annotations
 
-from . import common as C
-from .tp import bus_factor
+from . import console
 
 HEADERS = ["size", "count", "dtype", "llcomm graph µs", "llcomm eager µs", "algo",
            "NCCL graph µs", "NCCL eager µs", "torch one_shot µs", "torch two_shot µs",
@@ -15,12 +14,21 @@ HEADERS = ["size", "count", "dtype", "llcomm graph µs", "llcomm eager µs", "al
 LLCOMM_IMPLS = ("llcomm", "reference")
 
 
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' busbw / algbw factor."""
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    if op == "broadcast":
+        return 1.0
+    return (world - 1) / world
+
+
 def _cell(row: dict | None) -> str:
     if row is None:
         return "-"
     if row.get("error"):
         return "err"
-    return C.fmt_us(row["median_us"])
+    return console.fmt_us(row["median_us"])
 
 
 def lines_of(rows: list[dict], op: str) -> dict:
@@ -48,7 +56,8 @@ def table_rows(rows: list[dict], op: str, world: int) -> list[list[str]]:
         algbw = nbytes / (t * 1e3) if t else None
         wrongs = [r["wrong"] for r in (g, e) if r and r.get("wrong") is not None]
         out.append([
-            C.fmt_bytes(nbytes), str(any_row["count"]), any_row["dtype"], _cell(g), _cell(e), algo,
+            console.fmt_bytes(nbytes), str(any_row["count"]), any_row["dtype"], _cell(g), _cell(e),
+            algo,
             _cell(cells.get(("nccl", "graph"))), _cell(cells.get(("nccl", "eager"))),
             _cell(cells.get(("torch_one_shot", "graph"))),
             _cell(cells.get(("torch_two_shot", "graph"))),
@@ -64,7 +73,7 @@ def error_notes(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("error"):
             seen.setdefault((r["op"], r["impl"], r.get("requested_algo"), r["mode"], r["error"]),
-                            []).append(C.fmt_bytes(r["bytes"]))
+                            []).append(console.fmt_bytes(r["bytes"]))
     notes = []
     for (op, impl, req, mode, err), sizes in seen.items():
         name = f"{impl}[{req}]" if req and req != "auto" else impl
@@ -84,7 +93,7 @@ def print_result(result: dict) -> None:
              ", eager only (CPU)") + (", PDL on" if result.get("pdl") else ""))
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
     for op in ops:
-        C.print_table(op, HEADERS, table_rows(result["rows"], op, world))
+        console.print_table(op, HEADERS, table_rows(result["rows"], op, world))
     notes = result.get("notes", []) + error_notes(result["rows"])
     for n in notes:
         print(f"# note: {n}")

@@ -4,7 +4,7 @@ write the table that ``Communicator`` then uses for ``all_reduce(algo="auto")``.
     llcomm tune [--sizes 8,64K,1M] [--out PATH]          # measure (one process per GPU)
     llcomm tune --from-bench RESULT.json [--out PATH]    # derive from a `bench tp --algos all` run
 
-Measuring: one process per GPU (``common.launch``), the peer backend, and for every size each of
+Measuring: one process per GPU (``spawn.launch``), the peer backend, and for every size each of
 one_shot, two_shot and lamport (Lamport only up to its 1 MiB buffer) timed exactly as
 ``llcomm bench tp`` times them (``bench.tp.run_impl``: CUDA-graph replays, slowest rank per
 iteration, median; every result checked bit for bit). A result that is wrong or failed does not
@@ -20,9 +20,9 @@ import datetime
 import json
 import re
 
-from llcomm.tp.api import algo_table as T
+from llcomm.tp import algo_table as T
 
-from . import common as C
+from . import console, options, result_files, spawn, timing, verify
 from . import tp as B
 
 #: Sizes tuned by default: every power of two from 8 B up to this (the default max_bytes).
@@ -82,16 +82,16 @@ def rank_main(rank: int, world: int, cfg: B.Config):
     R = B.Rank(rank, world, cfg)  # cfg.ops is empty: no torch symmetric-memory buffer
     times: dict[int, dict[str, float | None]] = {}
     failures: list[str] = []
-    with C.progress(len(cfg.sizes), "tune", enabled=rank == 0 and cfg.progress) as bar:
+    with console.progress(len(cfg.sizes), "tune", enabled=rank == 0 and cfg.progress) as bar:
         for nbytes in cfg.sizes:
             times[nbytes] = {}
             why = B.skip_reason(OP, nbytes, R.itemsize, world)
             if why:
-                failures.append(f"{C.fmt_bytes(nbytes)}: skipped, {why}")
-                bar.advance(C.fmt_bytes(nbytes))
+                failures.append(f"{console.fmt_bytes(nbytes)}: skipped, {why}")
+                bar.advance(console.fmt_bytes(nbytes))
                 continue
             x = R.rand(nbytes // R.itemsize)
-            expected, bound = R.reduced(C.gather_inputs(x))
+            expected, bound = R.reduced(verify.gather_inputs(x))
             for algo in T.TABLE_ALGOS:
                 if algo == "lamport" and nbytes > R.comm.lamport_bytes:
                     continue
@@ -103,17 +103,18 @@ def rank_main(rank: int, world: int, cfg: B.Config):
                 bad = row.get("error") or (row["wrong"] or 0) > 0
                 times[nbytes][algo] = None if bad else row["median_us"]
                 if bad:
-                    failures.append(f"{C.fmt_bytes(nbytes)} {algo}: "
+                    failures.append(f"{console.fmt_bytes(nbytes)} {algo}: "
                                     f"{row.get('error') or str(row['wrong']) + ' wrong'}")
-            bar.advance(C.fmt_bytes(nbytes))
+            bar.advance(console.fmt_bytes(nbytes))
     device = torch.cuda.get_device_name(R.device)
     R.comm.close()
     if rank != 0:
         return None
-    commit, dirty = C.git_state()
+    commit, dirty = result_files.git_state()
     return {"device": device, "world_size": world, "dtype": cfg.dtype, "commit": commit,
-            "dirty": dirty, "machine": C.machine_string(world, R.device),
-            "versions": {k: v for k, v in C.versions().items() if k in ("torch", "triton")},
+            "dirty": dirty, "machine": result_files.machine_string(world, R.device),
+            "versions": {k: v for k, v in result_files.versions().items()
+                         if k in ("torch", "triton")},
             "iters": cfg.iters, "graph_ops": cfg.graph_ops, "times": times,
             "failures": failures}
 
@@ -122,7 +123,7 @@ def rank_main(rank: int, world: int, cfg: B.Config):
 def add_arguments(p) -> None:
     p.add_argument("--sizes", help="comma list of byte sizes with K/M suffixes (default: every "
                    "power of two from 8 B to --max-bytes)")
-    p.add_argument("--max-bytes", type=C.parse_size, default=DEFAULT_MAX_BYTES,
+    p.add_argument("--max-bytes", type=options.parse_size, default=DEFAULT_MAX_BYTES,
                    help="largest size of the default sweep (default 16M)")
     p.add_argument("--out", metavar="PATH", help="table to write (default: $LLCOMM_TUNE_TABLE, "
                    "else ~/.cache/llcomm/tune-<gpu>-w<W>.json, where Communicator looks first)")
@@ -131,25 +132,26 @@ def add_arguments(p) -> None:
                    help=f"graph replays timed per case (default {B.DEFAULT_ITERS})")
     p.add_argument("--warmup", type=int, default=B.DEFAULT_WARMUP,
                    help=f"untimed replays first (default {B.DEFAULT_WARMUP})")
-    p.add_argument("--graph-ops", type=int, default=C.GRAPH_OPS,
-                   help=f"ops per CUDA graph (default {C.GRAPH_OPS})")
+    p.add_argument("--graph-ops", type=int, default=timing.GRAPH_OPS,
+                   help=f"ops per CUDA graph (default {timing.GRAPH_OPS})")
     p.add_argument("--from-bench", metavar="RESULT",
                    help="measure nothing: derive the table from a `llcomm bench tp --algos all "
                    "--json` result file (runs anywhere)")
     p.add_argument("--device", help="with --from-bench: the GPU name to record (default: from "
                    "the result file)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    options.add_no_multicast_argument(p)
 
 
 def _config(a) -> B.Config:
     problems = []
     sizes = []
     try:
-        sizes = C.parse_sizes(a.sizes, hi=a.max_bytes)
+        sizes = options.parse_sizes(a.sizes, hi=a.max_bytes)
     except ValueError as e:
         problems.append(str(e))
     try:
-        dtype = C.dtype_name(C.parse_dtype(a.dtype))
+        dtype = options.dtype_name(options.parse_dtype(a.dtype))
     except ValueError as e:
         problems.append(str(e))
     for name in ("iters", "graph_ops"):
@@ -166,7 +168,7 @@ def _config(a) -> B.Config:
 
 def _write(doc: dict, out: str | None) -> str:
     path = out or str(T.user_table_path(doc["device"], doc["world_size"]))
-    C.write_json(path, doc)
+    result_files.write_json(path, doc)
     return path
 
 
@@ -174,8 +176,8 @@ def _print(doc: dict) -> None:
     print(f"# all_reduce algorithm table: {doc['device']}, world size {doc['world_size']}, "
           f"{doc.get('dtype')}, commit {doc.get('commit')}")
     for row in doc["rows"]:
-        print(f"  <= {C.fmt_bytes(row['max_bytes']):>6}  {row['algo']}")
-    print(f"   > {C.fmt_bytes(doc['rows'][-1]['max_bytes']):>6}  {doc['rows'][-1]['algo']}")
+        print(f"  <= {console.fmt_bytes(row['max_bytes']):>6}  {row['algo']}")
+    print(f"   > {console.fmt_bytes(doc['rows'][-1]['max_bytes']):>6}  {doc['rows'][-1]['algo']}")
 
 
 def run(a) -> int:
@@ -185,7 +187,7 @@ def run(a) -> int:
             with open(a.from_bench) as f:
                 result = json.load(f)
             doc = table_from_bench(result, source=a.from_bench, device=a.device,
-                                   dtype=C.dtype_name(C.parse_dtype(a.dtype)))
+                                   dtype=options.dtype_name(options.parse_dtype(a.dtype)))
         except (OSError, ValueError) as e:
             print(f"llcomm tune: {e}")
             return 2
@@ -197,7 +199,7 @@ def run(a) -> int:
     except ValueError as e:
         print(f"llcomm tune: {e}")
         return 2
-    world, backend = C.plan()
+    world, backend = spawn.plan()
     if backend != "nccl":
         print("llcomm tune: measures the peer backend's all_reduce algorithms (one_shot, "
               "two_shot, lamport), which needs two or more GPUs with peer access on this host; "
@@ -214,7 +216,7 @@ def run(a) -> int:
             print(f"llcomm tune: {e} (Communicator reads it at construction, so tuning cannot "
                   "start until it is fixed or deleted)")
             return 2
-    res = C.launch(rank_main, cfg)
+    res = spawn.launch(rank_main, cfg, multicast_off=a.no_multicast)
     for line in res["failures"]:
         print(f"llcomm tune: {line}")
     try:

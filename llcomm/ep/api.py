@@ -281,7 +281,7 @@ class EPBuffer:
                 then by source token index; the remaining rows are unspecified (not zeroed).
                 With ``use_fp8``: the pair ``(recv_x_fp8, recv_scales)``, float8_e4m3fn of that
                 shape and float32 ``[num_local_experts, num_ranks * max_tokens, hidden // 128]``
-                (``llcomm.ep_fp8.dequantize(recv_x_fp8, recv_scales)`` gives bf16 back).
+                (``llcomm.ep.fp8.dequantize(recv_x_fp8, recv_scales)`` gives bf16 back).
             recv_count: ``[num_local_experts]`` int32 (lives in the handle's slot: see EPHandle).
             handle: an ``EPHandle`` for ``combine``; valid for two dispatches.
             hook: only with ``return_recv_hook=True`` (see there).

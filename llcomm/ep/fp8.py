@@ -46,7 +46,7 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     float8_e4m3fn, scales [..., H // 128] float32)``. Allocates its outputs."""
     H = x.shape[-1]
     if H % FP8_BLOCK:
-        raise ValueError(f"llcomm.ep_fp8.quantize: hidden={H} is not a multiple of {FP8_BLOCK}")
+        raise ValueError(f"llcomm.ep.fp8.quantize: hidden={H} is not a multiple of {FP8_BLOCK}")
     xf = x.float().reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
     amax = xf.abs().amax(-1)
     # a tensor divisor: CUDA torch turns division by a Python scalar into a multiplication by
