@@ -65,8 +65,5 @@ def launch(main, world_size: int = 2) -> None:
         _init_and_run("nccl" if gpus else "gloo", main)
         return
     backend = "nccl" if gpus >= world_size and "--cpu" not in sys.argv else "gloo"
-    if backend == "nccl":  # NVLink multicast stays off on the machines llcomm is tested on
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     mp.start_processes(_run, args=(world_size, backend, _free_port(), main), nprocs=world_size,
                        start_method="spawn")

@@ -36,7 +36,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
-#: Environment for GPU (NCCL) runs: NVLink multicast (NVLS) stays off on the lent machines.
+#: Environment for GPU (NCCL) runs: NVLink multicast (NVLS) off, so that what the tests exercise
+#: does not depend on whether a host offers it (llcomm itself never uses it).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
 #: Seconds the other ranks get to finish after one rank failed (they are usually stuck in a
