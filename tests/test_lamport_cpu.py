@@ -30,7 +30,7 @@ class Regions:
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
         self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
-        self.lag = lag                                  # LLCOMM_LAMPORT_LAG
+        self.lag = lag                                  # LAG of multi-chunk calls
         self.data = [torch.full((peer.HALVES * W * slot_bytes // 2,), peer.SENTINEL16,
                                 dtype=torch.int16) for _ in range(W)]
         self.tags = [torch.zeros(peer.HALVES * NB * W, dtype=torch.int32) for _ in range(W)]
@@ -104,7 +104,7 @@ class Call:
             lamport.lamport_kernel[(R.NB,)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
                 R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
-                LAG=peer.lamport_lag(self.n, block, R.NB, R.lag),
+                LAG=R.lag if peer.lamport_lag(self.n, block, R.NB) else 0,
                 SCATTER=int(self.kind == "reduce_scatter"), OP=self.op(), **common)
         else:
             numel = peer.PeerBackend._rows_numel(self.tokens, self.hidden)
@@ -150,7 +150,7 @@ def _round(R: Regions, specs, seed: int, pushers=None):
 
 def simulate_matched(W, NB, rounds, own_local=None, lag=1):
     """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures.
-    ``own_local``: OWN_LOCAL per rank (default 0 everywhere); ``lag``: LLCOMM_LAMPORT_LAG."""
+    ``own_local``: OWN_LOCAL per rank (default 0 everywhere); ``lag``: LAG of multi-chunk calls."""
     R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local, lag=lag)
     fails = []
     for i, spec in enumerate(rounds):
@@ -279,38 +279,30 @@ def test_rank_that_never_pushed_is_a_timeout(spec):
     assert seen[0] == ["CommTimeoutError", P.OPS[op], P.PHASES[P.PHASE_DATA], [1]]
 
 
-def test_own_local_setting(monkeypatch):
-    """LLCOMM_LAMPORT_OWN_LOCAL: 1 by default, 0 or 1, anything else refused by name."""
-    from llcomm.tp.peer import LAMPORT_OWN_LOCAL_ENV, lamport_own_local_setting
-    monkeypatch.delenv(LAMPORT_OWN_LOCAL_ENV, raising=False)
-    assert lamport_own_local_setting() == 1
-    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "0")
-    assert lamport_own_local_setting() == 0
-    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "yes")
-    with pytest.raises(ValueError, match=LAMPORT_OWN_LOCAL_ENV):
-        lamport_own_local_setting()
-
-
 def test_lamport_slot_setting(monkeypatch):
     """LLCOMM_LAMPORT_BYTES: 16 MiB at 2 ranks and 1 MiB elsewhere by default; anything but a
-    positive integer refused by name."""
-    from llcomm.tp.peer import (LAMPORT_BYTES_ENV, LAMPORT_MAX_BYTES, LAMPORT_MAX_BYTES_W2,
-                             lamport_bytes_setting)
-    monkeypatch.delenv(LAMPORT_BYTES_ENV, raising=False)
-    assert (lamport_bytes_setting(2), lamport_bytes_setting(4)) == (16 << 20, 1 << 20)
-    assert (LAMPORT_MAX_BYTES_W2, LAMPORT_MAX_BYTES) == (16 << 20, 1 << 20)
-    monkeypatch.setenv(LAMPORT_BYTES_ENV, "4096")
-    assert lamport_bytes_setting(2) == lamport_bytes_setting(8) == 4096
+    positive integer refused by name. LLCOMM_RS_LAMPORT_BYTES: unset (None) unless set."""
+    from llcomm.runtime.settings import TPSettings
+    monkeypatch.delenv("LLCOMM_LAMPORT_BYTES", raising=False)
+    monkeypatch.delenv("LLCOMM_RS_LAMPORT_BYTES", raising=False)
+    assert (TPSettings.read(2).lamport_bytes, TPSettings.read(4).lamport_bytes) == \
+        (16 << 20, 1 << 20)
+    assert TPSettings.read(2).rs_lamport_bytes is None      # up to the slot
+    monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", "4096")
+    assert TPSettings.read(2).lamport_bytes == TPSettings.read(8).lamport_bytes == 4096
+    monkeypatch.setenv("LLCOMM_RS_LAMPORT_BYTES", "0")
+    assert TPSettings.read(2).rs_lamport_bytes == 0
     for bad in ("0", "-1", "1M", ""):
-        monkeypatch.setenv(LAMPORT_BYTES_ENV, bad)
-        with pytest.raises(ValueError, match=LAMPORT_BYTES_ENV):
-            lamport_bytes_setting(2)
+        monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", bad)
+        with pytest.raises(ValueError, match="LLCOMM_LAMPORT_BYTES"):
+            TPSettings.read(2)
 
 
 def test_lamport_lag_only_with_several_chunks():
-    """LAG is the setting where some block has two chunks or more, else 0 (the plain kernel,
-    the code the small sizes ran before the pipelined one existed)."""
-    from llcomm.tp.peer import lamport_lag
-    assert lamport_lag(n=128 * 2048, block=2048, nb=128, lag=1) == 0      # one chunk each
-    assert lamport_lag(n=128 * 2048 + 1, block=2048, nb=128, lag=1) == 1  # block 0 has two
-    assert lamport_lag(n=4 << 20, block=2048, nb=128, lag=2) == 2
+    """LAG is LAMPORT_LAG where some block has two chunks or more, else 0 (the single-chunk
+    kernel)."""
+    from llcomm.tp.peer import LAMPORT_LAG, lamport_lag
+    assert LAMPORT_LAG == 1
+    assert lamport_lag(n=128 * 2048, block=2048, nb=128) == 0      # one chunk each
+    assert lamport_lag(n=128 * 2048 + 1, block=2048, nb=128) == 1  # block 0 has two
+    assert lamport_lag(n=4 << 20, block=2048, nb=128) == 1

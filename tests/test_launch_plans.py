@@ -17,6 +17,7 @@ import torch
 from llcomm.runtime import launch
 from llcomm.tp import peer
 from llcomm.runtime import protocol as P
+from llcomm.runtime.settings import LAMPORT_CHUNK_BYTES
 from llcomm.tp.kernels import all_reduce as K, lamport as LK
 from llcomm.tp.kernels import fused_norm as F
 
@@ -45,7 +46,7 @@ def _backend(launcher):
     pb.nb, pb.world_size, pb.WP, pb.rank = NB, W, 2, RANK
     pb.max_bytes = pb.cap_bytes = 16 << 20
     pb.lamport_bytes = pb.rs_lamport_bytes = 32 << 20    # above every size below
-    pb.lamport_chunk, pb.lamport_lag, pb.own_local = peer.LAMPORT_CHUNK_BYTES, 1, 1
+    pb.lamport_chunk = LAMPORT_CHUNK_BYTES
     pb.timeout_us = TIMEOUT_US
     pb.tabs = {k: torch.full((W,), i, dtype=torch.int64) for i, k in enumerate(
         ("flags", "stage", "gather", "lamport", "lamport_tags"))}
@@ -291,7 +292,7 @@ def test_launcher_switches_to_its_device(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
     monkeypatch.setattr(torch.cuda, "device", _Device)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(launch, "pdl_enabled", lambda device: False)
+    monkeypatch.setattr(launch, "pdl_enabled", lambda device, wanted: False)
     lau = launch.Launcher(torch.device("cuda", 0))
     fn = _StandIn(["x", "out", "n", "BLOCK"])
     a = torch.zeros(16, dtype=torch.int16)
@@ -330,6 +331,8 @@ def test_launcher_sets_pdl_where_the_kernel_takes_it(monkeypatch, pdl):
 
 
 def test_pdl_setting_is_validated(monkeypatch):
-    monkeypatch.setenv(launch.PDL_ENV, "yes")
-    with pytest.raises(ValueError, match="LLCOMM_PDL='yes': expected 0 or 1"):
-        launch.Launcher(torch.device("cpu"))
+    from llcomm.runtime.settings import EPSettings, TPSettings
+    monkeypatch.setenv("LLCOMM_PDL", "yes")
+    for read in (lambda: TPSettings.read(2), EPSettings.read):
+        with pytest.raises(ValueError, match="LLCOMM_PDL='yes': expected 0 or 1"):
+            read()

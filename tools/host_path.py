@@ -31,6 +31,7 @@ from llcomm.tp import algo_table as T  # noqa: E402
 from llcomm.runtime import launch
 from llcomm.tp import api as tp, peer  # noqa: E402
 from llcomm.runtime import protocol as P  # noqa: E402
+from llcomm.runtime.settings import LAMPORT_CHUNK_BYTES, NUM_BLOCKS  # noqa: E402
 from llcomm.tp.kernels import all_reduce as K, lamport as LK  # noqa: E402
 from llcomm.tp.kernels import fused_norm as F  # noqa: E402
 
@@ -62,9 +63,9 @@ def shell() -> tp.Communicator:
     c.device, c.max_bytes, c.backend, c.deterministic = torch.device("cpu"), 16 << 20, "peer", False
     c.world_size, c.rank, c._closed, c._hot_ar, c._hot_fused = 2, 0, False, {}, {}
     pb = object.__new__(peer.PeerBackend)
-    pb.nb, pb.world_size, pb.WP, pb.rank = peer.NUM_BLOCKS, 2, 2, 0
+    pb.nb, pb.world_size, pb.WP, pb.rank = NUM_BLOCKS, 2, 2, 0
     pb.cap_bytes = pb.lamport_bytes = pb.rs_lamport_bytes = 16 << 20
-    pb.lamport_chunk, pb.lamport_lag, pb.own_local = peer.LAMPORT_CHUNK_BYTES, peer.LAMPORT_LAG, 1
+    pb.lamport_chunk = LAMPORT_CHUNK_BYTES
     pb.timeout_us = 10**6
     pb.tabs = {k: torch.zeros(2, dtype=torch.int64)
                for k in ("lamport", "lamport_tags", "stage", "flags", "gather")}
@@ -73,8 +74,9 @@ def shell() -> tp.Communicator:
     pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
                     torch.float32: tl.float32}
     pb._k_ar = type("Kernels", (), {n: _StandIn(getattr(K, n)) for n in
-                                     ("lamport_kernel", "one_shot_kernel", "two_shot_kernel")})
-    pb._k_ar.ALL_STAGES = K.ALL_STAGES
+                                     ("one_shot_kernel", "two_shot_kernel")})
+    pb._k_lam = type("Kernels", (), {"lamport_kernel": _StandIn(LK.lamport_kernel)})
+    pb._k_lam.ALL_STAGES = LK.ALL_STAGES
     pb._k_fn = type("Kernels", (), {n: _StandIn(getattr(F, n)) for n in
                                      ("lamport_norm_kernel", "one_shot_norm_kernel")})
     pb._k_fn.ALL_STAGES = F.ALL_STAGES

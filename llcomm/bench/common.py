@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..runtime.settings import BenchSettings
+
 #: Multicast stays off in every process we start (NVLS / multimem are not to be used here).
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                      "NVSHMEM_DISABLE_NVLS": "1"}
@@ -50,8 +52,6 @@ GRAPH_OPS = 20
 DIST_TIMEOUT_S = 300
 #: Seconds allowed to ``git`` and ``nvidia-smi`` calls.
 TOOL_TIMEOUT_S = 10
-#: Environment variable that overrides the commit recorded in result files (for copied trees).
-COMMIT_ENV = "LLCOMM_COMMIT"
 #: Characters of an error message kept in a result row.
 ERROR_CHARS = 200
 
@@ -490,7 +490,7 @@ def git_state() -> tuple[str | None, bool | None]:
     repo = str(Path(__file__).resolve().parents[2])
     sha = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
-    given = os.environ.get(COMMIT_ENV)
+    given = BenchSettings.read().commit
     if given and not (sha and sha.strip().startswith(given)):
         return given, None          # a copied tree: its state is not known here
     commit = sha.strip() if sha else None
@@ -548,10 +548,11 @@ def result_header(world: int, device: torch.device) -> dict:
     commit, dirty = git_state()
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith("LLCOMM_") or k in MULTICAST_OFF_ENV}
-    from llcomm.runtime import launch
+    from llcomm.runtime import launch, settings
     return {"commit": commit, "dirty": dirty, "machine": machine_string(world, device),
             "date": datetime.date.today().isoformat(), "versions": versions(),
-            "world_size": world, "env": env, "pdl": launch.pdl_enabled(device)}
+            "world_size": world, "env": env,
+            "pdl": launch.pdl_enabled(device, settings.value("LLCOMM_PDL"))}
 
 
 def write_json(path: str, result: dict) -> None:
