@@ -24,12 +24,11 @@ from _interp import run_in_interpreter
 class Regions:
     """W virtual ranks' Lamport regions, op counters and error words (CPU tensors)."""
 
-    def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None, lag=1):
+    def __init__(self, W: int, NB: int, slot_bytes: int, lag=1):
         import torch
         from llcomm.tp import peer
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
-        self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
         self.lag = lag                                  # LAG of multi-chunk calls
         self.data = [torch.full((peer.HALVES * W * slot_bytes // 2,), peer.SENTINEL16,
                                 dtype=torch.int16) for _ in range(W)]
@@ -96,8 +95,7 @@ class Call:
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize
         wp = 1 << (R.W - 1).bit_length()
-        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage,
-                      OWN_LOCAL=R.own_local[rank])
+        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage)
         if self.kind != "fused":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
@@ -148,10 +146,10 @@ def _round(R: Regions, specs, seed: int, pushers=None):
     return calls
 
 
-def simulate_matched(W, NB, rounds, own_local=None, lag=1):
+def simulate_matched(W, NB, rounds, lag=1):
     """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures.
-    ``own_local``: OWN_LOCAL per rank (default 0 everywhere); ``lag``: LAG of multi-chunk calls."""
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local, lag=lag)
+    ``lag``: LAG of multi-chunk calls."""
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), lag=lag)
     fails = []
     for i, spec in enumerate(rounds):
         calls = _round(R, [spec] * W, seed=i)
@@ -170,12 +168,11 @@ def simulate_matched(W, NB, rounds, own_local=None, lag=1):
     return fails
 
 
-def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None, lag=1):
+def simulate_mismatch(W, NB, warmup, specs, pushers=None, lag=1):
     """A matched warm-up round, then one round where rank r calls specs[r]. Returns per rank
     (exception type name, op, phase, ranks) decoded from its error word, or None."""
     from llcomm.runtime import protocol as P
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), own_local=own_local,
-                lag=lag)
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), lag=lag)
     _round(R, [warmup] * W, seed=0)
     assert not any(int(h[0]) for h in R.host), "the warm-up round failed"
     _round(R, specs, seed=1, pushers=None if pushers is None else set(pushers))
@@ -212,13 +209,12 @@ MATCHED = [
 ]
 
 
-@pytest.mark.parametrize("W,NB,own_local,lag", [(2, 2, None, 1), (3, 4, None, 2),
-                                                 (2, 2, [1, 1], 2), (3, 4, [1, 0, 1], 1)])
-def test_matched_rounds_sum_and_leave_everything_idle(W, NB, own_local, lag):
-    """Also with LLCOMM_LAMPORT_OWN_LOCAL (own term from the operand, own slot untouched) on
-    every rank or some: the same sums, everything idle (the own slot was never written). The
-    multi-chunk sizes run the pipelined kernel with a lag of 1 or 2 chunks."""
-    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, own_local, lag)
+@pytest.mark.parametrize("W,NB,lag", [(2, 2, 1), (3, 4, 2)])
+def test_matched_rounds_sum_and_leave_everything_idle(W, NB, lag):
+    """The same sums on every rank, everything idle afterwards (a rank's own slot is never
+    written: its own term comes from its operand). The multi-chunk sizes run the pipelined
+    kernel with a lag of 1 chunk (the peer backend's) or 2."""
+    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, lag)
     assert not fails, "\n".join(fails[:20])
 
 
@@ -235,12 +231,11 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
 }
 
 
-@pytest.mark.parametrize("own_local", [None, [1, 1]])
 @pytest.mark.parametrize("name", list(MISMATCHES))
-def test_mismatch_is_reported_on_every_rank(name, own_local):
+def test_mismatch_is_reported_on_every_rank(name):
     from llcomm.runtime import protocol as P
     other = MISMATCHES[name]
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local)
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other])
     other_op = {"all_reduce": P.OP_LAMPORT, "reduce_scatter": P.OP_LAMPORT_REDUCE_SCATTER,
                 "fused": P.OP_FUSED_LAMPORT}[other[0]]
     ops = [P.OPS[P.OP_LAMPORT], P.OPS[other_op]]

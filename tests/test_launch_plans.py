@@ -85,7 +85,7 @@ def _expect(pb, algo, n, dtype):
             err=pb.err, rank=RANK, tag=P.lamport_tag(op, n, name), timeout_us=TIMEOUT_US,
             cap=pb.lamport_bytes // isz, BLOCK=block, OP=op,
             SCATTER=int(algo == "rs_lamport"), LAG=int(n > NB * block),
-            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32, OWN_LOCAL=1)
+            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32)
     if algo == "one_shot":
         block, warps = peer._launch_shape(n, isz, NB)
         return K.one_shot_kernel, warps, dict(
@@ -148,7 +148,7 @@ def _expect_fused(pb, algo, tokens, hidden, dtype, eps):
         return F.lamport_norm_kernel, warps, dict(
             common, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"],
             tag=P.lamport_tag(P.OP_FUSED_LAMPORT, rows, name), cap=pb.lamport_bytes // isz,
-            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32, OWN_LOCAL=1)
+            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32)
     return F.one_shot_norm_kernel, warps, dict(
         common, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
         tag=P.size_tag(P.OP_FUSED_ONE_SHOT, rows, name), cap=pb.cap_bytes // isz)

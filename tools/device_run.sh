@@ -4,7 +4,7 @@
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh tests [FILE ...]   # GPU test files, each bounded
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh bench [NAME ...]   # benchmarks -> $OUT/results/
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh timeline [ARGS]     # EP stage timeline (ep_timeline.py)
-#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, own-local, small-grid, lamport-big, pdl, ...
+#   LLCOMM_COMMIT=<sha> tools/device_run.sh ab NAME ...         # A/B runs: carry, small-grid, lamport-big, pdl, ...
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh link                # tools/nvlink_bw.py (link rates)
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh eager               # tools/eager_floor.py (host cost per launch)
 #   LLCOMM_COMMIT=<sha> tools/device_run.sh one-gpu             # tools/one_gpu_check.py (2 ranks, 1 GPU)
@@ -79,13 +79,9 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             carry)      # EPBuffer.dispatch(topk_weights=...): combine without its weights exchange
                 ab_run carry-off - bench ep --tokens 1,128 --iters 30
                 ab_run carry-on - bench ep --tokens 1,128 --iters 30 --carry-weights ;;
-            own-local)  # LLCOMM_LAMPORT_OWN_LOCAL: the Lamport own term from the operand
-                for o in 0 1; do ab_run own-local-$o "LLCOMM_LAMPORT_OWN_LOCAL=$o" bench tp \
-                    --ops all_reduce --sizes 8192,65536,262144,1048576 --algos all; done ;;
-            lamport-big) # the multi-chunk Lamport all_reduce up to 16 MiB: chunk bytes x lag
-                for v in "4096 1" "4096 2" "2048 1" "2048 2" "1024 2"; do
-                    set -- $v
-                    ab_run lamport-chunk$1-lag$2 "LLCOMM_LAMPORT_CHUNK_BYTES=$1 LLCOMM_LAMPORT_LAG=$2" \
+            lamport-big) # the multi-chunk Lamport all_reduce up to 16 MiB, by chunk bytes
+                for c in 16384 8192 4096 2048; do
+                    ab_run lamport-chunk$c "LLCOMM_LAMPORT_CHUNK_BYTES=$c" \
                         bench tp --ops all_reduce --algos all \
                         --sizes 1048576,2097152,4194304,8388608,16777216
                 done ;;
@@ -114,7 +110,7 @@ run_ab() {   # A/B runs named in docs/gpu-machine.md
             small-grid) # LLCOMM_NUM_BLOCKS: fewer blocks for the small TP ops
                 for nb in 128 32 16; do ab_run nb-$nb "LLCOMM_NUM_BLOCKS=$nb" bench tp \
                     --sizes 8192,65536 --ops all_reduce,broadcast,all_gather --algos all; done ;;
-            *) echo "unknown A/B $what (carry, own-local, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-ll, ep-blocks)" | tee -a "$SUMMARY" ;;
+            *) echo "unknown A/B $what (carry, small-grid, lamport-big, rs-lamport, pdl, pdl-ep, ep-ll, ep-blocks)" | tee -a "$SUMMARY" ;;
         esac
     done
 }

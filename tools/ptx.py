@@ -61,13 +61,11 @@ KERNELS = {
     "lamport_bf16": _lamport(32, 1024),
     # the launch of an 8 KiB bf16 all_reduce: 4096 elements over 128 blocks, 1 warp each
     "lamport_bf16_8k": _lamport(128, 256, 1),
-    # the same with the own term read from x (LLCOMM_LAMPORT_OWN_LOCAL=1)
-    "lamport_bf16_8k_own": _lamport(128, 256, 1, OWN_LOCAL=1),
     # an 8 MiB bf16 all_reduce: 16 chunks of 2048 elements per block, each received right
     # after the next one is pushed (LAG)
-    "lamport_bf16_8m_pipe": _lamport(128, 2048, 8, OWN_LOCAL=1, LAG=1),
+    "lamport_bf16_8m_pipe": _lamport(128, 2048, 8, LAG=1),
     # reduce_scatter of 8 MiB (4 MiB out) on the same kernel (SCATTER)
-    "lamport_rs_bf16_8m": _lamport(128, 2048, 8, OWN_LOCAL=1, LAG=1, SCATTER=1,
+    "lamport_rs_bf16_8m": _lamport(128, 2048, 8, LAG=1, SCATTER=1,
                                    OP=P.OP_LAMPORT_REDUCE_SCATTER),
     "broadcast_i32": (movement.broadcast_kernel,
                       {"x": "*i32", "n": "i32", "src": "i32", "stage_tab": "*i64", "flag_tab": "*i64",

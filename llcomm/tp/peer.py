@@ -237,7 +237,7 @@ class PeerBackend:
                 self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
                 self.lamport_bytes // itemsize), warps, dict(
                 SENTINEL=sent, FT=self._tl_float[dtype], W=W, WP=self.WP, NB=self.nb,
-                BLOCK=block, STAGES=self._k_lam.ALL_STAGES, OWN_LOCAL=1,
+                BLOCK=block, STAGES=self._k_lam.ALL_STAGES,
                 LAG=lamport_lag(n, block, self.nb),
                 SCATTER=int(algo == "rs_lamport"), OP=op), (view, view))
         elif algo == "one_shot":
@@ -307,7 +307,7 @@ class PeerBackend:
                 self.err, self.rank, self._lamport_tag(P.OP_FUSED_LAMPORT, rows, dtype),
                 self.timeout_us, self.lamport_bytes // itemsize), warps, dict(
                 SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
-                STAGES=self._k_fn.ALL_STAGES, OWN_LOCAL=1), views)
+                STAGES=self._k_fn.ALL_STAGES), views)
         return Plan(self._k_fn.one_shot_norm_kernel, self.nb, (
             tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_FUSED_ONE_SHOT, rows, dtype), self.timeout_us,

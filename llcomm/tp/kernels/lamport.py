@@ -25,7 +25,6 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    FT: tl.constexpr,        # the float dtype the int view holds
                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                   OWN_LOCAL: tl.constexpr = 0,     # own term from x, not its slot (receive)
                    LAG: tl.constexpr = 0,           # > 0: pipelined (below)
                    SCATTER: tl.constexpr = 0,       # reduce_scatter (below)
                    OP: tl.constexpr = OP_LAMPORT,  # the op its error words name
@@ -69,19 +68,19 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
             if STAGES & 1:
                 if start < n:
                     _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
-                                OWN_LOCAL, SCATTER)
+                                SCATTER)
             if STAGES & 2:
                 back = start - LAG * STEP
                 if back >= first:
                     failed = _receive_chunk(x, out, local, cap, back + lanes, n, tags, tag,
                                             back == first, failed, limit, err, rank, SENTINEL,
-                                            FT, W, BLOCK, POLL_P, OWN_LOCAL, SCATTER, OP)
+                                            FT, W, BLOCK, POLL_P, SCATTER, OP)
     else:
         if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
             push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
             for start in range(first, n, STEP):
                 _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
-                            OWN_LOCAL, SCATTER)
+                            SCATTER)
         if STAGES & 2:      # REDUCE
             POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
             local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us,
@@ -92,17 +91,17 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
             for start in range(first, tl.maximum(n, first + 1), STEP):
                 failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
                                         start == first, failed, limit, err, rank, SENTINEL, FT,
-                                        W, BLOCK, POLL, OWN_LOCAL, SCATTER, OP)
+                                        W, BLOCK, POLL, SCATTER, OP)
     if STAGES & 2:
         tl.store(ctrl + b, seq + 1)
 
 
 @triton.jit
 def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W: tl.constexpr,
-                OWN_LOCAL: tl.constexpr, SCATTER: tl.constexpr):
+                SCATTER: tl.constexpr):
     """Lamport push of this rank's words at ``offs`` into slot ``rank`` of half ``half`` of
-    every rank (its own slot skipped under OWN_LOCAL), SENTINEL sent as +0.0. SCATTER: rank p
-    gets part p of x, not all of it."""
+    every other rank (the own term is read from x by the receive), SENTINEL sent as +0.0.
+    SCATTER: rank p gets part p of x, not all of it."""
     IT = x.dtype.element_ty
     m = offs < n
     if not SCATTER:
@@ -110,32 +109,26 @@ def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W:
         v = tl.where(v == SENTINEL, 0, v)
     for p in tl.static_range(W):
         if SCATTER:
-            mp = m
-            if OWN_LOCAL:
-                mp = m & (offs * 0 + rank != p)    # the own part is read by the receive
+            mp = m & (offs * 0 + rank != p)    # the own part is read by the receive
             v = tl.load(x + p * n + offs, mask=mp)
             v = tl.where(v == SENTINEL, 0, v)
         dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
-        if OWN_LOCAL:
-            if p != rank:       # the own term is read from x (receive)
-                tl.store(dst + offs, v, mask=m)
-        else:
+        if p != rank:       # the own term is read from x (receive)
             tl.store(dst + offs, v, mask=m)
 
 
 @triton.jit
 def _receive_chunk(x, out, local, cap, offs, n, tags, tag, check_tag, failed, limit, err, rank,
                    SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
-                   BLOCK: tl.constexpr, POLL: tl.constexpr, OWN_LOCAL: tl.constexpr,
-                   SCATTER: tl.constexpr, OP: tl.constexpr):
-    """Wait for, sum and re-arm the words at ``offs`` of every source (``_lamport.receive``),
-    store the sum to ``out``; returns ``failed``. SCATTER: the own term is part ``rank``."""
+                   BLOCK: tl.constexpr, POLL: tl.constexpr, SCATTER: tl.constexpr,
+                   OP: tl.constexpr):
+    """Wait for, sum and re-arm the words at ``offs`` of every peer (``receive``), the own term
+    from x; store the sum to ``out``; returns ``failed``. SCATTER: the own term is part
+    ``rank``."""
     IT = x.dtype.element_ty
     m = offs < n
-    own = offs * 0      # (unused unless OWN_LOCAL)
-    if OWN_LOCAL:
-        own = own_words(x + rank * n * SCATTER, offs, m, SENTINEL)
+    own = own_words(x + rank * n * SCATTER, offs, m, SENTINEL)
     acc, failed = receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err,
-                          OP, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL, OWN_LOCAL)
+                          OP, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL)
     tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
     return failed
