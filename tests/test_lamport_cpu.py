@@ -1,7 +1,7 @@
-"""The Lamport kernels' tags on the CPU: ``lamport.lamport_kernel`` and
-``fused_norm.lamport_norm_kernel`` under ``TRITON_INTERPRET=1`` on virtual ranks, on Lamport
-regions laid out as ``peer.PeerBackend`` lays them out (data slots idle at SENTINEL, tag words
-idle at 0).
+"""The Lamport kernels' tags on the CPU: ``lamport.lamport_kernel``,
+``reduce_scatter.lamport_reduce_scatter_kernel`` and ``fused_norm.lamport_norm_kernel`` under
+``TRITON_INTERPRET=1`` on virtual ranks, on Lamport regions laid out as ``peer.PeerBackend``
+lays them out (data slots idle at SENTINEL, tag words idle at 0).
 
 Each round runs the push half of every rank, then the reduce half of every rank (the reduce half
 alone reads each source once instead of polling the GPU clock). Checked:
@@ -91,7 +91,7 @@ class Call:
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
         from llcomm.tp import peer
-        from llcomm.tp.kernels import all_reduce, fused_norm, lamport
+        from llcomm.tp.kernels import fused_norm, lamport, reduce_scatter
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize
         wp = 1 << (R.W - 1).bit_length()
@@ -99,11 +99,12 @@ class Call:
         if self.kind != "fused":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
-            lamport.lamport_kernel[(R.NB,)](
+            kernel = (reduce_scatter.lamport_reduce_scatter_kernel
+                      if self.kind == "reduce_scatter" else lamport.lamport_kernel)
+            kernel[(R.NB,)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
                 R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
-                LAG=R.lag if peer.lamport_lag(self.n, block, R.NB) else 0,
-                SCATTER=int(self.kind == "reduce_scatter"), OP=self.op(), **common)
+                LAG=R.lag if peer.lamport_lag(self.n, block, R.NB) else 0, **common)
         else:
             numel = peer.PeerBackend._rows_numel(self.tokens, self.hidden)
             tag = peer.PeerBackend._lamport_tag(self.op(), numel, self.dtype)
@@ -136,7 +137,7 @@ class Call:
 def _round(R: Regions, specs, seed: int, pushers=None):
     """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push, then every
     rank reduces. Returns the calls."""
-    from llcomm.tp.kernels import all_reduce, lamport
+    from llcomm.tp.kernels import lamport
     calls = [Call(s, seed, r, R.W) for r, s in enumerate(specs)]
     for r, c in enumerate(calls):
         if pushers is None or r in pushers:
@@ -199,7 +200,7 @@ BF, F16, F32 = "bfloat16", "float16", "float32"
 #: from an earlier round would be caught as a mismatch), plain and fused interleave, a block
 #: count above and below the data, 20000 bf16 elements give block 0 two chunks at NB=2, 70000
 #: three chunks to some blocks and two to others at NB=2 and 4 (the pipelined kernel, LAG);
-#: reduce_scatter (SCATTER) with one chunk and with several.
+#: the Lamport reduce_scatter with one chunk and with several.
 MATCHED = [
     ("all_reduce", 5, BF), ("all_reduce", 4096, BF), ("fused", 3, 40, F16),
     ("all_reduce", 5, BF), ("all_reduce", 20000, BF), ("all_reduce", 300, F32),

@@ -18,7 +18,7 @@ from llcomm.runtime import launch
 from llcomm.tp import peer
 from llcomm.runtime import protocol as P
 from llcomm.runtime.settings import LAMPORT_CHUNK_BYTES
-from llcomm.tp.kernels import all_reduce as K, lamport as LK
+from llcomm.tp.kernels import all_reduce as K, lamport as LK, reduce_scatter as RS
 from llcomm.tp.kernels import fused_norm as F
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -57,6 +57,7 @@ def _backend(launcher):
     pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
     pb._k_ar = K
     pb._k_lam = LK
+    pb._k_rs = RS
     pb._plans = {}
     pb._launch = launcher
     return pb
@@ -74,18 +75,25 @@ def _named(fn, args, consts):
 
 
 def _expect(pb, algo, n, dtype):
-    """What the launch of ``algo`` on n elements of dtype must carry (independent of _plan)."""
+    """What the launch of ``algo`` on n elements of dtype must carry (independent of _plan):
+    an all_reduce algorithm, or "rs_lamport" / "rs_flag", a reduce_scatter into n elements."""
     isz = dtype.itemsize
     name = str(dtype).removeprefix("torch.")
     if algo in ("lamport", "rs_lamport"):
         op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
+        fn = LK.lamport_kernel if algo == "lamport" else RS.lamport_reduce_scatter_kernel
         block, warps = peer._launch_shape(n, isz, NB, pb.lamport_chunk)
-        return LK.lamport_kernel, warps, dict(
+        return fn, warps, dict(
             n=n, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"], ctrl=pb.ctrl,
             err=pb.err, rank=RANK, tag=P.lamport_tag(op, n, name), timeout_us=TIMEOUT_US,
-            cap=pb.lamport_bytes // isz, BLOCK=block, OP=op,
-            SCATTER=int(algo == "rs_lamport"), LAG=int(n > NB * block),
+            cap=pb.lamport_bytes // isz, BLOCK=block, LAG=int(n > NB * block),
             SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32)
+    if algo == "rs_flag":
+        block, warps = peer._launch_shape(n, isz, NB)
+        return RS.reduce_scatter_kernel, warps, dict(
+            m_out=n, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
+            ctrl=pb.ctrl, err=pb.err, rank=RANK, tag=P.size_tag(P.OP_REDUCE_SCATTER, n, name),
+            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
     if algo == "one_shot":
         block, warps = peer._launch_shape(n, isz, NB)
         return K.one_shot_kernel, warps, dict(
@@ -101,17 +109,20 @@ def _expect(pb, algo, n, dtype):
         cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot", "rs_lamport"])
+@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot", "rs_lamport", "rs_flag"])
 def test_every_planned_argument_is_the_right_one(algo):
     """One backend for every dtype and size, twice over (the second pass takes kept plans):
-    a plan kept under too coarse a key would show as another size's or dtype's arguments."""
+    a plan kept under too coarse a key would show as another size's or dtype's arguments.
+    reduce_scatter: the Lamport kernel up to rs_lamport_bytes, the flag kernel above."""
     rec = Recorder()
     pb = _backend(rec)
+    if algo == "rs_flag":
+        pb.rs_lamport_bytes = 0
     cases = [(n, dtype) for n in SIZES for dtype in DTYPES]
     for n, dtype in cases + cases[::-1]:
-        x = torch.randn(n * (W if algo == "rs_lamport" else 1)).to(dtype)
+        x = torch.randn(n * (W if algo.startswith("rs_") else 1)).to(dtype)
         out = torch.empty(n, dtype=dtype)
-        if algo == "rs_lamport":
+        if algo.startswith("rs_"):
             pb.reduce_scatter(x, out)
         else:
             pb.all_reduce(x, out, algo)
@@ -180,6 +191,24 @@ def test_every_fused_planned_argument_is_the_right_one(algo):
         assert plan.raw_tail == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
                                       for a in args[len(plan.views):])
     assert len(pb._plans) == len(cases)
+
+
+def test_reduce_scatter_kernel_by_output_bytes():
+    """The Lamport reduce_scatter up to rs_lamport_bytes of output, the flag one above; its
+    plans are its own, never an all_reduce's."""
+    rec = Recorder()
+    pb = _backend(rec)
+    pb.rs_lamport_bytes = 8192
+    for n, dtype, fn in ((4096, torch.bfloat16, RS.lamport_reduce_scatter_kernel),
+                         (4097, torch.bfloat16, RS.reduce_scatter_kernel),
+                         (2048, torch.float32, RS.lamport_reduce_scatter_kernel),
+                         (2049, torch.float32, RS.reduce_scatter_kernel)):
+        pb.reduce_scatter(torch.randn(W * n).to(dtype), torch.empty(n, dtype=dtype))
+        assert rec.calls[-1][0] is fn, (n, dtype)
+    pb.all_reduce(torch.randn(4096).bfloat16(), torch.empty(4096, dtype=torch.bfloat16),
+                  "lamport")
+    assert rec.calls[-1][0] is LK.lamport_kernel
+    assert sorted(k[0] for k in pb._plans) == ["lamport"] + ["reduce_scatter"] * 4
 
 
 def test_plans_are_kept_per_size_and_bounded(monkeypatch):

@@ -115,12 +115,13 @@ class PeerBackend:
     def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int,
                  settings: TPSettings):
         import triton.language as tl  # kernels need Triton: fail here, not mid-op
-        from .kernels import all_reduce, fused_norm, lamport, ll, movement
+        from .kernels import all_reduce, fused_norm, lamport, ll, movement, reduce_scatter
 
         self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
         self._k_lam = lamport
         self._k_mv = movement
+        self._k_rs = reduce_scatter
         self._k_ll = ll
         self._k_fn = fused_norm
         self.group = group
@@ -137,7 +138,9 @@ class PeerBackend:
         self.rs_lamport_bytes = self.lamport_bytes if settings.rs_lamport_bytes is None \
             else min(settings.rs_lamport_bytes, self.lamport_bytes)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
-        self._plans: dict = {}      # (algo, n, dtype) -> launch plan (_plan); fused: fused_call
+        # launch plans: (algo, n, dtype) all_reduce (_plan), ("reduce_scatter", m, dtype)
+        # (_rs_plan), ("fused", ...) (fused_call)
+        self._plans: dict = {}
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
         lamport_data = -(-HALVES * W * self.lamport_bytes // REGION_ALIGN) * REGION_ALIGN
@@ -209,53 +212,51 @@ class PeerBackend:
             return out
         return call
 
-    def _run(self, algo: str, n: int, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Launch ``algo`` on n elements (per part) of x into out, by its kept plan."""
-        self._launch.run(self._plan(algo, n, x.dtype), x, out)
-
     def _plan(self, algo: str, n: int, dtype: torch.dtype) -> Plan:
         """The kept plan of ``algo`` on n elements of ``dtype`` (made on first use)."""
         return self._plans.get((algo, n, dtype)) or self._keep((algo, n, dtype),
                                                                 self._make_plan(algo, n, dtype))
 
     def _make_plan(self, algo: str, n: int, dtype: torch.dtype) -> Plan:
-        """What every call of ``algo`` ("one_shot", "two_shot", "lamport" or "rs_lamport", the
-        Lamport reduce_scatter) on n elements of ``dtype`` launches, bar its two tensors (a
-        ``launch.Plan``: kernel, the arguments after x and out, num_warps, constexprs, the int
-        views the Lamport kernel reads them as). Made once per (algo, n, dtype) and kept
-        (PLAN_CACHE_MAX at most), so the per-call host path does no shape, tag, constexpr or
-        cache-key work beyond the two tensors."""
+        """What every all_reduce by ``algo`` ("one_shot", "two_shot" or "lamport") of n elements
+        of ``dtype`` launches, bar its two tensors (a ``launch.Plan``: kernel, the arguments
+        after x and out, num_warps, constexprs, the int views the Lamport kernel reads them as).
+        Made once per (algo, n, dtype) and kept (PLAN_CACHE_MAX at most), so the per-call host
+        path does no shape, tag, constexpr or cache-key work beyond the two tensors."""
         itemsize = dtype.itemsize
         W = self.world_size
         cap = self.cap_bytes // itemsize
-        if algo in ("lamport", "rs_lamport"):
-            op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
-            block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
-            view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
-            plan = Plan(self._k_lam.lamport_kernel, self.nb, (
-                n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
-                self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
-                self.lamport_bytes // itemsize), warps, dict(
-                SENTINEL=sent, FT=self._tl_float[dtype], W=W, WP=self.WP, NB=self.nb,
-                BLOCK=block, STAGES=self._k_lam.ALL_STAGES,
-                LAG=lamport_lag(n, block, self.nb),
-                SCATTER=int(algo == "rs_lamport"), OP=op), (view, view))
-        elif algo == "one_shot":
+        if algo == "lamport":
+            return self._lamport_plan(self._k_lam.lamport_kernel, P.OP_LAMPORT, n, dtype)
+        if algo == "one_shot":
             block, warps = _launch_shape(n, itemsize, self.nb)
-            plan = Plan(self._k_ar.one_shot_kernel, self.nb, (
+            return Plan(self._k_ar.one_shot_kernel, self.nb, (
                 n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
                 self.rank, self._tag(P.OP_ONE_SHOT, n, dtype), self.timeout_us, cap), warps,
                 dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
-        else:
-            shard = -(-n // W)
-            shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
-            block, warps = _launch_shape(shard, itemsize, self.nb)
-            plan = Plan(self._k_ar.two_shot_kernel, self.nb, (
-                n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
-                self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
-                self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
-                (None, None))
-        return plan
+        shard = -(-n // W)
+        shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
+        block, warps = _launch_shape(shard, itemsize, self.nb)
+        return Plan(self._k_ar.two_shot_kernel, self.nb, (
+            n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
+            self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
+            self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
+            (None, None))
+
+    def _lamport_plan(self, fn, op: int, n: int, dtype: torch.dtype) -> Plan:
+        """The launch of a Lamport kernel ``fn`` (all-reduce, or reduce-scatter into n
+        elements) tagged with ``op``: x and out read as int views, chunks of the Lamport chunk
+        size, pipelined (LAG) where a block has several."""
+        itemsize = dtype.itemsize
+        block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
+        view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
+        return Plan(fn, self.nb, (
+            n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
+            self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
+            self.lamport_bytes // itemsize), warps, dict(
+            SENTINEL=sent, FT=self._tl_float[dtype], W=self.world_size, WP=self.WP, NB=self.nb,
+            BLOCK=block, STAGES=self._k_lam.ALL_STAGES, LAG=lamport_lag(n, block, self.nb)),
+            (view, view))
 
     def _keep(self, key: tuple, plan: Plan) -> Plan:
         """Keep ``plan`` under ``key`` (PLAN_CACHE_MAX plans at most: then start over)."""
@@ -378,21 +379,33 @@ class PeerBackend:
     def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return self._gather(x, out, x.shape[0])
 
+    # -- reduce_scatter -------------------------------------------------------------------------
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         m = out.numel()
         if m == 0:
             return out
         self._precheck()
-        if m * x.element_size() <= self.rs_lamport_bytes:
-            self._run("rs_lamport", m, x, out)
-            return out
-        block, warps = _launch_shape(m, x.element_size(), self.nb)
-        self._launch(self._k_mv.reduce_scatter_kernel, self.nb, (
-            x, out, m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err, self.rank, self._tag(P.OP_REDUCE_SCATTER, m, x.dtype),
-            self.timeout_us, self.cap_bytes // x.element_size()), warps,
-            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
+        self._launch.run(self._rs_plan(m, x.dtype), x, out)
         return out
+
+    def _rs_plan(self, m: int, dtype: torch.dtype) -> Plan:
+        """The kept plan of a reduce_scatter into m elements of ``dtype`` (made on first use)."""
+        key = ("reduce_scatter", m, dtype)
+        return self._plans.get(key) or self._keep(key, self._make_rs_plan(m, dtype))
+
+    def _make_rs_plan(self, m: int, dtype: torch.dtype) -> Plan:
+        """reduce_scatter's launch bar x and out: the Lamport kernel for outputs up to
+        ``rs_lamport_bytes`` (the Lamport slot unless LLCOMM_RS_LAMPORT_BYTES says less), the
+        flag kernel above."""
+        if m * dtype.itemsize <= self.rs_lamport_bytes:
+            return self._lamport_plan(self._k_rs.lamport_reduce_scatter_kernel,
+                                      P.OP_LAMPORT_REDUCE_SCATTER, m, dtype)
+        block, warps = _launch_shape(m, dtype.itemsize, self.nb)
+        return Plan(self._k_rs.reduce_scatter_kernel, self.nb, (
+            m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
+            self.rank, self._tag(P.OP_REDUCE_SCATTER, m, dtype), self.timeout_us,
+            self.cap_bytes // dtype.itemsize), warps,
+            dict(W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
 
     def close(self) -> None:
         if self.ws is not None:

@@ -1,14 +1,16 @@
-"""Lamport all-reduce kernel (sum, and reduce-scatter under SCATTER): barrier-free one-shot.
+"""Lamport all-reduce kernel (sum): barrier-free one-shot, and the rounds it shares with the
+Lamport reduce-scatter (``reduce_scatter.py``).
 
-Each rank pushes its words into its slot of every rank's Lamport buffer, with a word equal to
+Each rank pushes its words into its slot of every peer's Lamport buffer, with a word equal to
 SENTINEL sent as +0.0; the data is its own flag, so a receiver polls its slots until no word is
-SENTINEL, sums in global rank order in fp32, and re-arms the slot for a later round. The poll,
-tag and timeout helpers are shared with EP (``llcomm/runtime/kernels/lamport.py``).
+SENTINEL, sums in global rank order in fp32 (its own term read from its operand), and re-arms
+the slots for a later round. The poll, tag and timeout helpers are shared with the fused join
+(``llcomm/runtime/kernels/lamport.py``).
 """
 import triton
 import triton.language as tl
 
-# PUSH, REDUCE, ALL_STAGES: lamport_kernel's stage bits, for the host and the tests
+# PUSH, REDUCE, ALL_STAGES: the kernels' stage bits, for the host and the tests
 from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import own_words, push_tag, receive, receive_context
@@ -25,31 +27,44 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    FT: tl.constexpr,        # the float dtype the int view holds
                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                   LAG: tl.constexpr = 0,           # > 0: pipelined (below)
-                   SCATTER: tl.constexpr = 0,       # reduce_scatter (below)
-                   OP: tl.constexpr = OP_LAMPORT,  # the op its error words name
-                   PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
+                   LAG: tl.constexpr = 0,           # > 0: pipelined (lamport_rounds)
+                   PDL: tl.constexpr = 0):  # launched with PDL (sync.after_previous_kernel)
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
-    0. Each block stores its tag (``protocol.lamport_tag`` of OP, n and the dtype) for every
-    rank, then its operand (with SENTINEL replaced by +0.0 bits, which changes no sum since
-    accumulation starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every rank; then it
-    polls its own half until every source's tag is written and no element is SENTINEL, checks
-    the tags against its own, sums in rank order, and writes SENTINEL and 0 back so the half is
-    idle again. A tag that differs is reported as a mismatch, never summed (``_lamport.py`` has
-    the protocol). A fast peer's next op writes the other half; the op after that cannot start
-    before this rank's next push, which comes after this kernel finished resetting.
-    ``x`` and ``out`` are given as integer views (int16 or int32) of the float data.
+    0. Each block stores its tag (``protocol.lamport_tag`` of OP_LAMPORT, n and the dtype) for
+    every rank, then its operand (with SENTINEL replaced by +0.0 bits, which changes no sum
+    since accumulation starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every peer;
+    then it polls its own half until every peer's tag is written and no element is SENTINEL,
+    checks the tags against its own, sums in rank order (its own term from x), and writes
+    SENTINEL and 0 back so the half is idle again. A tag that differs is reported as a
+    mismatch, never summed (``runtime/kernels/lamport.py`` has the protocol). A fast peer's
+    next op writes the other half; the op after that cannot start before this rank's next
+    push, which comes after this kernel finished resetting. ``x`` and ``out`` are given as
+    integer views (int16 or int32) of the float data.
+    """
+    lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us, cap,
+                   SENTINEL, FT, W, WP, NB, BLOCK, STAGES, LAG, 0, OP_LAMPORT, PDL)
+
+
+@triton.jit
+def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us, cap,
+                   SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
+                   WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                   STAGES: tl.constexpr, LAG: tl.constexpr,
+                   SCATTER: tl.constexpr,   # reduce_scatter: part q of x goes to rank q only
+                   OP: tl.constexpr,        # the op its error words name
+                   PDL: tl.constexpr):
+    """One Lamport op of a block: push, then receive, chunk by chunk (``lamport_kernel`` has
+    the protocol). Without SCATTER, x and out hold n elements; with it, x holds W parts of n
+    elements, part q is pushed to rank q only, and this rank sums part ``rank`` of every
+    source into ``out`` (n elements).
 
     LAG > 0 (messages of several chunks per block): a block receives its chunk i-LAG right
     after pushing chunk i, so its local passes (poll, sum, re-arm) run while its later chunks
     and the other blocks' are still crossing, instead of after the whole push. No flag or fence
     is added: each word is still its own flag. Same words, same order per element: the same
     bits.
-
-    SCATTER (reduce_scatter): x holds W parts of n elements; part q goes to rank q only, and
-    this rank sums part ``rank`` of every source into ``out`` (n elements).
     """
     b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
