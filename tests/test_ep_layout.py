@@ -60,7 +60,7 @@ def test_size_hint_is_the_layout_and_below_deepep(T, H, W, E):
 def test_deepseek_shape_numbers():
     # The anchor: DeepEP asks about 1.8 GiB at 128 tokens, hidden 7168, 256 experts.
     deepep = deepep_ll_size_hint(128, 7168, 2, 256)
-    assert 1.7 * 2**30 < deepep < 1.8 * 2**30          # 1,908 MB as measured (GPU-NOTES.md)
+    assert 1.7 * 2**30 < deepep < 1.8 * 2**30          # 1,908 MB
     ours = EPBuffer.size_hint(128, 7168, 2, 256, torch.bfloat16)
     # two sets x (dispatch + combine receive) x 2 ranks x 128 tokens x 14 KiB, plus metadata
     assert 4 * 2 * 128 * 7168 * 2 <= ours < 4 * 2 * 128 * 7168 * 2 + (1 << 20)

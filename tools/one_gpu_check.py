@@ -2,7 +2,7 @@
 
     python tools/one_gpu_check.py [--json PATH]
 
-For sessions that are lent a one-GPU machine only. Two processes (a gloo group) both use
+For a machine with one GPU only. Two processes (a gloo group) both use
 cuda:0, and ``llcomm.runtime.backend.peer_support`` is overridden: the library refuses this setup on
 purpose, since two contexts on one device are time-sliced, not concurrent, and a store between
 them is not a supported peer path. PyTorch's symmetric memory refuses two ranks on one device

@@ -1,7 +1,7 @@
 """A lean launch path for Triton kernels.
 
 ``kernel[grid](...)`` binds and specialises every argument in Python on each call (15-25 us per
-launch measured on H200, GPU-NOTES.md), which dominates an eager decode-step join. Here the
+launch measured on H200), which dominates an eager decode-step join. Here the
 compiled kernel is cached per specialisation key (what Triton specialises on: dtypes, 16-byte
 alignment of pointers, ints equal to 1 / divisible by 16 / their width, and the constexprs) and
 its C launcher is called directly. The first call of each key goes through Triton's normal path;
