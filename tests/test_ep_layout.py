@@ -120,7 +120,8 @@ def test_fp8_size_hint_refusals():
 
 def test_wait_lanes_knob(monkeypatch):
     """LLCOMM_EP_WAIT_LANES picks how the EP waits poll: one lane per flag (default), or 1024."""
-    from llcomm.ep.peer import WAIT_LANES_ENV, kernel_consts
+    from llcomm.ep.peer import kernel_consts
+    WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, c, _ = kernel_consts(lay, 8)
     assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
@@ -136,7 +137,9 @@ def test_order_and_tile_knobs(monkeypatch):
     """Defaults: the LL dispatch with metadata before the rows up to LL_MAX_TOKENS, the flag
     dispatch with rows before the scan above; one 128-token scan tile (fewer tokens per tile
     when a block owns more experts); each env knob overrides and refuses a bad value by name."""
-    from llcomm.ep.peer import LL_ENV, LL_MAX_TOKENS, ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
+    from llcomm.ep.peer import LL_MAX_TOKENS, kernel_consts
+    LL_ENV, ROWS_FIRST_ENV = "LLCOMM_EP_LL", "LLCOMM_EP_ROWS_FIRST"
+    SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
     assert (d["LL"], d["ROWS_FIRST"], d["TT"], d["TS"]) == (1, 0, 128, 16)   # TS: small tile

@@ -217,13 +217,13 @@ def _mismatch_round(rank, name):
     the others with them off, so the flagged movement kernels meet each other; likewise the
     Lamport reduce_scatter runs only where a spec says ``lamport_reduce_scatter``."""
     import llcomm
-    from llcomm.tp.peer import LL_BYTES_ENV, LL_MAX_BYTES, RS_LAMPORT_ENV
+    from llcomm.tp.peer import LL_MAX_BYTES
     specs = MISMATCHES[name]
-    os.environ[LL_BYTES_ENV] = str(LL_MAX_BYTES) if name.startswith("ll_") else "0"
+    os.environ["LLCOMM_LL_BYTES"] = str(LL_MAX_BYTES) if name.startswith("ll_") else "0"
     if any(kind == "lamport_reduce_scatter" for kind, _, _ in specs):
-        os.environ.pop(RS_LAMPORT_ENV, None)        # the default: Lamport up to its slot
+        os.environ.pop("LLCOMM_RS_LAMPORT_BYTES", None)   # the default: Lamport up to its slot
     else:
-        os.environ[RS_LAMPORT_ENV] = "0"
+        os.environ["LLCOMM_RS_LAMPORT_BYTES"] = "0"
     comm = _comm(timeout_ms=TIMEOUT_MS)
     # good rounds of both calls first: a kernel's first launch waits up to 60 s for a peer that
     # may still be compiling (llcomm/runtime/launch.py), which would outlast the test's timeout
@@ -281,7 +281,7 @@ MISMATCHES = {
     "ll_all_gather-dtypes": (("ll_all_gather", 4096, BF), ("ll_all_gather", 2048, F32)),
     "ll_all_gather-vs-lamport": (("ll_all_gather", 4096, BF), ("lamport", 4096, BF)),
     "ll_broadcast-vs-one_shot": (("ll_broadcast", 4096, BF), ("one_shot", 4096, BF)),
-    # the Lamport reduce_scatter (kernels/all_reduce.py, SCATTER) shares the Lamport tag words
+    # the Lamport reduce_scatter shares the Lamport tag words
     "lamport_reduce_scatter-sizes": (("lamport_reduce_scatter", 4096, BF),
                                      ("lamport_reduce_scatter", 8192, BF)),
     "lamport_reduce_scatter-dtypes": (("lamport_reduce_scatter", 4096, BF),

@@ -1,7 +1,7 @@
-"""The Lamport kernels' tags on the CPU: ``lamport.lamport_kernel`` and
-``fused_norm.lamport_norm_kernel`` under ``TRITON_INTERPRET=1`` on virtual ranks, on Lamport
-regions laid out as ``peer.PeerBackend`` lays them out (data slots idle at SENTINEL, tag words
-idle at 0).
+"""The Lamport kernels' tags on the CPU: ``lamport.lamport_kernel``,
+``reduce_scatter.lamport_reduce_scatter_kernel`` and ``fused_norm.lamport_norm_kernel`` under
+``TRITON_INTERPRET=1`` on virtual ranks, on Lamport regions laid out as ``peer.PeerBackend``
+lays them out (data slots idle at SENTINEL, tag words idle at 0).
 
 Each round runs the push half of every rank, then the reduce half of every rank (the reduce half
 alone reads each source once instead of polling the GPU clock). Checked:
@@ -24,13 +24,12 @@ from _interp import run_in_interpreter
 class Regions:
     """W virtual ranks' Lamport regions, op counters and error words (CPU tensors)."""
 
-    def __init__(self, W: int, NB: int, slot_bytes: int, own_local=None, lag=1):
+    def __init__(self, W: int, NB: int, slot_bytes: int, lag=1):
         import torch
         from llcomm.tp import peer
 
         self.W, self.NB, self.slot_bytes = W, NB, slot_bytes
-        self.own_local = list(own_local or [0] * W)     # OWN_LOCAL of each rank's kernels
-        self.lag = lag                                  # LLCOMM_LAMPORT_LAG
+        self.lag = lag                                  # LAG of multi-chunk calls
         self.data = [torch.full((peer.HALVES * W * slot_bytes // 2,), peer.SENTINEL16,
                                 dtype=torch.int16) for _ in range(W)]
         self.tags = [torch.zeros(peer.HALVES * NB * W, dtype=torch.int32) for _ in range(W)]
@@ -92,20 +91,20 @@ class Call:
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
         from llcomm.tp import peer
-        from llcomm.tp.kernels import all_reduce, fused_norm, lamport
+        from llcomm.tp.kernels import fused_norm, lamport, reduce_scatter
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize
         wp = 1 << (R.W - 1).bit_length()
-        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage,
-                      OWN_LOCAL=R.own_local[rank])
+        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage)
         if self.kind != "fused":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
-            lamport.lamport_kernel[(R.NB,)](
+            kernel = (reduce_scatter.lamport_reduce_scatter_kernel
+                      if self.kind == "reduce_scatter" else lamport.lamport_kernel)
+            kernel[(R.NB,)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
                 R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
-                LAG=peer.lamport_lag(self.n, block, R.NB, R.lag),
-                SCATTER=int(self.kind == "reduce_scatter"), OP=self.op(), **common)
+                LAG=R.lag if peer.lamport_lag(self.n, block, R.NB) else 0, **common)
         else:
             numel = peer.PeerBackend._rows_numel(self.tokens, self.hidden)
             tag = peer.PeerBackend._lamport_tag(self.op(), numel, self.dtype)
@@ -138,7 +137,7 @@ class Call:
 def _round(R: Regions, specs, seed: int, pushers=None):
     """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push, then every
     rank reduces. Returns the calls."""
-    from llcomm.tp.kernels import all_reduce, lamport
+    from llcomm.tp.kernels import lamport
     calls = [Call(s, seed, r, R.W) for r, s in enumerate(specs)]
     for r, c in enumerate(calls):
         if pushers is None or r in pushers:
@@ -148,10 +147,10 @@ def _round(R: Regions, specs, seed: int, pushers=None):
     return calls
 
 
-def simulate_matched(W, NB, rounds, own_local=None, lag=1):
+def simulate_matched(W, NB, rounds, lag=1):
     """Matched rounds (every rank calls ``rounds[i]``) on one set of regions; returns failures.
-    ``own_local``: OWN_LOCAL per rank (default 0 everywhere); ``lag``: LLCOMM_LAMPORT_LAG."""
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), own_local=own_local, lag=lag)
+    ``lag``: LAG of multi-chunk calls."""
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in rounds), lag=lag)
     fails = []
     for i, spec in enumerate(rounds):
         calls = _round(R, [spec] * W, seed=i)
@@ -170,12 +169,11 @@ def simulate_matched(W, NB, rounds, own_local=None, lag=1):
     return fails
 
 
-def simulate_mismatch(W, NB, warmup, specs, pushers=None, own_local=None, lag=1):
+def simulate_mismatch(W, NB, warmup, specs, pushers=None, lag=1):
     """A matched warm-up round, then one round where rank r calls specs[r]. Returns per rank
     (exception type name, op, phase, ranks) decoded from its error word, or None."""
     from llcomm.runtime import protocol as P
-    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), own_local=own_local,
-                lag=lag)
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]), lag=lag)
     _round(R, [warmup] * W, seed=0)
     assert not any(int(h[0]) for h in R.host), "the warm-up round failed"
     _round(R, specs, seed=1, pushers=None if pushers is None else set(pushers))
@@ -202,7 +200,7 @@ BF, F16, F32 = "bfloat16", "float16", "float32"
 #: from an earlier round would be caught as a mismatch), plain and fused interleave, a block
 #: count above and below the data, 20000 bf16 elements give block 0 two chunks at NB=2, 70000
 #: three chunks to some blocks and two to others at NB=2 and 4 (the pipelined kernel, LAG);
-#: reduce_scatter (SCATTER) with one chunk and with several.
+#: the Lamport reduce_scatter with one chunk and with several.
 MATCHED = [
     ("all_reduce", 5, BF), ("all_reduce", 4096, BF), ("fused", 3, 40, F16),
     ("all_reduce", 5, BF), ("all_reduce", 20000, BF), ("all_reduce", 300, F32),
@@ -212,13 +210,12 @@ MATCHED = [
 ]
 
 
-@pytest.mark.parametrize("W,NB,own_local,lag", [(2, 2, None, 1), (3, 4, None, 2),
-                                                 (2, 2, [1, 1], 2), (3, 4, [1, 0, 1], 1)])
-def test_matched_rounds_sum_and_leave_everything_idle(W, NB, own_local, lag):
-    """Also with LLCOMM_LAMPORT_OWN_LOCAL (own term from the operand, own slot untouched) on
-    every rank or some: the same sums, everything idle (the own slot was never written). The
-    multi-chunk sizes run the pipelined kernel with a lag of 1 or 2 chunks."""
-    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, own_local, lag)
+@pytest.mark.parametrize("W,NB,lag", [(2, 2, 1), (3, 4, 2)])
+def test_matched_rounds_sum_and_leave_everything_idle(W, NB, lag):
+    """The same sums on every rank, everything idle afterwards (a rank's own slot is never
+    written: its own term comes from its operand). The multi-chunk sizes run the pipelined
+    kernel with a lag of 1 chunk (the peer backend's) or 2."""
+    fails = _run_in_interpreter("simulate_matched", W, NB, MATCHED, lag)
     assert not fails, "\n".join(fails[:20])
 
 
@@ -235,12 +232,11 @@ MISMATCHES = {  # name: the other rank's call (rank 0 calls A)
 }
 
 
-@pytest.mark.parametrize("own_local", [None, [1, 1]])
 @pytest.mark.parametrize("name", list(MISMATCHES))
-def test_mismatch_is_reported_on_every_rank(name, own_local):
+def test_mismatch_is_reported_on_every_rank(name):
     from llcomm.runtime import protocol as P
     other = MISMATCHES[name]
-    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other], None, own_local)
+    seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [A, other])
     other_op = {"all_reduce": P.OP_LAMPORT, "reduce_scatter": P.OP_LAMPORT_REDUCE_SCATTER,
                 "fused": P.OP_FUSED_LAMPORT}[other[0]]
     ops = [P.OPS[P.OP_LAMPORT], P.OPS[other_op]]
@@ -279,38 +275,30 @@ def test_rank_that_never_pushed_is_a_timeout(spec):
     assert seen[0] == ["CommTimeoutError", P.OPS[op], P.PHASES[P.PHASE_DATA], [1]]
 
 
-def test_own_local_setting(monkeypatch):
-    """LLCOMM_LAMPORT_OWN_LOCAL: 1 by default, 0 or 1, anything else refused by name."""
-    from llcomm.tp.peer import LAMPORT_OWN_LOCAL_ENV, lamport_own_local_setting
-    monkeypatch.delenv(LAMPORT_OWN_LOCAL_ENV, raising=False)
-    assert lamport_own_local_setting() == 1
-    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "0")
-    assert lamport_own_local_setting() == 0
-    monkeypatch.setenv(LAMPORT_OWN_LOCAL_ENV, "yes")
-    with pytest.raises(ValueError, match=LAMPORT_OWN_LOCAL_ENV):
-        lamport_own_local_setting()
-
-
 def test_lamport_slot_setting(monkeypatch):
     """LLCOMM_LAMPORT_BYTES: 16 MiB at 2 ranks and 1 MiB elsewhere by default; anything but a
-    positive integer refused by name."""
-    from llcomm.tp.peer import (LAMPORT_BYTES_ENV, LAMPORT_MAX_BYTES, LAMPORT_MAX_BYTES_W2,
-                             lamport_bytes_setting)
-    monkeypatch.delenv(LAMPORT_BYTES_ENV, raising=False)
-    assert (lamport_bytes_setting(2), lamport_bytes_setting(4)) == (16 << 20, 1 << 20)
-    assert (LAMPORT_MAX_BYTES_W2, LAMPORT_MAX_BYTES) == (16 << 20, 1 << 20)
-    monkeypatch.setenv(LAMPORT_BYTES_ENV, "4096")
-    assert lamport_bytes_setting(2) == lamport_bytes_setting(8) == 4096
+    positive integer refused by name. LLCOMM_RS_LAMPORT_BYTES: unset (None) unless set."""
+    from llcomm.runtime.settings import TPSettings
+    monkeypatch.delenv("LLCOMM_LAMPORT_BYTES", raising=False)
+    monkeypatch.delenv("LLCOMM_RS_LAMPORT_BYTES", raising=False)
+    assert (TPSettings.read(2).lamport_bytes, TPSettings.read(4).lamport_bytes) == \
+        (16 << 20, 1 << 20)
+    assert TPSettings.read(2).rs_lamport_bytes is None      # up to the slot
+    monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", "4096")
+    assert TPSettings.read(2).lamport_bytes == TPSettings.read(8).lamport_bytes == 4096
+    monkeypatch.setenv("LLCOMM_RS_LAMPORT_BYTES", "0")
+    assert TPSettings.read(2).rs_lamport_bytes == 0
     for bad in ("0", "-1", "1M", ""):
-        monkeypatch.setenv(LAMPORT_BYTES_ENV, bad)
-        with pytest.raises(ValueError, match=LAMPORT_BYTES_ENV):
-            lamport_bytes_setting(2)
+        monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", bad)
+        with pytest.raises(ValueError, match="LLCOMM_LAMPORT_BYTES"):
+            TPSettings.read(2)
 
 
 def test_lamport_lag_only_with_several_chunks():
-    """LAG is the setting where some block has two chunks or more, else 0 (the plain kernel,
-    the code the small sizes ran before the pipelined one existed)."""
-    from llcomm.tp.peer import lamport_lag
-    assert lamport_lag(n=128 * 2048, block=2048, nb=128, lag=1) == 0      # one chunk each
-    assert lamport_lag(n=128 * 2048 + 1, block=2048, nb=128, lag=1) == 1  # block 0 has two
-    assert lamport_lag(n=4 << 20, block=2048, nb=128, lag=2) == 2
+    """LAG is LAMPORT_LAG where some block has two chunks or more, else 0 (the single-chunk
+    kernel)."""
+    from llcomm.tp.peer import LAMPORT_LAG, lamport_lag
+    assert LAMPORT_LAG == 1
+    assert lamport_lag(n=128 * 2048, block=2048, nb=128) == 0      # one chunk each
+    assert lamport_lag(n=128 * 2048 + 1, block=2048, nb=128) == 1  # block 0 has two
+    assert lamport_lag(n=4 << 20, block=2048, nb=128) == 1

@@ -17,7 +17,8 @@ import torch
 from llcomm.runtime import launch
 from llcomm.tp import peer
 from llcomm.runtime import protocol as P
-from llcomm.tp.kernels import all_reduce as K, lamport as LK
+from llcomm.runtime.settings import LAMPORT_CHUNK_BYTES
+from llcomm.tp.kernels import all_reduce as K, lamport as LK, reduce_scatter as RS
 from llcomm.tp.kernels import fused_norm as F
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,7 +46,7 @@ def _backend(launcher):
     pb.nb, pb.world_size, pb.WP, pb.rank = NB, W, 2, RANK
     pb.max_bytes = pb.cap_bytes = 16 << 20
     pb.lamport_bytes = pb.rs_lamport_bytes = 32 << 20    # above every size below
-    pb.lamport_chunk, pb.lamport_lag, pb.own_local = peer.LAMPORT_CHUNK_BYTES, 1, 1
+    pb.lamport_chunk = LAMPORT_CHUNK_BYTES
     pb.timeout_us = TIMEOUT_US
     pb.tabs = {k: torch.full((W,), i, dtype=torch.int64) for i, k in enumerate(
         ("flags", "stage", "gather", "lamport", "lamport_tags"))}
@@ -56,6 +57,7 @@ def _backend(launcher):
     pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
     pb._k_ar = K
     pb._k_lam = LK
+    pb._k_rs = RS
     pb._plans = {}
     pb._launch = launcher
     return pb
@@ -73,18 +75,25 @@ def _named(fn, args, consts):
 
 
 def _expect(pb, algo, n, dtype):
-    """What the launch of ``algo`` on n elements of dtype must carry (independent of _plan)."""
+    """What the launch of ``algo`` on n elements of dtype must carry (independent of _plan):
+    an all_reduce algorithm, or "rs_lamport" / "rs_flag", a reduce_scatter into n elements."""
     isz = dtype.itemsize
     name = str(dtype).removeprefix("torch.")
     if algo in ("lamport", "rs_lamport"):
         op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
+        fn = LK.lamport_kernel if algo == "lamport" else RS.lamport_reduce_scatter_kernel
         block, warps = peer._launch_shape(n, isz, NB, pb.lamport_chunk)
-        return LK.lamport_kernel, warps, dict(
+        return fn, warps, dict(
             n=n, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"], ctrl=pb.ctrl,
             err=pb.err, rank=RANK, tag=P.lamport_tag(op, n, name), timeout_us=TIMEOUT_US,
-            cap=pb.lamport_bytes // isz, BLOCK=block, OP=op,
-            SCATTER=int(algo == "rs_lamport"), LAG=int(n > NB * block),
-            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32, OWN_LOCAL=1)
+            cap=pb.lamport_bytes // isz, BLOCK=block, LAG=int(n > NB * block),
+            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32)
+    if algo == "rs_flag":
+        block, warps = peer._launch_shape(n, isz, NB)
+        return RS.reduce_scatter_kernel, warps, dict(
+            m_out=n, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
+            ctrl=pb.ctrl, err=pb.err, rank=RANK, tag=P.size_tag(P.OP_REDUCE_SCATTER, n, name),
+            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
     if algo == "one_shot":
         block, warps = peer._launch_shape(n, isz, NB)
         return K.one_shot_kernel, warps, dict(
@@ -100,17 +109,20 @@ def _expect(pb, algo, n, dtype):
         cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot", "rs_lamport"])
+@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot", "rs_lamport", "rs_flag"])
 def test_every_planned_argument_is_the_right_one(algo):
     """One backend for every dtype and size, twice over (the second pass takes kept plans):
-    a plan kept under too coarse a key would show as another size's or dtype's arguments."""
+    a plan kept under too coarse a key would show as another size's or dtype's arguments.
+    reduce_scatter: the Lamport kernel up to rs_lamport_bytes, the flag kernel above."""
     rec = Recorder()
     pb = _backend(rec)
+    if algo == "rs_flag":
+        pb.rs_lamport_bytes = 0
     cases = [(n, dtype) for n in SIZES for dtype in DTYPES]
     for n, dtype in cases + cases[::-1]:
-        x = torch.randn(n * (W if algo == "rs_lamport" else 1)).to(dtype)
+        x = torch.randn(n * (W if algo.startswith("rs_") else 1)).to(dtype)
         out = torch.empty(n, dtype=dtype)
-        if algo == "rs_lamport":
+        if algo.startswith("rs_"):
             pb.reduce_scatter(x, out)
         else:
             pb.all_reduce(x, out, algo)
@@ -147,7 +159,7 @@ def _expect_fused(pb, algo, tokens, hidden, dtype, eps):
         return F.lamport_norm_kernel, warps, dict(
             common, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"],
             tag=P.lamport_tag(P.OP_FUSED_LAMPORT, rows, name), cap=pb.lamport_bytes // isz,
-            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32, OWN_LOCAL=1)
+            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32)
     return F.one_shot_norm_kernel, warps, dict(
         common, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
         tag=P.size_tag(P.OP_FUSED_ONE_SHOT, rows, name), cap=pb.cap_bytes // isz)
@@ -179,6 +191,24 @@ def test_every_fused_planned_argument_is_the_right_one(algo):
         assert plan.raw_tail == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
                                       for a in args[len(plan.views):])
     assert len(pb._plans) == len(cases)
+
+
+def test_reduce_scatter_kernel_by_output_bytes():
+    """The Lamport reduce_scatter up to rs_lamport_bytes of output, the flag one above; its
+    plans are its own, never an all_reduce's."""
+    rec = Recorder()
+    pb = _backend(rec)
+    pb.rs_lamport_bytes = 8192
+    for n, dtype, fn in ((4096, torch.bfloat16, RS.lamport_reduce_scatter_kernel),
+                         (4097, torch.bfloat16, RS.reduce_scatter_kernel),
+                         (2048, torch.float32, RS.lamport_reduce_scatter_kernel),
+                         (2049, torch.float32, RS.reduce_scatter_kernel)):
+        pb.reduce_scatter(torch.randn(W * n).to(dtype), torch.empty(n, dtype=dtype))
+        assert rec.calls[-1][0] is fn, (n, dtype)
+    pb.all_reduce(torch.randn(4096).bfloat16(), torch.empty(4096, dtype=torch.bfloat16),
+                  "lamport")
+    assert rec.calls[-1][0] is LK.lamport_kernel
+    assert sorted(k[0] for k in pb._plans) == ["lamport"] + ["reduce_scatter"] * 4
 
 
 def test_plans_are_kept_per_size_and_bounded(monkeypatch):
@@ -291,7 +321,7 @@ def test_launcher_switches_to_its_device(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
     monkeypatch.setattr(torch.cuda, "device", _Device)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(launch, "pdl_enabled", lambda device: False)
+    monkeypatch.setattr(launch, "pdl_enabled", lambda device, wanted: False)
     lau = launch.Launcher(torch.device("cuda", 0))
     fn = _StandIn(["x", "out", "n", "BLOCK"])
     a = torch.zeros(16, dtype=torch.int16)
@@ -330,6 +360,8 @@ def test_launcher_sets_pdl_where_the_kernel_takes_it(monkeypatch, pdl):
 
 
 def test_pdl_setting_is_validated(monkeypatch):
-    monkeypatch.setenv(launch.PDL_ENV, "yes")
-    with pytest.raises(ValueError, match="LLCOMM_PDL='yes': expected 0 or 1"):
-        launch.Launcher(torch.device("cpu"))
+    from llcomm.runtime.settings import EPSettings, TPSettings
+    monkeypatch.setenv("LLCOMM_PDL", "yes")
+    for read in (lambda: TPSettings.read(2), EPSettings.read):
+        with pytest.raises(ValueError, match="LLCOMM_PDL='yes': expected 0 or 1"):
+            read()

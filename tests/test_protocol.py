@@ -165,39 +165,45 @@ def test_unknown_status_is_not_called_a_timeout(status):
     assert "unrecognised error word" in str(err)
 
 
-# -- timeout_ms_from_env -----------------------------------------------------------------------
+# -- resolve_timeout_ms ------------------------------------------------------------------------
+def _timeout_setting():
+    """LLCOMM_TIMEOUT_MS as Communicator and EPBuffer read it."""
+    from llcomm.runtime.settings import EPSettings, TPSettings
+    tp, ep = TPSettings.read(2).timeout_ms, EPSettings.read().timeout_ms
+    assert tp == ep
+    return tp
+
+
 def test_timeout_default(monkeypatch):
-    monkeypatch.delenv(P.TIMEOUT_ENV, raising=False)
-    assert P.timeout_ms_from_env(None) == P.DEFAULT_TIMEOUT_MS == 1000
+    monkeypatch.delenv("LLCOMM_TIMEOUT_MS", raising=False)
+    assert P.resolve_timeout_ms(None, _timeout_setting()) == P.DEFAULT_TIMEOUT_MS == 1000
+    assert P.resolve_timeout_ms(None, _timeout_setting(), P.REFERENCE_DEFAULT_TIMEOUT_MS) == \
+        P.REFERENCE_DEFAULT_TIMEOUT_MS
 
 
 def test_timeout_env_beats_default(monkeypatch):
-    monkeypatch.setenv(P.TIMEOUT_ENV, "250")
-    assert P.timeout_ms_from_env(None) == 250
+    monkeypatch.setenv("LLCOMM_TIMEOUT_MS", "250")
+    assert P.resolve_timeout_ms(None, _timeout_setting()) == 250
+    assert P.resolve_timeout_ms(None, _timeout_setting(), P.REFERENCE_DEFAULT_TIMEOUT_MS) == 250
 
 
 def test_timeout_argument_beats_env(monkeypatch):
-    monkeypatch.setenv(P.TIMEOUT_ENV, "250")
-    assert P.timeout_ms_from_env(40) == 40
+    monkeypatch.setenv("LLCOMM_TIMEOUT_MS", "250")
+    assert P.resolve_timeout_ms(40, _timeout_setting()) == 40
 
 
-def test_timeout_argument_given_ignores_a_bad_env(monkeypatch):
-    monkeypatch.setenv(P.TIMEOUT_ENV, "not a number")
-    assert P.timeout_ms_from_env(40) == 40
-
-
-@pytest.mark.parametrize("raw", ["abc", "", "1.5", "0", "-5", "1e3"])
+@pytest.mark.parametrize("raw", ["abc", "", "1.5", "0", "-5", "1e3", str(P.MAX_TIMEOUT_MS + 1)])
 def test_timeout_bad_env_names_the_variable(monkeypatch, raw):
-    monkeypatch.setenv(P.TIMEOUT_ENV, raw)
-    with pytest.raises(ValueError, match=P.TIMEOUT_ENV):
-        P.timeout_ms_from_env(None)
+    """A bad value is refused when the settings are read, whether or not an argument is given."""
+    monkeypatch.setenv("LLCOMM_TIMEOUT_MS", raw)
+    with pytest.raises(ValueError, match="LLCOMM_TIMEOUT_MS"):
+        _timeout_setting()
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "100", True, False])
-def test_timeout_bad_argument_names_it(monkeypatch, bad):
-    monkeypatch.delenv(P.TIMEOUT_ENV, raising=False)
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "100", True, False, P.MAX_TIMEOUT_MS + 1])
+def test_timeout_bad_argument_names_it(bad):
     with pytest.raises(ValueError, match="timeout_ms="):
-        P.timeout_ms_from_env(bad)
+        P.resolve_timeout_ms(bad, None)
 
 
 def test_failure_latch_raises_first_error_then_broken():

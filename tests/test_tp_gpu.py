@@ -143,8 +143,7 @@ def _ll_body(rank, ws):
     import os
 
     import llcomm
-    from llcomm.tp.peer import LL_BYTES_ENV
-    os.environ[LL_BYTES_ENV] = str(LL_BYTES)
+    os.environ["LLCOMM_LL_BYTES"] = str(LL_BYTES)
     comm = _comm()
     assert comm._impl.ll_bytes == LL_BYTES
     ref = llcomm.Communicator(backend="reference")
@@ -196,16 +195,11 @@ def test_ll_movement_byte_exact_eager_and_graph():
     run_distributed(_ll_body, 2, backend="nccl", timeout=300)
 
 
-def _own_local_body(rank, ws, own):
-    """LLCOMM_LAMPORT_OWN_LOCAL per rank (``own[rank]``; ranks may differ): Lamport all_reduce
-    and the fused Lamport join give the bits of the flag one-shot / the default, in place too,
-    eager and in a replayed graph, sizes changing every call."""
-    import os
-
-    from llcomm.tp.peer import LAMPORT_OWN_LOCAL_ENV
-    os.environ[LAMPORT_OWN_LOCAL_ENV] = str(own[rank])
+def _lamport_bits_body(rank, ws):
+    """Lamport all_reduce (each rank's own term from its operand) and the fused Lamport join
+    give the bits of the oracle / the flag one-shot, in place too, eager and in a replayed
+    graph, sizes changing every call."""
     comm = _comm()
-    assert comm._impl.own_local == own[rank]
     for i, n in enumerate((1, 7, 4096, 5000, 65536 + 3, comm.lamport_bytes // 4, 4096, 1)):
         for dtype in DTYPES:
             x, xs = _inputs(n, dtype, 50 + i, rank)
@@ -239,9 +233,8 @@ def _own_local_body(rank, ws, own):
     comm.close()
 
 
-@pytest.mark.parametrize("own", [(1, 1), (1, 0)])
-def test_lamport_own_term_from_the_operand(own):
-    run_distributed(_own_local_body, 2, own, backend="nccl", timeout=300)
+def test_lamport_own_term_from_the_operand():
+    run_distributed(_lamport_bits_body, 2, backend="nccl", timeout=300)
 
 
 #: Pipelined Lamport (several chunks per block): slot and sizes up to 16 MiB, odd sizes too;
@@ -254,9 +247,8 @@ BIG_SIZES = (((2 << 20) + 7, torch.bfloat16), (4 << 20, torch.bfloat16), ((1 << 
 def _big_lamport_body(rank, ws):
     import os
 
-    from llcomm.tp.peer import LAMPORT_BYTES_ENV, RS_LAMPORT_ENV
-    os.environ[LAMPORT_BYTES_ENV] = str(BIG_LAMPORT_BYTES)
-    os.environ.pop(RS_LAMPORT_ENV, None)
+    os.environ["LLCOMM_LAMPORT_BYTES"] = str(BIG_LAMPORT_BYTES)
+    os.environ.pop("LLCOMM_RS_LAMPORT_BYTES", None)
     comm = _comm(max_bytes=BIG_LAMPORT_BYTES)
     assert comm.lamport_bytes == BIG_LAMPORT_BYTES
     for i, (n, dtype) in enumerate(BIG_SIZES):
@@ -281,8 +273,8 @@ def _big_lamport_body(rank, ws):
             y, ys = _inputs(4096, torch.bfloat16, 300 + i, rank)
             assert torch.equal(_bits(comm.all_reduce(y, algo="lamport")), _bits(_oracle_sum(ys)))
     assert _same_on_all_ranks(outs["y"])
-    # reduce_scatter: the Lamport kernel (SCATTER) and the flag kernel give the same bits
-    os.environ[RS_LAMPORT_ENV] = "0"
+    # reduce_scatter: the Lamport kernel and the flag kernel give the same bits
+    os.environ["LLCOMM_RS_LAMPORT_BYTES"] = "0"
     flag = _comm(max_bytes=BIG_LAMPORT_BYTES)
     for i, (n, dtype) in enumerate(BIG_SIZES):
         n = n // ws * ws
@@ -403,10 +395,9 @@ def _timeout_body(rank, ws, op):
     import os
 
     import llcomm
-    from llcomm.tp.peer import LL_BYTES_ENV
     # "ll_broadcast": the LL kernel (kernels/ll.py, the default at this size); "broadcast":
     # the flagged one
-    os.environ[LL_BYTES_ENV] = str(LL_BYTES) if op.startswith("ll_") else "0"
+    os.environ["LLCOMM_LL_BYTES"] = str(LL_BYTES) if op.startswith("ll_") else "0"
     op = op.removeprefix("ll_")
     comm = _comm(timeout_ms=TIMEOUT_MS)
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")

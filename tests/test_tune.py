@@ -13,6 +13,7 @@ import torch
 import llcomm
 from _dist import run_distributed
 from llcomm.tp import algo_table as T
+from llcomm.runtime.settings import TPSettings
 from llcomm.bench import tune
 from llcomm.tp.api import AUTO_TABLE
 
@@ -125,44 +126,54 @@ def test_device_names_match_with_or_without_vendor():
 # -- resolution order ----------------------------------------------------------------------------
 @pytest.fixture
 def clean_env(tmp_path, monkeypatch):
-    monkeypatch.delenv(T.TABLE_ENV, raising=False)
+    monkeypatch.delenv("LLCOMM_TUNE_TABLE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
 
 
+def _tune_table():
+    """LLCOMM_TUNE_TABLE as Communicator reads it."""
+    return TPSettings.read(2).tune_table
+
+
 def test_user_path_default_and_env(clean_env, monkeypatch):
-    p = T.user_table_path("NVIDIA H200", 2)
+    p = T.user_table_path("NVIDIA H200", 2, _tune_table())
     assert p == clean_env / "cache" / "llcomm" / "tune-nvidia-h200-w2.json"
-    monkeypatch.setenv(T.TABLE_ENV, str(clean_env / "mine.json"))
-    assert T.user_table_path("NVIDIA H200", 2) == clean_env / "mine.json"
+    monkeypatch.setenv("LLCOMM_TUNE_TABLE", str(clean_env / "mine.json"))
+    assert T.user_table_path("NVIDIA H200", 2, _tune_table()) == clean_env / "mine.json"
+    monkeypatch.setenv("LLCOMM_TUNE_TABLE", "")        # set but empty: the cache path
+    assert T.user_table_path("NVIDIA H200", 2, _tune_table()) == p
 
 
 def test_resolution_order(clean_env, monkeypatch):
     shipped = clean_env / "shipped"
     _write(shipped / "a-h100.json", _doc(device="NVIDIA H100", rows=((64, "two_shot"),)))
     _write(shipped / "b-h200.json", _doc(device="H200", rows=((64, "one_shot"),)))
+
+    def find(device, world):
+        return T.find_table(device, world, _tune_table(), shipped)
     # nothing of the user's: the shipped table for this GPU and world size
-    assert T.find_table("NVIDIA H200", 2, shipped).path.endswith("b-h200.json")
+    assert find("NVIDIA H200", 2).path.endswith("b-h200.json")
     # another world size or another GPU: no table (Communicator then uses the rule)
-    assert T.find_table("NVIDIA H200", 4, shipped) is None
-    assert T.find_table("NVIDIA B200", 2, shipped) is None
+    assert find("NVIDIA H200", 4) is None
+    assert find("NVIDIA B200", 2) is None
     # the user's cache table wins over the shipped one
-    user = _write(T.user_table_path("NVIDIA H200", 2), _doc(rows=((128, "lamport"),)))
-    assert T.find_table("NVIDIA H200", 2, shipped).path == str(user)
+    user = _write(T.user_table_path("NVIDIA H200", 2, None), _doc(rows=((128, "lamport"),)))
+    assert find("NVIDIA H200", 2).path == str(user)
     # LLCOMM_TUNE_TABLE replaces the cache path
     env = _write(clean_env / "env.json", _doc(rows=((256, "two_shot"),)))
-    monkeypatch.setenv(T.TABLE_ENV, str(env))
-    assert T.find_table("NVIDIA H200", 2, shipped).rows == ((256, "two_shot"),)
+    monkeypatch.setenv("LLCOMM_TUNE_TABLE", str(env))
+    assert find("NVIDIA H200", 2).rows == ((256, "two_shot"),)
     # ... a table in it for another GPU is skipped, and the shipped tables apply again
     _write(env, _doc(device="NVIDIA H100", rows=((256, "two_shot"),)))
-    assert T.find_table("NVIDIA H200", 2, shipped).path.endswith("b-h200.json")
+    assert find("NVIDIA H200", 2).path.endswith("b-h200.json")
     # ... a missing file is skipped (warned), a malformed one is an error naming it
-    monkeypatch.setenv(T.TABLE_ENV, str(clean_env / "missing.json"))
-    assert T.find_table("NVIDIA H200", 2, shipped).path.endswith("b-h200.json")
+    monkeypatch.setenv("LLCOMM_TUNE_TABLE", str(clean_env / "missing.json"))
+    assert find("NVIDIA H200", 2).path.endswith("b-h200.json")
     _write(env, "{not json")
-    monkeypatch.setenv(T.TABLE_ENV, str(env))
+    monkeypatch.setenv("LLCOMM_TUNE_TABLE", str(env))
     with pytest.raises(T.AlgoTableError, match=str(env)):
-        T.find_table("NVIDIA H200", 2, shipped)
+        find("NVIDIA H200", 2)
 
 
 def test_shipped_tables_parse(clean_env):
@@ -170,8 +181,8 @@ def test_shipped_tables_parse(clean_env):
     assert SHIPPED_H200 in tables
     for path in tables:
         T.load(path)
-    assert T.find_table("NVIDIA H200", 2).path == str(SHIPPED_H200)
-    assert T.find_table("NVIDIA H200", 4) is None  # world size 4: the rule
+    assert T.find_table("NVIDIA H200", 2, None).path == str(SHIPPED_H200)
+    assert T.find_table("NVIDIA H200", 4, None) is None  # world size 4: the rule
 
 
 # -- the converter from a bench result file ------------------------------------------------------
@@ -227,7 +238,7 @@ def test_reference_communicator_uses_the_rule():
 
 
 def _peer_comm_table(rank, ws, path):
-    os.environ[T.TABLE_ENV] = path
+    os.environ["LLCOMM_TUNE_TABLE"] = path
     comm = llcomm.Communicator(backend="peer", max_bytes=4 * MiB, deterministic=True)
     try:
         assert comm.algo_source == f"table {path}", comm.algo_source
@@ -276,7 +287,7 @@ def test_cli_tune_from_bench_writes_the_table(tmp_path):
     assert written.rows == T.load(SHIPPED_H200).rows
     # default output: LLCOMM_TUNE_TABLE
     p = _llcomm("tune", "--from-bench", str(BENCH_RESULT), cwd=tmp_path,
-                env={T.TABLE_ENV: str(tmp_path / "env.json")})
+                env={"LLCOMM_TUNE_TABLE": str(tmp_path / "env.json")})
     assert p.returncode == 0 and (tmp_path / "env.json").exists(), p.stdout + p.stderr
     p = _llcomm("tune", "--from-bench", str(tmp_path / "nope.json"), cwd=tmp_path)
     assert p.returncode == 2 and "nope.json" in p.stdout

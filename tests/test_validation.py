@@ -360,7 +360,7 @@ def test_bad_backend_and_max_bytes_reported_together(world1):
 
 @pytest.mark.parametrize("timeout_ms", [0, -5, 2.5, "100", True])
 def test_bad_timeout_ms(world1, monkeypatch, timeout_ms):
-    monkeypatch.delenv(P.TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv("LLCOMM_TIMEOUT_MS", raising=False)
     with pytest.raises(ValueError, match=r"timeout_ms=.*positive integer of milliseconds"):
         llcomm.Communicator(backend="reference", timeout_ms=timeout_ms)
 
@@ -373,10 +373,10 @@ def test_bad_timeout_env(world1, monkeypatch, raw):
 
 
 def test_timeout_precedence(world1, monkeypatch):
-    monkeypatch.delenv(P.TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv("LLCOMM_TIMEOUT_MS", raising=False)
     # the reference backend's host-side waits default to a bound for OS-scheduled processes
     assert llcomm.Communicator(backend="reference").timeout_ms == P.REFERENCE_DEFAULT_TIMEOUT_MS
-    monkeypatch.setenv(P.TIMEOUT_ENV, "300")
+    monkeypatch.setenv("LLCOMM_TIMEOUT_MS", "300")
     assert llcomm.Communicator(backend="reference").timeout_ms == 300
     assert llcomm.Communicator(backend="reference", timeout_ms=20).timeout_ms == 20
 

@@ -31,13 +31,15 @@ use_llcomm_dir()
 from llcomm.bench import spawn  # noqa: E402
 from llcomm.ep.peer import rows_first  # noqa: E402
 from llcomm.ep.fp8 import dequantize  # noqa: E402
-from llcomm.ep.layout import ERR_PROF, PROF_ENV, PROF_WORDS  # noqa: E402
+from llcomm.ep.layout import ERR_PROF, PROF_WORDS  # noqa: E402
+from llcomm.runtime.settings import EPSettings  # noqa: E402
 
 def stage_names(ll: int) -> dict:
     """Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start), for
     the flag dispatch or the LL one (``ll``: no signal, no wait; each word is waited for where
     the expand reads it)."""
-    first = (("push rows", "scan top-k, counts, metadata") if rows_first(ll) else
+    first = (("push rows", "scan top-k, counts, metadata")
+             if rows_first(EPSettings.read(), ll) else
              ("scan top-k", "push rows, counts, metadata"))
     rest = (("wait + expand own pairs", "wait for the peers' last row",
              "expand the peers' pairs") if ll else
@@ -85,15 +87,15 @@ def _rank(rank, world, cfg):
     device = torch.device("cuda", rank)
     buf = ep.EPBuffer(num_experts=cfg["experts"], hidden=cfg["hidden"],
                       num_max_dispatch_tokens_per_rank=cfg["tokens"], backend="peer")
-    assert buf._impl.profile, f"{PROF_ENV}=1 was not seen by the buffer"
+    assert buf._impl.profile, "LLCOMM_EP_PROFILE=1 was not seen by the buffer"
     x, idx, w = _inputs(rank, cfg, device)
     nb = buf._impl.nb
     prof = buf._impl.err[ERR_PROF:ERR_PROF + 2 * nb * PROF_WORDS].view(2, nb, PROF_WORDS)
 
     # FP8: the combine sums rows dequantised once, here, outside the graph. Dequantising inside
-    # it (as up to session 12) moved about 4.5 GB through HBM per pair at 128 tokens (the whole
+    # it would move about 4.5 GB through HBM per pair at 128 tokens (the whole
     # [L, W * T, H] buffer, through fp32), so every dispatch and combine of the FP8 timeline
-    # started with L2 swept, unlike the bf16 one and unlike the FP8 bench (dispatches only).
+    # would start with L2 swept, unlike the bf16 one and unlike the FP8 bench (dispatches only).
     rows_fp8 = None
     if cfg["fp8"]:
         (q, sc), _, _ = buf.dispatch(x, idx, use_fp8=True)
@@ -150,7 +152,7 @@ def main():
     ap.add_argument("--one-rank", action="store_true",
                     help="one rank on GPU 0 (a one-GPU machine): local stages only")
     a = ap.parse_args()
-    os.environ[PROF_ENV] = "1"
+    os.environ["LLCOMM_EP_PROFILE"] = "1"
     world, backend = spawn.plan()
     if a.one_rank:
         world = 1

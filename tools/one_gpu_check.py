@@ -258,7 +258,7 @@ def _body(rank, world_size):
     import llcomm.runtime.backend as backend
     import llcomm.tp.api as tp
     torch.cuda.set_device(0)
-    backend.peer_support = lambda group: (True, "tools/one_gpu_check.py: two ranks on one GPU")
+    backend.peer_support = lambda places: (True, "tools/one_gpu_check.py: two ranks on one GPU")
     _ipc_workspace()
     results = []
 

@@ -3,8 +3,9 @@
     python tools/ptx.py [--dump DIR] [--pdl] [--same-as DIR]
 
 ``--same-as DIR`` compares each kernel's code with a ``--dump`` made before a change (debug
-sections, ``.loc`` lines and comments left out): a refactor that should not change what runs
-must print ``same`` for every kernel.
+sections, ``.loc`` lines, comments and the kernel's own name left out, so a kernel renamed or
+moved compares by its code): a refactor that should not change what runs must print ``same``
+for every kernel.
 
 Prints, per kernel, whether the peer loads/stores are 16 bytes wide (ld/st.global.v4), the
 system-scope atomics, and register use when known. PTX reading costs no device time.
@@ -19,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llcomm.runtime import protocol as P
-from llcomm.tp.kernels import all_reduce, fused_norm, lamport, ll, movement
+from llcomm.tp.kernels import all_reduce, fused_norm, lamport, ll, movement, reduce_scatter
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -39,10 +40,11 @@ LAMPORT_SIG = {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "tag_t
                "cap": "i64"}
 
 
-def _lamport(nb, block, warps=4, **later):
-    """``lamport.lamport_kernel`` on bf16 (its int16 view) at 2 ranks; ``later``: the
-    constexprs after STAGES, in the kernel's parameter order (compile_one needs that order)."""
-    return (lamport.lamport_kernel, LAMPORT_SIG,
+def _lamport(nb, block, warps=4, fn=lamport.lamport_kernel, **later):
+    """``lamport.lamport_kernel`` (or ``fn``, the Lamport reduce-scatter) on bf16 (its int16
+    view) at 2 ranks; ``later``: the constexprs after STAGES, in the kernel's parameter order
+    (compile_one needs that order)."""
+    return (fn, LAMPORT_SIG,
             {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": nb, "BLOCK": block,
              "STAGES": lamport.ALL_STAGES, **later}, warps)
 
@@ -61,14 +63,12 @@ KERNELS = {
     "lamport_bf16": _lamport(32, 1024),
     # the launch of an 8 KiB bf16 all_reduce: 4096 elements over 128 blocks, 1 warp each
     "lamport_bf16_8k": _lamport(128, 256, 1),
-    # the same with the own term read from x (LLCOMM_LAMPORT_OWN_LOCAL=1)
-    "lamport_bf16_8k_own": _lamport(128, 256, 1, OWN_LOCAL=1),
     # an 8 MiB bf16 all_reduce: 16 chunks of 2048 elements per block, each received right
     # after the next one is pushed (LAG)
-    "lamport_bf16_8m_pipe": _lamport(128, 2048, 8, OWN_LOCAL=1, LAG=1),
-    # reduce_scatter of 8 MiB (4 MiB out) on the same kernel (SCATTER)
-    "lamport_rs_bf16_8m": _lamport(128, 2048, 8, OWN_LOCAL=1, LAG=1, SCATTER=1,
-                                   OP=P.OP_LAMPORT_REDUCE_SCATTER),
+    "lamport_bf16_8m_pipe": _lamport(128, 2048, 8, LAG=1),
+    # reduce_scatter of 8 MiB (4 MiB out), the Lamport rounds with SCATTER
+    "lamport_rs_bf16_8m": _lamport(128, 2048, 8, fn=reduce_scatter.lamport_reduce_scatter_kernel,
+                                   LAG=1),
     "broadcast_i32": (movement.broadcast_kernel,
                       {"x": "*i32", "n": "i32", "src": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
                        "flags": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
@@ -82,7 +82,7 @@ KERNELS = {
     # LL movement (LLCOMM_LL_BYTES): an 8 KiB all_gather / broadcast, 2048 words over 128 blocks
     "ll_all_gather_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_ALL_GATHER, BCAST=0, **LL_8K), 1),
     "ll_broadcast_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_BROADCAST, BCAST=1, **LL_8K), 1),
-    "reduce_scatter_bf16": (movement.reduce_scatter_kernel,
+    "reduce_scatter_bf16": (reduce_scatter.reduce_scatter_kernel,
                             {"x": "*bf16", "out": "*bf16", "m_out": "i32", "stage_tab": "*i64",
                              "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",
                              "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
@@ -170,8 +170,12 @@ def ptx_summary(name: str, ptx: str, dump: str | None) -> str:
 
 def code_only(ptx: str) -> list[str]:
     """The PTX lines that are code: no DWARF sections, ``.loc``/``.file`` lines, comments or
-    debug labels (their numbering moves when an inlined helper moves)."""
+    debug labels (their numbering moves when an inlined helper moves), and the entry's name
+    (in its parameters' names too) written as ``KERNEL``."""
     ptx = re.split(r"^\s*\.section\s+\.debug", ptx, maxsplit=1, flags=re.M)[0]
+    entry = re.search(r"\.entry\s+(\w+)", ptx)
+    if entry:
+        ptx = re.sub(rf"\b{entry.group(1)}(?=\b|_param_)", "KERNEL", ptx)
     keep = []
     for line in ptx.splitlines():
         s = line.strip()

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from ..runtime import launch
-from ..runtime.settings import env_bit
+from ..runtime import settings
 from . import result_files
 
 GIB = 1 << 30
@@ -59,7 +59,7 @@ def pdl_line(n_gpus: int, triton_ok: bool) -> str:
     """Whether llcomm's kernels will be launched with programmatic dependent launch here."""
     head = "programmatic dependent launch (LLCOMM_PDL): "
     try:
-        wanted = env_bit(launch.PDL_ENV, 1)
+        wanted = settings.value("LLCOMM_PDL")
     except ValueError as e:             # reported, as the Communicator would raise it
         return head + f"invalid setting ({e})"
     if not wanted:

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.settings import BenchSettings
 from .spawn import MULTICAST_OFF_ENV
 
 #: Seconds allowed to ``git`` and ``nvidia-smi`` calls.
 TOOL_TIMEOUT_S = 10
-#: Environment variable that overrides the commit recorded in result files (for copied trees).
-COMMIT_ENV = "LLCOMM_COMMIT"
 
 
 def _run(cmd: list[str], cwd: str | None = None) -> str | None:
@@ -35,7 +34,7 @@ def git_state() -> tuple[str | None, bool | None]:
     repo = str(Path(__file__).resolve().parents[2])
     sha = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
-    given = os.environ.get(COMMIT_ENV)
+    given = BenchSettings.read().commit
     if given and not (sha and sha.strip().startswith(given)):
         return given, None          # a copied tree: its state is not known here
     commit = sha.strip() if sha else None

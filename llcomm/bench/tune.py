@@ -10,7 +10,7 @@ one_shot, two_shot and lamport (Lamport only up to its 1 MiB buffer) timed exact
 iteration, median; every result checked bit for bit). A result that is wrong or failed does not
 compete. Per size the fastest wins; adjacent sizes with the same winner merge into one row.
 
-The table goes to ``--out``, else to ``llcomm.algo_table.user_table_path`` (``LLCOMM_TUNE_TABLE``
+The table goes to ``--out``, else to ``llcomm.tp.algo_table.user_table_path`` (``LLCOMM_TUNE_TABLE``
 or ``~/.cache/llcomm/tune-<gpu>-w<W>.json``), which is where Communicator looks first. Format:
 ``llcomm/tp/algo_table.py``.
 """
@@ -20,6 +20,7 @@ import datetime
 import json
 import re
 
+from llcomm.runtime import settings
 from llcomm.tp import algo_table as T
 
 from . import console, options, result_files, spawn, timing, verify
@@ -167,7 +168,8 @@ def _config(a) -> B.Config:
 
 
 def _write(doc: dict, out: str | None) -> str:
-    path = out or str(T.user_table_path(doc["device"], doc["world_size"]))
+    path = out or str(T.user_table_path(doc["device"], doc["world_size"],
+                                        settings.value("LLCOMM_TUNE_TABLE")))
     result_files.write_json(path, doc)
     return path
 
@@ -208,7 +210,8 @@ def run(a) -> int:
               "a table from a result file without GPUs.)")
         return 2
     import torch
-    user = T.user_table_path(torch.cuda.get_device_name(0), world)
+    user = T.user_table_path(torch.cuda.get_device_name(0), world,
+                             settings.value("LLCOMM_TUNE_TABLE"))
     if user.exists():  # every Communicator reads it, the ones tune times with included
         try:
             T.load(user)

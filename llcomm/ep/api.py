@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from ..runtime import validate as V
 from ..runtime import protocol as P
+from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .layout import HANDLE_SLOTS, MAX_TOPK, check_shape_args, ep_layout
+from .layout import HANDLE_SLOTS, MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
 from .peer import PeerEP
 from .reference import ReferenceEP
 from ..runtime.registry import register
@@ -159,7 +160,9 @@ class EPBuffer:
             pr.add(f"enable_masks=True with {W} ranks; rank masks support at most "
                    f"{MAX_MASK_RANKS} ranks")
         pr.raise_if_any()
-        self.timeout_ms = P.timeout_ms_from_env(timeout_ms)
+        #: the LLCOMM_* environment, parsed once (llcomm/runtime/settings.py)
+        self.settings = EPSettings.read()
+        self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // W
         self.hidden = hidden
@@ -173,13 +176,16 @@ class EPBuffer:
         self._combines = 0
         self._closed = False
         self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
-        backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer")
+        # a collective: also checks that the ranks agree on the settings they must share
+        backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer",
+                                                      self.settings.agreed())
         self.backend = backend
         if backend == "peer":
             self._impl = PeerEP(self)
             self.device = self._impl.device
         else:
-            self.timeout_ms = P.timeout_ms_from_env(timeout_ms, P.REFERENCE_DEFAULT_TIMEOUT_MS)
+            self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms,
+                                                   P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
@@ -205,7 +211,8 @@ class EPBuffer:
             raise TypeError(f"llcomm.EPBuffer.size_hint: fp8={fp8!r}; expected True or False")
         itemsize = torch.tensor([], dtype=dtype).element_size()
         return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
-                         itemsize, fp8=fp8).total_bytes
+                         itemsize, fp8=fp8,
+                         num_blocks=default_num_blocks(EPSettings.read().num_blocks)).total_bytes
 
     # -- validation -----------------------------------------------------------------------------
     def _recv_shape(self) -> tuple[int, int, int]:

@@ -43,7 +43,6 @@ serves both kinds of dispatch (for bf16 and wider the buffer-dtype rows are alwa
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 #: Every sub-region starts on this boundary (16-byte vector access needs 16; 256 matches the
@@ -60,9 +59,6 @@ DEFAULT_NUM_BLOCKS = 128
 #: Most flags one EP wait polls (blocks x ranks): a block polls them across its lanes
 #: (kernels/ep.py BLOCK_WIDE).
 MAX_WAIT_FLAGS = 1024
-#: Env override of DEFAULT_NUM_BLOCKS (a tuning knob; every rank must use the same value). Both
-#: ``size_hint`` and the constructor read it, so they still agree.
-NUM_BLOCKS_ENV = "LLCOMM_EP_NUM_BLOCKS"
 #: Flag phases per set: dispatch arrival, combine weights arrival, combine partials arrival.
 SIGNAL_PHASES = 3
 PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
@@ -80,7 +76,6 @@ MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the w
 #: dispatch's blocks first, then the combine's.
 ERR_PROF = 8
 PROF_WORDS = 8
-PROF_ENV = "LLCOMM_EP_PROFILE"
 #: FP8 dispatch: channels per fp32 scale (llcomm/ep/fp8.py defines the format).
 FP8_BLOCK = 128
 #: Bytes of a metadata, count or ntok word: room for an LL word (epoch in the high half).
@@ -90,19 +85,13 @@ LL_WORD = 8
 ARM_BYTE = 0xFF
 
 
-def default_num_blocks(sms: int | None = None) -> int:
-    """``LLCOMM_EP_NUM_BLOCKS`` when set, else DEFAULT_NUM_BLOCKS (at most ``sms``, the GPU's
-    SM count, when given)."""
-    raw = os.environ.get(NUM_BLOCKS_ENV)
-    if raw is None:
-        return DEFAULT_NUM_BLOCKS if sms is None else min(DEFAULT_NUM_BLOCKS, sms)
-    try:
-        nb = int(raw)
-    except ValueError:
-        nb = 0
-    if nb <= 0:
-        raise ValueError(f"{NUM_BLOCKS_ENV}={raw!r}: expected a positive integer")
-    return nb
+def default_num_blocks(setting: int | None, sms: int | None = None) -> int:
+    """The ``LLCOMM_EP_NUM_BLOCKS`` setting when set (EPSettings.num_blocks; ``size_hint``
+    and the constructor both take it, so they agree), else DEFAULT_NUM_BLOCKS (at most ``sms``,
+    the GPU's SM count, when given)."""
+    if setting is not None:
+        return setting
+    return DEFAULT_NUM_BLOCKS if sms is None else min(DEFAULT_NUM_BLOCKS, sms)
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -204,20 +193,18 @@ def fp8_dispatch_bytes(num_ranks: int, max_tokens: int, hidden: int) -> int:
 
 
 def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-              num_experts: int, itemsize: int, *, num_blocks: int | None = None,
+              num_experts: int, itemsize: int, *, num_blocks: int = DEFAULT_NUM_BLOCKS,
               max_topk: int = MAX_TOPK, fp8: bool = False) -> EPLayout:
     """Compute the layout. Raises ValueError on arguments no layout can serve.
 
     ``fp8=True``: the dispatch receive region holds FP8 rows and scales only (FP8 dispatches
     only); ``False``: the larger of buffer-dtype rows and, when hidden is a multiple of 128, FP8
     rows and scales (both kinds of dispatch)."""
-    if num_blocks is None:
-        num_blocks = default_num_blocks()
     bad = check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
                            itemsize, fp8)
     if num_blocks * num_ranks > MAX_WAIT_FLAGS:
         bad.append(f"{num_blocks} blocks x {num_ranks} ranks is more than the {MAX_WAIT_FLAGS} "
-                   f"flags a wait polls (set {NUM_BLOCKS_ENV} lower)")
+                   "flags a wait polls (set LLCOMM_EP_NUM_BLOCKS lower)")
     if bad:
         raise ValueError("llcomm.EPBuffer.size_hint: " + "; ".join(bad))
     W, T, H = num_ranks, num_max_dispatch_tokens_per_rank, hidden

@@ -8,10 +8,10 @@ import torch
 
 from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
-from ..runtime.settings import env_bit, env_pow2
+from ..runtime.settings import EPSettings, env_bit
 from .fp8 import FP8_BLOCK
-from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS, PROF_ENV,
-                     PROF_WORDS, default_num_blocks, ep_layout)
+from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS, PROF_WORDS,
+                     default_num_blocks, ep_layout)
 
 #: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
 #: block owns many experts, so the scan's compare tile (tokens x top-k x the block's experts)
@@ -20,24 +20,14 @@ TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
 #: The scan's tile when one tile of this many tokens covers them all: at 1 token per rank a
 #: 16-token tile made the dispatch 9.7 -> 9.0 us on 2xH200, while 16-token tiles at 128 tokens
-#: cost 17.1 -> 20.7 us (session 9, two runs each); so the small tile only ever runs once.
+#: cost 17.1 -> 20.7 us (two runs each); so the small tile only ever runs once.
 SMALL_SCAN_TILE = 16
-#: Env override of the scan tile (a power of two). On 2xH200 at 128 tokens a 128-token tile beat
-#: 32-token tiles by 2.1 us (docs/performance.md, session 4). Every EP knob below may differ
-#: between ranks: none changes what crosses between them.
-SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
-#: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
-#: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
-ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_LL=0 / 1``: the flag or the LL dispatch (kernels/ep.py, ``LL``) whatever the
-#: buffer's size. It changes what crosses between ranks, so every rank must use the same value;
-#: buffers with rank masks always run the flag dispatch.
-LL_ENV = "LLCOMM_EP_LL"
+# The EP knobs (scan tile, push order, LL or flag dispatch, wait lanes, warps, profiling) are
+# EPSettings fields (llcomm/runtime/settings.py), read once by EPBuffer; only LLCOMM_EP_LL and
+# LLCOMM_EP_NUM_BLOCKS change what crosses between ranks.
 #: Largest buffer (max tokens per rank) that runs the LL dispatch unless LLCOMM_EP_LL says
-#: otherwise. On 2xH200 (docs/performance.md, session 11) it took the dispatch from 9.3 / 17.5
-#: to 6.6 / 15.2 us at 1 / 128 tokens with the buffer for 128, and lost at 256 and 512 tokens
-#: with the buffer for 512 (30.3 / 64.9 against 29.6 / 56.0 us): its receive slots are armed
-#: again after every read, and each pair waits on its own words in turn.
+#: otherwise: faster with the buffer for 128 tokens, slower at 256 and 512 tokens with the
+#: buffer for 512 (docs/performance.md, the LL dispatch).
 LL_MAX_TOKENS = 256
 #: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
 #: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
@@ -50,20 +40,11 @@ E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
 #: ``LLCOMM_EP_FP8_RCP=0``: the LL dispatch's FP8 quantiser divides element by element (div_rn)
 #: instead of by the refined reciprocal (FP8_RCP in kernels/ep.py ``_div_by``; same quotients).
 FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
-#: ``LLCOMM_EP_OWN_X=0``: the LL dispatch (bf16/fp16/fp32 rows, one launch) sends this rank's
-#: own rows to its own receive slots instead of expanding them straight from x (OWN_X in
-#: kernels/ep.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens (write,
-#: read, re-arm): 15.7 -> 14.3 us on 2xH200 (docs/performance.md, session 12).
-OWN_X_ENV = "LLCOMM_EP_OWN_X"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
-#: How the EP waits poll their flags (measured: docs/performance.md, session 4).
-WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
-#: Env override of the EP kernels' num_warps (a tuning knob).
-NUM_WARPS_ENV = "LLCOMM_EP_NUM_WARPS"
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
@@ -75,30 +56,18 @@ def _name(dtype: torch.dtype) -> str:
 
 
 
-def wait_lanes_block() -> bool:
-    """How EP waits poll (kernels/ep.py ``_wait_flags``): ``LLCOMM_EP_WAIT_LANES=flags``
-    (default) polls each flag once per warp, ``block`` spreads the flags over 1024 lanes. On
-    2xH200 ``flags`` gave the faster dispatch in two runs (docs/performance.md)."""
-    raw = os.environ.get(WAIT_LANES_ENV, "flags")
-    if raw not in ("block", "flags"):
-        raise ValueError(f"{WAIT_LANES_ENV}={raw!r}: expected 'block' or 'flags'")
-    return raw == "block"
-
-
-def rows_first(ll: int = 0) -> int:
+def rows_first(settings: EPSettings, ll: int = 0) -> int:
     """ROWS_FIRST of the dispatch kernel: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
-    dispatch and 0 for the LL one (metadata and counts first: 6.5 / 15.3 against 7.1 / 17.0 us
-    at 1 / 128 tokens on 2xH200, docs/performance.md, session 11)."""
-    return env_bit(ROWS_FIRST_ENV, 0 if ll else 1)
+    dispatch and 0 for the LL one (metadata and counts first; docs/performance.md, the LL
+    dispatch)."""
+    return (0 if ll else 1) if settings.rows_first is None else settings.rows_first
 
 
-def ll_dispatch(max_tokens: int) -> int:
+def ll_dispatch(settings: EPSettings, max_tokens: int) -> int:
     """LL of the dispatch kernel: ``LLCOMM_EP_LL`` when set, else 1 (the LL dispatch) for
     buffers of at most LL_MAX_TOKENS tokens per rank. The rule follows the buffer, which every
     rank shares, never a call's token count, which ranks do not."""
-    if os.environ.get(LL_ENV) is not None:
-        return env_bit(LL_ENV, 1)
-    return int(max_tokens <= LL_MAX_TOKENS)
+    return int(max_tokens <= LL_MAX_TOKENS) if settings.ll is None else settings.ll
 
 
 def e4m3_asm() -> int:
@@ -117,43 +86,44 @@ def ll_row_consts(lay, fp8: int) -> dict:
     return dict(RW=rw, HPW=_pow2(rw))
 
 
-def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
-                  small_tile_tokens: int | None = None):
+def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *,
+                  tile_tokens: int | None = None, small_tile_tokens: int | None = None):
     """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
-    Shared with tools/ptx_ep.py and the interpreter tests (which pick small tiles with
-    ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span several)."""
+    ``settings``: the buffer's (None: read now). Shared with tools/ptx_ep.py and the
+    interpreter tests (which pick small tiles with ``tile_tokens`` / ``small_tile_tokens`` so a
+    few tokens span several)."""
+    if settings is None:
+        settings = EPSettings.read()
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
     L = E // W
     off = lay.offsets()
     hp = _pow2(H)
     num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
-    raw = os.environ.get(NUM_WARPS_ENV)
-    if raw:
-        if raw not in ("1", "2", "4", "8", "16", "32"):
-            raise ValueError(f"{NUM_WARPS_ENV}={raw!r}: expected 1, 2, 4, 8, 16 or 32")
-        num_warps = int(raw)
+    if settings.num_warps is not None:
+        num_warps = settings.num_warps
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
                   MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
                   MASKS=0, PROFILE=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
-        tile_tokens = env_pow2(SCAN_TILE_ENV, 0)
+        tile_tokens = settings.scan_tile
     if not tile_tokens:
         per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
         tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
         tile_tokens = 1 << (tile_tokens.bit_length() - 1)
     ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
     fp = _pow2(nb * W)
-    block = wait_lanes_block()
+    block = settings.wait_lanes == "block"
     ts = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
     d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens, TS=ts,
              JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
              OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
              NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
+             ROWS_FIRST=rows_first(settings, ll_dispatch(settings, T)), CARRY=0,
+             LL=ll_dispatch(settings, T),
              OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
-             E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=env_bit(OWN_X_ENV, 1),
+             E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=settings.own_x,
              **ll_row_consts(lay, 0))
     c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
              LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
@@ -172,7 +142,8 @@ class PeerEP:
         self.rank, self.W = buf.rank, buf.num_ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.nb = nb = default_num_blocks(sms)
+        self.settings = settings = buf.settings
+        self.nb = nb = default_num_blocks(settings.num_blocks, sms)
         if nb > sms:
             raise UnsupportedConfigError(
                 f"llcomm.EPBuffer: LLCOMM_EP_NUM_BLOCKS={nb} exceeds this GPU's {sms} SMs; every "
@@ -188,7 +159,7 @@ class PeerEP:
                                      fill={"ep": [(a, b, ARM_BYTE) for a, b in
                                                   lay.armed_ranges()]})
         self.tab = self.ws.table("ep")
-        self.ll = 0 if buf.enable_masks else ll_dispatch(buf.max_tokens)
+        self.ll = 0 if buf.enable_masks else ll_dispatch(settings, buf.max_tokens)
         self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # RW, HPW by FP8 mode
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
         self._ctrl = (self.ctrl[0], self.ctrl[1])   # dispatch's, combine's (made once: a view
@@ -202,7 +173,7 @@ class PeerEP:
         # dispatch agreed on, with its epoch (kernels/ep.py: ERR_MASK, ERR_VERDICT).
         self.masks = int(buf.enable_masks)
         # err[ERR_PROF:]: stage stamps of each block when LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
-        self.profile = int(os.environ.get(PROF_ENV, "0") == "1")
+        self.profile = settings.profile
         self.err = torch.zeros(ERR_PROF + 2 * nb * PROF_WORDS, dtype=torch.int64,
                                device=self.device)
         self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8])
@@ -213,10 +184,10 @@ class PeerEP:
         self.slots = [torch.zeros(sum(self._slot_words), dtype=torch.int32, device=self.device)
                       for _ in range(HANDLE_SLOTS)]
         self._failure = P.FailureLatch(self.rank, "EPBuffer")
-        self._launch = Launcher(self.device)
+        self._launch = Launcher(self.device, settings.pdl)
         self._call_consts: dict = {}        # (op, top-k, modes) -> one call's constexprs
         self._slot_views: dict = {}         # (slot, top-k) -> _views
-        self.num_warps = kernel_consts(lay, 1)[2]
+        self.num_warps = kernel_consts(lay, 1, settings)[2]
         self._tags: dict = {}
 
     def _views(self, slot: int, topk: int):
@@ -241,10 +212,10 @@ class PeerEP:
         key = (op, topk, fp8, carry)
         hit = self._call_consts.get(key)
         if hit is None:
-            d, c, _ = kernel_consts(self.layout, topk)
+            d, c, _ = kernel_consts(self.layout, topk, self.settings)
             mode = dict(MASKS=self.masks, PROFILE=self.profile)
             if op == "dispatch":
-                hit = dict(d, LL=self.ll, ROWS_FIRST=rows_first(self.ll),
+                hit = dict(d, LL=self.ll, ROWS_FIRST=rows_first(self.settings, self.ll),
                            STAGES=self.k.DISPATCH_ALL, **mode, FP8=fp8, CARRY=carry,
                            **self._rows[fp8])
             else:

@@ -1,5 +1,10 @@
 """Which backend a Communicator or EPBuffer runs on: peer kernels where every rank has its own
-GPU on one host with peer access both ways, the reference backend (torch.distributed) otherwise."""
+GPU on one host with peer access both ways, the reference backend (torch.distributed) otherwise.
+
+The choice is one exchange among the group at construction (``choose_backend``): each rank's
+GPU, and the settings every rank must share (``runtime/settings.py``, ``agreed()``), which are
+checked on every backend, so a job that would fail on the peer backend fails the same way on
+the reference one."""
 from __future__ import annotations
 
 import logging
@@ -9,43 +14,65 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
+from .settings import check_agreement
 
 log = logging.getLogger("llcomm")
 
+#: A rank's place: (host name, GPU uuid, device index), or None without a CUDA device.
+Place = tuple[str, str, int] | None
 
-def peer_support(group: dist.ProcessGroup) -> tuple[bool, str]:
-    """Can the peer backend run on ``group``? Returns (ok, reason). A collective."""
+
+def this_place() -> Place:
+    """Where this rank runs: its host and current CUDA device (None where there is none)."""
     if not torch.cuda.is_available():
-        return False, "no CUDA device is available"
+        return None
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
-    me = (socket.gethostname(), str(getattr(props, "uuid", dev)), dev)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, me, group=group)
-    if len({h for h, _, _ in everyone}) != 1:
+    return (socket.gethostname(), str(getattr(props, "uuid", dev)), dev)
+
+
+def peer_support(places: list[Place]) -> tuple[bool, str]:
+    """Can the peer backend run on ranks at ``places`` (every rank's ``this_place()``, by rank)?
+    Returns (ok, reason). Peer access is asked of this process's CUDA runtime."""
+    missing = [r for r, p in enumerate(places) if p is None]
+    if missing:
+        if len(missing) == len(places):
+            return False, "no CUDA device is available"
+        return False, f"no CUDA device is available on rank {missing[0]}"
+    if len({h for h, _, _ in places}) != 1:
         return False, "the ranks are on more than one host (peer memory is one host only)"
-    uuids = [u for _, u, _ in everyone]
+    uuids = [u for _, u, _ in places]
     if len(set(uuids)) != len(uuids):
         return False, ("two or more ranks share one GPU: a peer store between two contexts on one "
                        "device is undefined; give every rank its own GPU")
+    dev = torch.cuda.current_device()
     local = {str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i
              for i in range(torch.cuda.device_count())}
-    for _, u, _ in everyone:
+    for _, u, _ in places:
         if u not in local:
-            return False, "a peer's GPU is not visible to this process, so peer access cannot be checked"
+            return False, ("a peer's GPU is not visible to this process, so peer access cannot "
+                           "be checked")
         j = local[u]
         if j != dev and not torch.cuda.can_device_access_peer(dev, j):
             return False, f"GPU {dev} cannot access GPU {j} as a peer (no P2P/NVLink path)"
     return True, "every rank has its own GPU on this host and peer access works"
 
 
-def choose_backend(group: dist.ProcessGroup, backend: str, what: str) -> tuple[str, str]:
+def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
+                   agreed: tuple = ()) -> tuple[str, str]:
     """Resolve ``backend`` ("auto", "peer" or "reference") for ``what`` (the class asking):
-    returns (backend, reason). A collective where peer support must be checked; "peer" on a
-    group that cannot run it raises UnsupportedConfigError with the reason."""
-    if backend not in ("auto", "peer"):
+    returns (backend, reason). A collective: one ``all_gather_object`` of every rank's place
+    (for "auto" and "peer") and its ``agreed`` settings ((variable, value) pairs). Settings that
+    differ between ranks raise UnsupportedConfigError naming them, on every rank and whatever
+    the backend; so does "peer" on a group that cannot run it, with the reason."""
+    want_peer = backend in ("auto", "peer")
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (this_place() if want_peer else None, tuple(agreed)),
+                           group=group)
+    check_agreement(what, [a for _, a in everyone])
+    if not want_peer:
         return backend, "requested"
-    ok, why = peer_support(group)
+    ok, why = peer_support([p for p, _ in everyone])
     if backend == "peer" and not ok:
         raise UnsupportedConfigError(
             f"llcomm.{what}(backend='peer'): {why}. Use backend='reference' "

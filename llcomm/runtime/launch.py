@@ -26,8 +26,6 @@ import logging
 
 import torch
 
-from .settings import env_bit
-
 log = logging.getLogger("llcomm")
 
 _I32 = 1 << 31
@@ -36,8 +34,6 @@ _I32 = 1 << 31
 FIRST_LAUNCH_TIMEOUT_US = 60 * 10**6
 #: Name of the kernels' wait-bound argument (the launcher raises it on a first launch).
 TIMEOUT_ARG = "timeout_us"
-#: 1: launch kernels that take a ``PDL`` constexpr with programmatic dependent launch.
-PDL_ENV = "LLCOMM_PDL"
 #: Name of that constexpr.
 PDL_ARG = "PDL"
 #: First compute capability with programmatic dependent launch (Hopper).
@@ -67,10 +63,10 @@ def pdl_available(device: torch.device) -> bool:
     return pdl_unavailable(device) is None
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` get PDL: ``LLCOMM_PDL`` (default 1) and
-    ``pdl_available``. A value of LLCOMM_PDL other than 0 or 1 raises ValueError."""
-    return bool(env_bit(PDL_ENV, 1)) and pdl_available(device)
+def pdl_enabled(device: torch.device, wanted: bool) -> bool:
+    """Whether kernels launched on ``device`` get PDL: ``wanted`` (the ``LLCOMM_PDL`` setting)
+    and ``pdl_available``."""
+    return bool(wanted) and pdl_available(device)
 
 
 def _spec(a):
@@ -126,11 +122,12 @@ class Plan:
 class Launcher:
     """Per-communicator cache of compiled kernels, launched on the current stream."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pdl: bool = True):
+        """``pdl``: the ``LLCOMM_PDL`` setting (PDL where ``pdl_available`` too)."""
         self.device_index = device.index
         self._cache: dict = {}
         self.direct = True
-        self.pdl = pdl_enabled(device)
+        self.pdl = pdl_enabled(device, pdl)
 
     def _elsewhere(self) -> bool:
         """The caller's current CUDA device is not this launcher's. The compiled kernels belong

@@ -32,17 +32,14 @@ Error word (int64, written by a kernel into host-visible memory when a wait give
 """
 from __future__ import annotations
 
-import os
-
 from ..errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError
 
-#: Default bound of every device-side wait, milliseconds (env ``LLCOMM_TIMEOUT_MS`` overrides).
+#: Default bound of every device-side wait, milliseconds (``LLCOMM_TIMEOUT_MS`` overrides).
 DEFAULT_TIMEOUT_MS = 1000
 #: Default bound of the reference backend's host-side waits on gloo (ms) when neither
 #: ``timeout_ms`` nor ``LLCOMM_TIMEOUT_MS`` is given: CPU processes are scheduled by the OS and
 #: do their own work between calls, so a loaded host can hold a healthy rank back well past 1 s.
 REFERENCE_DEFAULT_TIMEOUT_MS = 30_000
-TIMEOUT_ENV = "LLCOMM_TIMEOUT_MS"
 NS_PER_MS = 1_000_000
 US_PER_MS = 1_000
 #: Largest timeout: kernels take the bound in microseconds as a 32-bit int (about 35 minutes).
@@ -83,25 +80,16 @@ STATUS_TIMEOUT, STATUS_MISMATCH = 1, 2
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5, "int64": 6}
 
 
-def timeout_ms_from_env(timeout_ms: int | None, default: int = DEFAULT_TIMEOUT_MS) -> int:
-    """The wait bound in ms: the argument if given, else ``LLCOMM_TIMEOUT_MS``, else ``default``
-    (1000; ``REFERENCE_DEFAULT_TIMEOUT_MS`` for the reference backend).
+def resolve_timeout_ms(timeout_ms: int | None, setting: int | None,
+                       default: int = DEFAULT_TIMEOUT_MS) -> int:
+    """The wait bound in ms: the argument if given, else ``setting`` (``LLCOMM_TIMEOUT_MS`` as
+    ``runtime/settings.py`` parsed it; None when unset), else ``default`` (1000;
+    ``REFERENCE_DEFAULT_TIMEOUT_MS`` for the reference backend).
 
-    An argument that is given wins, and the environment is then not read at all. Raises
-    ValueError naming ``timeout_ms`` or ``LLCOMM_TIMEOUT_MS``, whichever is not a positive
-    integer (a bool is not an integer of milliseconds here)."""
+    Raises ValueError naming ``timeout_ms`` when the argument is not a positive integer (a bool
+    is not an integer of milliseconds here)."""
     if timeout_ms is None:
-        raw = os.environ.get(TIMEOUT_ENV)
-        if raw is None:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if not 0 < value <= MAX_TIMEOUT_MS:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive integer of milliseconds, "
-                             f"at most {MAX_TIMEOUT_MS}")
-        return value
+        return default if setting is None else setting
     if not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) \
             or not 0 < timeout_ms <= MAX_TIMEOUT_MS:
         raise ValueError(f"timeout_ms={timeout_ms!r}: expected a positive integer of milliseconds, "

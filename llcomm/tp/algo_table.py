@@ -44,8 +44,6 @@ log = logging.getLogger("llcomm")
 FORMAT = 1
 #: Key that marks a file as an llcomm algorithm table (its value is the format version).
 FORMAT_KEY = "llcomm_algo_table"
-#: Environment variable naming the user's table (read by Communicator, written by llcomm tune).
-TABLE_ENV = "LLCOMM_TUNE_TABLE"
 #: The algorithms a table may name, in the order that breaks ties between equal times.
 TABLE_ALGOS = ("lamport", "one_shot", "two_shot")
 #: Folder of the tables that ship with the package.
@@ -80,12 +78,11 @@ def device_key(name: str) -> str:
     return key.removeprefix("nvidia ").strip()
 
 
-def user_table_path(device: str, world_size: int) -> Path:
-    """Where ``llcomm tune`` writes, and Communicator looks first: ``LLCOMM_TUNE_TABLE`` if set,
-    else ``<cache>/llcomm/tune-<gpu>-w<W>.json``."""
-    env = os.environ.get(TABLE_ENV)
-    if env:
-        return Path(env).expanduser()
+def user_table_path(device: str, world_size: int, tune_table: str | None) -> Path:
+    """Where ``llcomm tune`` writes, and Communicator looks first: ``tune_table`` (the
+    ``LLCOMM_TUNE_TABLE`` setting) if set, else ``<cache>/llcomm/tune-<gpu>-w<W>.json``."""
+    if tune_table:
+        return Path(tune_table).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
     slug = re.sub(r"[^a-z0-9]+", "-", str(device).lower()).strip("-") or "gpu"
     return Path(cache) / "llcomm" / f"tune-{slug}-w{world_size}.json"
@@ -247,13 +244,15 @@ def matches(table: Table, device: str, world_size: int) -> bool:
     return table.world_size == world_size and device_key(table.device) == device_key(device)
 
 
-def find_table(device: str, world_size: int, shipped_dir=SHIPPED_DIR) -> Table | None:
-    """The first table that applies to (device, world_size): the user's, then the shipped
-    ones in file-name order. None where none applies. A malformed table raises."""
-    user = user_table_path(device, world_size)
-    if os.environ.get(TABLE_ENV) and not user.exists():
-        log.warning("llcomm: %s=%s does not exist; using the shipped tables or the built-in "
-                    "rule (run `llcomm tune` to measure one)", TABLE_ENV, user)
+def find_table(device: str, world_size: int, tune_table: str | None,
+               shipped_dir=SHIPPED_DIR) -> Table | None:
+    """The first table that applies to (device, world_size): the user's (``tune_table``, the
+    ``LLCOMM_TUNE_TABLE`` setting, else the cache path), then the shipped ones in file-name
+    order. None where none applies. A malformed table raises."""
+    user = user_table_path(device, world_size, tune_table)
+    if tune_table and not user.exists():
+        log.warning("llcomm: LLCOMM_TUNE_TABLE=%s does not exist; using the shipped tables or "
+                    "the built-in rule (run `llcomm tune` to measure one)", user)
     candidates = [user] if user.exists() else []
     candidates += sorted(Path(shipped_dir).glob("*.json")) if Path(shipped_dir).is_dir() else []
     for path in candidates:

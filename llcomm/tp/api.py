@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..runtime import validate as V
 from . import algo_table as T
 from ..runtime import protocol as P
+from ..runtime import settings as S
 from ..errors import UnsupportedConfigError
 from ..runtime.backend import choose_backend
 from ..runtime.registry import register
@@ -41,10 +42,10 @@ FUSED_MAX_HIDDEN = 16384
 
 #: all_reduce(algo="auto") where no measured table applies (llcomm/tp/algo_table.py: the user's
 #: `llcomm tune` table, then llcomm/tp/tables/*.json, then this rule): (world_size, largest bytes,
-#: algo) rows, first match wins, two_shot beyond. World size 2 is measured on 2xH200
-#: (session 7, bench/results/session7-ab: the pipelined Lamport fastest to 8 MiB, two-shot
-#: above). Other world sizes are a rule until measured: the one-shot's remote traffic grows
-#: as (W - 1) * bytes, so it gives way to two-shot earlier.
+#: algo) rows, first match wins, two_shot beyond. World size 2 is measured on 2xH200 (the
+#: pipelined Lamport fastest to 8 MiB, two-shot above; docs/performance.md, "The pipelined
+#: Lamport all-reduce"). Other world sizes are a rule until measured: the one-shot's remote
+#: traffic grows as (W - 1) * bytes, so it gives way to two-shot earlier.
 AUTO_TABLE = (
     (2, 8 << 20, "lamport"),
     (None, 256 << 10, "lamport"),
@@ -112,21 +113,26 @@ class Communicator:
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
             pr.add(f"max_bytes={max_bytes!r}; expected a positive int")
         pr.raise_if_any()
-        self.timeout_ms = P.timeout_ms_from_env(timeout_ms)
         if not dist.is_initialized():
             raise RuntimeError("llcomm.Communicator: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        #: the LLCOMM_* environment, parsed once (llcomm/runtime/settings.py)
+        self.settings = S.TPSettings.read(self.world_size)
+        self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms)
         self.max_bytes = max_bytes
-        backend, self.backend_reason = choose_backend(self.group, backend, "Communicator")
+        # a collective: also checks that the ranks agree on the settings they must share
+        backend, self.backend_reason = choose_backend(self.group, backend, "Communicator",
+                                                      self.settings.agreed())
         if backend == "peer":
             from .peer import PeerBackend
-            self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms)
+            self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms, self.settings)
             self.device = self._impl.device
         else:
-            self.timeout_ms = P.timeout_ms_from_env(timeout_ms, P.REFERENCE_DEFAULT_TIMEOUT_MS)
+            self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms,
+                                                   P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self._impl = ReferenceBackend(self.group, self.timeout_ms)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
@@ -149,7 +155,8 @@ class Communicator:
         cap = self._impl.lamport_bytes
         sel, err = None, None
         try:
-            table = T.find_table(torch.cuda.get_device_name(self.device), W)
+            table = T.find_table(torch.cuda.get_device_name(self.device), W,
+                                 self.settings.tune_table)
             sel = (T.table_selection(table, cap) if table is not None else
                    T.compile_rows(rule, "two_shot", "rule llcomm.tp.api.AUTO_TABLE", cap))
         except T.AlgoTableError as e:

@@ -1,6 +1,6 @@
 """The peer backend: TP ops as Triton kernels over the symmetric workspace (one host, NVLink).
 
-Host side of ``llcomm/kernels/``: owns the workspace, picks launch shapes, launches on the
+Host side of ``llcomm/tp/kernels/``: owns the workspace, picks launch shapes, launches on the
 caller's current stream. No host synchronisation and no allocation per call, so every op can be
 captured in a CUDA graph. Device errors (timeouts, mismatches) land in a host-visible word that
 is read before each launch and by ``check()``.
@@ -11,38 +11,23 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import protocol as P
-from ..runtime.settings import env_bit, env_int, env_pow2
 from ..runtime.launch import Launcher, Plan
+from ..runtime.settings import TPSettings
 from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
 
-#: Blocks every kernel of a communicator launches. Fixed per communicator: block b of every op
-#: advances counter ctrl[b], so all counters stay equal to the number of ops run.
-NUM_BLOCKS = 128
-#: Env override of NUM_BLOCKS (a tuning knob; every rank must use the same value).
-NUM_BLOCKS_ENV = "LLCOMM_NUM_BLOCKS"
+# The tuning knobs (blocks, Lamport slot and chunk, the reduce_scatter and LL thresholds) are
+# TPSettings fields (llcomm/runtime/settings.py), read once by Communicator. The grid is fixed
+# per communicator: block b of every op advances counter ctrl[b], so all counters stay equal to
+# the number of ops run.
+
 #: Largest slice one block moves per loop iteration, and its warps: 32 bytes in flight per thread
 #: at 8 warps, enough outstanding NVLink stores to approach the link's bandwidth.
 MAX_BLOCK_BYTES = 16 << 10
 MAX_WARPS = 8
-#: Bytes per Lamport slot by default (the largest Lamport all_reduce, and the largest output of
-#: a Lamport reduce_scatter; the region holds HALVES * world_size slots, at most max_bytes
-#: each): LAMPORT_MAX_BYTES_W2 at world size 2, where the pipelined Lamport all_reduce beat the
-#: flag kernels from 2 to 8 MiB (session 7), LAMPORT_MAX_BYTES elsewhere (not measured there).
-#: LLCOMM_LAMPORT_BYTES overrides it (every rank the same value).
-LAMPORT_MAX_BYTES = 1 << 20
-LAMPORT_MAX_BYTES_W2 = 16 << 20
-LAMPORT_BYTES_ENV = "LLCOMM_LAMPORT_BYTES"
-#: Lamport kernels move LAMPORT_CHUNK_BYTES per block-iteration (LLCOMM_LAMPORT_CHUNK_BYTES,
-#: at most MAX_BLOCK_BYTES), and with several chunks per block receive chunk i - LAMPORT_LAG
-#: right after pushing chunk i (LLCOMM_LAMPORT_LAG; lamport.lamport_kernel, LAG). Tuning
-#: knobs (docs/performance.md has the A/B); every rank must use the same values.
-LAMPORT_CHUNK_ENV = "LLCOMM_LAMPORT_CHUNK_BYTES"
-LAMPORT_CHUNK_BYTES = 4 << 10
-LAMPORT_LAG_ENV = "LLCOMM_LAMPORT_LAG"
+#: A block with several Lamport chunks receives chunk i - LAMPORT_LAG right after pushing chunk
+#: i (lamport.lamport_kernel, LAG); a lag of 2 was no faster (docs/performance.md, "The
+#: pipelined Lamport all-reduce").
 LAMPORT_LAG = 1
-#: reduce_scatter runs the Lamport kernel (SCATTER) for outputs up to this many bytes and the
-#: Lamport slot, the flag kernel above (LLCOMM_RS_LAMPORT_BYTES; 0: never).
-RS_LAMPORT_ENV = "LLCOMM_RS_LAMPORT_BYTES"
 #: Launch plans kept per communicator (_plan: one per algorithm, size and dtype in use); past
 #: this many the cache starts over, so an endless variety of sizes cannot grow it without bound.
 PLAN_CACHE_MAX = 4096
@@ -53,21 +38,11 @@ FUSED_LAMPORT_MAX_BYTES = 1 << 20
 SENTINEL16 = -32768                      # 0x8000
 SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words seen as int32
 #: Bytes of a Lamport tag word (int32, one per half, block and source rank; idle at 0), kept
-#: after the data words in the Lamport region (kernels/_lamport.py).
+#: after the data words in the Lamport region (runtime/kernels/lamport.py).
 LAMPORT_TAG_BYTES = 4
 #: LL broadcast / all-gather (kernels/ll.py: every 4-byte word travels with its epoch, no
-#: barrier) for messages up to LLCOMM_LL_BYTES bytes (default LL_MAX_BYTES; 0 keeps the
-#: flagged kernels). On 2xH200 (session 5) LL took broadcast 4.0 -> 2.8 us and all_gather 4.8
-#: -> 3.2 us at 8 KiB, both 5.0 -> 3.3-3.4 us at 64 KiB. Every rank must use the same value.
-#: At most LL_MAX_BYTES: the LL region holds 2 halves x W sources x twice the bytes.
-LL_BYTES_ENV = "LLCOMM_LL_BYTES"
-#: LLCOMM_LAMPORT_OWN_LOCAL=1: the Lamport kernels take this rank's own term from its operand
-#: instead of pushing it into (and polling, re-arming) its own slot: the same bits, a third less
-#: local traffic (_lamport.receive). On by default since session 6: on 2xH200 the Lamport
-#: all_reduce went 2.9 -> 2.8 us at 8 KiB, 3.5 -> 3.3 at 64 KiB, 4.6 -> 4.2 at 256 KiB and
-#: 8.6 -> 7.9 at 1 MiB (bench/results/session6-ab/). LLCOMM_LAMPORT_OWN_LOCAL=0 restores the
-#: own-slot path; ranks may differ.
-LAMPORT_OWN_LOCAL_ENV = "LLCOMM_LAMPORT_OWN_LOCAL"
+#: barrier) for messages up to the ll_bytes setting, at most LL_MAX_BYTES: the LL region holds
+#: 2 halves x W sources x twice the bytes.
 LL_MAX_BYTES = 64 << 10
 #: Bytes of an LL word: a 4-byte data word and its 4-byte epoch.
 LL_WORD_BYTES = 8
@@ -94,27 +69,17 @@ FUSED_MIN_BLOCK = 16
 _TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def ll_bytes_setting() -> int:
-    """LLCOMM_LL_BYTES (default LL_MAX_BYTES; 0: off), at most LL_MAX_BYTES."""
-    return min(env_int(LL_BYTES_ENV, LL_MAX_BYTES, zero_ok=True), LL_MAX_BYTES)
+def ll_bytes(setting: int, max_bytes: int) -> int:
+    """Largest LL broadcast / all-gather: the ll_bytes setting, at most max_bytes and
+    LL_MAX_BYTES, in whole 4-byte words (0: LL off)."""
+    return min(max_bytes, setting, LL_MAX_BYTES) // 4 * 4
 
 
-def lamport_bytes_setting(world_size: int) -> int:
-    """LLCOMM_LAMPORT_BYTES (default LAMPORT_MAX_BYTES_W2 at world size 2, else
-    LAMPORT_MAX_BYTES): bytes per Lamport slot."""
-    default = LAMPORT_MAX_BYTES_W2 if world_size == 2 else LAMPORT_MAX_BYTES
-    return env_int(LAMPORT_BYTES_ENV, default)
-
-
-def lamport_lag(n: int, block: int, nb: int, lag: int) -> int:
+def lamport_lag(n: int, block: int, nb: int) -> int:
     """LAG of ``lamport.lamport_kernel`` for n elements in chunks of ``block`` over ``nb``
-    blocks: 0 (the single-chunk kernel) unless some block has several chunks, else ``lag``."""
-    return lag if n > nb * block else 0
-
-
-def lamport_own_local_setting() -> int:
-    """LLCOMM_LAMPORT_OWN_LOCAL: 1 (default) or 0."""
-    return env_bit(LAMPORT_OWN_LOCAL_ENV, 1)
+    blocks: 0 (the single-chunk kernel) unless some block has several chunks, else
+    LAMPORT_LAG."""
+    return LAMPORT_LAG if n > nb * block else 0
 
 
 def _launch_shape(n: int, itemsize: int, nb: int,
@@ -147,33 +112,35 @@ class PeerBackend:
 
     name = "peer"
 
-    def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int):
+    def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int,
+                 settings: TPSettings):
         import triton.language as tl  # kernels need Triton: fail here, not mid-op
-        from .kernels import all_reduce, fused_norm, lamport, ll, movement
+        from .kernels import all_reduce, fused_norm, lamport, ll, movement, reduce_scatter
 
         self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
         self._k_lam = lamport
         self._k_mv = movement
+        self._k_rs = reduce_scatter
         self._k_ll = ll
         self._k_fn = fused_norm
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = W = dist.get_world_size(group)
-        self.nb = nb = env_int(NUM_BLOCKS_ENV, NUM_BLOCKS)
+        self.nb = nb = settings.num_blocks
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_bytes = max_bytes
         self.timeout_us = timeout_ms * P.US_PER_MS
-        self.lamport_bytes = min(max_bytes, lamport_bytes_setting(W))
-        self.ll_bytes = min(max_bytes, ll_bytes_setting()) // 4 * 4
-        self.own_local = lamport_own_local_setting()
+        self.lamport_bytes = min(max_bytes, settings.lamport_bytes)
+        self.ll_bytes = ll_bytes(settings.ll_bytes, max_bytes)
         # a chunk is a Triton block: a power of two
-        self.lamport_chunk = min(env_pow2(LAMPORT_CHUNK_ENV, LAMPORT_CHUNK_BYTES), MAX_BLOCK_BYTES)
-        self.lamport_lag = env_int(LAMPORT_LAG_ENV, LAMPORT_LAG)
-        self.rs_lamport_bytes = min(env_int(RS_LAMPORT_ENV, self.lamport_bytes, zero_ok=True),
-                                    self.lamport_bytes)
+        self.lamport_chunk = min(settings.lamport_chunk_bytes, MAX_BLOCK_BYTES)
+        self.rs_lamport_bytes = self.lamport_bytes if settings.rs_lamport_bytes is None \
+            else min(settings.rs_lamport_bytes, self.lamport_bytes)
         self.cap_bytes = (max_bytes + 255) // 256 * 256
-        self._plans: dict = {}      # (algo, n, dtype) -> launch plan (_plan); fused: fused_call
+        # launch plans: (algo, n, dtype) all_reduce (_plan), ("reduce_scatter", m, dtype)
+        # (_rs_plan), ("fused", ...) (fused_call)
+        self._plans: dict = {}
         # Lamport region: the data slots, then the tag words (at an aligned offset, the same
         # for every dtype). The workspace is zeroed: tags start idle; data words idle at SENTINEL.
         lamport_data = -(-HALVES * W * self.lamport_bytes // REGION_ALIGN) * REGION_ALIGN
@@ -198,7 +165,7 @@ class PeerBackend:
         self.tabs["lamport_tags"] = self.tabs["lamport"] + lamport_data
         # Host-visible error word: pinned host memory is mapped into the GPU's address space
         # (UVA), so kernels store to it directly and the host reads it without a sync.
-        self._launch = Launcher(self.device)
+        self._launch = Launcher(self.device, settings.pdl)
         self._err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._err_np = self._err.numpy()
         self.err[1].fill_(self._err.data_ptr())
@@ -245,53 +212,51 @@ class PeerBackend:
             return out
         return call
 
-    def _run(self, algo: str, n: int, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Launch ``algo`` on n elements (per part) of x into out, by its kept plan."""
-        self._launch.run(self._plan(algo, n, x.dtype), x, out)
-
     def _plan(self, algo: str, n: int, dtype: torch.dtype) -> Plan:
         """The kept plan of ``algo`` on n elements of ``dtype`` (made on first use)."""
         return self._plans.get((algo, n, dtype)) or self._keep((algo, n, dtype),
                                                                 self._make_plan(algo, n, dtype))
 
     def _make_plan(self, algo: str, n: int, dtype: torch.dtype) -> Plan:
-        """What every call of ``algo`` ("one_shot", "two_shot", "lamport" or "rs_lamport", the
-        Lamport reduce_scatter) on n elements of ``dtype`` launches, bar its two tensors (a
-        ``launch.Plan``: kernel, the arguments after x and out, num_warps, constexprs, the int
-        views the Lamport kernel reads them as). Made once per (algo, n, dtype) and kept
-        (PLAN_CACHE_MAX at most), so the per-call host path does no shape, tag, constexpr or
-        cache-key work beyond the two tensors."""
+        """What every all_reduce by ``algo`` ("one_shot", "two_shot" or "lamport") of n elements
+        of ``dtype`` launches, bar its two tensors (a ``launch.Plan``: kernel, the arguments
+        after x and out, num_warps, constexprs, the int views the Lamport kernel reads them as).
+        Made once per (algo, n, dtype) and kept (PLAN_CACHE_MAX at most), so the per-call host
+        path does no shape, tag, constexpr or cache-key work beyond the two tensors."""
         itemsize = dtype.itemsize
         W = self.world_size
         cap = self.cap_bytes // itemsize
-        if algo in ("lamport", "rs_lamport"):
-            op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
-            block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
-            view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
-            plan = Plan(self._k_lam.lamport_kernel, self.nb, (
-                n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
-                self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
-                self.lamport_bytes // itemsize), warps, dict(
-                SENTINEL=sent, FT=self._tl_float[dtype], W=W, WP=self.WP, NB=self.nb,
-                BLOCK=block, STAGES=self._k_lam.ALL_STAGES, OWN_LOCAL=self.own_local,
-                LAG=lamport_lag(n, block, self.nb, self.lamport_lag),
-                SCATTER=int(algo == "rs_lamport"), OP=op), (view, view))
-        elif algo == "one_shot":
+        if algo == "lamport":
+            return self._lamport_plan(self._k_lam.lamport_kernel, P.OP_LAMPORT, n, dtype)
+        if algo == "one_shot":
             block, warps = _launch_shape(n, itemsize, self.nb)
-            plan = Plan(self._k_ar.one_shot_kernel, self.nb, (
+            return Plan(self._k_ar.one_shot_kernel, self.nb, (
                 n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
                 self.rank, self._tag(P.OP_ONE_SHOT, n, dtype), self.timeout_us, cap), warps,
                 dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
-        else:
-            shard = -(-n // W)
-            shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
-            block, warps = _launch_shape(shard, itemsize, self.nb)
-            plan = Plan(self._k_ar.two_shot_kernel, self.nb, (
-                n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
-                self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
-                self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
-                (None, None))
-        return plan
+        shard = -(-n // W)
+        shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
+        block, warps = _launch_shape(shard, itemsize, self.nb)
+        return Plan(self._k_ar.two_shot_kernel, self.nb, (
+            n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
+            self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
+            self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
+            (None, None))
+
+    def _lamport_plan(self, fn, op: int, n: int, dtype: torch.dtype) -> Plan:
+        """The launch of a Lamport kernel ``fn`` (all-reduce, or reduce-scatter into n
+        elements) tagged with ``op``: x and out read as int views, chunks of the Lamport chunk
+        size, pipelined (LAG) where a block has several."""
+        itemsize = dtype.itemsize
+        block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
+        view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
+        return Plan(fn, self.nb, (
+            n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
+            self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
+            self.lamport_bytes // itemsize), warps, dict(
+            SENTINEL=sent, FT=self._tl_float[dtype], W=self.world_size, WP=self.WP, NB=self.nb,
+            BLOCK=block, STAGES=self._k_lam.ALL_STAGES, LAG=lamport_lag(n, block, self.nb)),
+            (view, view))
 
     def _keep(self, key: tuple, plan: Plan) -> Plan:
         """Keep ``plan`` under ``key`` (PLAN_CACHE_MAX plans at most: then start over)."""
@@ -343,7 +308,7 @@ class PeerBackend:
                 self.err, self.rank, self._lamport_tag(P.OP_FUSED_LAMPORT, rows, dtype),
                 self.timeout_us, self.lamport_bytes // itemsize), warps, dict(
                 SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
-                STAGES=self._k_fn.ALL_STAGES, OWN_LOCAL=self.own_local), views)
+                STAGES=self._k_fn.ALL_STAGES), views)
         return Plan(self._k_fn.one_shot_norm_kernel, self.nb, (
             tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_FUSED_ONE_SHOT, rows, dtype), self.timeout_us,
@@ -415,21 +380,33 @@ class PeerBackend:
     def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return self._gather(x, out, x.shape[0])
 
+    # -- reduce_scatter -------------------------------------------------------------------------
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         m = out.numel()
         if m == 0:
             return out
         self._precheck()
-        if m * x.element_size() <= self.rs_lamport_bytes:
-            self._run("rs_lamport", m, x, out)
-            return out
-        block, warps = _launch_shape(m, x.element_size(), self.nb)
-        self._launch(self._k_mv.reduce_scatter_kernel, self.nb, (
-            x, out, m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err, self.rank, self._tag(P.OP_REDUCE_SCATTER, m, x.dtype),
-            self.timeout_us, self.cap_bytes // x.element_size()), warps,
-            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
+        self._launch.run(self._rs_plan(m, x.dtype), x, out)
         return out
+
+    def _rs_plan(self, m: int, dtype: torch.dtype) -> Plan:
+        """The kept plan of a reduce_scatter into m elements of ``dtype`` (made on first use)."""
+        key = ("reduce_scatter", m, dtype)
+        return self._plans.get(key) or self._keep(key, self._make_rs_plan(m, dtype))
+
+    def _make_rs_plan(self, m: int, dtype: torch.dtype) -> Plan:
+        """reduce_scatter's launch bar x and out: the Lamport kernel for outputs up to
+        ``rs_lamport_bytes`` (the Lamport slot unless LLCOMM_RS_LAMPORT_BYTES says less), the
+        flag kernel above."""
+        if m * dtype.itemsize <= self.rs_lamport_bytes:
+            return self._lamport_plan(self._k_rs.lamport_reduce_scatter_kernel,
+                                      P.OP_LAMPORT_REDUCE_SCATTER, m, dtype)
+        block, warps = _launch_shape(m, dtype.itemsize, self.nb)
+        return Plan(self._k_rs.reduce_scatter_kernel, self.nb, (
+            m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
+            self.rank, self._tag(P.OP_REDUCE_SCATTER, m, dtype), self.timeout_us,
+            self.cap_bytes // dtype.itemsize), warps,
+            dict(W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
 
     def close(self) -> None:
         if self.ws is not None:

@@ -68,7 +68,6 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
                         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                         BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
                         STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                        OWN_LOCAL: tl.constexpr = 0,    # own term from x (_lamport.receive)
                         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
@@ -90,10 +89,7 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
             v = tl.where(v == SENTINEL, 0, v)  # -0.0 -> +0.0: same sum, never looks idle
             for p in tl.static_range(W):
                 dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
-                if OWN_LOCAL:
-                    if p != rank:       # the own term is read from x (receive)
-                        tl.store(dst + t * hidden + cols, v, mask=m)
-                else:
+                if p != rank:       # the own term is read from x (receive)
                     tl.store(dst + t * hidden + cols, v, mask=m)
     if STAGES & 2:      # REDUCE
         POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
@@ -105,12 +101,10 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
         failed = tl.zeros([], tl.int32)
         for t in range(b, tl.maximum(tokens, b + 1), NB):
             mt = cols < tl.where(t < tokens, hidden, 0)     # a row past the last: no columns
-            own = cols * 0      # (unused unless OWN_LOCAL)
-            if OWN_LOCAL:
-                own = own_words(x, t * hidden + cols, mt, SENTINEL)
+            own = own_words(x, t * hidden + cols, mt, SENTINEL)
             acc, failed = receive(local, cap, t * hidden + cols, mt, tags, tag, t == b, failed,
                                   limit, err, OP_FUSED_LAMPORT, own.to(IT), rank, SENTINEL, FT,
-                                  W, BLOCK, POLL, OWN_LOCAL)
+                                  W, BLOCK, POLL)
             _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, mt, hidden, eps,
                           FT)
         tl.store(ctrl + b, seq + 1)

@@ -1,14 +1,16 @@
-"""Lamport all-reduce kernel (sum, and reduce-scatter under SCATTER): barrier-free one-shot.
+"""Lamport all-reduce kernel (sum): barrier-free one-shot, and the rounds it shares with the
+Lamport reduce-scatter (``reduce_scatter.py``).
 
-Each rank pushes its words into its slot of every rank's Lamport buffer, with a word equal to
+Each rank pushes its words into its slot of every peer's Lamport buffer, with a word equal to
 SENTINEL sent as +0.0; the data is its own flag, so a receiver polls its slots until no word is
-SENTINEL, sums in global rank order in fp32, and re-arms the slot for a later round. The poll,
-tag and timeout helpers are shared with EP (``llcomm/runtime/kernels/lamport.py``).
+SENTINEL, sums in global rank order in fp32 (its own term read from its operand), and re-arms
+the slots for a later round. The poll, tag and timeout helpers are shared with the fused join
+(``llcomm/runtime/kernels/lamport.py``).
 """
 import triton
 import triton.language as tl
 
-# PUSH, REDUCE, ALL_STAGES: lamport_kernel's stage bits, for the host and the tests
+# PUSH, REDUCE, ALL_STAGES: the kernels' stage bits, for the host and the tests
 from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import own_words, push_tag, receive, receive_context
@@ -25,32 +27,44 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                    FT: tl.constexpr,        # the float dtype the int view holds
                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                   OWN_LOCAL: tl.constexpr = 0,     # own term from x, not its slot (receive)
-                   LAG: tl.constexpr = 0,           # > 0: pipelined (below)
-                   SCATTER: tl.constexpr = 0,       # reduce_scatter (below)
-                   OP: tl.constexpr = OP_LAMPORT,  # the op its error words name
-                   PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
+                   LAG: tl.constexpr = 0,           # > 0: pipelined (lamport_rounds)
+                   PDL: tl.constexpr = 0):  # launched with PDL (sync.after_previous_kernel)
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
-    0. Each block stores its tag (``protocol.lamport_tag`` of OP, n and the dtype) for every
-    rank, then its operand (with SENTINEL replaced by +0.0 bits, which changes no sum since
-    accumulation starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every rank; then it
-    polls its own half until every source's tag is written and no element is SENTINEL, checks
-    the tags against its own, sums in rank order, and writes SENTINEL and 0 back so the half is
-    idle again. A tag that differs is reported as a mismatch, never summed (``_lamport.py`` has
-    the protocol). A fast peer's next op writes the other half; the op after that cannot start
-    before this rank's next push, which comes after this kernel finished resetting.
-    ``x`` and ``out`` are given as integer views (int16 or int32) of the float data.
+    0. Each block stores its tag (``protocol.lamport_tag`` of OP_LAMPORT, n and the dtype) for
+    every rank, then its operand (with SENTINEL replaced by +0.0 bits, which changes no sum
+    since accumulation starts at +0.0) into slot ``rank`` of half ``seq % 2`` on every peer;
+    then it polls its own half until every peer's tag is written and no element is SENTINEL,
+    checks the tags against its own, sums in rank order (its own term from x), and writes
+    SENTINEL and 0 back so the half is idle again. A tag that differs is reported as a
+    mismatch, never summed (``runtime/kernels/lamport.py`` has the protocol). A fast peer's
+    next op writes the other half; the op after that cannot start before this rank's next
+    push, which comes after this kernel finished resetting. ``x`` and ``out`` are given as
+    integer views (int16 or int32) of the float data.
+    """
+    lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us, cap,
+                   SENTINEL, FT, W, WP, NB, BLOCK, STAGES, LAG, 0, OP_LAMPORT, PDL)
+
+
+@triton.jit
+def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us, cap,
+                   SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
+                   WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                   STAGES: tl.constexpr, LAG: tl.constexpr,
+                   SCATTER: tl.constexpr,   # reduce_scatter: part q of x goes to rank q only
+                   OP: tl.constexpr,        # the op its error words name
+                   PDL: tl.constexpr):
+    """One Lamport op of a block: push, then receive, chunk by chunk (``lamport_kernel`` has
+    the protocol). Without SCATTER, x and out hold n elements; with it, x holds W parts of n
+    elements, part q is pushed to rank q only, and this rank sums part ``rank`` of every
+    source into ``out`` (n elements).
 
     LAG > 0 (messages of several chunks per block): a block receives its chunk i-LAG right
     after pushing chunk i, so its local passes (poll, sum, re-arm) run while its later chunks
     and the other blocks' are still crossing, instead of after the whole push. No flag or fence
     is added: each word is still its own flag. Same words, same order per element: the same
     bits.
-
-    SCATTER (reduce_scatter): x holds W parts of n elements; part q goes to rank q only, and
-    this rank sums part ``rank`` of every source into ``out`` (n elements).
     """
     b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
@@ -69,19 +83,19 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
             if STAGES & 1:
                 if start < n:
                     _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
-                                OWN_LOCAL, SCATTER)
+                                SCATTER)
             if STAGES & 2:
                 back = start - LAG * STEP
                 if back >= first:
                     failed = _receive_chunk(x, out, local, cap, back + lanes, n, tags, tag,
                                             back == first, failed, limit, err, rank, SENTINEL,
-                                            FT, W, BLOCK, POLL_P, OWN_LOCAL, SCATTER, OP)
+                                            FT, W, BLOCK, POLL_P, SCATTER, OP)
     else:
         if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
             push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
             for start in range(first, n, STEP):
                 _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
-                            OWN_LOCAL, SCATTER)
+                            SCATTER)
         if STAGES & 2:      # REDUCE
             POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
             local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us,
@@ -92,17 +106,17 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
             for start in range(first, tl.maximum(n, first + 1), STEP):
                 failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
                                         start == first, failed, limit, err, rank, SENTINEL, FT,
-                                        W, BLOCK, POLL, OWN_LOCAL, SCATTER, OP)
+                                        W, BLOCK, POLL, SCATTER, OP)
     if STAGES & 2:
         tl.store(ctrl + b, seq + 1)
 
 
 @triton.jit
 def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W: tl.constexpr,
-                OWN_LOCAL: tl.constexpr, SCATTER: tl.constexpr):
+                SCATTER: tl.constexpr):
     """Lamport push of this rank's words at ``offs`` into slot ``rank`` of half ``half`` of
-    every rank (its own slot skipped under OWN_LOCAL), SENTINEL sent as +0.0. SCATTER: rank p
-    gets part p of x, not all of it."""
+    every other rank (the own term is read from x by the receive), SENTINEL sent as +0.0.
+    SCATTER: rank p gets part p of x, not all of it."""
     IT = x.dtype.element_ty
     m = offs < n
     if not SCATTER:
@@ -110,32 +124,26 @@ def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W:
         v = tl.where(v == SENTINEL, 0, v)
     for p in tl.static_range(W):
         if SCATTER:
-            mp = m
-            if OWN_LOCAL:
-                mp = m & (offs * 0 + rank != p)    # the own part is read by the receive
+            mp = m & (offs * 0 + rank != p)    # the own part is read by the receive
             v = tl.load(x + p * n + offs, mask=mp)
             v = tl.where(v == SENTINEL, 0, v)
         dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
-        if OWN_LOCAL:
-            if p != rank:       # the own term is read from x (receive)
-                tl.store(dst + offs, v, mask=m)
-        else:
+        if p != rank:       # the own term is read from x (receive)
             tl.store(dst + offs, v, mask=m)
 
 
 @triton.jit
 def _receive_chunk(x, out, local, cap, offs, n, tags, tag, check_tag, failed, limit, err, rank,
                    SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
-                   BLOCK: tl.constexpr, POLL: tl.constexpr, OWN_LOCAL: tl.constexpr,
-                   SCATTER: tl.constexpr, OP: tl.constexpr):
-    """Wait for, sum and re-arm the words at ``offs`` of every source (``_lamport.receive``),
-    store the sum to ``out``; returns ``failed``. SCATTER: the own term is part ``rank``."""
+                   BLOCK: tl.constexpr, POLL: tl.constexpr, SCATTER: tl.constexpr,
+                   OP: tl.constexpr):
+    """Wait for, sum and re-arm the words at ``offs`` of every peer (``receive``), the own term
+    from x; store the sum to ``out``; returns ``failed``. SCATTER: the own term is part
+    ``rank``."""
     IT = x.dtype.element_ty
     m = offs < n
-    own = offs * 0      # (unused unless OWN_LOCAL)
-    if OWN_LOCAL:
-        own = own_words(x + rank * n * SCATTER, offs, m, SENTINEL)
+    own = own_words(x + rank * n * SCATTER, offs, m, SENTINEL)
     acc, failed = receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err,
-                          OP, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL, OWN_LOCAL)
+                          OP, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL)
     tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
     return failed

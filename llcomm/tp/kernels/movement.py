@@ -1,4 +1,5 @@
-"""Broadcast, all-gather (contiguous and strided 2-D) and reduce-scatter kernels.
+"""Broadcast and all-gather (contiguous and strided 2-D) kernels (reduce-scatter is in
+``reduce_scatter.py``).
 
 Same scheme as ``all_reduce.py`` (fixed grid of NB blocks, per-block op counter on the device,
 staging half ``seq % 2``, one barrier): data is pushed with remote stores into the staging of the
@@ -8,14 +9,13 @@ words (int32 or uint8 views), so they are byte-exact by construction.
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, push_to_slot,
-                    signal_peers, wait_peers)
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table,
+                                     push_to_slot, signal_peers, wait_peers)
 from ...runtime import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 OP_BROADCAST = tl.constexpr(P.OP_BROADCAST)
 OP_ALL_GATHER = tl.constexpr(P.OP_ALL_GATHER)
-OP_REDUCE_SCATTER = tl.constexpr(P.OP_REDUCE_SCATTER)
 
 
 @triton.jit(do_not_specialize=RANK_VARYING)
@@ -74,41 +74,4 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
                 for p in tl.static_range(W):
                     v = tl.load(tl.where(p == rank, x + offs, local + p * cap + offs), mask=m)
                     tl.store(out + row * (W * part) + p * part + col, v, mask=m)
-    tl.store(ctrl + b, seq + 1)
-
-
-@triton.jit(do_not_specialize=RANK_VARYING)
-def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
-                          timeout_us,
-                          cap,              # elements per staging slot
-                          W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
-    """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
-    Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
-    DT = x.dtype.element_ty
-    half = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
-    lanes = tl.arange(0, BLOCK)
-    for start in range(b * BLOCK, m_out, NB * BLOCK):
-        offs = start + lanes
-        m = offs < m_out
-        for s in tl.static_range(W):
-            if s != rank:  # this rank's own part is read from x below
-                v = tl.load(x + s * m_out + offs, mask=m)
-                dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (half * W + rank) * cap
-                tl.store(dst + offs, v, mask=m)
-    if b * BLOCK < m_out:
-        tl.debug_barrier()
-        signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_us, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
-            for start in range(b * BLOCK, m_out, NB * BLOCK):
-                offs = start + lanes
-                m = offs < m_out
-                acc = tl.zeros([BLOCK], tl.float32)
-                for p in tl.static_range(W):
-                    src = tl.where(p == rank, x + rank * m_out + offs, local + p * cap + offs)
-                    acc += tl.load(src, mask=m).to(tl.float32)
-                tl.store(out + offs, acc.to(DT), mask=m)
     tl.store(ctrl + b, seq + 1)

@@ -1,0 +1,81 @@
+"""Reduce-scatter kernels (sum): x is ``[W * m]`` on every rank, and rank s gets the sum over
+ranks of part s, ``x[s * m:(s + 1) * m]``, accumulated in fp32 in rank order.
+
+Two protocols, as for all-reduce:
+
+- ``lamport_reduce_scatter_kernel``: barrier-free, the data is its own flag. The Lamport
+  all-reduce's rounds (``lamport.lamport_rounds``) with SCATTER: part q of x is pushed to rank
+  q only, under its own op code in the tag. Outputs up to a Lamport slot.
+- ``reduce_scatter_kernel``: push part s into slot ``rank`` of rank s's staging, one barrier,
+  sum (``all_reduce.py``'s scheme: fixed grid, per-block op counter, staging half ``seq % 2``).
+"""
+import triton
+import triton.language as tl
+
+from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table,
+                                     signal_peers, wait_peers)
+from ...runtime import protocol as P
+from .lamport import lamport_rounds
+
+PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
+OP_REDUCE_SCATTER = tl.constexpr(P.OP_REDUCE_SCATTER)
+OP_LAMPORT_REDUCE_SCATTER = tl.constexpr(P.OP_LAMPORT_REDUCE_SCATTER)
+
+
+@triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
+def lamport_reduce_scatter_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag,
+                                  timeout_us,
+                                  cap,                     # elements per Lamport slot
+                                  SENTINEL: tl.constexpr,  # "not yet written" in the int view
+                                  FT: tl.constexpr,        # the float dtype the int view holds
+                                  W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
+                                  BLOCK: tl.constexpr,
+                                  STAGES: tl.constexpr,    # PUSH | REDUCE; ALL_STAGES polls
+                                  LAG: tl.constexpr = 0,   # > 0: pipelined (lamport_rounds)
+                                  PDL: tl.constexpr = 0):  # launched with PDL
+    """x holds W parts of n elements (integer views, as ``lamport.lamport_kernel``); part q
+    goes into slot ``rank`` of rank q's Lamport half ``seq % 2`` (this rank's own part is read
+    from x), and this rank sums part ``rank`` of every source into ``out`` (n elements). The
+    tag is ``protocol.lamport_tag`` of OP_LAMPORT_REDUCE_SCATTER: a rank that runs the Lamport
+    all-reduce in the same round is a mismatch, never summed."""
+    lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us, cap,
+                   SENTINEL, FT, W, WP, NB, BLOCK, STAGES, LAG, 1, OP_LAMPORT_REDUCE_SCATTER,
+                   PDL)
+
+
+@triton.jit(do_not_specialize=RANK_VARYING)
+def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
+                          timeout_us,
+                          cap,              # elements per staging slot
+                          W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
+    Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
+    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    DT = x.dtype.element_ty
+    half = seq % 2
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, m_out, NB * BLOCK):
+        offs = start + lanes
+        m = offs < m_out
+        for s in tl.static_range(W):
+            if s != rank:  # this rank's own part is read from x below
+                v = tl.load(x + s * m_out + offs, mask=m)
+                dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (half * W + rank) * cap
+                tl.store(dst + offs, v, mask=m)
+    if b * BLOCK < m_out:
+        tl.debug_barrier()
+        signal_peers(flag_tab, b, word, rank, W, WP)
+        if wait_peers(flags, b, word, timeout_us, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
+            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
+            for start in range(b * BLOCK, m_out, NB * BLOCK):
+                offs = start + lanes
+                m = offs < m_out
+                acc = tl.zeros([BLOCK], tl.float32)
+                for p in tl.static_range(W):
+                    src = tl.where(p == rank, x + rank * m_out + offs, local + p * cap + offs)
+                    acc += tl.load(src, mask=m).to(tl.float32)
+                tl.store(out + offs, acc.to(DT), mask=m)
+    tl.store(ctrl + b, seq + 1)
