@@ -122,10 +122,10 @@ def test_wait_lanes_knob(monkeypatch):
     """LLCOMM_EP_WAIT_LANES picks how the EP waits poll: one lane per flag (default), or 1024."""
     from llcomm.ep.peer import WAIT_LANES_ENV, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    d, c, _ = kernel_consts(lay, 8)
+    d, c, _ = kernel_consts(lay, 8, ll=0)        # the flag dispatch waits, the LL one not
     assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
     monkeypatch.setenv(WAIT_LANES_ENV, "block")
-    d, c, _ = kernel_consts(lay, 8)
+    d, c, _ = kernel_consts(lay, 8, ll=0)
     assert (d["LANES"], c["LANES"]) == (MAX_WAIT_FLAGS, MAX_WAIT_FLAGS)
     monkeypatch.setenv(WAIT_LANES_ENV, "warps")
     with pytest.raises(ValueError, match=WAIT_LANES_ENV):
@@ -136,17 +136,22 @@ def test_order_and_tile_knobs(monkeypatch):
     """Defaults: the LL dispatch with metadata before the rows up to LL_MAX_TOKENS, the flag
     dispatch with rows before the scan above; one 128-token scan tile (fewer tokens per tile
     when a block owns more experts); each env knob overrides and refuses a bad value by name."""
-    from llcomm.ep.peer import LL_ENV, LL_MAX_TOKENS, ROWS_FIRST_ENV, SCAN_TILE_ENV, kernel_consts
+    from llcomm.ep.peer import (LL_ENV, LL_MAX_TOKENS, ROWS_FIRST_ENV, SCAN_TILE_ENV,
+                                kernel_consts, ll_dispatch)
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
-    assert (d["LL"], d["ROWS_FIRST"], d["TT"], d["TS"]) == (1, 0, 128, 16)   # TS: small tile
+    assert ll_dispatch(128) == 1 and "RW" in d and "MASKS" not in d     # the LL kernel's
+    assert (d["ROWS_FIRST"], d["TT"], d["TS"]) == (0, 128, 16)          # TS: small tile
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    assert (kernel_consts(big, 8)[0]["LL"], kernel_consts(big, 8)[0]["ROWS_FIRST"]) == (0, 1)
-    edge = ep_layout(LL_MAX_TOKENS, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    assert kernel_consts(edge, 8)[0]["LL"] == 1
+    assert ll_dispatch(512) == 0 and "MASKS" in kernel_consts(big, 8)[0]   # the flag kernel's
+    assert kernel_consts(big, 8)[0]["ROWS_FIRST"] == 1
+    assert kernel_consts(lay, 8, ll=0)[0]["ROWS_FIRST"] == 1
+    assert ll_dispatch(LL_MAX_TOKENS) == 1
     for v in ("0", "1"):        # forced either way, whatever the buffer
         monkeypatch.setenv(LL_ENV, v)
-        assert kernel_consts(lay, 8)[0]["LL"] == kernel_consts(big, 8)[0]["LL"] == int(v)
+        assert ll_dispatch(128) == ll_dispatch(512) == int(v)
+        ll_keys = ["RW" in kernel_consts(b, 8)[0] for b in (lay, big)]
+        assert ll_keys == [v == "1"] * 2
         assert kernel_consts(lay, 8)[0]["ROWS_FIRST"] == 1 - int(v)
     monkeypatch.setenv(LL_ENV, "yes")
     with pytest.raises(ValueError, match=LL_ENV):

@@ -7,7 +7,7 @@ Every block quantises row ``program_id`` (the dispatch at 128 tokens: one row pe
 stores the words locally; each block stamps its SM cycle counter before its load and after its
 last store is issued. Prints the median over blocks and repetitions, in cycles and in µs at the
 SM clock the run measured (cycles of a timed 1 ms spin). Variants: ``copy`` (the bf16 row as
-int32 words: the bf16 dispatch's send), ``fp8`` (kernels/ep.py ``_pack_row_fp8`` with the
+int32 words: the bf16 dispatch's send), ``fp8`` (llcomm/ep/kernels/fp8.py ``_pack_row_fp8`` with the
 hardware convert, a division per element), ``fp8-bits`` (the bit rounding), ``fp8-rcp`` (the
 convert, divisions by the refined reciprocal ``_div_by``: the LL dispatch's default),
 ``scales`` (the row's load and its scales only: what the rest of ``fp8-rcp`` adds to it).
@@ -25,7 +25,8 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 use_llcomm_dir()
 
 from llcomm.ep import fp8 as ep_fp8  # noqa: E402
-from llcomm.ep.kernels.dispatch_combine import FP8_BLOCK, _fp8_scales, _pack_row_fp8, _row_words  # noqa: E402
+from llcomm.ep.kernels.common import _row_words  # noqa: E402
+from llcomm.ep.kernels.fp8 import FP8_BLOCK, _fp8_scales, _pack_row_fp8  # noqa: E402
 from llcomm.runtime.kernels.sync import sm_cycles  # noqa: E402
 
 

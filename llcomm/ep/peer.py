@@ -117,12 +117,14 @@ def ll_row_consts(lay, fp8: int) -> dict:
     return dict(RW=rw, HPW=_pow2(rw))
 
 
-def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
+def kernel_consts(lay, topk: int, *, ll: int | None = None, tile_tokens: int | None = None,
                   small_tile_tokens: int | None = None):
-    """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
+    """Constexprs of the dispatch kernel and of ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
-    Shared with tools/ptx_ep.py and the interpreter tests (which pick small tiles with
-    ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span several)."""
+    The dispatch is ``ll_dispatch_kernel`` when ``ll`` (by default ``ll_dispatch`` of the
+    buffer's tokens), else ``flag_dispatch_kernel``; ``dispatch_kernel`` names it. Shared with
+    tools/ptx_ep.py and the interpreter tests (which pick small tiles with ``tile_tokens`` /
+    ``small_tile_tokens`` so a few tokens span several)."""
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
     L = E // W
     off = lay.offsets()
@@ -133,9 +135,10 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
         if raw not in ("1", "2", "4", "8", "16", "32"):
             raise ValueError(f"{NUM_WARPS_ENV}={raw!r}: expected 1, 2, 4, 8, 16 or 32")
         num_warps = int(raw)
+    if ll is None:
+        ll = ll_dispatch(T)
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
-                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
-                  MASKS=0, PROFILE=0)
+                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, PROFILE=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
         tile_tokens = env_pow2(SCAN_TILE_ENV, 0)
@@ -148,23 +151,32 @@ def kernel_consts(lay, topk: int, *, tile_tokens: int | None = None,
     block = wait_lanes_block()
     ts = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
     d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens, TS=ts,
-             JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
-             OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
-             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(ll_dispatch(T)), CARRY=0, LL=ll_dispatch(T),
-             OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
-             E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=env_bit(OWN_X_ENV, 1),
-             **ll_row_consts(lay, 0))
-    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
-             LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
+             JP=jp, OFF_X=off["recv_x"], OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
+             OFF_NTOK=off["recv_ntok"], NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
+             ROWS_FIRST=rows_first(ll), CARRY=0)
+    if ll:
+        d.update(OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
+                 E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1),
+                 OWN_X=env_bit(OWN_X_ENV, 1), **ll_row_consts(lay, 0))
+    else:
+        d.update(FP=fp, OFF_SIG=off["signal"], MASKS=0, LANES=MAX_WAIT_FLAGS if block else fp)
+    c = dict(common, OFF_SIG=off["signal"], MASKS=0, OFF_CX=off["combine_x"],
+             OFF_CW=off["combine_weights"], LANES=MAX_WAIT_FLAGS if block else _pow2(W),
+             CARRIED=0)
     return d, c, num_warps
+
+
+def dispatch_kernel(ll: int):
+    """The dispatch kernel ``kernel_consts(..., ll=ll)`` is for."""
+    from . import kernels
+    return kernels.ll_dispatch_kernel if ll else kernels.flag_dispatch_kernel
 
 
 class PeerEP:
     """The peer backend of EPBuffer: symmetric region, counters, handle slots, launches."""
 
     def __init__(self, buf):
-        from .kernels import dispatch_combine as kernels
+        from . import kernels
         from ..runtime.launch import Launcher
         from ..runtime.workspace import SymmetricWorkspace
 
@@ -189,6 +201,8 @@ class PeerEP:
                                                   lay.armed_ranges()]})
         self.tab = self.ws.table("ep")
         self.ll = 0 if buf.enable_masks else ll_dispatch(buf.max_tokens)
+        self.dispatch_kernel = dispatch_kernel(self.ll)
+        self.combine_kernel = kernels.combine_kernel
         self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # RW, HPW by FP8 mode
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
         self._ctrl = (self.ctrl[0], self.ctrl[1])   # dispatch's, combine's (made once: a view
@@ -241,15 +255,17 @@ class PeerEP:
         key = (op, topk, fp8, carry)
         hit = self._call_consts.get(key)
         if hit is None:
-            d, c, _ = kernel_consts(self.layout, topk)
-            mode = dict(MASKS=self.masks, PROFILE=self.profile)
+            d, c, _ = kernel_consts(self.layout, topk, ll=self.ll)
             if op == "dispatch":
-                hit = dict(d, LL=self.ll, ROWS_FIRST=rows_first(self.ll),
-                           STAGES=self.k.DISPATCH_ALL, **mode, FP8=fp8, CARRY=carry,
-                           **self._rows[fp8])
+                hit = dict(d, STAGES=self.k.DISPATCH_ALL, PROFILE=self.profile, FP8=fp8,
+                           CARRY=carry)
+                if self.ll:
+                    hit.update(self._rows[fp8])
+                else:
+                    hit.update(MASKS=self.masks)
             else:
-                hit = dict(c, STAGES=self.k.COMBINE_ALL, **mode, enable_fp_fusion=False,
-                           CARRIED=carry)
+                hit = dict(c, STAGES=self.k.COMBINE_ALL, MASKS=self.masks, PROFILE=self.profile,
+                           enable_fp_fusion=False, CARRIED=carry)
             self._call_consts[key] = hit
         return hit
 
@@ -282,13 +298,13 @@ class PeerEP:
         consts = self._consts("dispatch", K, fp8, carry)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
-            self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+            self._launch(self.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
         consts = dict(consts, STAGES=self.k.DISPATCH_SEND_HALF)
-        self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+        self._launch(self.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(
-            self.k.dispatch_kernel, self.nb, args, self.num_warps, **recv)
+            self.dispatch_kernel, self.nb, args, self.num_warps, **recv)
 
     def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
         """Kernel arguments and constexprs; with weights carried by the dispatch (``state``'s
@@ -303,16 +319,16 @@ class PeerEP:
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out):
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
-        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **consts)
+        self._launch(self.combine_kernel, self.nb, args, self.num_warps, **consts)
         return out
 
     def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
         """Launch the combine's send half; return the launch of its receive half."""
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
-        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps,
+        self._launch(self.combine_kernel, self.nb, args, self.num_warps,
                      **dict(consts, STAGES=self.k.COMBINE_SEND_HALF))
         recv = dict(consts, STAGES=self.k.COMBINE_RECV_HALF)
-        return lambda: self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **recv)
+        return lambda: self._launch(self.combine_kernel, self.nb, args, self.num_warps, **recv)
 
     def query_mask(self) -> torch.Tensor:
         word = self.err[self.k.ERR_MASK.value]
