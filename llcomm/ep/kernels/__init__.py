@@ -6,6 +6,12 @@ bounded waits and the local work that follows: ``flag_dispatch_kernel`` (``dispa
 code: ``common`` (flags, waits, masks, stamps), ``dispatch_common`` (the send stage's scan,
 counts and metadata), ``fp8`` (the quantiser).
 
+The kernels take flat arguments (what the host passes, by name: ``peer.kernel_consts``) and
+bundle them once at their start into namedtuples the helpers take: ``common.Sizes`` and the
+dispatch's ``Recv`` / ``Tiles`` / ``LLRows`` (constexpr: assigned as ``S: tl.constexpr =
+Sizes(...)``, since a plain assignment would turn their members into tensors), and
+``common.Region`` / ``dispatch_common.Out`` (runtime values and pointers).
+
 Buffer sets. Each op's block counter (``ctrl``) picks the set (counter % 2) and the epoch of
 its flag and LL words; dispatch and combine count separately. Two sets suffice because every op
 waits for every rank: when rank r starts dispatch k it has finished dispatch k - 1, which

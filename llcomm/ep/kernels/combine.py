@@ -24,8 +24,8 @@ import triton.language as tl
 
 from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound_us
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_ENTRY, PHASE_EXIT, PROF_LAST,
-                     SIG_PARTIALS, SIG_WEIGHTS, _at, _first_token, _masked, _push_weights,
-                     _rank_bits, _signal, _stamp, _wait_flags)
+                     SIG_PARTIALS, SIG_WEIGHTS, Region, Sizes, _at, _first_token, _masked,
+                     _push_weights, _rank_bits, _signal, _stamp, _wait_flags)
 
 
 @triton.jit
@@ -53,52 +53,47 @@ def _reduce_pair(eo, rows, wp, pp, H: tl.constexpr, HP: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, w_at, msk, T: tl.constexpr,
-                     H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                     WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
-                     OFF_CX: tl.constexpr):
+def _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, S, OFF_CX: tl.constexpr):
     """Stage B: per received pair (s, t), its local experts' outputs weighted and summed in k
     order in fp32, rounded once, pushed into slot (rank, t) of rank s. The weights are read
     from this rank's region at byte ``w_at``. Sources in the bit mask ``msk`` (masked ranks)
     are skipped: their weights may not have come."""
     b = tl.program_id(0)
     eo_dt = eo.dtype.element_ty
-    wl = _at(tab, rank, w_at, tl.float32)
-    ps = tl.arange(0, WP)
-    nts = tl.where(_masked(msk, ps), 0, tl.load(ntok_in + ps, mask=ps < W, other=0))
-    for i in range(W):
+    wl = _at(reg.tab, reg.rank, w_at, tl.float32)
+    ps = tl.arange(0, S.WP)
+    nts = tl.where(_masked(msk, ps), 0, tl.load(ntok_in + ps, mask=ps < S.W, other=0))
+    for i in range(S.W):
         # peers first, this rank's own pairs last: their partials cross NVLink while the own
         # pairs are reduced (the release before the signal waits for them to land)
-        s = (rank + 1 + i) % W
+        s = (reg.rank + 1 + i) % S.W
         n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-        cx = _at(tab, s, set_off + OFF_CX, eo_dt)
-        for t in range(_first_token(b, s, NB, W), n_s, NB):
-            _reduce_pair(eo, row_of + (s * T + t) * K, wl + (s * T + t) * MAX_TOPK,
-                         cx + (rank * T + t) * H, H, HP, K)
+        cx = _at(reg.tab, s, reg.set_off + OFF_CX, eo_dt)
+        for t in range(_first_token(b, s, S.NB, S.W), n_s, S.NB):
+            _reduce_pair(eo, row_of + (s * S.T + t) * S.K, wl + (s * S.T + t) * S.MAX_TOPK,
+                         cx + (reg.rank * S.T + t) * S.H, S.H, S.HP, S.K)
 
 
 @triton.jit
-def _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T: tl.constexpr, H: tl.constexpr,
-                  HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr,
-                  L: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, OFF_CX: tl.constexpr):
+def _sum_partials(topk, n_tok, out, reg, msk, S, OFF_CX: tl.constexpr):
     """Stage C: each own token's partials, from the ranks it went to, in rank order. Partials
     of ranks in the bit mask ``msk`` (masked ranks) are skipped (count as zero); a token routed
     to masked ranks only gets zeros."""
     b = tl.program_id(0)
     DT = out.dtype.element_ty
-    hs = tl.arange(0, HP)
-    hm = hs < H
-    cl = _at(tab, rank, set_off + OFF_CX, DT)
-    for t in range(_first_token(b, rank, NB, W), n_tok, NB):
-        bits = _rank_bits(topk + t * K, K, E, L)
-        acc = tl.zeros([HP], tl.float32)
-        for d in tl.static_range(W):
+    hs = tl.arange(0, S.HP)
+    hm = hs < S.H
+    cl = _at(reg.tab, reg.rank, reg.set_off + OFF_CX, DT)
+    for t in range(_first_token(b, reg.rank, S.NB, S.W), n_tok, S.NB):
+        bits = _rank_bits(topk + t * S.K, S.K, S.E, S.L)
+        acc = tl.zeros([S.HP], tl.float32)
+        for d in tl.static_range(S.W):
             wd = (bits >> d) & 1 & ~(msk >> d)
             went = wd != 0
-            p = tl.load(cl + (d * T + t) * H + hs, mask=hm & ((hs * 0 + wd) != 0),
+            p = tl.load(cl + (d * S.T + t) * S.H + hs, mask=hm & ((hs * 0 + wd) != 0),
                         other=0.0).to(tl.float32)
             acc = tl.where(went, acc + p, acc)
-        tl.store(out + t * H + hs, acc.to(DT), mask=hm)
+        tl.store(out + t * S.H + hs, acc.to(DT), mask=hm)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -127,6 +122,7 @@ def combine_kernel(
         CARRIED: tl.constexpr = 0,      # 1: the dispatch carried the weights
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
+    S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 1, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
@@ -135,9 +131,10 @@ def combine_kernel(
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     sig0 = (set_off + OFF_SIG) // 8
     flags = _at(tab, rank, set_off + OFF_SIG, tl.int64)
+    reg = Region(tab, rank, set_off)
     if STAGES & 1:      # C_WEIGHTS
         if not CARRIED:
-            _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_CW)
+            _push_weights(wts, n_tok, reg, S, OFF_CW)
         _stamp(err, 1, PROFILE, 1, NB)  # weights pushed
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
@@ -158,8 +155,7 @@ def combine_kernel(
             w_at = set_off + OFF_CW
             if CARRIED:
                 w_at = w_off
-            _reduce_partials(eo, row_of, ntok_in, tab, rank, set_off, w_at, msk, T, H, HP, K, W,
-                             WP, NB, MAX_TOPK, OFF_CX)
+            _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, S, OFF_CX)
     if STAGES & 16:     # C_SIGNAL_P
         tl.debug_barrier()              # outside ``if ok``: see _wait_flags
         if ok:
@@ -176,7 +172,6 @@ def combine_kernel(
         _stamp(err, 4, PROFILE, 1, NB)  # partials of every rank arrived
     if STAGES & 4:      # C_SUM
         if ok:
-            _sum_partials(topk, n_tok, out, tab, rank, set_off, msk, T, H, HP, K, KP, E, L, W,
-                          NB, OFF_CX)
+            _sum_partials(topk, n_tok, out, reg, msk, S, OFF_CX)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 1, NB)

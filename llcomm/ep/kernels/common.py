@@ -6,6 +6,8 @@ rank) in every rank's signal region. A sender's block stores its rows, then (aft
 writes its flag on every rank with a system-scope release; a receiver's block polls every flag
 it needs with volatile loads, then makes one acquire pass over them before reading the data.
 """
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
@@ -13,6 +15,15 @@ from ...runtime import protocol as P
 from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lanes, global_time_ns,
                                      report_error, sm_cycles)
 from .. import layout as EL
+
+#: The sizes a kernel is compiled for, bundled once at its start (``S: tl.constexpr =
+#: Sizes(...)``, so every member stays a constexpr): max tokens per rank, hidden and pow2,
+#: top-k and pow2, experts, local experts, ranks and pow2, blocks, the metadata and weights slot
+#: stride (layout.MAX_TOPK).
+Sizes = namedtuple("Sizes", ["T", "H", "HP", "K", "KP", "E", "L", "W", "WP", "NB", "MAX_TOPK"])
+#: Where a call's data lives (runtime values): the table of every rank's EP region base address,
+#: this rank, and the byte offset of the buffer set the call uses.
+Region = namedtuple("Region", ["tab", "rank", "set_off"])
 
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
@@ -269,21 +280,21 @@ def _row_words(v):
 
 
 @triton.jit
-def _push_weights(wts, n_tok, tab, rank, set_off, T: tl.constexpr, K: tl.constexpr,
-                  KP: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
-                  OFF_CW: tl.constexpr, ehi=0, LL: tl.constexpr = 0):
+def _push_weights(wts, n_tok, reg, S, OFF_CW: tl.constexpr, ehi=0, LL: tl.constexpr = 0):
     """Combine stage A (or a dispatch with CARRY): this rank's top-k weights into slot
-    (rank, t) of the weights region at byte ``set_off + OFF_CW`` of every rank (LL: as LL
+    (rank, t) of the weights region at byte ``reg.set_off + OFF_CW`` of every rank (LL: as LL
     words with the epoch bits ``ehi``)."""
     b = tl.program_id(0)
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    for t in range(_first_token(b, rank, NB, W), n_tok, NB):
-        w = tl.load(wts + t * K + ks, mask=kmask, other=0.0)
-        for d in tl.static_range(W):
+    ks = tl.arange(0, S.KP)
+    kmask = ks < S.K
+    for t in range(_first_token(b, reg.rank, S.NB, S.W), n_tok, S.NB):
+        w = tl.load(wts + t * S.K + ks, mask=kmask, other=0.0)
+        for d in tl.static_range(S.W):
             if LL:
-                wp = _at(tab, d, set_off + OFF_CW, tl.int64) + (rank * T + t) * MAX_TOPK
+                wp = (_at(reg.tab, d, reg.set_off + OFF_CW, tl.int64)
+                      + (reg.rank * S.T + t) * S.MAX_TOPK)
                 tl.store(wp + ks, _ll_word(ehi, w), mask=kmask)
             else:
-                wp = _at(tab, d, set_off + OFF_CW, tl.float32) + (rank * T + t) * MAX_TOPK
+                wp = (_at(reg.tab, d, reg.set_off + OFF_CW, tl.float32)
+                      + (reg.rank * S.T + t) * S.MAX_TOPK)
                 tl.store(wp + ks, w, mask=kmask)

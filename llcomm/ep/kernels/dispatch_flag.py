@@ -26,69 +26,69 @@ import triton.language as tl
 
 from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound_us
 from .common import (EP_RANK_VARYING, ERR_MASK, META_MASK, META_SHIFT, OP_DISPATCH, PHASE_ENTRY,
-                     PROF_LAST, SIG_DISPATCH, _agree_mask, _at, _first_entries, _first_token,
-                     _masked, _push_weights, _rank_bits, _signal, _stamp, _wait_flags)
-from .dispatch_common import _send_routing
+                     PROF_LAST, SIG_DISPATCH, Region, Sizes, _agree_mask, _at, _first_entries,
+                     _first_token, _masked, _push_weights, _rank_bits, _signal, _stamp,
+                     _wait_flags)
+from .dispatch_common import Out, Recv, Tiles, _send_routing
 from .fp8 import FP8_BLOCK, _quantize_row
 
 
 @triton.jit
-def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
-               HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-               W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
-               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr):
+def _push_rows(x, topk, n_tok, reg, S, RV, JP: tl.constexpr, FP8: tl.constexpr):
     """Each of this block's token rows once per destination rank (which ranks: a bit mask from
     scalar loads), into the source's slot ``rank * T + t`` there; FP8 quantises here, once."""
     b = tl.program_id(0)
     DT = x.dtype.element_ty
-    hs = tl.arange(0, HP)
-    hm = hs < H
+    hs = tl.arange(0, S.HP)
+    hm = hs < S.H
     for j in range(0, JP):
-        t = b + NB * j
+        t = b + S.NB * j
         if t < n_tok:
-            bits = _rank_bits(topk + t * K, K, E, L)
-            slot = rank * T + t
+            bits = _rank_bits(topk + t * S.K, S.K, S.E, S.L)
+            slot = reg.rank * S.T + t
             if FP8:
                 # e4m3 bytes and scales cross NVLink
-                v = tl.load(x + t * H + hs, mask=hm, other=0.0).to(tl.float32)
-                qb, sc = _quantize_row(v, HP, FP8 == 2)
-                ns = tl.arange(0, HP // FP8_BLOCK)
-                for d in tl.static_range(W):
+                v = tl.load(x + t * S.H + hs, mask=hm, other=0.0).to(tl.float32)
+                qb, sc = _quantize_row(v, S.HP, FP8 == 2)
+                ns = tl.arange(0, S.HP // FP8_BLOCK)
+                for d in tl.static_range(S.W):
                     if (bits >> d) & 1:
-                        qp = _at(tab, d, set_off + OFF_X, tl.uint8) + slot * H
+                        qp = _at(reg.tab, d, reg.set_off + RV.X, tl.uint8) + slot * S.H
                         tl.store(qp + hs, qb, mask=hm)
-                        sp = _at(tab, d, set_off + OFF_SC, tl.float32) + slot * NS
-                        tl.store(sp + ns, sc, mask=ns < NS)
+                        sp = _at(reg.tab, d, reg.set_off + RV.SC, tl.float32) + slot * RV.NS
+                        tl.store(sp + ns, sc, mask=ns < RV.NS)
             else:
-                v = tl.load(x + t * H + hs, mask=hm)
-                for d in tl.static_range(W):
+                v = tl.load(x + t * S.H + hs, mask=hm)
+                for d in tl.static_range(S.W):
                     if (bits >> d) & 1:
-                        xp = _at(tab, d, set_off + OFF_X, DT) + slot * H
+                        xp = _at(reg.tab, d, reg.set_off + RV.X, DT) + slot * S.H
                         tl.store(xp + hs, v, mask=hm)
 
 
 @triton.jit
-def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
-            msk, T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
-            KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
-            WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
-            OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
-            FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr):
-    """Stage 4: this rank's receive slots into the per-expert layout (FP8: recv_x is the uint8
-    view of the e4m3 output, and the scales are copied alongside). Sources in the bit mask
-    ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
+def _expand(out, reg, msk, S, RV, LB: tl.constexpr, FP8: tl.constexpr):
+    """Stage 4: this rank's receive slots into the per-expert layout ``out`` (FP8: recv_x is
+    the uint8 view of the e4m3 output, and the scales are copied alongside). Sources in the bit
+    mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
     b = tl.program_id(0)
-    DT = recv_x.dtype.element_ty
-    hs = tl.arange(0, HP)
+    T: tl.constexpr = S.T
+    H: tl.constexpr = S.H
+    K: tl.constexpr = S.K
+    L: tl.constexpr = S.L
+    W: tl.constexpr = S.W
+    NB: tl.constexpr = S.NB
+    NS: tl.constexpr = RV.NS
+    DT = out.recv_x.dtype.element_ty
+    hs = tl.arange(0, S.HP)
     hm = hs < H
-    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int32)
-    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int32)
-    metap = _at(tab, rank, set_off + OFF_META, tl.int32)
-    xp = _at(tab, rank, set_off + OFF_X, DT)
-    scp = _at(tab, rank, set_off + OFF_SC, tl.float32)
-    ns = tl.arange(0, NSP)
+    cntp = _at(reg.tab, reg.rank, reg.set_off + RV.CNT, tl.int32)
+    ntp = _at(reg.tab, reg.rank, reg.set_off + RV.NTOK, tl.int32)
+    metap = _at(reg.tab, reg.rank, reg.set_off + RV.META, tl.int32)
+    xp = _at(reg.tab, reg.rank, reg.set_off + RV.X, DT)
+    scp = _at(reg.tab, reg.rank, reg.set_off + RV.SC, tl.float32)
+    ns = tl.arange(0, RV.NSP)
     nsm = ns < NS
-    ps = tl.arange(0, WP)
+    ps = tl.arange(0, S.WP)
     # tokens each source sent, loaded once (masked sources: none)
     nts = tl.where(_masked(msk, ps), 0, tl.load(ntp + ps, mask=ps < W, other=0))
     if b == NB - 1:     # the last block: at small token counts it owns no pair
@@ -98,9 +98,9 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
             tot = tl.zeros([LB], tl.int32)
             for s in range(W):
                 tot += tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
-            tl.store(recv_count + ls, tot, mask=lm)
-        tl.store(ntok_out + ps, nts, mask=ps < W)
-    ks = tl.arange(0, KP)
+            tl.store(out.recv_count + ls, tot, mask=lm)
+        tl.store(out.ntok + ps, nts, mask=ps < W)
+    ks = tl.arange(0, S.KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
     for s in range(W):
@@ -114,7 +114,7 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
                 sv = tl.load(scp + slot * NS + ns, mask=nsm)
             # the pair's top-k entries as one vector: every load of a pair is issued at once
             # (a chain of scalar loads per entry costs about 0.3 us each)
-            m = tl.load(metap + slot * MAX_TOPK + ks, mask=kmask, other=-1)
+            m = tl.load(metap + slot * S.MAX_TOPK + ks, mask=kmask, other=-1)
             valid = m >= 0
             first = _first_entries(m, valid, earlier)
             le = tl.maximum(m, 0) >> META_SHIFT
@@ -123,15 +123,15 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ra
                 if not _masked(msk, s2):
                     row += tl.load(cntp + s2 * L + le, mask=valid, other=0)
             flat = le * (W * T) + row
-            tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
-            tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+            tl.store(out.row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
+            tl.store(out.src_info + flat, tl.full([S.KP], 0, tl.int32) + slot, mask=first)
             for k in tl.static_range(K):
                 pick = ks == k
                 if tl.sum((pick & first).to(tl.int32), axis=0) > 0:
                     flat_k = tl.sum(tl.where(pick, flat, 0), axis=0).to(tl.int64)
-                    tl.store(recv_x + flat_k * H + hs, v, mask=hm)
+                    tl.store(out.recv_x + flat_k * H + hs, v, mask=hm)
                     if FP8:
-                        tl.store(recv_scales + flat_k * NS + ns, sv, mask=nsm)
+                        tl.store(out.recv_scales + flat_k * NS + ns, sv, mask=nsm)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -175,27 +175,28 @@ def flag_dispatch_kernel(
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
+    S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
+    RV: tl.constexpr = Recv(OFF_X, OFF_META, OFF_CNT, OFF_NTOK, OFF_SC, NS, NSP)
+    TI: tl.constexpr = Tiles(EB, TT, TS, JP, LB)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
+    reg = Region(tab, rank, set_off)
     if STAGES & 1:      # D_SEND
         if CARRY:       # into the handle slot's region, released with the rows by the signal
-            _push_weights(wts, n_tok, tab, rank, w_off, T, K, KP, W, NB, MAX_TOPK, 0)
+            _push_weights(wts, n_tok, Region(tab, rank, w_off), S, 0)
         # rows first: they cross NVLink while the block scans (their destinations need only
         # the token's own top-k), so the release before the signal waits for less
         if ROWS_FIRST:
-            _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X,
-                       FP8, NS, OFF_SC)
+            _push_rows(x, topk, n_tok, reg, S, RV, JP, FP8)
             _stamp(err, 1, PROFILE, 0, NB)  # rows pushed (issued; they land during the scan)
-        _send_routing(topk, n_tok, err, tab, rank, set_off, 0, tag, T, K, KP, E, L, W, WP, NB,
-                      EB, TT, TS, JP, MAX_TOPK, OFF_META, OFF_CNT, OFF_NTOK, ROWS_FIRST == 0,
-                      PROFILE, 0)
+        _send_routing(topk, n_tok, err, reg, 0, tag, S, RV, TI, STAMP=ROWS_FIRST == 0,
+                      PROFILE=PROFILE, LL=0)
         if not ROWS_FIRST:
-            _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X,
-                       FP8, NS, OFF_SC)
+            _push_rows(x, topk, n_tok, reg, S, RV, JP, FP8)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 4:      # D_SIGNAL
         tl.debug_barrier()
@@ -223,8 +224,7 @@ def flag_dispatch_kernel(
         _stamp(err, 4, PROFILE, 0, NB)
     if STAGES & 2:      # D_RECV
         if ok:
-            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
-                    set_off, msk, T, H, HP, K, KP, L, LB, W, WP, NB, MAX_TOPK, OFF_X, OFF_META,
-                    OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC)
+            _expand(Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg, msk,
+                    S, RV, LB, FP8)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)

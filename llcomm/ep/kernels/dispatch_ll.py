@@ -11,6 +11,8 @@ copies it, and arms the row slot again. No fence, no flag.
 Two buffer sets suffice here too: every receiver waits for every source's token-count word of
 the call, which the source writes only after its previous call (and its re-arming) ended.
 """
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
@@ -18,66 +20,64 @@ from ...runtime.kernels.lamport import _pending, _poll, limit_ticks
 from ...runtime.kernels.sync import after_previous_kernel, report_error, wait_bound_us
 from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK_BITS, NTOK_MASK,
                      NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL,
-                     STATUS_MISMATCH, _at, _bit_or, _first_entries, _first_token, _push_weights,
-                     _rank_bits, _row_words, _stamp)
-from .dispatch_common import _send_routing
+                     STATUS_MISMATCH, Region, Sizes, _at, _bit_or, _first_entries, _first_token,
+                     _push_weights, _rank_bits, _row_words, _stamp)
+from .dispatch_common import Out, Recv, Tiles, _send_routing
 from .fp8 import FP8_BLOCK, _pack_row_fp8
+
+#: The LL dispatch's rows (constexpr): int32 words per row slot, their pow2 (the lanes of a
+#: row), and the byte offset of the carried weights' LL words in a buffer set.
+LLRows = namedtuple("LLRows", ["RW", "HPW", "WLL"])
 
 
 @triton.jit
-def _ll_row(x, t, H: tl.constexpr, HP: tl.constexpr, FP8: tl.constexpr,
-            RW: tl.constexpr, HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
+def _ll_row(x, t, S, LR, FP8: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
     """Token t's row as the RW int32 words it crosses NVLink as (``_row_words``; FP8: e4m3
     bytes packed four to a word, ``fp8._pack_row_fp8``), and its FP8 scales' words (a dummy
     without FP8)."""
-    ws = tl.arange(0, HPW)
+    ws = tl.arange(0, LR.HPW)
     if FP8:
-        hs = tl.arange(0, HP)
-        v = tl.load(x + t * H + hs, mask=hs < H, other=0.0)
-        words, sw = _pack_row_fp8(v.to(tl.float32), HP, HPW, FP8 == 2, E4M3_ASM, FP8_RCP)
+        hs = tl.arange(0, S.HP)
+        v = tl.load(x + t * S.H + hs, mask=hs < S.H, other=0.0)
+        words, sw = _pack_row_fp8(v.to(tl.float32), S.HP, LR.HPW, FP8 == 2, E4M3_ASM, FP8_RCP)
     else:
-        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=ws < RW))
+        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * LR.RW + ws,
+                                   mask=ws < LR.RW))
         sw = tl.zeros([1], tl.int32)
     return words, sw
 
 
 @triton.jit
-def _push_row_words(words, sw, bits, tab, set_off, slot, HP: tl.constexpr, W: tl.constexpr,
-                    OFF_X: tl.constexpr, FP8: tl.constexpr, NS: tl.constexpr,
-                    OFF_SC: tl.constexpr, RW: tl.constexpr, HPW: tl.constexpr):
+def _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8: tl.constexpr):
     """A row's words (``_ll_row``), which are their own flag, to the ranks in ``bits``; FP8:
     then its scales."""
-    ws = tl.arange(0, HPW)
-    for d in tl.static_range(W):
+    ws = tl.arange(0, LR.HPW)
+    for d in tl.static_range(S.W):
         if (bits >> d) & 1:
-            tl.store(_at(tab, d, set_off + OFF_X, tl.int32) + slot * RW + ws, words, mask=ws < RW)
+            tl.store(_at(reg.tab, d, reg.set_off + RV.X, tl.int32) + slot * LR.RW + ws, words,
+                     mask=ws < LR.RW)
             if FP8:
-                ns = tl.arange(0, HP // FP8_BLOCK)
-                tl.store(_at(tab, d, set_off + OFF_SC, tl.int32) + slot * NS + ns, sw,
-                         mask=ns < NS)
+                ns = tl.arange(0, S.HP // FP8_BLOCK)
+                tl.store(_at(reg.tab, d, reg.set_off + RV.SC, tl.int32) + slot * RV.NS + ns, sw,
+                         mask=ns < RV.NS)
 
 
 @triton.jit
-def _push_rows(x, topk, n_tok, tab, rank, set_off, T: tl.constexpr, H: tl.constexpr,
-               HP: tl.constexpr, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-               W: tl.constexpr, NB: tl.constexpr, JP: tl.constexpr, OFF_X: tl.constexpr,
-               FP8: tl.constexpr, NS: tl.constexpr, OFF_SC: tl.constexpr, RW: tl.constexpr,
-               HPW: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr,
-               SKIP_OWN: tl.constexpr):
+def _push_rows(x, topk, n_tok, reg, S, RV, LR, JP: tl.constexpr, FP8: tl.constexpr,
+               E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr, SKIP_OWN: tl.constexpr):
     """Each of this block's token rows (``_ll_row``) once per destination rank, into the
     source's slot ``rank * T + t`` there. SKIP_OWN: not to this rank itself (its expand reads
     the row from x)."""
     b = tl.program_id(0)
     for j in range(0, JP):
-        t = b + NB * j
+        t = b + S.NB * j
         if t < n_tok:
-            bits = _rank_bits(topk + t * K, K, E, L)
+            bits = _rank_bits(topk + t * S.K, S.K, S.E, S.L)
             if SKIP_OWN:
-                bits = bits & ~(tl.full([], 1, tl.int64) << rank)
-            slot = rank * T + t
-            words, sw = _ll_row(x, t, H, HP, FP8, RW, HPW, E4M3_ASM, FP8_RCP)
-            _push_row_words(words, sw, bits, tab, set_off, slot, HP, W, OFF_X, FP8, NS, OFF_SC,
-                            RW, HPW)
+                bits = bits & ~(tl.full([], 1, tl.int64) << reg.rank)
+            slot = reg.rank * S.T + t
+            words, sw = _ll_row(x, t, S, LR, FP8, E4M3_ASM, FP8_RCP)
+            _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8)
 
 
 @triton.jit
@@ -116,35 +116,42 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
 
 
 @triton.jit
-def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank, set_off,
-               seq, tag, timeout_us, err, w_off, T: tl.constexpr, K: tl.constexpr,
-               KP: tl.constexpr, L: tl.constexpr, LB: tl.constexpr, W: tl.constexpr,
-               WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr, OFF_X: tl.constexpr,
-               OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
-               FP8: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, OFF_SC: tl.constexpr,
-               RW: tl.constexpr, HPW: tl.constexpr, CARRY: tl.constexpr,
-               OFF_WLL: tl.constexpr, POLL: tl.constexpr, OWN_FIRST: tl.constexpr,
-               PROFILE: tl.constexpr = 0, x=0, OWN_X: tl.constexpr = 0):
+def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.constexpr,
+               FP8: tl.constexpr, CARRY: tl.constexpr, POLL: tl.constexpr,
+               OWN_FIRST: tl.constexpr, PROFILE: tl.constexpr, OWN_X: tl.constexpr):
     """The receive: what the flag dispatch's expand does, each word waited for where it is
     read: the sources' token counts (and call tags), then per owned pair its metadata, the
-    earlier sources' counts of its experts, its row (and FP8 scales, carried weights); the row
-    slot is armed again with ROW_SENTINEL once copied. PROFILE: stamp 3 when the first source's
-    pairs (this rank's own, with OWN_FIRST) are expanded, stamp 4 when the last row of a later
-    source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x`` (the
-    send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm."""
+    earlier sources' counts of its experts, its row (and FP8 scales, carried weights, copied to
+    byte ``w_off``); the row slot is armed again with ROW_SENTINEL once copied. PROFILE: stamp 3
+    when the first source's pairs (this rank's own, with OWN_FIRST) are expanded, stamp 4 when
+    the last row of a later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows
+    are read from ``x`` (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a
+    wait or a re-arm."""
     b = tl.program_id(0)
+    T: tl.constexpr = S.T
+    K: tl.constexpr = S.K
+    KP: tl.constexpr = S.KP
+    L: tl.constexpr = S.L
+    W: tl.constexpr = S.W
+    WP: tl.constexpr = S.WP
+    NB: tl.constexpr = S.NB
+    MAX_TOPK: tl.constexpr = S.MAX_TOPK
+    NS: tl.constexpr = RV.NS
+    NSP: tl.constexpr = RV.NSP
+    RW: tl.constexpr = LR.RW
+    HPW: tl.constexpr = LR.HPW
     epoch = (seq + 1).to(tl.int32)
     limit = limit_ticks(timeout_us, POLL)
     failed = tl.zeros([], tl.int32)
-    cntp = _at(tab, rank, set_off + OFF_CNT, tl.int64)
-    ntp = _at(tab, rank, set_off + OFF_NTOK, tl.int64)
-    metap = _at(tab, rank, set_off + OFF_META, tl.int64)
-    xp = _at(tab, rank, set_off + OFF_X, tl.int32)
-    scp = _at(tab, rank, set_off + OFF_SC, tl.int32)
-    wll = _at(tab, rank, set_off + OFF_WLL, tl.int64)
-    wout = _at(tab, rank, w_off, tl.float32)
-    rx = recv_x.to(tl.pointer_type(tl.int32))
-    rs = recv_scales.to(tl.pointer_type(tl.int32))
+    cntp = _at(reg.tab, reg.rank, reg.set_off + RV.CNT, tl.int64)
+    ntp = _at(reg.tab, reg.rank, reg.set_off + RV.NTOK, tl.int64)
+    metap = _at(reg.tab, reg.rank, reg.set_off + RV.META, tl.int64)
+    xp = _at(reg.tab, reg.rank, reg.set_off + RV.X, tl.int32)
+    scp = _at(reg.tab, reg.rank, reg.set_off + RV.SC, tl.int32)
+    wll = _at(reg.tab, reg.rank, reg.set_off + LR.WLL, tl.int64)
+    wout = _at(reg.tab, reg.rank, w_off, tl.float32)
+    rx = out.recv_x.to(tl.pointer_type(tl.int32))
+    rs = out.recv_scales.to(tl.pointer_type(tl.int32))
     ws = tl.arange(0, HPW)
     wm = ws < RW
     ns = tl.arange(0, NSP)
@@ -170,15 +177,15 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                 c, failed = _take_ll(cntp + s * L + ls, lm, tl.full([LB], s, tl.int64), epoch,
                                      failed, limit, err, POLL, 1)
                 tot += c.to(tl.int32)
-            tl.store(recv_count + ls, tot, mask=lm)
-        tl.store(ntok_out + ps, nts, mask=ps < W)
+            tl.store(out.recv_count + ls, tot, mask=lm)
+        tl.store(out.ntok + ps, nts, mask=ps < W)
     ks = tl.arange(0, KP)
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
     for i in range(W):
         s = i
         if OWN_FIRST:   # this rank's own rows first: they are local, the peers' still crossing
-            s = (rank + i) % W
+            s = (reg.rank + i) % W
         n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
         for t in range(_first_token(b, s, NB, W), n_s, NB):
             slot = s * T + t
@@ -196,9 +203,9 @@ def _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab,
                 row += c.to(tl.int32)
             if failed == 0:
                 flat = le * (W * T) + row
-                tl.store(row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
-                tl.store(src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
-                own_x = (s == rank) & (OWN_X == 1)
+                tl.store(out.row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
+                tl.store(out.src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+                own_x = (s == reg.rank) & (OWN_X == 1)
                 if tl.max(valid.to(tl.int32), axis=0) > 0:      # the row was sent here
                     if own_x:
                         v = tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm)
@@ -277,6 +284,10 @@ def ll_dispatch_kernel(
         OWN_X: tl.constexpr = 0,        # not FP8: own rows expanded from x (_expand_ll)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
+    S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
+    RV: tl.constexpr = Recv(OFF_X, OFF_META, OFF_CNT, OFF_NTOK, OFF_SC, NS, NSP)
+    TI: tl.constexpr = Tiles(EB, TT, TS, JP, LB)
+    LR: tl.constexpr = LLRows(RW, HPW, OFF_WLL)
     # own rows from x only when one launch sends and receives (a hook's caller may reuse x)
     OWN_X_ON: tl.constexpr = OWN_X & (FP8 == 0) & ((STAGES & 3) == 3)
     b = tl.program_id(0)
@@ -285,26 +296,21 @@ def ll_dispatch_kernel(
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     ehi = (seq + 1) << LL_HI                        # this call's epoch bits
+    reg = Region(tab, rank, set_off)
     if STAGES & 1:      # D_SEND
         if CARRY:       # the weights' own LL words, in this call's set
-            _push_weights(wts, n_tok, tab, rank, set_off, T, K, KP, W, NB, MAX_TOPK, OFF_WLL,
-                          ehi, 1)
+            _push_weights(wts, n_tok, reg, S, OFF_WLL, ehi, LL=1)
         if ROWS_FIRST:
-            _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X,
-                       FP8, NS, OFF_SC, RW, HPW, E4M3_ASM, FP8_RCP, OWN_X_ON)
+            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, E4M3_ASM, FP8_RCP, OWN_X_ON)
             _stamp(err, 1, PROFILE, 0, NB)  # rows pushed
-        _send_routing(topk, n_tok, err, tab, rank, set_off, ehi, tag, T, K, KP, E, L, W, WP, NB,
-                      EB, TT, TS, JP, MAX_TOPK, OFF_META, OFF_CNT, OFF_NTOK, ROWS_FIRST == 0,
-                      PROFILE, 1)
+        _send_routing(topk, n_tok, err, reg, ehi, tag, S, RV, TI, STAMP=ROWS_FIRST == 0,
+                      PROFILE=PROFILE, LL=1)
         if not ROWS_FIRST:
-            _push_rows(x, topk, n_tok, tab, rank, set_off, T, H, HP, K, E, L, W, NB, JP, OFF_X,
-                       FP8, NS, OFF_SC, RW, HPW, E4M3_ASM, FP8_RCP, OWN_X_ON)
+            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, E4M3_ASM, FP8_RCP, OWN_X_ON)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
-        POLL: tl.constexpr = (STAGES & 8) != 0
-        _expand_ll(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, rank,
-                   set_off, seq, tag, timeout_us, err, w_off, T, K, KP, L, LB, W, WP, NB,
-                   MAX_TOPK, OFF_X, OFF_META, OFF_CNT, OFF_NTOK, FP8, NS, NSP, OFF_SC, RW,
-                   HPW, CARRY, OFF_WLL, POLL, OWN_FIRST, PROFILE, x, OWN_X_ON)
+        _expand_ll(x, Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg,
+                   seq, tag, timeout_us, err, w_off, S, RV, LR, LB, FP8=FP8, CARRY=CARRY,
+                   POLL=(STAGES & 8) != 0, OWN_FIRST=OWN_FIRST, PROFILE=PROFILE, OWN_X=OWN_X_ON)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
