@@ -48,7 +48,7 @@ def _pack_kernel(x, words, scales, H: tl.constexpr, HP: tl.constexpr, RW: tl.con
     t = tl.program_id(0)
     hs = tl.arange(0, HP)
     v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-    w, sw = _pack_row_fp8(v, HP, HPW, ROUND, 1, 1)
+    w, sw = _pack_row_fp8(v, HP, HPW, ROUND)
     ws = tl.arange(0, HPW)
     ns = tl.arange(0, HP // 128)
     tl.store(words + t * RW + ws, w, mask=ws < RW)

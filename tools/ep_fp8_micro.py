@@ -7,13 +7,12 @@ Every block quantises row ``program_id`` (the dispatch at 128 tokens: one row pe
 stores the words locally; each block stamps its SM cycle counter before its load and after its
 last store is issued. Prints the median over blocks and repetitions, in cycles and in µs at the
 SM clock the run measured (cycles of a timed 1 ms spin). Variants: ``copy`` (the bf16 row as
-int32 words: the bf16 dispatch's send), ``fp8`` (llcomm/ep/kernels/fp8.py ``_pack_row_fp8`` with the
-hardware convert, a division per element), ``fp8-bits`` (the bit rounding), ``fp8-rcp`` (the
-convert, divisions by the refined reciprocal ``_div_by``: the LL dispatch's default),
-``scales`` (the row's load and its scales only: what the rest of ``fp8-rcp`` adds to it).
-Checks that every FP8 variant wrote the same bytes as torch's reference (llcomm/ep/fp8.py)
-and prints the number of words that differ. ``--llcomm DIR`` times the kernels of another
-checkout's llcomm package (an A/B in one call).
+int32 words: the bf16 dispatch's send), ``fp8-rcp`` (llcomm/ep/kernels/fp8.py ``_pack_row_fp8``,
+the LL dispatch's quantiser: divisions by the refined reciprocal ``_div_by``, the hardware
+convert), ``scales`` (the row's load and its scales only: what the rest of ``fp8-rcp`` adds to
+it). Checks that the FP8 variants wrote the same bytes as torch's reference
+(llcomm/ep/fp8.py) and prints the number of words that differ. ``--llcomm DIR`` times the
+kernels of another checkout's llcomm package (an A/B in one call).
 """
 
 import torch
@@ -48,7 +47,7 @@ def _micro(x, outw, outs, stamps, H: tl.constexpr, HP: tl.constexpr, RW: tl.cons
     else:
         hs = tl.arange(0, HP)
         v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-        words, sw = _pack_row_fp8(v, HP, HPW, 0, MODE != 2, MODE == 3)
+        words, sw = _pack_row_fp8(v, HP, HPW, 0)
         ns = tl.arange(0, HP // FP8_BLOCK)
         tl.store(outw + t * RW + ws, words, mask=ws < RW)
         tl.store(outs + t * NS + ns, sw, mask=ns < NS)
@@ -92,7 +91,7 @@ def main():
     print(f"# {torch.cuda.get_device_name()}, hidden {H}, {n} rows, SM clock {ghz:.2f} GHz, "
           f"llcomm from {a.llcomm}")
     print(f"{'variant':10s} {'median cycles':>14s} {'µs':>7s} {'p90 µs':>7s}  wrong words")
-    for name, mode in (("copy", 0), ("fp8", 1), ("fp8-bits", 2), ("fp8-rcp", 3), ("scales", 4)):
+    for name, mode in (("copy", 0), ("fp8-rcp", 3), ("scales", 4)):
         rw = H * 2 // 4 if mode == 0 else H // 4
         outw = torch.zeros(n, rw, dtype=torch.int32, device="cuda")
         outs = torch.zeros(n, H // FP8_BLOCK, dtype=torch.int32, device="cuda")

@@ -39,17 +39,6 @@ LL_ENV = "LLCOMM_EP_LL"
 #: with the buffer for 512 (30.3 / 64.9 against 29.6 / 56.0 us): its receive slots are armed
 #: again after every read, and each pair waits on its own words in turn.
 LL_MAX_TOKENS = 256
-#: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
-#: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
-OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
-#: ``LLCOMM_EP_E4M3_ASM=0``: FP8 dispatches round fp32 -> e4m3 on the bits instead of with the
-#: GPU's convert in inline PTX (E4M3_ASM in kernels/ep.py ``_quantize_row``). On 2xH200 the
-#: convert took the FP8 dispatch from 9.7 / 15.5 to 8.8 / 14.9 us at 1 / 128 tokens
-#: (docs/performance.md, session 11), byte-equal to torch's cast in the FP8 GPU tests.
-E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
-#: ``LLCOMM_EP_FP8_RCP=0``: the LL dispatch's FP8 quantiser divides element by element (div_rn)
-#: instead of by the refined reciprocal (FP8_RCP in kernels/ep.py ``_div_by``; same quotients).
-FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
 #: ``LLCOMM_EP_OWN_X=0``: the LL dispatch (bf16/fp16/fp32 rows, one launch) sends this rank's
 #: own rows to its own receive slots instead of expanding them straight from x (OWN_X in
 #: kernels/ep.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens (write,
@@ -101,15 +90,6 @@ def ll_dispatch(max_tokens: int) -> int:
     return int(max_tokens <= LL_MAX_TOKENS)
 
 
-def e4m3_asm() -> int:
-    """E4M3_ASM of the dispatch kernel: ``LLCOMM_EP_E4M3_ASM`` (1 unless set to 0), never under
-    ``TRITON_INTERPRET=1``, which cannot run inline PTX (the bit rounding it runs instead gives
-    the same bytes: both match torch's cast, on the CPU and on the GPU respectively)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return env_bit(E4M3_ASM_ENV, 1)
-
-
 def ll_row_consts(lay, fp8: int) -> dict:
     """RW and HPW of the LL dispatch: int32 words per row slot (FP8: e4m3 bytes, four to a
     word; else buffer-dtype rows) and the power of two above."""
@@ -155,9 +135,8 @@ def kernel_consts(lay, topk: int, *, ll: int | None = None, tile_tokens: int | N
              OFF_NTOK=off["recv_ntok"], NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
              ROWS_FIRST=rows_first(ll), CARRY=0)
     if ll:
-        d.update(OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
-                 E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1),
-                 OWN_X=env_bit(OWN_X_ENV, 1), **ll_row_consts(lay, 0))
+        d.update(OFF_WLL=off["recv_weights"], OWN_X=env_bit(OWN_X_ENV, 1),
+                 **ll_row_consts(lay, 0))
     else:
         d.update(FP=fp, OFF_SIG=off["signal"], MASKS=0, LANES=MAX_WAIT_FLAGS if block else fp)
     c = dict(common, OFF_SIG=off["signal"], MASKS=0, OFF_CX=off["combine_x"],

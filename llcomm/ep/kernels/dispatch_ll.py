@@ -31,7 +31,7 @@ LLRows = namedtuple("LLRows", ["RW", "HPW", "WLL"])
 
 
 @triton.jit
-def _ll_row(x, t, S, LR, FP8: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr):
+def _ll_row(x, t, S, LR, FP8: tl.constexpr):
     """Token t's row as the RW int32 words it crosses NVLink as (``_row_words``; FP8: e4m3
     bytes packed four to a word, ``fp8._pack_row_fp8``), and its FP8 scales' words (a dummy
     without FP8)."""
@@ -39,7 +39,7 @@ def _ll_row(x, t, S, LR, FP8: tl.constexpr, E4M3_ASM: tl.constexpr, FP8_RCP: tl.
     if FP8:
         hs = tl.arange(0, S.HP)
         v = tl.load(x + t * S.H + hs, mask=hs < S.H, other=0.0)
-        words, sw = _pack_row_fp8(v.to(tl.float32), S.HP, LR.HPW, FP8 == 2, E4M3_ASM, FP8_RCP)
+        words, sw = _pack_row_fp8(v.to(tl.float32), S.HP, LR.HPW, FP8 == 2)
     else:
         words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * LR.RW + ws,
                                    mask=ws < LR.RW))
@@ -64,7 +64,7 @@ def _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8: tl.constexpr):
 
 @triton.jit
 def _push_rows(x, topk, n_tok, reg, S, RV, LR, JP: tl.constexpr, FP8: tl.constexpr,
-               E4M3_ASM: tl.constexpr, FP8_RCP: tl.constexpr, SKIP_OWN: tl.constexpr):
+               SKIP_OWN: tl.constexpr):
     """Each of this block's token rows (``_ll_row``) once per destination rank, into the
     source's slot ``rank * T + t`` there. SKIP_OWN: not to this rank itself (its expand reads
     the row from x)."""
@@ -76,7 +76,7 @@ def _push_rows(x, topk, n_tok, reg, S, RV, LR, JP: tl.constexpr, FP8: tl.constex
             if SKIP_OWN:
                 bits = bits & ~(tl.full([], 1, tl.int64) << reg.rank)
             slot = reg.rank * S.T + t
-            words, sw = _ll_row(x, t, S, LR, FP8, E4M3_ASM, FP8_RCP)
+            words, sw = _ll_row(x, t, S, LR, FP8)
             _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8)
 
 
@@ -118,15 +118,15 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
 @triton.jit
 def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.constexpr,
                FP8: tl.constexpr, CARRY: tl.constexpr, POLL: tl.constexpr,
-               OWN_FIRST: tl.constexpr, PROFILE: tl.constexpr, OWN_X: tl.constexpr):
+               PROFILE: tl.constexpr, OWN_X: tl.constexpr):
     """The receive: what the flag dispatch's expand does, each word waited for where it is
     read: the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights, copied to
-    byte ``w_off``); the row slot is armed again with ROW_SENTINEL once copied. PROFILE: stamp 3
-    when the first source's pairs (this rank's own, with OWN_FIRST) are expanded, stamp 4 when
-    the last row of a later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows
-    are read from ``x`` (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a
-    wait or a re-arm."""
+    byte ``w_off``); the row slot is armed again with ROW_SENTINEL once copied. Sources in turn
+    from this rank on: its own pairs first, whose rows are local while the peers' still cross.
+    PROFILE: stamp 3 when this rank's own pairs are expanded, stamp 4 when the last row of a
+    later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x``
+    (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm."""
     b = tl.program_id(0)
     T: tl.constexpr = S.T
     K: tl.constexpr = S.K
@@ -183,9 +183,7 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
     kmask = ks < K
     earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
     for i in range(W):
-        s = i
-        if OWN_FIRST:   # this rank's own rows first: they are local, the peers' still crossing
-            s = (reg.rank + i) % W
+        s = (reg.rank + i) % W
         n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
         for t in range(_first_token(b, s, NB, W), n_s, NB):
             slot = s * T + t
@@ -235,7 +233,7 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                             tl.store(wout + slot * MAX_TOPK + ks,
                                      wv.to(tl.int32).to(tl.float32, bitcast=True), mask=kmask)
         if i == 0:
-            _stamp(err, 3, PROFILE, 0, NB)      # the first source's pairs expanded
+            _stamp(err, 3, PROFILE, 0, NB)      # this rank's own pairs expanded
             _stamp(err, 4, PROFILE, 0, NB)
 
 
@@ -278,9 +276,6 @@ def ll_dispatch_kernel(
         OFF_WLL: tl.constexpr,          # CARRY: the weights' LL words, bytes
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
-        OWN_FIRST: tl.constexpr = 1,    # expand this rank's own pairs before the peers'
-        E4M3_ASM: tl.constexpr = 0,     # FP8: round by the GPU's convert (_pack_row_fp8)
-        FP8_RCP: tl.constexpr = 0,      # FP8: divide by the reciprocal (_div_by)
         OWN_X: tl.constexpr = 0,        # not FP8: own rows expanded from x (_expand_ll)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
@@ -301,16 +296,16 @@ def ll_dispatch_kernel(
         if CARRY:       # the weights' own LL words, in this call's set
             _push_weights(wts, n_tok, reg, S, OFF_WLL, ehi, LL=1)
         if ROWS_FIRST:
-            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, E4M3_ASM, FP8_RCP, OWN_X_ON)
+            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, OWN_X_ON)
             _stamp(err, 1, PROFILE, 0, NB)  # rows pushed
         _send_routing(topk, n_tok, err, reg, ehi, tag, S, RV, TI, STAMP=ROWS_FIRST == 0,
                       PROFILE=PROFILE, LL=1)
         if not ROWS_FIRST:
-            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, E4M3_ASM, FP8_RCP, OWN_X_ON)
+            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, OWN_X_ON)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
         _expand_ll(x, Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg,
                    seq, tag, timeout_us, err, w_off, S, RV, LR, LB, FP8=FP8, CARRY=CARRY,
-                   POLL=(STAGES & 8) != 0, OWN_FIRST=OWN_FIRST, PROFILE=PROFILE, OWN_X=OWN_X_ON)
+                   POLL=(STAGES & 8) != 0, PROFILE=PROFILE, OWN_X=OWN_X_ON)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)

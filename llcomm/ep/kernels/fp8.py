@@ -8,6 +8,7 @@ the LL dispatch's (four e4m3 bytes to an int32 word, as the LL dispatch sends ro
 """
 import triton
 import triton.language as tl
+from triton import knobs
 
 from .. import layout as EL
 from .common import _row_words
@@ -46,7 +47,10 @@ def _e4m3_bits(q):
 
 
 #: fp32 -> e4m3 by the GPU's convert, round to nearest even, four values to one register (byte
-#: i from operand i: ``cvt`` puts its first operand in the high byte of a pair).
+#: i from operand i: ``cvt`` puts its first operand in the high byte of a pair). Triton's
+#: interpreter (``TRITON_INTERPRET=1``, read when Triton and this module are imported) cannot
+#: run inline PTX: there ``_pack_row_fp8`` rounds on the bits instead (the same bytes).
+PTX_CONVERT = tl.constexpr(not knobs.runtime.interpret)
 E4M3X4_PTX = tl.constexpr("""{
     .reg .b16 lo, hi;
     cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
@@ -115,27 +119,22 @@ def _quantize_row(v, HP: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _pack_row_fp8(v, HP: tl.constexpr, HPW: tl.constexpr, ROUND: tl.constexpr,
-                  ASM: tl.constexpr, RCP: tl.constexpr):
+def _pack_row_fp8(v, HP: tl.constexpr, HPW: tl.constexpr, ROUND: tl.constexpr):
     """LL dispatch, FP8: fp32 row ``v`` ``[HP]`` -> (its e4m3 bytes packed four to an int32 word
     ``[HPW]``, its scales' bits ``[HP // 128]``), both as ``_row_words`` sends them; the
-    arithmetic of ``_quantize_row``. RCP: the divisions by ``_div_by`` (same quotients). ASM:
-    the GPU's ``cvt.rn.satfinite`` (E4M3X4_PTX) turns four quotients into one word, no clamp
-    (every quotient is within an ulp of +-448 at most, and satfinite saturates there as the
-    clamp would); the interpreter cannot run it. Timed alone by tools/ep_fp8_micro.py
-    (docs/performance.md)."""
+    arithmetic of ``_quantize_row``, with the divisions by ``_div_by`` (the same quotients). The
+    GPU's ``cvt.rn.satfinite`` (E4M3X4_PTX) turns four quotients into one word, no clamp (every
+    quotient is within an ulp of +-448 at most, and satfinite saturates there as the clamp
+    would). Timed alone by tools/ep_fp8_micro.py (docs/performance.md)."""
     v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
     sc = _fp8_scales(v2, ROUND)
-    if RCP:
-        q = _div_by(v2, sc)
-    else:
-        q = tl.math.div_rn(v2, sc[:, None])
+    q = _div_by(v2, sc)
     # the four quotients of each word, in byte order, in registers: element 4w + 2j + i is
     # [w, j, i], and a split takes the last axis (i) apart
     even, odd = tl.split(tl.reshape(q, (HPW, 2, 2)))        # [w, j] of i = 0 and i = 1
     e0, e2 = tl.split(even)
     e1, e3 = tl.split(odd)
-    if ASM:
+    if PTX_CONVERT:
         words = tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [e0, e1, e2, e3],
                                           dtype=tl.int32, is_pure=True, pack=1)
     else:
