@@ -3,11 +3,11 @@
 ``llcomm/ep/kernels/fp8.py _div_by`` replaces a division per element by one correctly rounded
 reciprocal per scale and a correction by the exact remainder. It must give the very quotients
 of IEEE division (torch's ``/`` on CUDA, and ``div_rn``) wherever the quantiser uses it:
-``|x| <= 448 s`` (every element of a block is at most its amax = 448 s). Checked over every finite bf16 value
-against scales spread log-uniformly from 2**-89 (RCP_MIN_SCALE) to 2**119, plus
-scales made the way the quantiser makes them (amax / 448), powers of two (round_scale) and a
-few below 2**-89 (which ``_div_by`` lifts by 2**64 first): on the GPU, and (fewer scales) under
-``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
+``|x| <= 448 s`` (every element of a block is at most its amax = 448 s). Checked over every
+finite bf16 value against scales spread log-uniformly from 2**-89 (RCP_MIN_SCALE) to 2**119,
+plus scales made the way the quantiser makes them (amax / 448), powers of two (round_scale)
+and a few below 2**-89 (which ``_div_by`` lifts by 2**64 first): on the GPU, and (fewer
+scales) under ``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
 
 Then, on the GPU only (the interpreter cannot run the inline PTX convert), ``_pack_row_fp8`` as
 the LL dispatch runs it (the convert and the reciprocal) against ``llcomm/ep/fp8.quantize`` on

@@ -91,9 +91,9 @@ def _rank(rank, world, cfg):
     prof = buf._impl.err[ERR_PROF:ERR_PROF + 2 * nb * PROF_WORDS].view(2, nb, PROF_WORDS)
 
     # FP8: the combine sums rows dequantised once, here, outside the graph. Dequantising inside
-    # it (as up to session 12) moved about 4.5 GB through HBM per pair at 128 tokens (the whole
-    # [L, W * T, H] buffer, through fp32), so every dispatch and combine of the FP8 timeline
-    # started with L2 swept, unlike the bf16 one and unlike the FP8 bench (dispatches only).
+    # it would move about 4.5 GB through HBM per pair at 128 tokens (the whole [L, W * T, H]
+    # buffer, through fp32), so every dispatch and combine of the FP8 timeline would start
+    # with L2 swept, unlike the bf16 one and unlike the FP8 bench (dispatches only).
     rows_fp8 = None
     if cfg["fp8"]:
         (q, sc), _, _ = buf.dispatch(x, idx, use_fp8=True)

@@ -18,38 +18,35 @@ from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS,
 #: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
-#: The scan's tile when one tile of this many tokens covers them all: at 1 token per rank a
-#: 16-token tile made the dispatch 9.7 -> 9.0 us on 2xH200, while 16-token tiles at 128 tokens
-#: cost 17.1 -> 20.7 us (session 9, two runs each); so the small tile only ever runs once.
+#: The scan's tile when one tile of this many tokens covers them all: faster at 1 token, slower
+#: as the only tile size at 128, so it only ever runs once (2xH200: docs/performance.md).
 SMALL_SCAN_TILE = 16
-#: Env override of the scan tile (a power of two). On 2xH200 at 128 tokens a 128-token tile beat
-#: 32-token tiles by 2.1 us (docs/performance.md, session 4). Every EP knob below may differ
-#: between ranks: none changes what crosses between them.
+#: Env override of the scan tile (a power of two); 128-token tiles measured fastest at 128 tokens
+#: (2xH200: docs/performance.md). Every EP knob below may differ between ranks: none changes
+#: what crosses between them.
 SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
-#: ``LLCOMM_EP_ROWS_FIRST=0`` pushes the dispatch's rows after the top-k scan, as before
-#: session 4 (an A/B knob: ROWS_FIRST in kernels/ep.py ``_send``).
+#: ``LLCOMM_EP_ROWS_FIRST=0 / 1``: the dispatch pushes its rows after / before the top-k scan
+#: (ROWS_FIRST of the dispatch kernels; the default is ``rows_first``).
 ROWS_FIRST_ENV = "LLCOMM_EP_ROWS_FIRST"
-#: ``LLCOMM_EP_LL=0 / 1``: the flag or the LL dispatch (kernels/ep.py, ``LL``) whatever the
-#: buffer's size. It changes what crosses between ranks, so every rank must use the same value;
-#: buffers with rank masks always run the flag dispatch.
+#: ``LLCOMM_EP_LL=0 / 1``: the flag or the LL dispatch (kernels/dispatch_flag.py,
+#: kernels/dispatch_ll.py) whatever the buffer's size. It changes what crosses between ranks,
+#: so every rank must use the same value; buffers with rank masks always run the flag dispatch.
 LL_ENV = "LLCOMM_EP_LL"
 #: Largest buffer (max tokens per rank) that runs the LL dispatch unless LLCOMM_EP_LL says
-#: otherwise. On 2xH200 (docs/performance.md, session 11) it took the dispatch from 9.3 / 17.5
-#: to 6.6 / 15.2 us at 1 / 128 tokens with the buffer for 128, and lost at 256 and 512 tokens
-#: with the buffer for 512 (30.3 / 64.9 against 29.6 / 56.0 us): its receive slots are armed
-#: again after every read, and each pair waits on its own words in turn.
+#: otherwise: faster than the flag dispatch up to it, slower with the buffer for 512 tokens,
+#: whose receive slots it arms again after every read (2xH200: docs/performance.md).
 LL_MAX_TOKENS = 256
 #: ``LLCOMM_EP_OWN_X=0``: the LL dispatch (bf16/fp16/fp32 rows, one launch) sends this rank's
 #: own rows to its own receive slots instead of expanding them straight from x (OWN_X in
-#: kernels/ep.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens (write,
-#: read, re-arm): 15.7 -> 14.3 us on 2xH200 (docs/performance.md, session 12).
+#: kernels/dispatch_ll.py ``_expand_ll``). From x saves 5.4 MB of local traffic at 128 tokens
+#: (write, read, re-arm; 2xH200: docs/performance.md).
 OWN_X_ENV = "LLCOMM_EP_OWN_X"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
-#: How the EP waits poll their flags (measured: docs/performance.md, session 4).
+#: How the EP waits poll their flags (measured: docs/performance.md).
 WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
 #: Env override of the EP kernels' num_warps (a tuning knob).
 NUM_WARPS_ENV = "LLCOMM_EP_NUM_WARPS"
@@ -65,7 +62,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def wait_lanes_block() -> bool:
-    """How EP waits poll (kernels/ep.py ``_wait_flags``): ``LLCOMM_EP_WAIT_LANES=flags``
+    """How EP waits poll (kernels/common.py ``_wait_flags``): ``LLCOMM_EP_WAIT_LANES=flags``
     (default) polls each flag once per warp, ``block`` spreads the flags over 1024 lanes. On
     2xH200 ``flags`` gave the faster dispatch in two runs (docs/performance.md)."""
     raw = os.environ.get(WAIT_LANES_ENV, "flags")
@@ -75,14 +72,14 @@ def wait_lanes_block() -> bool:
 
 
 def rows_first(ll: int = 0) -> int:
-    """ROWS_FIRST of the dispatch kernel: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
-    dispatch and 0 for the LL one (metadata and counts first: 6.5 / 15.3 against 7.1 / 17.0 us
-    at 1 / 128 tokens on 2xH200, docs/performance.md, session 11)."""
+    """ROWS_FIRST of the dispatch kernels: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
+    dispatch and 0 for the LL one (metadata and counts first measured faster there, 2xH200:
+    docs/performance.md)."""
     return env_bit(ROWS_FIRST_ENV, 0 if ll else 1)
 
 
 def ll_dispatch(max_tokens: int) -> int:
-    """LL of the dispatch kernel: ``LLCOMM_EP_LL`` when set, else 1 (the LL dispatch) for
+    """Whether the LL dispatch runs: ``LLCOMM_EP_LL`` when set, else 1 (the LL dispatch) for
     buffers of at most LL_MAX_TOKENS tokens per rank. The rule follows the buffer, which every
     rank shares, never a call's token count, which ranks do not."""
     if os.environ.get(LL_ENV) is not None:
@@ -192,7 +189,7 @@ class PeerEP:
         self._host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
         # err[3]: rank mask (bit s: rank s masked); err[4]: the mask the blocks of the latest
-        # dispatch agreed on, with its epoch (kernels/ep.py: ERR_MASK, ERR_VERDICT).
+        # dispatch agreed on, with its epoch (kernels/common.py: ERR_MASK, ERR_VERDICT).
         self.masks = int(buf.enable_masks)
         # err[ERR_PROF:]: stage stamps of each block when LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
         self.profile = int(os.environ.get(PROF_ENV, "0") == "1")
@@ -261,7 +258,7 @@ class PeerEP:
                  split: bool = False, weights=None):
         """Launch the dispatch (``split``: its send half only, and return the launch of its
         receive half as the fourth value; otherwise that is None). ``weights``: push them too,
-        into handle slot ``slot``'s weights region (set ``slot``; kernels/ep.py)."""
+        into handle slot ``slot``'s weights region (set ``slot``; kernels/__init__.py)."""
         K = topk_idx.shape[1]
         row_of, src_info, recv_count, ntok = self._views(slot, K)
         if fp8:
