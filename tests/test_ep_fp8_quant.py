@@ -1,13 +1,13 @@
 """The LL dispatch's FP8 quantiser arithmetic (one GPU or the interpreter, no peers).
 
-``kernels/ep.py _div_by`` replaces a division per element by one correctly rounded reciprocal
-per scale and a correction by the exact remainder. It must give the very quotients of IEEE
-division (torch's ``/`` on CUDA, and ``div_rn``) wherever the quantiser uses it: ``|x| <= 448 s``
-(every element of a block is at most its amax = 448 s). Checked over every finite bf16 value
-against scales spread log-uniformly from 2**-89 (RCP_MIN_SCALE) to 2**119, plus
-scales made the way the quantiser makes them (amax / 448), powers of two (round_scale) and a
-few below 2**-89 (which ``_div_by`` lifts by 2**64 first): on the GPU, and (fewer scales) under
-``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
+``llcomm/ep/kernels/fp8.py _div_by`` replaces a division per element by one correctly rounded
+reciprocal per scale and a correction by the exact remainder. It must give the very quotients
+of IEEE division (torch's ``/`` on CUDA, and ``div_rn``) wherever the quantiser uses it:
+``|x| <= 448 s`` (every element of a block is at most its amax = 448 s). Checked over every
+finite bf16 value against scales spread log-uniformly from 2**-89 (RCP_MIN_SCALE) to 2**119,
+plus scales made the way the quantiser makes them (amax / 448), powers of two (round_scale)
+and a few below 2**-89 (which ``_div_by`` lifts by 2**64 first): on the GPU, and (fewer
+scales) under ``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
 
 Then, on the GPU only (the interpreter cannot run the inline PTX convert), ``_pack_row_fp8`` as
 the LL dispatch runs it (the convert and the reciprocal) against ``llcomm.ep.fp8.quantize`` on
@@ -23,7 +23,7 @@ import triton.language as tl
 from _interp import run_in_interpreter
 from llcomm.ep import fp8 as ep_fp8
 from llcomm.ep.fp8 import FP8_BLOCK
-from llcomm.ep.kernels.dispatch_combine import RCP_MIN_SCALE, _div_by, _pack_row_fp8
+from llcomm.ep.kernels.fp8 import RCP_MIN_SCALE, _div_by, _pack_row_fp8
 
 ROWS = 64                   # 128-channel blocks per program of the division kernel
 SCALES_GPU = 512            # random scales of each kind, against every finite bf16 value
@@ -48,7 +48,7 @@ def _pack_kernel(x, words, scales, H: tl.constexpr, HP: tl.constexpr, RW: tl.con
     t = tl.program_id(0)
     hs = tl.arange(0, HP)
     v = tl.load(x + t * H + hs, mask=hs < H, other=0.0).to(tl.float32)
-    w, sw = _pack_row_fp8(v, HP, HPW, ROUND, 1, 1)
+    w, sw = _pack_row_fp8(v, HP, HPW, ROUND)
     ws = tl.arange(0, HPW)
     ns = tl.arange(0, HP // 128)
     tl.store(words + t * RW + ws, w, mask=ws < RW)
@@ -140,7 +140,7 @@ def test_pack_row_fp8_matches_torch(round_scale):
     q, s = ep_fp8.quantize(x, round_scale)
     b = q.view(torch.uint8).view(n, rw, 4).to(torch.int32)
     want = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    # the LL dispatch sends a word equal to its sentinel (-1) as 0x7FFFFFFF (kernels/ep.py)
+    # the LL dispatch sends a word equal to its sentinel (-1) as 0x7FFFFFFF (kernels/common.py)
     want = torch.where(want == -1, 0x7FFFFFFF, want)
     assert torch.equal(words, want), f"{int((words != want).sum())} of {want.numel()} words differ"
     assert torch.equal(scales.view(torch.float32), s)

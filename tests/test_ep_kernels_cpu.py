@@ -59,10 +59,10 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ``plant``: some row words are the LL sentinel (0xFFFFFFFF); they must arrive escaped
     (``_escaped``) and the combine is skipped (those rows are NaNs)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep.peer import kernel_consts, ll_row_consts
+    from llcomm.ep import kernels as K
     from llcomm.ep.fp8 import dequantize, quantize
     from llcomm.ep.layout import ARM_BYTE, ep_layout
-    from llcomm.ep.kernels import dispatch_combine as K
+    from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_row_consts
     from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch,
                                 oracle_dispatch_fp8)
 
@@ -80,8 +80,10 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
     # TT=4: several top-k tiles even at these small token counts; up to 2 tokens take the
     # one-small-tile path (TS=2)
-    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
-    dc = dict(dc, LL=ll, **ll_row_consts(lay, fp8))
+    dc, cc, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=4, small_tile_tokens=2)
+    if ll:
+        dc = dict(dc, **ll_row_consts(lay, fp8))
+    dispatch = dispatch_kernel(ll)
     fails = []
     call = 0
     for seed in seeds:
@@ -111,7 +113,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                 if stage == K.D_RECV and signals and not ll:
                     fails += _check_flags(regions, lay, ctrl, 0, [0], NB, W, tag)
                 for r in range(W):
-                    K.dispatch_kernel[(NB,)](
+                    dispatch[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
                         **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry)))
@@ -207,10 +209,11 @@ def _check_flags(regions, lay, ctrl, op, phases, NB, W, tag):
 
 
 def _bad_topk():
-    """Out-of-range entries are counted into the host word and routed nowhere."""
-    from llcomm.ep.peer import kernel_consts
+    """Out-of-range entries are counted into the host word and routed nowhere, by both
+    dispatches."""
+    from llcomm.ep import kernels as K
     from llcomm.ep.layout import ep_layout
-    from llcomm.ep.kernels import dispatch_combine as K
+    from llcomm.ep.peer import dispatch_kernel, kernel_consts
     W, E, T, H, NB, topk = 1, 4, 4, 16, 2, 2
     lay = ep_layout(T, H, W, E, 2, num_blocks=NB)
     region = torch.zeros(lay.total_bytes, dtype=torch.uint8)
@@ -225,15 +228,19 @@ def _bad_topk():
     src = torch.zeros(E, T, dtype=torch.int32)
     cnt = torch.zeros(E, dtype=torch.int32)
     ntok = torch.zeros(W, dtype=torch.int32)
-    dc, _, _ = kernel_consts(lay, topk, tile_tokens=2)
-    for stage in (K.D_SEND, K.D_RECV):
-        K.dispatch_kernel[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab, ctrl, err,
-                                 0, 0, 0, idx, 0, STAGES=stage, FP8=0, **dc)
     fails = []
-    if int(host[1]) != 3:
-        fails.append(f"reported {int(host[1])} bad entries, expected 3")
-    if cnt.tolist() != [1, 2, 0, 0]:
-        fails.append(f"counts {cnt.tolist()}, expected [1, 2, 0, 0] (bad entries ignored)")
+    for ll in (0, 1):
+        dc, _, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=2)
+        for stage in (K.D_SEND, K.D_RECV):
+            dispatch_kernel(ll)[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab,
+                                       ctrl, err, 0, 0, 0, idx, 0, STAGES=stage, FP8=0, **dc)
+        if int(host[1]) != 3:
+            fails.append(f"ll={ll}: reported {int(host[1])} bad entries, expected 3")
+        if cnt.tolist() != [1, 2, 0, 0]:
+            fails.append(f"ll={ll}: counts {cnt.tolist()}, expected [1, 2, 0, 0] (bad entries "
+                         "ignored)")
+        host.zero_()
+        cnt.fill_(-7)
     return fails
 
 
@@ -288,8 +295,8 @@ def _e4m3_exhaustive():
     subnormal range, the saturation edge and random values."""
     import triton
     import triton.language as tl
-    from llcomm.ep.kernels import dispatch_combine as K
-    globals()["_E4M3_BITS"] = K._e4m3_bits      # a jit function resolves module globals
+    from llcomm.ep.kernels import fp8 as F
+    globals()["_E4M3_BITS"] = F._e4m3_bits      # a jit function resolves module globals
 
     @triton.jit
     def conv(src, dst, N: tl.constexpr):
@@ -326,9 +333,9 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     absent: dispatch as if they had sent no token, combine as if their experts were not in any
     top-k (zeros for a token routed only to them). Returns failures."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep.peer import kernel_consts
+    from llcomm.ep import kernels as K
     from llcomm.ep.layout import ep_layout
-    from llcomm.ep.kernels import dispatch_combine as K
+    from llcomm.ep.peer import kernel_consts
     from test_ep_oracle import expert_fn, make_case, oracle_combine, oracle_dispatch
 
     dtype = getattr(torch, dtype_name)
@@ -343,8 +350,8 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8, bits, 0], dtype=torch.int64)
            for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    dc, cc, _ = kernel_consts(lay, topk, tile_tokens=4, small_tile_tokens=2)
-    dc, cc = dict(dc, MASKS=1, LL=0, ROWS_FIRST=1), dict(cc, MASKS=1)   # masks: flag dispatch
+    dc, cc, _ = kernel_consts(lay, topk, ll=0, tile_tokens=4, small_tile_tokens=2)
+    dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)      # masks: the flag dispatch
     tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} masked={masked}]"
     xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
     recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
@@ -354,7 +361,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
     for stage, ranks in ((K.D_SEND, range(W)), (K.D_RECV, live)):
         for r in ranks:
-            K.dispatch_kernel[(NB,)](
+            K.flag_dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
                 ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, STAGES=stage, FP8=0,
                 **dc)

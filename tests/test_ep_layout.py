@@ -123,10 +123,10 @@ def test_wait_lanes_knob(monkeypatch):
     from llcomm.ep.peer import kernel_consts
     WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    d, c, _ = kernel_consts(lay, 8)
+    d, c, _ = kernel_consts(lay, 8, ll=0)        # the flag dispatch waits, the LL one not
     assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
     monkeypatch.setenv(WAIT_LANES_ENV, "block")
-    d, c, _ = kernel_consts(lay, 8)
+    d, c, _ = kernel_consts(lay, 8, ll=0)
     assert (d["LANES"], c["LANES"]) == (MAX_WAIT_FLAGS, MAX_WAIT_FLAGS)
     monkeypatch.setenv(WAIT_LANES_ENV, "warps")
     with pytest.raises(ValueError, match=WAIT_LANES_ENV):
@@ -137,19 +137,27 @@ def test_order_and_tile_knobs(monkeypatch):
     """Defaults: the LL dispatch with metadata before the rows up to LL_MAX_TOKENS, the flag
     dispatch with rows before the scan above; one 128-token scan tile (fewer tokens per tile
     when a block owns more experts); each env knob overrides and refuses a bad value by name."""
-    from llcomm.ep.peer import LL_MAX_TOKENS, kernel_consts
+    from llcomm.ep.peer import LL_MAX_TOKENS, kernel_consts, ll_dispatch
+    from llcomm.runtime.settings import EPSettings
     LL_ENV, ROWS_FIRST_ENV = "LLCOMM_EP_LL", "LLCOMM_EP_ROWS_FIRST"
     SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
+
+    def _ll(max_tokens):
+        return ll_dispatch(EPSettings.read(), max_tokens)
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
-    assert (d["LL"], d["ROWS_FIRST"], d["TT"], d["TS"]) == (1, 0, 128, 16)   # TS: small tile
+    assert _ll(128) == 1 and "RW" in d and "MASKS" not in d     # the LL kernel's
+    assert (d["ROWS_FIRST"], d["TT"], d["TS"]) == (0, 128, 16)          # TS: small tile
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    assert (kernel_consts(big, 8)[0]["LL"], kernel_consts(big, 8)[0]["ROWS_FIRST"]) == (0, 1)
-    edge = ep_layout(LL_MAX_TOKENS, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    assert kernel_consts(edge, 8)[0]["LL"] == 1
+    assert _ll(512) == 0 and "MASKS" in kernel_consts(big, 8)[0]   # the flag kernel's
+    assert kernel_consts(big, 8)[0]["ROWS_FIRST"] == 1
+    assert kernel_consts(lay, 8, ll=0)[0]["ROWS_FIRST"] == 1
+    assert _ll(LL_MAX_TOKENS) == 1
     for v in ("0", "1"):        # forced either way, whatever the buffer
         monkeypatch.setenv(LL_ENV, v)
-        assert kernel_consts(lay, 8)[0]["LL"] == kernel_consts(big, 8)[0]["LL"] == int(v)
+        assert _ll(128) == _ll(512) == int(v)
+        ll_keys = ["RW" in kernel_consts(b, 8)[0] for b in (lay, big)]
+        assert ll_keys == [v == "1"] * 2
         assert kernel_consts(lay, 8)[0]["ROWS_FIRST"] == 1 - int(v)
     monkeypatch.setenv(LL_ENV, "yes")
     with pytest.raises(ValueError, match=LL_ENV):

@@ -2,8 +2,9 @@
 
 What the LL dispatch is for, checked where it lives: no system-scope atomic or fence (no flag,
 no release; the data is its own flag), volatile polls of its words, and FP8 rows rounded by the
-GPU's ``cvt.rn.satfinite.e4m3x2.f32`` (E4M3_ASM). The flag dispatch, which a buffer for more
-than ``LL_MAX_TOKENS`` tokens runs, keeps its release and its bit rounding.
+GPU's ``cvt.rn.satfinite.e4m3x2.f32`` (``kernels/fp8.py`` E4M3X4_PTX). The flag dispatch,
+which a buffer for more than ``LL_MAX_TOKENS`` tokens runs, keeps its release and its bit
+rounding.
 """
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ def _ptx(name: str, tokens: int) -> str:
 
 @pytest.mark.parametrize("name", ["dispatch_bf16", "dispatch_bf16_fp8"])
 def test_ll_dispatch_has_no_fence_and_polls(name, monkeypatch):
-    for var in ("LLCOMM_EP_LL", "LLCOMM_EP_E4M3_ASM", "TRITON_INTERPRET"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("LLCOMM_EP_LL", raising=False)
     ll = _ptx(name, 128)
     assert not SYS_ATOMIC.search(ll), f"{name}: a system-scope atomic or fence in the LL dispatch"
     assert "ld.volatile.global" in ll

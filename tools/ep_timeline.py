@@ -5,7 +5,7 @@
 
 Runs EPBuffer with ``LLCOMM_EP_PROFILE=1``: every block of the kernels stamps its SM cycle
 counter at each stage boundary (and the global timer at its start and end) into the buffer's
-private ``err`` tensor (``_stamp`` in ``llcomm/ep/kernels/dispatch_combine.py``). A CUDA graph of ``--ops``
+private ``err`` tensor (``_stamp`` in ``llcomm/ep/kernels/common.py``). A CUDA graph of ``--ops``
 back-to-back dispatch + combine pairs is replayed; the stamps of the last pair of each replay
 (ranks in lockstep by then) are read back. Cycles become µs by the ratio of global-timer to cycle spans
 over all blocks. Prints, per rank, the median (and p90) over blocks and replays of each stage,

@@ -3,13 +3,14 @@
     python tools/ptx_ep.py [--dump DIR] [--same-as DIR] [--pdl] [--hidden 7168] [--experts 256]
                            [--ranks 2] [--tokens 128]
 
-Compiles ``dispatch_kernel`` (bf16 / fp32 rows, and FP8) and ``combine_kernel`` exactly as
-``EPBuffer`` launches them (same constexprs, all stages, fp fusion off for combine; and the send
-and receive halves of ``return_recv_hook=True``) and prints
-per kernel: 16-byte vector
-loads/stores (ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope
-atomics (signals and acquire polls), fused multiply-adds (should be none in combine: the
-documented order rounds the product and the sum separately), registers and spills.
+Compiles the dispatch (bf16 / fp32 rows, and FP8: ``ll_dispatch_kernel`` or
+``flag_dispatch_kernel``, whichever ``EPBuffer`` runs for ``--tokens``, and the flag one for rank
+masks) and ``combine_kernel`` exactly as ``EPBuffer`` launches them (same constexprs, all
+stages, fp fusion off for combine; and the send and receive halves of
+``return_recv_hook=True``) and prints per kernel: 16-byte vector loads/stores
+(ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope atomics
+(signals and acquire polls), fused multiply-adds (should be none in combine: the documented
+order rounds the product and the sum separately), registers and spills.
 """
 import argparse
 import os
@@ -23,10 +24,10 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llcomm.ep.peer import kernel_consts, ll_row_consts  # noqa: E402
+from llcomm.ep import kernels as K  # noqa: E402
 from llcomm.ep.layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
-from llcomm.ep.kernels import dispatch_combine as K  # noqa: E402
-from ptx import ptx_summary, ptxas_usage, same_as  # noqa: E402  (tools/ptx.py, beside this file)
+from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_dispatch, ll_row_consts  # noqa: E402
+from ptx import code_only, ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -51,8 +52,14 @@ def compile_one(fn, sig, consts, num_warps, options=None, pdl=False):
 
 
 def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
+    """Every variant, by name. ``dispatch_*`` is the dispatch ``EPBuffer`` runs for a buffer of
+    ``tokens`` tokens (``ll_dispatch_kernel`` up to LL_MAX_TOKENS, else ``flag_dispatch_kernel``;
+    LLCOMM_EP_LL overrides); ``dispatch_*_masks`` is always the flag dispatch."""
     lay = ep_layout(tokens, hidden, ranks, experts, ITEMSIZE[dt], num_blocks=nb)
-    d_consts, c_consts, warps = kernel_consts(lay, topk)
+    ll = ll_dispatch(tokens)
+    d_consts, c_consts, warps = kernel_consts(lay, topk, ll=ll)
+    m_consts = kernel_consts(lay, topk, ll=0)[0]
+    DK = dispatch_kernel(ll)
     p = "*" + dt
     d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "recv_scales": "*fp32",
              "row_of": "*i32",
@@ -64,43 +71,58 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
              "rank": "i32", "tag": "i64", "timeout_us": "i32", "w_off": "i64"}
     d8_sig = dict(d_sig, recv_x="*u8")
     fp8 = {} if hidden % 128 else {
-        f"dispatch_{dt}_fp8": (K.dispatch_kernel, d8_sig,
+        f"dispatch_{dt}_fp8": (DK, d8_sig,
                                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=1,
-                                    **ll_row_consts(lay, 1)), warps, None)}
+                                    **(ll_row_consts(lay, 1) if ll else {})), warps, None)}
+    no_fusion = {"enable_fp_fusion": False}
     return {
-        f"dispatch_{dt}": (K.dispatch_kernel, d_sig,
-                           dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), warps, None),
+        f"dispatch_{dt}": (DK, d_sig, dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), warps, None),
         **fp8,
         f"combine_{dt}": (K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
-                          warps, {"enable_fp_fusion": False}),
+                          warps, no_fusion),
         # the two launches of return_recv_hook=True
-        f"dispatch_{dt}_send": (K.dispatch_kernel, d_sig,
-                                dict(d_consts, STAGES=K.DISPATCH_SEND_HALF, FP8=0), warps, None),
-        f"dispatch_{dt}_recv": (K.dispatch_kernel, d_sig,
-                                dict(d_consts, STAGES=K.DISPATCH_RECV_HALF, FP8=0), warps, None),
+        f"dispatch_{dt}_send": (DK, d_sig, dict(d_consts, STAGES=K.DISPATCH_SEND_HALF, FP8=0),
+                                warps, None),
+        f"dispatch_{dt}_recv": (DK, d_sig, dict(d_consts, STAGES=K.DISPATCH_RECV_HALF, FP8=0),
+                                warps, None),
         f"combine_{dt}_send": (K.combine_kernel, c_sig,
-                               dict(c_consts, STAGES=K.COMBINE_SEND_HALF), warps,
-                               {"enable_fp_fusion": False}),
+                               dict(c_consts, STAGES=K.COMBINE_SEND_HALF), warps, no_fusion),
         f"combine_{dt}_recv": (K.combine_kernel, c_sig,
-                               dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps,
-                               {"enable_fp_fusion": False}),
+                               dict(c_consts, STAGES=K.COMBINE_RECV_HALF), warps, no_fusion),
         # dispatch(topk_weights=...): the weights travel with the dispatch
-        f"dispatch_{dt}_carry": (K.dispatch_kernel, d_sig,
+        f"dispatch_{dt}_carry": (DK, d_sig,
                                  dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0, CARRY=1), warps,
                                  None),
         f"combine_{dt}_carried": (K.combine_kernel, c_sig,
                                   dict(c_consts, STAGES=K.COMBINE_ALL, CARRIED=1), warps,
-                                  {"enable_fp_fusion": False}),
-        # EPBuffer(enable_masks=True), and LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
-        **{f"{kind}_{dt}_{mode}": (fn, sig, dict(consts, **{k: v for k, v in extra.items()
-                                                            if k in fn.arg_names}), warps, opts)
-           for mode, extra in (("masks", {"MASKS": 1, "LL": 0}), ("prof", {"PROFILE": 1}))
-           for kind, fn, sig, consts, opts in (
-               ("dispatch", K.dispatch_kernel, d_sig,
-                dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0), None),
-               ("combine", K.combine_kernel, c_sig, dict(c_consts, STAGES=K.COMBINE_ALL),
-                {"enable_fp_fusion": False}))},
+                                  no_fusion),
+        # EPBuffer(enable_masks=True): the flag dispatch
+        f"dispatch_{dt}_masks": (K.flag_dispatch_kernel, d_sig,
+                                 dict(m_consts, STAGES=K.DISPATCH_ALL, FP8=0, MASKS=1), warps,
+                                 None),
+        f"combine_{dt}_masks": (K.combine_kernel, c_sig,
+                                dict(c_consts, STAGES=K.COMBINE_ALL, MASKS=1), warps, no_fusion),
+        # LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
+        f"dispatch_{dt}_prof": (DK, d_sig, dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0,
+                                                PROFILE=1), warps, None),
+        f"combine_{dt}_prof": (K.combine_kernel, c_sig,
+                               dict(c_consts, STAGES=K.COMBINE_ALL, PROFILE=1), warps, no_fusion),
     }
+
+
+def same_as(folder, name, ptx):
+    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx`` ("" without it), the
+    code compared as tools/ptx.py compares it, with either dispatch kernel's name read as
+    ``dispatch_kernel`` (the one kernel both came from: dumps made before the split compare)."""
+    if not folder:
+        return ""
+
+    def code(text):
+        return [re.sub(r"\b(ll_|flag_)dispatch_kernel", "dispatch_kernel", line)
+                for line in code_only(text)]
+
+    with open(os.path.join(folder, name + ".ptx")) as f:
+        return "  same" if code(f.read()) == code(ptx) else "  DIFFERENT"
 
 
 def main():

@@ -1,7 +1,7 @@
 """FP8 dispatch format of ``EPBuffer.dispatch(..., use_fp8=True)``, in plain torch.
 
 One definition, used by the reference backend and offered to callers (``dequantize`` for
-experts that want bf16 back). The peer kernel (``kernels/ep.py``) evaluates the same arithmetic
+experts that want bf16 back). The peer kernel (``kernels/fp8.py``) evaluates the same arithmetic
 in Triton on the sender, so fp8 bytes cross NVLink; the tests hold the two to byte equality.
 
 For each token row and each block of ``FP8_BLOCK`` = 128 consecutive channels, all in fp32 with

@@ -27,7 +27,7 @@ consecutive combines)::
     handle weights  fp32  [num_ranks, max_tokens, MAX_TOPK]        weights carried by dispatch k
     dispatch wts LL int64 [num_ranks, max_tokens, MAX_TOPK]        the same, in flight (LL mode)
 
-The metadata, count and ntok words are 8 bytes: the LL dispatch (kernels/ep.py, ``LL``) sends
+The metadata, count and ntok words are 8 bytes: the LL dispatch (kernels/dispatch_ll.py) sends
 each as ``(epoch << 32) | value``; the flag dispatch uses the low half of each region as int32.
 The dispatch receive region is armed with 0xFF bytes when the buffer is made (the LL dispatch's
 "not yet written" word; its receiver writes it back after reading a slot).
@@ -57,12 +57,12 @@ MAX_TOPK = 32
 #: SMs) at 128 tokens: dispatch 21.9 vs 25.5 us, combine 21.2 vs 27.5 us, 1 token the same.
 DEFAULT_NUM_BLOCKS = 128
 #: Most flags one EP wait polls (blocks x ranks): a block polls them across its lanes
-#: (kernels/ep.py BLOCK_WIDE).
+#: (kernels/common.py BLOCK_WIDE).
 MAX_WAIT_FLAGS = 1024
 #: Flag phases per set: dispatch arrival, combine weights arrival, combine partials arrival.
 SIGNAL_PHASES = 3
 PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
-#: Buffer sets used alternately (double buffering; kernels/ep.py says why two are enough).
+#: Buffer sets used alternately (double buffering; kernels/__init__.py says why two are enough).
 NUM_SETS = 2
 #: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites;
 #: set k holds handle slot k's carried weights, so there are as many slots as sets.
@@ -71,7 +71,7 @@ HANDLE_SLOTS = NUM_SETS
 META_SHIFT = 16
 MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
 MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the word positive
-#: Profiling stamps (kernels/ep.py, PROFILE): words of the buffer's private ``err`` tensor from
+#: Profiling stamps (kernels/common.py, PROFILE): words of the buffer's private ``err`` tensor from
 #: ERR_PROF on, PROF_WORDS per block (six SM-cycle stamps, then global-timer start and end), the
 #: dispatch's blocks first, then the combine's.
 ERR_PROF = 8
@@ -81,7 +81,7 @@ FP8_BLOCK = 128
 #: Bytes of a metadata, count or ntok word: room for an LL word (epoch in the high half).
 LL_WORD = 8
 #: Byte the dispatch receive region holds while idle: the LL dispatch's "not yet written" int32
-#: word is 0xFFFFFFFF (kernels/ep.py ROW_SENTINEL).
+#: word is 0xFFFFFFFF (kernels/common.py ROW_SENTINEL).
 ARM_BYTE = 0xFF
 
 

@@ -2,13 +2,12 @@
 constexprs and their launches (kernels in ``llcomm/ep/kernels``)."""
 from __future__ import annotations
 
-import os
 
 import torch
 
 from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
-from ..runtime.settings import EPSettings, env_bit
+from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK
 from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS, PROF_WORDS,
                      default_num_blocks, ep_layout)
@@ -18,28 +17,16 @@ from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS,
 #: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
-#: The scan's tile when one tile of this many tokens covers them all: at 1 token per rank a
-#: 16-token tile made the dispatch 9.7 -> 9.0 us on 2xH200, while 16-token tiles at 128 tokens
-#: cost 17.1 -> 20.7 us (two runs each); so the small tile only ever runs once.
+#: The scan's tile when one tile of this many tokens covers them all: faster at 1 token, slower
+#: as the only tile size at 128, so it only ever runs once (2xH200: docs/performance.md).
 SMALL_SCAN_TILE = 16
 # The EP knobs (scan tile, push order, LL or flag dispatch, wait lanes, warps, profiling) are
 # EPSettings fields (llcomm/runtime/settings.py), read once by EPBuffer; only LLCOMM_EP_LL and
 # LLCOMM_EP_NUM_BLOCKS change what crosses between ranks.
 #: Largest buffer (max tokens per rank) that runs the LL dispatch unless LLCOMM_EP_LL says
-#: otherwise: faster with the buffer for 128 tokens, slower at 256 and 512 tokens with the
-#: buffer for 512 (docs/performance.md, the LL dispatch).
+#: otherwise: faster than the flag dispatch up to it, slower with the buffer for 512 tokens,
+#: whose receive slots it arms again after every read (2xH200: docs/performance.md).
 LL_MAX_TOKENS = 256
-#: ``LLCOMM_EP_OWN_FIRST=0``: the LL dispatch expands sources in rank order instead of this
-#: rank's own pairs first (an A/B knob; OWN_FIRST in kernels/ep.py ``_expand_ll``).
-OWN_FIRST_ENV = "LLCOMM_EP_OWN_FIRST"
-#: ``LLCOMM_EP_E4M3_ASM=0``: FP8 dispatches round fp32 -> e4m3 on the bits instead of with the
-#: GPU's convert in inline PTX (E4M3_ASM in kernels/ep.py ``_quantize_row``). On 2xH200 the
-#: convert took the FP8 dispatch from 9.7 / 15.5 to 8.8 / 14.9 us at 1 / 128 tokens
-#: (docs/performance.md, session 11), byte-equal to torch's cast in the FP8 GPU tests.
-E4M3_ASM_ENV = "LLCOMM_EP_E4M3_ASM"
-#: ``LLCOMM_EP_FP8_RCP=0``: the LL dispatch's FP8 quantiser divides element by element (div_rn)
-#: instead of by the refined reciprocal (FP8_RCP in kernels/ep.py ``_div_by``; same quotients).
-FP8_RCP_ENV = "LLCOMM_EP_FP8_RCP"
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
 #: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
@@ -57,26 +44,17 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def rows_first(settings: EPSettings, ll: int = 0) -> int:
-    """ROWS_FIRST of the dispatch kernel: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
-    dispatch and 0 for the LL one (metadata and counts first; docs/performance.md, the LL
-    dispatch)."""
+    """ROWS_FIRST of the dispatch kernels: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
+    dispatch and 0 for the LL one (metadata and counts first measured faster there, 2xH200:
+    docs/performance.md)."""
     return (0 if ll else 1) if settings.rows_first is None else settings.rows_first
 
 
 def ll_dispatch(settings: EPSettings, max_tokens: int) -> int:
-    """LL of the dispatch kernel: ``LLCOMM_EP_LL`` when set, else 1 (the LL dispatch) for
+    """Whether the LL dispatch runs: ``LLCOMM_EP_LL`` when set, else 1 (the LL dispatch) for
     buffers of at most LL_MAX_TOKENS tokens per rank. The rule follows the buffer, which every
     rank shares, never a call's token count, which ranks do not."""
     return int(max_tokens <= LL_MAX_TOKENS) if settings.ll is None else settings.ll
-
-
-def e4m3_asm() -> int:
-    """E4M3_ASM of the dispatch kernel: ``LLCOMM_EP_E4M3_ASM`` (1 unless set to 0), never under
-    ``TRITON_INTERPRET=1``, which cannot run inline PTX (the bit rounding it runs instead gives
-    the same bytes: both match torch's cast, on the CPU and on the GPU respectively)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return env_bit(E4M3_ASM_ENV, 1)
 
 
 def ll_row_consts(lay, fp8: int) -> dict:
@@ -86,13 +64,15 @@ def ll_row_consts(lay, fp8: int) -> dict:
     return dict(RW=rw, HPW=_pow2(rw))
 
 
-def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *,
+def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int | None = None,
                   tile_tokens: int | None = None, small_tile_tokens: int | None = None):
-    """Constexprs of ``dispatch_kernel`` and ``combine_kernel`` for a layout and a top-k (all
+    """Constexprs of the dispatch kernel and of ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
-    ``settings``: the buffer's (None: read now). Shared with tools/ptx_ep.py and the
-    interpreter tests (which pick small tiles with ``tile_tokens`` / ``small_tile_tokens`` so a
-    few tokens span several)."""
+    ``settings``: the buffer's (None: read now). The dispatch is ``ll_dispatch_kernel`` when
+    ``ll`` (by default ``ll_dispatch`` of the buffer's tokens), else ``flag_dispatch_kernel``;
+    ``dispatch_kernel`` names it. Shared with tools/ptx_ep.py and the interpreter tests (which
+    pick small tiles with ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span
+    several)."""
     if settings is None:
         settings = EPSettings.read()
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
@@ -102,9 +82,10 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *,
     num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
     if settings.num_warps is not None:
         num_warps = settings.num_warps
+    if ll is None:
+        ll = ll_dispatch(settings, T)
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
-                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, OFF_SIG=off["signal"],
-                  MASKS=0, PROFILE=0)
+                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, PROFILE=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
         tile_tokens = settings.scan_tile
@@ -117,24 +98,30 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *,
     block = settings.wait_lanes == "block"
     ts = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
     d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens, TS=ts,
-             JP=jp, FP=fp, LANES=MAX_WAIT_FLAGS if block else fp, OFF_X=off["recv_x"],
-             OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"], OFF_NTOK=off["recv_ntok"],
-             NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(settings, ll_dispatch(settings, T)), CARRY=0,
-             LL=ll_dispatch(settings, T),
-             OFF_WLL=off["recv_weights"], OWN_FIRST=env_bit(OWN_FIRST_ENV, 1),
-             E4M3_ASM=e4m3_asm(), FP8_RCP=env_bit(FP8_RCP_ENV, 1), OWN_X=settings.own_x,
-             **ll_row_consts(lay, 0))
-    c = dict(common, OFF_CX=off["combine_x"], OFF_CW=off["combine_weights"],
-             LANES=MAX_WAIT_FLAGS if block else _pow2(W), CARRIED=0)
+             JP=jp, OFF_X=off["recv_x"], OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
+             OFF_NTOK=off["recv_ntok"], NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
+             ROWS_FIRST=rows_first(settings, ll), CARRY=0)
+    if ll:
+        d.update(OFF_WLL=off["recv_weights"], OWN_X=settings.own_x, **ll_row_consts(lay, 0))
+    else:
+        d.update(FP=fp, OFF_SIG=off["signal"], MASKS=0, LANES=MAX_WAIT_FLAGS if block else fp)
+    c = dict(common, OFF_SIG=off["signal"], MASKS=0, OFF_CX=off["combine_x"],
+             OFF_CW=off["combine_weights"], LANES=MAX_WAIT_FLAGS if block else _pow2(W),
+             CARRIED=0)
     return d, c, num_warps
+
+
+def dispatch_kernel(ll: int):
+    """The dispatch kernel ``kernel_consts(..., ll=ll)`` is for."""
+    from . import kernels
+    return kernels.ll_dispatch_kernel if ll else kernels.flag_dispatch_kernel
 
 
 class PeerEP:
     """The peer backend of EPBuffer: symmetric region, counters, handle slots, launches."""
 
     def __init__(self, buf):
-        from .kernels import dispatch_combine as kernels
+        from . import kernels
         from ..runtime.launch import Launcher
         from ..runtime.workspace import SymmetricWorkspace
 
@@ -160,6 +147,8 @@ class PeerEP:
                                                   lay.armed_ranges()]})
         self.tab = self.ws.table("ep")
         self.ll = 0 if buf.enable_masks else ll_dispatch(settings, buf.max_tokens)
+        self.dispatch_kernel = dispatch_kernel(self.ll)
+        self.combine_kernel = kernels.combine_kernel
         self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # RW, HPW by FP8 mode
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
         self._ctrl = (self.ctrl[0], self.ctrl[1])   # dispatch's, combine's (made once: a view
@@ -170,7 +159,7 @@ class PeerEP:
         self._host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
         # err[3]: rank mask (bit s: rank s masked); err[4]: the mask the blocks of the latest
-        # dispatch agreed on, with its epoch (kernels/ep.py: ERR_MASK, ERR_VERDICT).
+        # dispatch agreed on, with its epoch (kernels/common.py: ERR_MASK, ERR_VERDICT).
         self.masks = int(buf.enable_masks)
         # err[ERR_PROF:]: stage stamps of each block when LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
         self.profile = settings.profile
@@ -212,15 +201,17 @@ class PeerEP:
         key = (op, topk, fp8, carry)
         hit = self._call_consts.get(key)
         if hit is None:
-            d, c, _ = kernel_consts(self.layout, topk, self.settings)
-            mode = dict(MASKS=self.masks, PROFILE=self.profile)
+            d, c, _ = kernel_consts(self.layout, topk, self.settings, ll=self.ll)
             if op == "dispatch":
-                hit = dict(d, LL=self.ll, ROWS_FIRST=rows_first(self.settings, self.ll),
-                           STAGES=self.k.DISPATCH_ALL, **mode, FP8=fp8, CARRY=carry,
-                           **self._rows[fp8])
+                hit = dict(d, STAGES=self.k.DISPATCH_ALL, PROFILE=self.profile, FP8=fp8,
+                           CARRY=carry)
+                if self.ll:
+                    hit.update(self._rows[fp8])
+                else:
+                    hit.update(MASKS=self.masks)
             else:
-                hit = dict(c, STAGES=self.k.COMBINE_ALL, **mode, enable_fp_fusion=False,
-                           CARRIED=carry)
+                hit = dict(c, STAGES=self.k.COMBINE_ALL, MASKS=self.masks, PROFILE=self.profile,
+                           enable_fp_fusion=False, CARRIED=carry)
             self._call_consts[key] = hit
         return hit
 
@@ -237,7 +228,7 @@ class PeerEP:
                  split: bool = False, weights=None):
         """Launch the dispatch (``split``: its send half only, and return the launch of its
         receive half as the fourth value; otherwise that is None). ``weights``: push them too,
-        into handle slot ``slot``'s weights region (set ``slot``; kernels/ep.py)."""
+        into handle slot ``slot``'s weights region (set ``slot``; kernels/__init__.py)."""
         K = topk_idx.shape[1]
         row_of, src_info, recv_count, ntok = self._views(slot, K)
         if fp8:
@@ -253,13 +244,13 @@ class PeerEP:
         consts = self._consts("dispatch", K, fp8, carry)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
-            self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+            self._launch(self.dispatch_kernel, self.nb, args, self.num_warps, **consts)
             return recv_count, src_info, state, None
         consts = dict(consts, STAGES=self.k.DISPATCH_SEND_HALF)
-        self._launch(self.k.dispatch_kernel, self.nb, args, self.num_warps, **consts)
+        self._launch(self.dispatch_kernel, self.nb, args, self.num_warps, **consts)
         recv = dict(consts, STAGES=self.k.DISPATCH_RECV_HALF)
         return recv_count, src_info, state, lambda: self._launch(
-            self.k.dispatch_kernel, self.nb, args, self.num_warps, **recv)
+            self.dispatch_kernel, self.nb, args, self.num_warps, **recv)
 
     def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
         """Kernel arguments and constexprs; with weights carried by the dispatch (``state``'s
@@ -274,16 +265,16 @@ class PeerEP:
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out):
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
-        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **consts)
+        self._launch(self.combine_kernel, self.nb, args, self.num_warps, **consts)
         return out
 
     def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
         """Launch the combine's send half; return the launch of its receive half."""
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
-        self._launch(self.k.combine_kernel, self.nb, args, self.num_warps,
+        self._launch(self.combine_kernel, self.nb, args, self.num_warps,
                      **dict(consts, STAGES=self.k.COMBINE_SEND_HALF))
         recv = dict(consts, STAGES=self.k.COMBINE_RECV_HALF)
-        return lambda: self._launch(self.k.combine_kernel, self.nb, args, self.num_warps, **recv)
+        return lambda: self._launch(self.combine_kernel, self.nb, args, self.num_warps, **recv)
 
     def query_mask(self) -> torch.Tensor:
         word = self.err[self.k.ERR_MASK.value]

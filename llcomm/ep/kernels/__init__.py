@@ -1,1 +1,46 @@
-"""Triton kernels of EP dispatch and combine."""
+"""Triton kernels of EP dispatch and combine (DeepEP low-latency shapes, deterministic).
+
+Three kernels, each one launch on a fixed grid of NB blocks, each fusing its pushes, its
+bounded waits and the local work that follows: ``flag_dispatch_kernel`` (``dispatch_flag``),
+``ll_dispatch_kernel`` (``dispatch_ll``) and ``combine_kernel`` (``combine``). Shared device
+code: ``common`` (flags, waits, masks, stamps), ``dispatch_common`` (the send stage's scan,
+counts and metadata), ``fp8`` (the quantiser).
+
+The kernels take flat arguments (what the host passes, by name: ``peer.kernel_consts``) and
+bundle them once at their start into namedtuples the helpers take: ``common.Sizes`` and the
+dispatch's ``Recv`` / ``Tiles`` / ``LLRows`` (constexpr: assigned as ``S: tl.constexpr =
+Sizes(...)``, since a plain assignment would turn their members into tensors), and
+``common.Region`` / ``dispatch_common.Out`` (runtime values and pointers).
+
+Buffer sets. Each op's block counter (``ctrl``) picks the set (counter % 2) and the epoch of
+its flag and LL words; dispatch and combine count separately. Two sets suffice because every op
+waits for every rank: when rank r starts dispatch k it has finished dispatch k - 1, which
+needed every peer to have signalled k - 1, i.e. to have finished dispatch k - 2 (kernels on one
+stream run in order), so dispatch k writes the set dispatch k - 2 used, which nobody reads any
+more, and no flag is rewritten before its waiter saw it. The combine's phases follow the same
+argument. The counter advances only in the receive half of a call, so both halves agree on it;
+the host refuses a second send half before the first one's hook ran.
+
+Weights with the dispatch (``CARRY`` / ``CARRIED``, ``dispatch(topk_weights=...)``): the
+dispatch pushes them into the weights region of the *handle slot's* set (byte ``w_off``; set k
+serves handle slot k) and its signal releases them with the rows (the LL dispatch sends them as
+LL words and its receiver copies them there); the combine then skips its weights stage and
+reads them at ``w_off``. Slot k is written again by dispatch k + 2, which a rank starts only
+after its combine k, which waited for every rank's partials of k, each pushed after that rank
+read its weights.
+
+The CPU tests run the data stages alone (``D_SEND``, then ``D_RECV``; ``C_WEIGHTS``,
+``C_REDUCE``, ``C_SUM``) for every virtual rank in turn under ``TRITON_INTERPRET=1``, since the
+waits read the GPU clock.
+"""
+from .combine import combine_kernel
+from .common import (C_REDUCE, C_SIGNAL_P, C_SUM, C_SYNC_W, C_WAIT_P, C_WEIGHTS, COMBINE_ALL,
+                     COMBINE_RECV_HALF, COMBINE_SEND_HALF, D_RECV, D_SEND, D_SIGNAL, D_WAIT,
+                     DISPATCH_ALL, DISPATCH_RECV_HALF, DISPATCH_SEND_HALF, ERR_MASK)
+from .dispatch_flag import flag_dispatch_kernel
+from .dispatch_ll import ll_dispatch_kernel
+
+__all__ = ["flag_dispatch_kernel", "ll_dispatch_kernel", "combine_kernel", "D_SEND", "D_RECV",
+           "D_SIGNAL", "D_WAIT", "DISPATCH_ALL", "DISPATCH_SEND_HALF", "DISPATCH_RECV_HALF",
+           "C_WEIGHTS", "C_REDUCE", "C_SUM", "C_SYNC_W", "C_SIGNAL_P", "C_WAIT_P", "COMBINE_ALL",
+           "COMBINE_SEND_HALF", "COMBINE_RECV_HALF", "ERR_MASK"]

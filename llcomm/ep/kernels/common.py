@@ -1,0 +1,300 @@
+"""What the EP kernels share: stage bits, addressing a rank's region, flag signals and bounded
+waits, rank masks, profiling stamps, the token ownership rule and LL words.
+
+A flag is one int64 word ``((op counter + 1) << EPOCH_SHIFT) | tag`` per (phase, block, source
+rank) in every rank's signal region. A sender's block stores its rows, then (after a barrier)
+writes its flag on every rank with a system-scope release; a receiver's block polls every flag
+it needs with volatile loads, then makes one acquire pass over them before reading the data.
+"""
+from collections import namedtuple
+
+import triton
+import triton.language as tl
+
+from ...runtime import protocol as P
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lanes, global_time_ns,
+                                     report_error, sm_cycles)
+from .. import layout as EL
+
+#: The sizes a kernel is compiled for, bundled once at its start (``S: tl.constexpr =
+#: Sizes(...)``, so every member stays a constexpr): max tokens per rank, hidden and pow2,
+#: top-k and pow2, experts, local experts, ranks and pow2, blocks, the metadata and weights slot
+#: stride (layout.MAX_TOPK).
+Sizes = namedtuple("Sizes", ["T", "H", "HP", "K", "KP", "E", "L", "W", "WP", "NB", "MAX_TOPK"])
+#: Where a call's data lives (runtime values): the table of every rank's EP region base address,
+#: this rank, and the byte offset of the buffer set the call uses.
+Region = namedtuple("Region", ["tab", "rank", "set_off"])
+
+STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
+STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
+PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
+PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
+PHASE_DATA = tl.constexpr(P.PHASE_DATA)
+OP_DISPATCH = tl.constexpr(P.OP_DISPATCH)
+OP_COMBINE = tl.constexpr(P.OP_COMBINE)
+#: Token counts differ between ranks too (see runtime/kernels/sync.RANK_VARYING).
+EP_RANK_VARYING = RANK_VARYING + ["n_tok"]
+
+# Stage bits (python ints for the host; the kernels test the same numbers). A launch runs the
+# stages in its STAGES mask: everything, or for ``return_recv_hook=True`` a send half and a
+# receive half in two launches.
+D_SEND, D_RECV, D_SIGNAL, D_WAIT = 1, 2, 4, 8
+DISPATCH_ALL = D_SEND | D_RECV | D_SIGNAL | D_WAIT
+DISPATCH_SEND_HALF = D_SEND | D_SIGNAL          # push rows, counts, metadata; signal
+DISPATCH_RECV_HALF = D_WAIT | D_RECV            # wait; expand; advance the counter
+C_WEIGHTS, C_REDUCE, C_SUM, C_SYNC_W, C_SIGNAL_P, C_WAIT_P = 1, 2, 4, 8, 16, 32
+COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM | C_SYNC_W | C_SIGNAL_P | C_WAIT_P
+# weights, signal, wait for them, reduce and push partials, signal | wait for partials; sum
+COMBINE_SEND_HALF = C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
+COMBINE_RECV_HALF = C_WAIT_P | C_SUM
+
+# Flag phases of a set, and the metadata word ``(local expert << META_SHIFT) | prefix``.
+SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
+SIG_WEIGHTS = tl.constexpr(EL.PHASE_COMBINE_WEIGHTS)
+SIG_PARTIALS = tl.constexpr(EL.PHASE_COMBINE_PARTIALS)
+META_SHIFT = tl.constexpr(EL.META_SHIFT)
+META_MASK = tl.constexpr((1 << EL.META_SHIFT) - 1)
+
+#: A wait's verdicts and clock readings are reduced over this many lanes: at least every thread
+#: of a block (32 warps at most), so the maximum goes through shared memory and the whole block
+#: agrees; the wait's loop holds block-wide reductions, whose barriers must not be split. Also
+#: the most flags a wait polls (one or more lanes per flag): layout.MAX_WAIT_FLAGS.
+BLOCK_WIDE = tl.constexpr(EL.MAX_WAIT_FLAGS)
+WAIT_SKIPPED = tl.constexpr(-2)         # _wait_flags status: not waited (an earlier wait failed)
+# _wait_flags: what a lane saw in one poll, packed above the elapsed ns for one block maximum
+SEEN_WAITING = tl.constexpr(1)          # a flag does not hold the word yet
+SEEN_WRONG = tl.constexpr(2)            # a flag holds another op's word (mismatch)
+SEEN_SHIFT = tl.constexpr(60)
+ELAPSED_MASK = tl.constexpr((1 << 60) - 1)
+
+# Rank masks (EPBuffer(enable_masks=True), MASKS = 1): words of the buffer's private ``err``
+# tensor. Every wait skips the masked ranks' flags, and a wait that runs out adds the late
+# ranks to the mask instead of writing the error word. Data stages skip masked sources.
+ERR_MASK = tl.constexpr(3)              # bit s: rank s is masked (set by the waits, cleared by
+#                                         the host's clean_mask)
+ERR_VERDICT = tl.constexpr(4)           # dispatch: (epoch << 32) | the mask its blocks agreed on
+VERDICT_SHIFT = tl.constexpr(32)
+VERDICT_EPOCH = tl.constexpr(0x7FFFFFFF)    # epoch bits kept: consecutive calls differ
+VERDICT_RANKS = tl.constexpr(0xFFFFFFFF)    # rank bits (masks need num_ranks <= 32)
+
+# Profiling (PROFILE = 1, LLCOMM_EP_PROFILE=1; tools/ep_timeline.py reads them): block b keeps
+# PROF_WORDS words of ``err`` from ERR_PROF + b * PROF_WORDS on: SM cycle stamps at the stage
+# boundaries (slot i = after stage i, slot 0 = kernel start), and global-timer readings at start
+# and end (slots PROF_GT0, PROF_GT1) to convert cycles to ns.
+ERR_PROF = tl.constexpr(EL.ERR_PROF)
+PROF_WORDS = tl.constexpr(EL.PROF_WORDS)
+PROF_GT0 = tl.constexpr(EL.PROF_WORDS - 2)
+PROF_GT1 = tl.constexpr(EL.PROF_WORDS - 1)
+PROF_LAST = tl.constexpr(EL.PROF_WORDS - 3)     # the kernel's end
+
+# LL words (the LL dispatch, dispatch_ll.py): ``(epoch << 32) | value``. A row word that has not
+# arrived, and what a row word equal to it is sent as instead (both NaNs in every float format;
+# e4m3 bytes 0xFF / 0x7F are NaN).
+ROW_SENTINEL = tl.constexpr(-1)             # 0xFFFFFFFF, the armed state (layout.ARM_BYTE)
+ROW_ESCAPE = tl.constexpr(0x7FFFFFFF)
+LL_HI = tl.constexpr(32)                    # an LL word's epoch sits above bit 32
+LL_LOW = tl.constexpr(0xFFFFFFFF)           # an LL word's value bits
+NTOK_BITS = tl.constexpr(17)                # the ntok word: tag bits above the token count
+NTOK_MASK = tl.constexpr((1 << 17) - 1)     # (at most MAX_TOKENS_LIMIT = 2**16 tokens)
+NTOK_TAG_MASK = tl.constexpr((1 << 15) - 1)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _at(tab, r, byte_off, DTYPE: tl.constexpr):
+    """Pointer ``byte_off`` bytes into rank r's EP region, as DTYPE. Every region offset is a
+    multiple of 256 and every base is 256-aligned, so the 16-byte claim holds."""
+    base = tl.load(tab + r)
+    return tl.multiple_of((base + byte_off).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
+    """Store ``word`` at int64 index ``word_idx`` of every rank's EP region (release, system
+    scope). Caller issues ``tl.debug_barrier()`` first so the whole block's stores precede it."""
+    ps = tl.arange(0, WP)
+    live = ps < W
+    bases = tl.load(tab + ps, mask=live, other=0)
+    ptrs = bases.to(tl.pointer_type(tl.int64)) + word_idx
+    tl.atomic_xchg(ptrs, tl.full([WP], 0, tl.int64) + word, mask=live, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_flags(flags, word, timeout_us, err, op, phase, go,
+                N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr,
+                skip, MASKS: tl.constexpr, LANES: tl.constexpr):
+    """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
+    fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads, then one
+    acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
+    error word (its mask names the source ranks that were late or disagreed).
+
+    ``go == 0`` (an earlier wait of this op failed) skips the wait and returns 0. Every thread
+    reaches the closing barrier either way; callers keep their barriers outside ``if ok`` all
+    the same. Each poll's verdict (all arrived / a mismatch / still waiting) and the clock are
+    reduced together over BLOCK_WIDE lanes, through shared memory, so the whole block agrees
+    and leaves the loop (whose reductions hold barriers) at the same iteration.
+
+    Rank masks: flags of the source ranks in the bit mask ``skip`` are not waited for (they
+    count as arrived and are never a mismatch). With ``MASKS`` a timeout writes no error word:
+    the wait returns ``(1, late)``, ``late`` the bit mask of the ranks that had not arrived, for
+    the caller to mask. Otherwise it returns ``(ok, 0)``."""
+    # LANES lanes, each polling flag ``lane % NP``. LANES = BLOCK_WIDE: every lane's view goes
+    # straight into the block-wide maximum. LANES = NP (the default, faster on 2xH200:
+    # docs/performance.md; LLCOMM_EP_WAIT_LANES picks): fewer words per poll, replicated across
+    # warps (each warp has its own view), reduced first, then the block-wide maximum with the
+    # clock's BLOCK_WIDE lanes.
+    tl.static_assert((NP <= LANES) & (LANES <= BLOCK_WIDE))
+    lane = tl.arange(0, LANES)
+    i = lane % NP
+    live = i < N
+    ptrs = flags + i
+    src = (i % W).to(tl.int64)
+    epoch = word >> EPOCH_SHIFT
+    limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
+    t0 = global_time_ns(BLOCK_WIDE)
+    status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
+    bad = tl.zeros([LANES], tl.int64)
+    skipped = ((skip >> src) & 1) != 0         # masks: ranks not waited for
+    while status == 0:
+        got = tl.load(ptrs, mask=live, other=0, volatile=True)
+        waiting = live & (got != word) & (skipped == 0)
+        wrong = waiting & ((got >> EPOCH_SHIFT) >= epoch)
+        # what each lane saw, above its elapsed ns: the block's maximum is SEEN_WRONG if any
+        # lane saw another op's word, SEEN_WAITING if any lane still waits, else 0 (all
+        # arrived), with the largest elapsed time below: one verdict for every warp
+        seen = tl.where(wrong, SEEN_WRONG, tl.where(waiting, SEEN_WAITING, 0)).to(tl.int64)
+        elapsed = tl.maximum(global_time_lanes(BLOCK_WIDE) - t0, 0)
+        if LANES == BLOCK_WIDE:
+            both = tl.max((seen << SEEN_SHIFT) | elapsed, axis=0)
+        else:
+            both = tl.max((tl.max(seen, axis=0) << SEEN_SHIFT) | elapsed, axis=0)
+        verdict = both >> SEEN_SHIFT
+        if verdict == SEEN_WRONG:
+            status = STATUS_MISMATCH
+            bad = wrong.to(tl.int64)
+        elif verdict == 0:
+            status = -1
+        elif (both & ELAPSED_MASK) > limit_ns:
+            status = STATUS_TIMEOUT
+            bad = waiting.to(tl.int64)
+    # the source ranks that were late or disagreed, by any lane of any warp (shared memory:
+    # uniform); only on failure, so success costs no extra round
+    bad_ranks = tl.full([], 0, tl.int64)
+    if status > 0:
+        bad_ranks = tl.reduce(tl.zeros([BLOCK_WIDE], tl.int64)
+                              + tl.reduce(bad << src, 0, _bit_or), 0, _bit_or)
+    # masks: a timeout masks the late ranks instead of failing the call
+    late = tl.full([], 0, tl.int64)
+    if MASKS:
+        if status == STATUS_TIMEOUT:
+            late = bad_ranks
+            status = -1
+            skipped = skipped | (((late >> src) & 1) != 0)
+    ok = status == -1
+    if ok:      # one acquire per flag (its first lane)
+        tl.atomic_add(ptrs, tl.zeros([LANES], tl.int64),
+                      mask=live & (lane < NP) & (skipped == 0), sem="acquire", scope="sys")
+    elif status != WAIT_SKIPPED:
+        report_error(err, status, op, phase, bad_ranks)
+    tl.debug_barrier()
+    return ok, late
+
+
+@triton.jit
+def _agree_mask(err, epoch, m):
+    """Masks, dispatch: the mask every block of this call uses. The first block to get here
+    (after its wait) installs ``m`` with the call's epoch in ``err[ERR_VERDICT]``; every other
+    block adopts it. Blocks must agree: the row of a token depends on the counts of every
+    source before it, so one block skipping a source another one keeps would misplace rows."""
+    key = (epoch & VERDICT_EPOCH) << VERDICT_SHIFT
+    cur = tl.atomic_add(err + ERR_VERDICT, tl.full([], 0, tl.int64), sem="relaxed", scope="gpu")
+    while (cur >> VERDICT_SHIFT) != (key >> VERDICT_SHIFT):
+        old = tl.atomic_cas(err + ERR_VERDICT, cur, key | m, sem="relaxed", scope="gpu")
+        cur = tl.where(old == cur, key | m, old)
+    return cur & VERDICT_RANKS
+
+
+@triton.jit
+def _stamp(err, i: tl.constexpr, PROFILE: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr):
+    """Profiling: this block's SM cycle count into its slot i (the global timer as well at the
+    first and last slot); dispatch (KIND 0) and combine (KIND 1) have NB blocks of slots each.
+    Nothing at all without PROFILE."""
+    if PROFILE:
+        base = err + ERR_PROF + (KIND * NB + tl.program_id(0)) * PROF_WORDS
+        if i == 0:
+            tl.store(base + PROF_GT0, global_time_ns())
+        tl.store(base + i, sm_cycles())
+        if i == PROF_LAST:
+            tl.store(base + PROF_GT1, global_time_ns())
+
+
+@triton.jit
+def _masked(msk, s):
+    """Rank s is in the bit mask ``msk`` (masks; 0 otherwise)."""
+    return ((msk >> s) & 1) != 0
+
+
+@triton.jit
+def _first_token(b, s, NB: tl.constexpr, W: tl.constexpr):
+    """The first token of source rank s that block b owns after the dispatch's send (expand,
+    and every stage of combine): token t of source s belongs to block ``(t + s * (NB // W)) %
+    NB``, so at small token counts the sources' tokens land on different blocks instead of all
+    on block 0 (one token per rank: two chains of dependent loads in parallel, not in a row).
+    Every stage of combine uses this one rule: block b of a receiver waits only for block b of
+    the senders."""
+    return (b + NB - (s * (NB // W)) % NB) % NB
+
+
+@triton.jit
+def _rank_bits(row, K: tl.constexpr, E: tl.constexpr, L: tl.constexpr):
+    """Bit d set when one of the K expert ids at ``row`` lives on rank d (scalar loads: every
+    thread computes the same mask, no reduction across threads)."""
+    bits = tl.full([], 0, tl.int64)
+    for k in tl.static_range(K):
+        e = tl.load(row + k)
+        bits = bits | tl.where((e >= 0) & (e < E), tl.full([], 1, tl.int64) << (e // L), 0)
+    return bits
+
+
+@triton.jit
+def _first_entries(m, valid, earlier):
+    """Entries of a pair's metadata words ``m`` that are valid and name their local expert for
+    the first time (``earlier[k, i]``: entry i comes before entry k): one row per expert."""
+    return valid & (tl.max(((m[:, None] == m[None, :]) & earlier).to(tl.int32), axis=1) == 0)
+
+
+@triton.jit
+def _ll_word(ehi, v):
+    """LL word: the epoch bits ``ehi`` above the 32 bits of ``v`` (int32 or fp32)."""
+    return ehi | v.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _row_words(v):
+    """int32 row words as the LL dispatch sends them: ROW_SENTINEL goes as ROW_ESCAPE."""
+    return tl.where(v == ROW_SENTINEL, ROW_ESCAPE, v)
+
+
+@triton.jit
+def _push_weights(wts, n_tok, reg, S, OFF_CW: tl.constexpr, ehi=0, LL: tl.constexpr = 0):
+    """Combine stage A (or a dispatch with CARRY): this rank's top-k weights into slot
+    (rank, t) of the weights region at byte ``reg.set_off + OFF_CW`` of every rank (LL: as LL
+    words with the epoch bits ``ehi``)."""
+    b = tl.program_id(0)
+    ks = tl.arange(0, S.KP)
+    kmask = ks < S.K
+    for t in range(_first_token(b, reg.rank, S.NB, S.W), n_tok, S.NB):
+        w = tl.load(wts + t * S.K + ks, mask=kmask, other=0.0)
+        for d in tl.static_range(S.W):
+            if LL:
+                wp = (_at(reg.tab, d, reg.set_off + OFF_CW, tl.int64)
+                      + (reg.rank * S.T + t) * S.MAX_TOPK)
+                tl.store(wp + ks, _ll_word(ehi, w), mask=kmask)
+            else:
+                wp = (_at(reg.tab, d, reg.set_off + OFF_CW, tl.float32)
+                      + (reg.rank * S.T + t) * S.MAX_TOPK)
+                tl.store(wp + ks, w, mask=kmask)

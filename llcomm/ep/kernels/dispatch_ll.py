@@ -1,0 +1,311 @@
+"""The LL dispatch (docs/ep.md "Scheme"): no signal and no flag wait; every word is its own flag.
+Runs for buffers of at most ``peer.LL_MAX_TOKENS`` tokens per rank (without rank masks).
+
+The send is the flag dispatch's (``dispatch_common``), but metadata, counts, the token count
+(with 15 tag bits of the call) and carried weights go as LL words ``(epoch << 32) | value``,
+and rows as int32 words into slots armed with ROW_SENTINEL (a row word equal to it is sent as
+ROW_ESCAPE). The receiver (``_expand_ll``) waits for each word where it reads it
+(``runtime/kernels/lamport._poll``: one block-wide verdict per poll, bounded by the timeout),
+copies it, and arms the row slot again. No fence, no flag.
+
+Two buffer sets suffice here too: every receiver waits for every source's token-count word of
+the call, which the source writes only after its previous call (and its re-arming) ended.
+"""
+from collections import namedtuple
+
+import triton
+import triton.language as tl
+
+from ...runtime.kernels.lamport import _pending, _poll, limit_ticks
+from ...runtime.kernels.sync import after_previous_kernel, report_error, wait_bound_us
+from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK_BITS, NTOK_MASK,
+                     NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL,
+                     STATUS_MISMATCH, Region, Sizes, _at, _bit_or, _first_entries, _first_token,
+                     _push_weights, _rank_bits, _row_words, _stamp)
+from .dispatch_common import Out, Recv, Tiles, _send_routing
+from .fp8 import FP8_BLOCK, _pack_row_fp8
+
+#: The LL dispatch's rows (constexpr): int32 words per row slot, their pow2 (the lanes of a
+#: row), and the byte offset of the carried weights' LL words in a buffer set.
+LLRows = namedtuple("LLRows", ["RW", "HPW", "WLL"])
+
+
+@triton.jit
+def _ll_row(x, t, S, LR, FP8: tl.constexpr):
+    """Token t's row as the RW int32 words it crosses NVLink as (``_row_words``; FP8: e4m3
+    bytes packed four to a word, ``fp8._pack_row_fp8``), and its FP8 scales' words (a dummy
+    without FP8)."""
+    ws = tl.arange(0, LR.HPW)
+    if FP8:
+        hs = tl.arange(0, S.HP)
+        v = tl.load(x + t * S.H + hs, mask=hs < S.H, other=0.0)
+        words, sw = _pack_row_fp8(v.to(tl.float32), S.HP, LR.HPW, FP8 == 2)
+    else:
+        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * LR.RW + ws,
+                                   mask=ws < LR.RW))
+        sw = tl.zeros([1], tl.int32)
+    return words, sw
+
+
+@triton.jit
+def _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8: tl.constexpr):
+    """A row's words (``_ll_row``), which are their own flag, to the ranks in ``bits``; FP8:
+    then its scales."""
+    ws = tl.arange(0, LR.HPW)
+    for d in tl.static_range(S.W):
+        if (bits >> d) & 1:
+            tl.store(_at(reg.tab, d, reg.set_off + RV.X, tl.int32) + slot * LR.RW + ws, words,
+                     mask=ws < LR.RW)
+            if FP8:
+                ns = tl.arange(0, S.HP // FP8_BLOCK)
+                tl.store(_at(reg.tab, d, reg.set_off + RV.SC, tl.int32) + slot * RV.NS + ns, sw,
+                         mask=ns < RV.NS)
+
+
+@triton.jit
+def _push_rows(x, topk, n_tok, reg, S, RV, LR, JP: tl.constexpr, FP8: tl.constexpr,
+               SKIP_OWN: tl.constexpr):
+    """Each of this block's token rows (``_ll_row``) once per destination rank, into the
+    source's slot ``rank * T + t`` there. SKIP_OWN: not to this rank itself (its expand reads
+    the row from x)."""
+    b = tl.program_id(0)
+    for j in range(0, JP):
+        t = b + S.NB * j
+        if t < n_tok:
+            bits = _rank_bits(topk + t * S.K, S.K, S.E, S.L)
+            if SKIP_OWN:
+                bits = bits & ~(tl.full([], 1, tl.int64) << reg.rank)
+            slot = reg.rank * S.T + t
+            words, sw = _ll_row(x, t, S, LR, FP8)
+            _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8)
+
+
+@triton.jit
+def _take_ll(ptrs, m, srcs, epoch, failed, limit, err, POLL: tl.constexpr, LLW: tl.constexpr):
+    """The words at ``ptrs`` (lanes ``m``) once every one has arrived: LL words (LLW = 1) whose
+    epoch is ``epoch``, or row words (LLW = 0) that are not ROW_SENTINEL. ``srcs``: each lane's
+    source rank, named in the error word if the wait runs out. Returns (words, failed); after a
+    failure nothing is waited for (``failed`` stays 1)."""
+    v, status = _poll(ptrs, m, err, 1, failed < 0, failed, limit, ROW_SENTINEL, POLL, epoch,
+                      LLW)
+    if status > 0:      # STATUS_TIMEOUT (the tag is not checked here); block-uniform
+        late = _pending(v, m, ROW_SENTINEL, epoch, LLW)
+        bad = tl.reduce(tl.where(late, tl.full(m.shape, 1, tl.int64) << srcs, 0), 0, _bit_or)
+        report_error(err, status, OP_DISPATCH, PHASE_DATA, bad)
+        failed = 1
+    return v, failed
+
+
+@triton.jit
+def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexpr,
+               KP: tl.constexpr):
+    """Row ``v`` (lanes ``lanes``, mask ``lm``) into row ``flat[k]`` of ``dst`` (ROW elements
+    per row) for every entry k in ``first`` (one row per distinct local expert).
+
+    Each k takes its row from ``[KP]`` tensors spread over a warp's lanes: one sum across
+    the lanes gives ``flat[k] + 1``, or 0 where k is not in ``first``, and the store is masked
+    on it rather than branched on. So the K sums depend on nothing but ``flat`` and ``first``
+    and can be issued together; a branch per k would put 2K chains of shuffles in series with
+    the stores."""
+    ks = tl.arange(0, KP)
+    for k in tl.static_range(K):
+        row1 = tl.sum(tl.where((ks == k) & first, flat + 1, 0), axis=0).to(tl.int64)
+        # as a lane tensor: the interpreter takes no scalar in a store's mask
+        row1 = row1 + tl.zeros_like(lanes).to(tl.int64)
+        tl.store(dst + (row1 - 1) * ROW + lanes, v, mask=lm & (row1 > 0))
+
+
+@triton.jit
+def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.constexpr,
+               FP8: tl.constexpr, CARRY: tl.constexpr, POLL: tl.constexpr,
+               PROFILE: tl.constexpr, OWN_X: tl.constexpr):
+    """The receive: what the flag dispatch's expand does, each word waited for where it is
+    read: the sources' token counts (and call tags), then per owned pair its metadata, the
+    earlier sources' counts of its experts, its row (and FP8 scales, carried weights, copied to
+    byte ``w_off``); the row slot is armed again with ROW_SENTINEL once copied. Sources in turn
+    from this rank on: its own pairs first, whose rows are local while the peers' still cross.
+    PROFILE: stamp 3 when this rank's own pairs are expanded, stamp 4 when the last row of a
+    later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x``
+    (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm."""
+    b = tl.program_id(0)
+    T: tl.constexpr = S.T
+    K: tl.constexpr = S.K
+    KP: tl.constexpr = S.KP
+    L: tl.constexpr = S.L
+    W: tl.constexpr = S.W
+    WP: tl.constexpr = S.WP
+    NB: tl.constexpr = S.NB
+    MAX_TOPK: tl.constexpr = S.MAX_TOPK
+    NS: tl.constexpr = RV.NS
+    NSP: tl.constexpr = RV.NSP
+    RW: tl.constexpr = LR.RW
+    HPW: tl.constexpr = LR.HPW
+    epoch = (seq + 1).to(tl.int32)
+    limit = limit_ticks(timeout_us, POLL)
+    failed = tl.zeros([], tl.int32)
+    cntp = _at(reg.tab, reg.rank, reg.set_off + RV.CNT, tl.int64)
+    ntp = _at(reg.tab, reg.rank, reg.set_off + RV.NTOK, tl.int64)
+    metap = _at(reg.tab, reg.rank, reg.set_off + RV.META, tl.int64)
+    xp = _at(reg.tab, reg.rank, reg.set_off + RV.X, tl.int32)
+    scp = _at(reg.tab, reg.rank, reg.set_off + RV.SC, tl.int32)
+    wll = _at(reg.tab, reg.rank, reg.set_off + LR.WLL, tl.int64)
+    wout = _at(reg.tab, reg.rank, w_off, tl.float32)
+    rx = out.recv_x.to(tl.pointer_type(tl.int32))
+    rs = out.recv_scales.to(tl.pointer_type(tl.int32))
+    ws = tl.arange(0, HPW)
+    wm = ws < RW
+    ns = tl.arange(0, NSP)
+    nsm = ns < NS
+    ps = tl.arange(0, WP)
+    nw, failed = _take_ll(ntp + ps, ps < W, ps.to(tl.int64), epoch, failed, limit, err, POLL, 1)
+    nts = tl.where(ps < W, (nw & NTOK_MASK).to(tl.int32), 0)
+    # a source whose tag differs runs another kind of call (use_fp8, round_scale, carried
+    # weights, top-k): a mismatch, as the flag dispatch reports it
+    other = (ps < W) & (((nw & LL_LOW) >> NTOK_BITS) != (tag & NTOK_TAG_MASK))
+    if failed == 0:
+        if tl.max(other.to(tl.int32), axis=0) > 0:
+            report_error(err, STATUS_MISMATCH, OP_DISPATCH, PHASE_DATA,
+                         tl.reduce(tl.where(other, tl.full([WP], 1, tl.int64) << ps, 0), 0,
+                                   _bit_or))
+            failed = 1
+    if b == NB - 1:     # the last block: at small token counts it owns no pair
+        for l0 in range(0, L, LB):
+            ls = l0 + tl.arange(0, LB)
+            lm = ls < L
+            tot = tl.zeros([LB], tl.int32)
+            for s in range(W):
+                c, failed = _take_ll(cntp + s * L + ls, lm, tl.full([LB], s, tl.int64), epoch,
+                                     failed, limit, err, POLL, 1)
+                tot += c.to(tl.int32)
+            tl.store(out.recv_count + ls, tot, mask=lm)
+        tl.store(out.ntok + ps, nts, mask=ps < W)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    earlier = ks[None, :] < ks[:, None]         # [k, i]: entry i comes before entry k
+    for i in range(W):
+        s = (reg.rank + i) % W
+        n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
+        for t in range(_first_token(b, s, NB, W), n_s, NB):
+            slot = s * T + t
+            srcs = tl.full([KP], s, tl.int64)
+            mw, failed = _take_ll(metap + slot * MAX_TOPK + ks, kmask, srcs, epoch, failed,
+                                  limit, err, POLL, 1)
+            m = tl.where(kmask & (failed == 0), mw.to(tl.int32), -1)
+            valid = m >= 0
+            first = _first_entries(m, valid, earlier)
+            le = tl.maximum(m, 0) >> META_SHIFT
+            row = m & META_MASK
+            for s2 in range(s):
+                c, failed = _take_ll(cntp + s2 * L + le, valid, tl.full([KP], s2, tl.int64),
+                                     epoch, failed, limit, err, POLL, 1)
+                row += c.to(tl.int32)
+            if failed == 0:
+                flat = le * (W * T) + row
+                tl.store(out.row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
+                tl.store(out.src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+                own_x = (s == reg.rank) & (OWN_X == 1)
+                if tl.max(valid.to(tl.int32), axis=0) > 0:      # the row was sent here
+                    if own_x:
+                        v = tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm)
+                    else:
+                        v, failed = _take_ll(xp + slot * RW + ws, wm,
+                                             tl.full([HPW], s, tl.int64), epoch, failed, limit,
+                                             err, POLL, 0)
+                    if FP8:
+                        sv, failed = _take_ll(scp + slot * NS + ns, nsm,
+                                              tl.full([NSP], s, tl.int64), epoch, failed, limit,
+                                              err, POLL, 0)
+                    if CARRY:
+                        wv, failed = _take_ll(wll + slot * MAX_TOPK + ks, kmask, srcs, epoch,
+                                              failed, limit, err, POLL, 1)
+                    if i > 0:
+                        _stamp(err, 4, PROFILE, 0, NB)      # a later source's row arrived
+                    if failed == 0:
+                        _copy_rows(rx, flat, first, v, RW, ws, wm, K, KP)
+                        if own_x == 0:
+                            tl.store(xp + slot * RW + ws, tl.full([HPW], ROW_SENTINEL, tl.int32),
+                                     mask=wm)   # armed again
+                        if FP8:
+                            _copy_rows(rs, flat, first, sv, NS, ns, nsm, K, KP)
+                            tl.store(scp + slot * NS + ns, tl.full([NSP], ROW_SENTINEL,
+                                                                   tl.int32), mask=nsm)
+                        if CARRY:
+                            tl.store(wout + slot * MAX_TOPK + ks,
+                                     wv.to(tl.int32).to(tl.float32, bitcast=True), mask=kmask)
+        if i == 0:
+            _stamp(err, 3, PROFILE, 0, NB)      # this rank's own pairs expanded
+            _stamp(err, 4, PROFILE, 0, NB)
+
+
+@triton.jit(do_not_specialize=EP_RANK_VARYING)
+def ll_dispatch_kernel(
+        x,              # [n_tok, H] this rank's tokens (buffer dtype; 16-byte aligned)
+        topk,           # [n_tok, K] int64 global expert ids, -1 = none
+        n_tok,          # tokens of this rank (<= T)
+        recv_x,         # [L, W * T, H] output (FP8: its uint8 view)
+        recv_scales,    # [L, W * T, NS] fp32 output (FP8 only; any pointer otherwise)
+        row_of,         # [W, T, K] int32 handle: flat row e * W * T + row of (s, t, k), or -1
+        src_info,       # [L, W * T] int32 handle: s * T + t of each row
+        recv_count,     # [L] int32 output
+        ntok_out,       # [W] int32 handle: tokens each source sent
+        tab,            # [W] int64: every rank's EP region base address
+        ctrl,           # [NB] int64: dispatch counter of each block
+        err,            # int64: device error word, host error address, host input-error address,
+        #                 then the profiling stamps (common.py)
+        rank, tag, timeout_us,
+        wts,            # [n_tok, K] fp32 top-k weights (CARRY only; any pointer otherwise)
+        w_off,          # CARRY: byte offset of the handle slot's weights region (this rank)
+        T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
+        K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
+        E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
+        W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,    # ranks, pow2(W), grid
+        EB: tl.constexpr,               # pow2(ceil(E / NB)): experts counted per block
+        TT: tl.constexpr,               # tokens per top-k tile in the count / prefix scan
+        TS: tl.constexpr,               # the scan's one tile when n_tok <= TS (small batches)
+        JP: tl.constexpr,               # pow2(ceil(T / NB)): tokens per block at most
+        MAX_TOPK: tl.constexpr,         # metadata slot stride (layout.MAX_TOPK)
+        SET_BYTES: tl.constexpr, OFF_X: tl.constexpr,           # layout, bytes
+        OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+        FP8: tl.constexpr,              # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
+        NS: tl.constexpr, NSP: tl.constexpr,    # scales per row (H // 128, or 1), pow2(NS)
+        OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
+        STAGES: tl.constexpr,           # D_SEND | D_RECV bits (D_WAIT: poll; D_SIGNAL: none)
+        ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan
+        RW: tl.constexpr,               # int32 words per row slot (peer.ll_row_consts)
+        HPW: tl.constexpr,              # pow2(RW), the lanes of a row
+        OFF_WLL: tl.constexpr,          # CARRY: the weights' LL words, bytes
+        PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
+        CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
+        OWN_X: tl.constexpr = 0,        # not FP8: own rows expanded from x (_expand_ll)
+        PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
+    after_previous_kernel(PDL)
+    S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
+    RV: tl.constexpr = Recv(OFF_X, OFF_META, OFF_CNT, OFF_NTOK, OFF_SC, NS, NSP)
+    TI: tl.constexpr = Tiles(EB, TT, TS, JP, LB)
+    LR: tl.constexpr = LLRows(RW, HPW, OFF_WLL)
+    # own rows from x only when one launch sends and receives (a hook's caller may reuse x)
+    OWN_X_ON: tl.constexpr = OWN_X & (FP8 == 0) & ((STAGES & 3) == 3)
+    b = tl.program_id(0)
+    _stamp(err, 0, PROFILE, 0, NB)
+    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    seq = tl.load(ctrl + b)
+    set_off = (seq % 2) * SET_BYTES
+    ehi = (seq + 1) << LL_HI                        # this call's epoch bits
+    reg = Region(tab, rank, set_off)
+    if STAGES & 1:      # D_SEND
+        if CARRY:       # the weights' own LL words, in this call's set
+            _push_weights(wts, n_tok, reg, S, OFF_WLL, ehi, LL=1)
+        if ROWS_FIRST:
+            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, OWN_X_ON)
+            _stamp(err, 1, PROFILE, 0, NB)  # rows pushed
+        _send_routing(topk, n_tok, err, reg, ehi, tag, S, RV, TI, STAMP=ROWS_FIRST == 0,
+                      PROFILE=PROFILE, LL=1)
+        if not ROWS_FIRST:
+            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, OWN_X_ON)
+        _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
+    if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
+        _expand_ll(x, Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg,
+                   seq, tag, timeout_us, err, w_off, S, RV, LR, LB, FP8=FP8, CARRY=CARRY,
+                   POLL=(STAGES & 8) != 0, PROFILE=PROFILE, OWN_X=OWN_X_ON)
+        tl.store(ctrl + b, seq + 1)
+    _stamp(err, PROF_LAST, PROFILE, 0, NB)
