@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llcomm.ep import kernels as K  # noqa: E402
 from llcomm.ep.layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_dispatch, ll_row_consts  # noqa: E402
+from llcomm.runtime.settings import EPSettings  # noqa: E402
 from ptx import code_only, ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -56,7 +57,7 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     ``tokens`` tokens (``ll_dispatch_kernel`` up to LL_MAX_TOKENS, else ``flag_dispatch_kernel``;
     LLCOMM_EP_LL overrides); ``dispatch_*_masks`` is always the flag dispatch."""
     lay = ep_layout(tokens, hidden, ranks, experts, ITEMSIZE[dt], num_blocks=nb)
-    ll = ll_dispatch(tokens)
+    ll = ll_dispatch(EPSettings.read(), tokens)
     d_consts, c_consts, warps = kernel_consts(lay, topk, ll=ll)
     m_consts = kernel_consts(lay, topk, ll=0)[0]
     DK = dispatch_kernel(ll)
