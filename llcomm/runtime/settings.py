@@ -109,21 +109,21 @@ class _Shared(_Settings):
     #: bound of every wait when ``timeout_ms`` is not passed (None: the backend's default)
     timeout_ms: int | None = setting("LLCOMM_TIMEOUT_MS", None, timeout_ms)
     #: launch with programmatic dependent launch where the GPU and Triton have it
-    #: (runtime/launch.py; measured in docs/performance.md, "Programmatic dependent launch")
+    #: (runtime/launch.py; measured in bench/results/ab/2026-11-30-pdl/)
     pdl: int = setting("LLCOMM_PDL", 1, bit)
 
 
 #: Blocks of every TP kernel (docs/performance.md: 128 / 32 / 16 blocks measured).
 NUM_BLOCKS = 128
 #: Bytes of a Lamport slot: at world size 2 the pipelined Lamport all-reduce is the fastest
-#: algorithm to 8 MiB (docs/performance.md, "The pipelined Lamport all-reduce"); elsewhere
+#: algorithm to 8 MiB (bench/results/ab/2026-11-30-lamport-chunk/); elsewhere
 #: not measured, so the smaller slot.
 LAMPORT_BYTES = 1 << 20
 LAMPORT_BYTES_W2 = 16 << 20
 #: Bytes a block moves per step of a Lamport kernel (docs/performance.md: 1-16 KiB measured).
 LAMPORT_CHUNK_BYTES = 4 << 10
 #: broadcast / all-gather take the LL kernels up to this many bytes, all the LL region holds
-#: (docs/performance.md, "broadcast / all_gather").
+#: (bench/results/ab/2026-11-30-ll-movement/).
 LL_BYTES = 64 << 10
 
 
@@ -165,8 +165,8 @@ class EPSettings(_Shared):
     #: the dispatch pushes rows before its top-k scan (None: 1 for the flag dispatch, 0 for LL)
     rows_first: int | None = setting("LLCOMM_EP_ROWS_FIRST", None, bit)
     #: the LL dispatch expands this rank's own rows straight from x, not through its own
-    #: receive slots (15.7 -> 14.3 us at 128 tokens on 2xH200; docs/performance.md, "Own rows
-    #: from x")
+    #: receive slots (15.7 -> 14.3 us at 128 tokens on 2xH200;
+    #: bench/results/ab/2026-11-30-ep-own-rows-from-x/)
     own_x: int = setting("LLCOMM_EP_OWN_X", 1, bit)
     #: tokens per tile of the dispatch's top-k scan (None: from the shapes, ep/peer.py
     #: TOPK_TILE_TOKENS)

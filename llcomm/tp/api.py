@@ -43,9 +43,9 @@ FUSED_MAX_HIDDEN = 16384
 #: all_reduce(algo="auto") where no measured table applies (llcomm/tp/algo_table.py: the user's
 #: `llcomm tune` table, then llcomm/tp/tables/*.json, then this rule): (world_size, largest bytes,
 #: algo) rows, first match wins, two_shot beyond. World size 2 is measured on 2xH200 (the
-#: pipelined Lamport fastest to 8 MiB, two-shot above; docs/performance.md, "The pipelined
-#: Lamport all-reduce"). Other world sizes are a rule until measured: the one-shot's remote
-#: traffic grows as (W - 1) * bytes, so it gives way to two-shot earlier.
+#: pipelined Lamport fastest to 8 MiB, two-shot above; bench/results/ab/2026-11-30-lamport-chunk/).
+#: Other world sizes are a rule until measured: the one-shot's remote traffic grows as
+#: (W - 1) * bytes, so it gives way to two-shot earlier.
 AUTO_TABLE = (
     (2, 8 << 20, "lamport"),
     (None, 256 << 10, "lamport"),

@@ -25,8 +25,8 @@ from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
 MAX_BLOCK_BYTES = 16 << 10
 MAX_WARPS = 8
 #: A block with several Lamport chunks receives chunk i - LAMPORT_LAG right after pushing chunk
-#: i (lamport.lamport_kernel, LAG); a lag of 2 was no faster (docs/performance.md, "The
-#: pipelined Lamport all-reduce").
+#: i (lamport.lamport_kernel, LAG); a lag of 2 was no faster
+#: (bench/results/ab/2026-11-30-lamport-chunk/).
 LAMPORT_LAG = 1
 #: Launch plans kept per communicator (_plan: one per algorithm, size and dtype in use); past
 #: this many the cache starts over, so an endless variety of sizes cannot grow it without bound.
@@ -50,8 +50,8 @@ LL_WORD_BYTES = 8
 SHARD_ALIGN = 16
 #: Staging halves used alternately by consecutive ops (see kernels/all_reduce.py for why 2).
 HALVES = 2
-#: Mixes the row length into an all-gather's (and the fused norm's) size tag, so [2, 8] on one rank and [4, 4] on
-#: another are reported as a mismatch.
+#: Mixes the row length into an all-gather's (and the fused norm's) size tag, and the root into
+#: a broadcast's, so [2, 8] on one rank and [4, 4] on another, or two roots, are a mismatch.
 GATHER_TAG_MIX = 65599
 #: int64 words after the op counters in the (private) ctrl tensor: device error word, host word
 #: address.

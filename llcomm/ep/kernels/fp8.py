@@ -125,7 +125,7 @@ def _pack_row_fp8(v, HP: tl.constexpr, HPW: tl.constexpr, ROUND: tl.constexpr):
     arithmetic of ``_quantize_row``, with the divisions by ``_div_by`` (the same quotients). The
     GPU's ``cvt.rn.satfinite`` (E4M3X4_PTX) turns four quotients into one word, no clamp (every
     quotient is within an ulp of +-448 at most, and satfinite saturates there as the clamp
-    would). Timed alone by tools/ep_fp8_micro.py (docs/performance.md)."""
+    would). Timed alone: bench/results/ab/2026-11-30-ep-fp8-quantiser/."""
     v2 = tl.reshape(v, (HP // FP8_BLOCK, FP8_BLOCK))
     sc = _fp8_scales(v2, ROUND)
     q = _div_by(v2, sc)

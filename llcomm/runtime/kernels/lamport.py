@@ -168,8 +168,8 @@ def receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err, op, o
     This rank's own term is ``own`` (its operand's words, SENTINEL already replaced as the push
     replaces it), not its slot: the push skips that slot, so nothing is polled or re-armed
     there (its tag word is still reset). The same values in the same order as through the
-    slot: the same bits, a third less local traffic (docs/performance.md, "Lamport's own
-    term")."""
+    slot: the same bits, a third less local traffic
+    (bench/results/ab/2026-11-30-lamport-own-term/)."""
     acc = tl.zeros([BLOCK], tl.float32)
     for p in tl.static_range(W):
         src = local + p * cap + offs
