@@ -26,6 +26,7 @@ from .ep_fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .ep_layout import (ARM_BYTE, ERR_PROF, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS, PROF_ENV,
                         PROF_WORDS, check_shape_args, default_num_blocks, ep_layout)
 from .ep_reference import ReferenceEP
+from .reference import default_check_calls
 from .errors import UnsupportedConfigError
 
 
@@ -263,6 +264,13 @@ class EPBuffer:
             raise. The reference backend accepts the flag but masks nobody: a failure there
             still raises ``CommTimeoutError`` (a collective cannot leave a member out).
             docs/failures.md has the exact semantics and limits.
+        check_calls: reference backend: before each dispatch and combine, the ranks exchange a
+            64-byte header (op, dtype, hidden, ``topk``, FP8 mode, carried weights, the
+            buffer's shapes) and raise ``CommMismatchError`` on every rank where they differ,
+            before any data moves. ``None`` (default): on over gloo, where a mismatched
+            exchange would abort the process (cost: docs/failures.md); off over NCCL, where it
+            costs a host round trip per call and rules out CUDA graph capture. The same value
+            on every rank. The peer backend always checks in its kernels, whatever this says.
 
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
@@ -275,8 +283,9 @@ class EPBuffer:
     def __init__(self, group: dist.ProcessGroup | None = None, *, num_experts: int, hidden: int,
                  num_max_dispatch_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "auto", timeout_ms: int | None = None, fp8: bool = False,
-                 enable_masks: bool = False):
+                 enable_masks: bool = False, check_calls: bool | None = None):
         pr = V.Problems("EPBuffer")
+        V.check_optional_bool(pr, "check_calls", check_calls)
         if not isinstance(enable_masks, bool):
             pr.add(f"enable_masks={enable_masks!r}; expected True or False", type_error=True)
             enable_masks = False
@@ -322,13 +331,16 @@ class EPBuffer:
         if backend == "peer":
             self._impl = _PeerEP(self)
             self.device = self._impl.device
+            self.check_calls = True     # the kernels compare op, sizes and modes in every call
         else:
             self.timeout_ms = P.timeout_ms_from_env(timeout_ms, P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            self.check_calls = (default_check_calls(self.group) if check_calls is None
+                                else check_calls)
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
                                      max_tokens=self.max_tokens, dtype=dtype, device=self.device,
-                                     timeout_ms=self.timeout_ms)
+                                     timeout_ms=self.timeout_ms, check_calls=self.check_calls)
         ops.register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     @staticmethod
@@ -467,9 +479,11 @@ class EPBuffer:
                 x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
                 topk_weights)
         elif not return_recv_hook:
-            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales)
+            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
+                                                              topk_weights is not None)
         else:
-            finish = self._impl.dispatch_send(x, topk_idx, recv_x, mode, scales)
+            finish = self._impl.dispatch_send(x, topk_idx, recv_x, mode, scales,
+                                              topk_weights is not None)
             recv_count = torch.empty(self.num_local_experts, dtype=torch.int32,
                                      device=self.device)
             src_info = torch.empty(self._recv_shape()[:2], dtype=torch.int32, device=self.device)
@@ -606,11 +620,14 @@ class EPBuffer:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
         if carried:         # peer: the kernel reads the handle slot's; reference: the copy
             topk_weights = handle._weights
+        more = () if self.backend == "peer" else (carried,)   # reference: for its call check
         if not return_recv_hook:
-            return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
+            return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out,
+                                      *more)
         index = self._combines
         self._combines += 1
-        recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out)
+        recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out,
+                                       *more)
         return out, self._hook("combine", index, recv)
 
     def _check_weights(self, pr: V.Problems, topk_weights, topk_idx) -> None:

@@ -12,6 +12,14 @@ raises ``CommTimeoutError`` naming the op, and every later call raises ``CommBro
 on the peer backend. On NCCL the calls stay
 asynchronous (no host wait, so they can be captured in a CUDA graph) and the process group's own
 timeout and NCCL's watchdog bound them instead.
+
+Call check (``check_calls``, docs/failures.md): a collective whose ranks disagree about its size
+or dtype aborts the process inside gloo (``gloo::EnforceNotMet``, SIGABRT) and is undefined on
+NCCL. So before each collective of a call, every rank sends the others a fixed-size header (op,
+dtype and the sizes that must agree: ``CALLS``) in one small all-gather that always matches,
+compares, and raises ``CommMismatchError`` on every rank where they differ, before any payload
+moves. On by default over gloo; off by default over NCCL, where it costs a host round trip per
+call and rules out graph capture.
 """
 from __future__ import annotations
 
@@ -21,29 +29,115 @@ import torch
 import torch.distributed as dist
 
 from . import protocol as P
-from .errors import CommTimeoutError
+from .errors import CommMismatchError, CommTimeoutError, UnsupportedConfigError
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+#: The call check's header: int64 words ``[op code, dtype code, *fields, 0...]``. Per op: its
+#: code and the names of the fields that every rank must give the same value (what the
+#: collectives' sizes depend on, and what the peer backend's flag tags compare).
+HEADER_WORDS = 8
+CALLS = {
+    "all_reduce": (1, ("numel",)),
+    "all_reduce_residual_rmsnorm": (2, ("tokens", "hidden")),
+    "broadcast": (3, ("numel", "src")),
+    "all_gather": (4, ("numel",)),
+    "all_gather_2d": (5, ("tokens", "part")),
+    "reduce_scatter": (6, ("numel",)),
+    "dispatch": (7, ("topk", "fp8", "weights", "hidden", "max_tokens", "num_experts")),
+    "combine": (8, ("topk", "weights", "hidden", "max_tokens", "num_experts")),
+}
+_OP_NAMES = {code: op for op, (code, _) in CALLS.items()}
+_DTYPE_NAMES = {code: name for name, code in P.DTYPE_CODES.items()}
+assert all(len(fields) <= HEADER_WORDS - 2 for _, fields in CALLS.values())
+
+
+def default_check_calls(group: dist.ProcessGroup) -> bool:
+    """``check_calls=None``: on over gloo (a mismatch would abort the process there), off
+    elsewhere (NCCL: the check costs a host round trip per call and rules out graph capture)."""
+    return dist.get_backend(group) == "gloo"
+
+
+def _describe(row: list[int]) -> str:
+    """One rank's header as ``op(field=value, ..., dtype=name)``."""
+    op = _OP_NAMES.get(row[0])
+    if op is None:
+        return f"op#{row[0]}"
+    fields = ", ".join(f"{name}={v}" for name, v in zip(CALLS[op][1], row[2:]))
+    dtype = _DTYPE_NAMES.get(row[1], f"#{row[1]}")
+    return f"{op}({fields}{', ' if fields else ''}dtype={dtype})"
+
+
 class BoundedCalls:
     """Runs the torch.distributed calls of one communicator (or EP buffer) with a host-side bound
-    on gloo, and latches the first failure. ``what`` names the object in messages.
+    on gloo, checks that every rank makes the same call (``checked``), and latches the first
+    failure. ``what`` names the object in messages.
 
     ``run(op, call)``: ``call(async_op)`` issues one collective and returns its Work when
     ``async_op`` is true. On gloo it is waited for ``timeout_ms`` at most; any error of the
     collective (timeout, lost connection) becomes ``CommTimeoutError`` naming ``op``. On other
-    backends it is issued synchronously as before (NCCL: enqueued on the current stream)."""
+    backends it is issued synchronously as before (NCCL: enqueued on the current stream).
 
-    def __init__(self, group: dist.ProcessGroup, timeout_ms: int, what: str):
+    ``agree(op, dtype, *fields)``: the call check (module doc); does nothing unless ``checked``.
+    The owner calls it once per call, before the call's first collective.
+
+    Construction is a collective: the ranks exchange ``checked`` (one small all-gather), since a
+    rank that sends headers and one that does not would meet header against payload."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_ms: int, what: str, *,
+                 device: torch.device, checked: bool):
+        self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_ms = timeout_ms
         self.bounded = dist.get_backend(group) == "gloo"
         self._timeout = datetime.timedelta(milliseconds=timeout_ms)
         self.failure = P.FailureLatch(self.rank, what)
+        self.device = device
+        self.checked = False
+        flags = [f for f, in self._gather(what, [int(checked)], 1)]
+        if len(set(flags)) != 1:
+            raise ValueError(
+                f"llcomm.{what}: check_calls differs between ranks (resolved per rank: "
+                + ", ".join(f"rank {r}: {bool(f)}" for r, f in enumerate(flags))
+                + "); pass the same check_calls on every rank")
+        self.checked = bool(checked)
+
+    def _gather(self, op: str, words: list[int], n: int) -> list[list[int]]:
+        """All-gather ``n`` int64 words of every rank (bounded like any call); by rank."""
+        mine = torch.tensor(words, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world_size * n, dtype=torch.int64, device=self.device)
+        self.run(op, lambda a: _all_gather_flat(everyone, mine, group=self.group, async_op=a))
+        return everyone.view(self.world_size, n).tolist()
+
+    def agree(self, op: str, dtype: torch.dtype, *fields: int) -> None:
+        """Raise CommMismatchError on every rank (and break the object) unless every rank of
+        the group is making this same call: same ``op``, ``dtype`` and ``fields``."""
+        if not self.checked:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise UnsupportedConfigError(
+                f"llcomm: rank {self.rank}: {op}: the call check (check_calls=True) waits on the "
+                "host for the ranks' headers, which a CUDA graph capture cannot do; create the "
+                f"{self.failure.what} with check_calls=False to capture its calls")
+        code, names = CALLS[op]
+        words = [code, P.DTYPE_CODES[str(dtype).removeprefix("torch.")], *fields]
+        words += [0] * (HEADER_WORDS - len(words))
+        rows = self._gather(op, words, HEADER_WORDS)
+        mine = rows[self.rank]
+        others = [r for r, row in enumerate(rows) if row != mine]
+        if not others:
+            return
+        calls = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+        raise self.failure.fail(CommMismatchError(
+            f"llcomm: rank {self.rank}: {op} (reference backend, call check): the ranks made "
+            f"different calls in the same round ({calls}); every rank must issue the same "
+            "sequence of calls with the same shapes and dtypes. Nothing was sent. The "
+            f"{self.failure.what} is now broken: destroy it and create a new one.",
+            op=op, phase="call check", ranks=others))
 
     def check(self) -> None:
         """Raise CommBrokenError if an earlier call failed."""
@@ -92,13 +186,16 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, group: dist.ProcessGroup, timeout_ms: int):
+    def __init__(self, group: dist.ProcessGroup, timeout_ms: int, *, device: torch.device,
+                 check_calls: bool):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.calls = BoundedCalls(group, timeout_ms, "communicator")
+        self.calls = BoundedCalls(group, timeout_ms, "communicator", device=device,
+                                  checked=check_calls)
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
+        self.calls.agree("all_reduce", x.dtype, x.numel())
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
         self.calls.run("all_reduce", lambda a: dist.all_reduce(
@@ -117,6 +214,7 @@ class ReferenceBackend:
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
         # Same arithmetic as the peer kernel (round the sum, add in fp32, round, normalise the
         # rounded h in fp32, round once); only the all-reduce itself is the library's.
+        self.calls.agree("all_reduce_residual_rmsnorm", x.dtype, *x.shape)
         s = x.clone()
         self.calls.run("all_reduce_residual_rmsnorm", lambda a: dist.all_reduce(
             s, op=dist.ReduceOp.SUM, group=self.group, async_op=a))
@@ -128,6 +226,7 @@ class ReferenceBackend:
         return out, res_out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        self.calls.agree("broadcast", x.dtype, x.numel(), src)
         src = dist.get_global_rank(self.group, src)
         self.calls.run("broadcast", lambda a: dist.broadcast(x, src=src, group=self.group,
                                                              async_op=a))
@@ -136,12 +235,14 @@ class ReferenceBackend:
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Flat views: gloo wants the output to be world_size chunks shaped exactly like the
         # input, which a 0-d x (out [world_size]) or a stacked output would not be.
+        self.calls.agree("all_gather", x.dtype, x.numel())
         self.calls.run("all_gather", lambda a: _all_gather_flat(
             out.view(-1), x.reshape(-1), group=self.group, async_op=a))
         return out
 
     def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         tokens, part = x.shape
+        self.calls.agree("all_gather_2d", x.dtype, tokens, part)
         stacked = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
         self.calls.run("all_gather_2d", lambda a: _all_gather_flat(
             stacked, x.reshape(-1), group=self.group, async_op=a))
@@ -150,6 +251,7 @@ class ReferenceBackend:
         return out
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        self.calls.agree("reduce_scatter", x.dtype, x.numel())
         if x.device.type == "cpu":  # gloo has no reduce_scatter_tensor
             full = x.clone()
             self.calls.run("reduce_scatter", lambda a: dist.all_reduce(
