@@ -255,15 +255,16 @@ class EPBuffer:
             The default (False) sizes it for the buffer dtype, which also holds FP8 rows and
             scales, so both kinds of dispatch work. ``size_hint(..., fp8=True)`` says how much
             this saves (about a quarter in bf16; docs/ep.md).
-        enable_masks: rank masks for fault tolerance (peer backend; at most 32 ranks). A rank
-            that misses a bounded wait is *masked* instead of failing the call: this rank goes
-            on without it (dispatch: its rows are not received and ``recv_count`` excludes
-            them; combine: its partials count as zero, a token routed only to masked ranks gets
-            zeros) and later calls do not wait for it, so a dead peer costs one timeout.
-            ``query_mask()`` says who is masked, ``clean_mask()`` forgets it. Mismatches still
-            raise. The reference backend accepts the flag but masks nobody: a failure there
-            still raises ``CommTimeoutError`` (a collective cannot leave a member out).
-            docs/failures.md has the exact semantics and limits.
+        enable_masks: rank masks for fault tolerance, **peer backend only** (at most 32
+            ranks). A rank that misses a bounded wait is *masked* instead of failing the call:
+            this rank goes on without it (dispatch: its rows are not received and
+            ``recv_count`` excludes them; combine: its partials count as zero, a token routed
+            only to masked ranks gets zeros) and later calls do not wait for it, so a dead peer
+            costs one timeout. ``query_mask()`` says who is masked, ``clean_mask()`` forgets
+            it. Mismatches still raise. Where the buffer would run on the reference backend
+            (requested, or chosen by ``"auto"``) the constructor raises
+            ``UnsupportedConfigError``: a collective cannot leave a member out. docs/ep.md has
+            the exact semantics and limits.
         check_calls: reference backend: before each dispatch and combine, the ranks exchange a
             64-byte header (op, dtype, hidden, ``topk``, FP8 mode, carried weights, the
             buffer's shapes) and raise ``CommMismatchError`` on every rank where they differ,
@@ -328,6 +329,13 @@ class EPBuffer:
         from .tp import choose_backend
         backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer")
         self.backend = backend
+        if enable_masks and backend != "peer":
+            raise UnsupportedConfigError(
+                "llcomm.EPBuffer: enable_masks=True: rank masks are peer-backend only, and this "
+                f"buffer would run on the reference backend ({self.backend_reason}); a "
+                "torch.distributed collective cannot leave a member out. Create it without "
+                "enable_masks (a missing peer then raises CommTimeoutError), or on a group "
+                "where backend='peer' runs.")
         if backend == "peer":
             self._impl = _PeerEP(self)
             self.device = self._impl.device
@@ -693,12 +701,10 @@ class EPBuffer:
         buffer's device, 1 for a masked rank, else 0 (this rank's view; peers may differ).
 
         Stream-ordered, no host synchronisation: it reflects every call queued before it on the
-        current stream (``.tolist()`` waits for them). Not a collective. The reference backend
-        masks nobody (all zeros). Raises ValueError unless the buffer has ``enable_masks=True``.
+        current stream (``.tolist()`` waits for them). Not a collective. Raises ValueError unless
+        the buffer has ``enable_masks=True`` (peer backend only).
         """
         self._check_masks("query_mask")
-        if self.backend != "peer":
-            return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
         return self._impl.query_mask()
 
     def clean_mask(self) -> None:
@@ -708,11 +714,10 @@ class EPBuffer:
         Call it once the masked ranks are back **in step**: they have made the same calls as
         this rank (the flags carry a call count, so a rank that skipped calls is not seen as
         arrived). A rank that is still missing is simply masked again by the next call, after
-        one more timeout. The reference backend has nothing to clean. Raises ValueError unless
-        the buffer has ``enable_masks=True``."""
+        one more timeout. Raises ValueError unless the buffer has ``enable_masks=True`` (peer
+        backend only)."""
         self._check_masks("clean_mask")
-        if self.backend == "peer":
-            self._impl.clean_mask()
+        self._impl.clean_mask()
 
     def _check_masks(self, fn: str) -> None:
         if not self.enable_masks:

@@ -18,8 +18,8 @@ arguments before calling in here. On gloo every exchange is bounded by ``timeout
 ``check_calls`` (default over gloo) each dispatch and combine first exchanges a small header, so
 ranks that disagree about the op, ``topk``, FP8 mode, carried weights or the buffer's shapes get
 ``CommMismatchError`` instead of a mismatched exchange (docs/failures.md). Rank masks
-(``enable_masks=True``) are accepted by ``EPBuffer`` but mask nobody here: a collective cannot
-leave a member out, so such a failure still raises (docs/failures.md).
+(``enable_masks=True``) are peer-backend only: ``EPBuffer`` refuses them here, since a collective
+cannot leave a member out.
 
 FP8 dispatch quantises on the sender (``ep_fp8.quantize``, the documented arithmetic) and moves
 the e4m3 bytes and fp32 scales of each slot in one exchange, as the peer kernel does.
