@@ -22,8 +22,9 @@ SLACK_S = 2.0
 LOOP_OPS = 60
 DIE_AT = 25
 EXIT_CODE = 17
-#: How long a straggler sleeps instead of calling (well past TIMEOUT_MS).
-STRAGGLE_S = 2.0
+#: The longest a straggler stays alive without calling, waiting for the others to have raised
+#: (far past TIMEOUT_MS + SLACK_S: a wait that is not bounded by timeout_ms cannot end in time).
+STRAGGLE_MAX_S = 20.0
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter")
 
@@ -54,7 +55,10 @@ def _run_tp_op(comm, op: str, rank: int, ws: int, i: int) -> None:
     assert torch.equal(got, want), f"rank {rank}: {op} at step {i} is wrong"
 
 
-def _tp_dies_body(rank, ws, victim, how):
+def _tp_dies_body(rank, ws, victim, how, released=None):
+    """``how="exit"``: the victim's process leaves. ``"sleep"``: it stays alive without calling
+    until ``released`` (an Event) is set by the others once they have raised, or STRAGGLE_MAX_S
+    has passed, then returns whether it was released."""
     import llcomm
     comm = llcomm.Communicator(backend="reference", timeout_ms=TIMEOUT_MS)
     for i in range(LOOP_OPS):
@@ -62,13 +66,14 @@ def _tp_dies_body(rank, ws, victim, how):
         if rank == victim and i == DIE_AT:
             if how == "exit":
                 os._exit(EXIT_CODE)
-            time.sleep(STRAGGLE_S)  # alive, but never makes this call
-            return None
+            return released.wait(STRAGGLE_MAX_S)    # alive, but never makes this call
         t0 = time.monotonic()
         try:
             _run_tp_op(comm, op, rank, ws, i)
         except llcomm.CommTimeoutError as caught:
             err, elapsed = caught, time.monotonic() - t0
+            if released is not None:
+                released.set()
             break
     else:
         raise AssertionError(f"rank {rank}: {LOOP_OPS} ops ran although rank {victim} left")
@@ -100,10 +105,15 @@ def test_killed_peer_raises_timeout(ws, victim):
 
 
 def test_straggler_raises_timeout():
-    """Rank 1 is alive but sleeps through a call: rank 0 gives up after timeout_ms."""
-    got = run_distributed(_tp_dies_body, 2, 1, "sleep", timeout=60)
+    """Rank 1 stays alive but does not make a call: rank 0 gives up after timeout_ms (not later,
+    not when rank 1 leaves: rank 1 is still there, waiting, when rank 0 raises)."""
+    import torch.multiprocessing as mp
+    released = mp.get_context("spawn").Event()
+    got = run_distributed(_tp_dies_body, 2, 1, "sleep", released, timeout=60)
     op, step, elapsed, msg = got[0]
-    assert step == DIE_AT and elapsed >= TIMEOUT_MS / 1000 * 0.9, (step, elapsed)
+    assert got[1] is True, "the straggler was not released: rank 0 did not raise while it waited"
+    assert step == DIE_AT, step
+    assert TIMEOUT_MS / 1000 * 0.9 <= elapsed < TIMEOUT_MS / 1000 + SLACK_S, elapsed
     assert f"{op} (reference backend, gloo)" in msg and "timeout_ms=300" in msg, msg
 
 
