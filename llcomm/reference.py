@@ -3,7 +3,7 @@
 It is the oracle of every test, the backend on machines without peer-reachable GPUs (gloo on
 CPU) and the multi-host path (NCCL). It shares no code with the peer kernels it checks. The
 ``Communicator`` validates arguments and allocates outputs before calling in here, so this
-module only moves data.
+module only checks that the ranks agree (below) and moves data.
 
 Bounded waits (docs/failures.md): on gloo every collective is issued ``async_op=True`` and waited
 for at most ``timeout_ms`` on the host (default 30 s, ``protocol.REFERENCE_DEFAULT_TIMEOUT_MS``);
@@ -15,10 +15,10 @@ timeout and NCCL's watchdog bound them instead.
 
 Call check (``check_calls``, docs/failures.md): a collective whose ranks disagree about its size
 or dtype aborts the process inside gloo (``gloo::EnforceNotMet``, SIGABRT) and is undefined on
-NCCL. So before each collective of a call, every rank sends the others a fixed-size header (op,
-dtype and the sizes that must agree: ``CALLS``) in one small all-gather that always matches,
-compares, and raises ``CommMismatchError`` on every rank where they differ, before any payload
-moves. On by default over gloo; off by default over NCCL, where it costs a host round trip per
+NCCL. So before the first collective of each call, every rank sends the others a fixed-size
+header (op, dtype and the sizes that must agree: ``CALLS``) in one small collective that always
+matches, compares, and raises ``CommMismatchError`` on every rank where they differ, before any
+payload moves. On by default over gloo; off by default over NCCL, where it costs a host round trip per
 call and rules out graph capture.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class BoundedCalls:
     ``agree(op, dtype, *fields)``: the call check (module doc); does nothing unless ``checked``.
     The owner calls it once per call, before the call's first collective.
 
-    Construction is a collective: the ranks exchange ``checked`` (one small all-gather), since a
+    Construction is a collective: the ranks exchange ``checked`` (one small all-reduce), since a
     rank that sends headers and one that does not would meet header against payload."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_ms: int, what: str, *,
@@ -107,10 +107,13 @@ class BoundedCalls:
         self.checked = bool(checked)
 
     def _gather(self, op: str, words: list[int], n: int) -> list[list[int]]:
-        """All-gather ``n`` int64 words of every rank (bounded like any call); by rank."""
-        mine = torch.tensor(words, dtype=torch.int64, device=self.device)
-        everyone = torch.empty(self.world_size * n, dtype=torch.int64, device=self.device)
-        self.run(op, lambda a: _all_gather_flat(everyone, mine, group=self.group, async_op=a))
+        """Gather ``n`` int64 words of every rank (bounded like any call); by rank. An all-reduce
+        of zeros but this rank's slot (on gloo cheaper to issue than all_gather_single)."""
+        slots = [0] * (self.world_size * n)
+        slots[self.rank * n:(self.rank + 1) * n] = words
+        everyone = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self.run(op, lambda a: dist.all_reduce(everyone, op=dist.ReduceOp.SUM, group=self.group,
+                                               async_op=a))
         return everyone.view(self.world_size, n).tolist()
 
     def agree(self, op: str, dtype: torch.dtype, *fields: int) -> None:
