@@ -97,6 +97,7 @@ class BoundedCalls:
         self._timeout = datetime.timedelta(milliseconds=timeout_ms)
         self.failure = P.FailureLatch(self.rank, what)
         self.device = device
+        self._bufs: dict = {}       # words per rank -> (host buffer, its numpy view, on device)
         self.checked = False
         flags = [f for f, in self._gather(what, [int(checked)], 1)]
         if len(set(flags)) != 1:
@@ -108,13 +109,21 @@ class BoundedCalls:
 
     def _gather(self, op: str, words: list[int], n: int) -> list[list[int]]:
         """Gather ``n`` int64 words of every rank (bounded like any call); by rank. An all-reduce
-        of zeros but this rank's slot (on gloo cheaper to issue than all_gather_single)."""
-        slots = [0] * (self.world_size * n)
+        of zeros but this rank's slot, in buffers kept per ``n``: on gloo both are cheaper than
+        an all_gather_single or a new tensor per call (tools/call_check_cost.py)."""
+        bufs = self._bufs.get(n)
+        if bufs is None:
+            host = torch.zeros(self.world_size * n, dtype=torch.int64)
+            dev = host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
+            bufs = self._bufs[n] = (host, host.numpy(), dev)
+        host, slots, dev = bufs
+        slots[:] = 0
         slots[self.rank * n:(self.rank + 1) * n] = words
-        everyone = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self.run(op, lambda a: dist.all_reduce(everyone, op=dist.ReduceOp.SUM, group=self.group,
+        if dev is not host:
+            dev.copy_(host)
+        self.run(op, lambda a: dist.all_reduce(dev, op=dist.ReduceOp.SUM, group=self.group,
                                                async_op=a))
-        return everyone.view(self.world_size, n).tolist()
+        return dev.view(self.world_size, n).tolist()
 
     def agree(self, op: str, dtype: torch.dtype, *fields: int) -> None:
         """Raise CommMismatchError on every rank (and break the object) unless every rank of

@@ -5,9 +5,10 @@
 Starts ``--ranks`` CPU processes on one gloo group. Each holds a ``Communicator`` and an
 ``EPBuffer`` with the check on and another pair with it off, and times the same calls on both in
 alternating rounds (``--rounds`` rounds of ``--calls`` calls each, so drift of a shared machine
-hits both alike): ``all_reduce`` of 1 and of 4096 float32 elements, and one EP dispatch +
-combine (8 experts, hidden 128, bf16, 4 tokens, top-2). Prints rank 0's median µs per call with
-the check off and on and the difference, which is the cost of the header all-gather.
+hits both alike): ``all_reduce`` of 1 element (once, and twice in a row as a yardstick: what
+one more small collective costs) and of 4096 float32 elements, and one EP dispatch + combine (8
+experts, hidden 128, bf16, 4 tokens, top-2). Prints rank 0's median µs per call with the check
+off and on and the difference, which is the cost of the header exchange.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def _cases(rank, ws):
         rx, _, handle = buf.dispatch(x, topk)
         buf.combine(rx, topk, w, handle)
     return {"all_reduce 1 x fp32": lambda comm, buf: comm.all_reduce(small),
+            "two such all_reduce": lambda comm, buf: (comm.all_reduce(small),
+                                                      comm.all_reduce(small)),
             "all_reduce 4096 x fp32": lambda comm, buf: comm.all_reduce(big),
             "EP dispatch + combine": ep}, dict(num_experts=E, hidden=H,
                                                num_max_dispatch_tokens_per_rank=T)
