@@ -18,8 +18,8 @@ or dtype aborts the process inside gloo (``gloo::EnforceNotMet``, SIGABRT) and i
 NCCL. So before the first collective of each call, every rank sends the others a fixed-size
 header (op, dtype and the sizes that must agree: ``CALLS``) in one small collective that always
 matches, compares, and raises ``CommMismatchError`` on every rank where they differ, before any
-payload moves. On by default over gloo; off by default over NCCL, where it costs a host round trip per
-call and rules out graph capture.
+payload moves. On by default over gloo; off by default over NCCL, where it costs a host round
+trip per call and rules out graph capture.
 """
 from __future__ import annotations
 
@@ -109,8 +109,8 @@ class BoundedCalls:
 
     def _gather(self, op: str, words: list[int], n: int) -> list[list[int]]:
         """Gather ``n`` int64 words of every rank (bounded like any call); by rank. An all-reduce
-        of zeros but this rank's slot, in buffers kept per ``n``: on gloo both are cheaper than
-        an all_gather_single or a new tensor per call (tools/call_check_cost.py)."""
+        of zeros but this rank's slot, in a buffer kept per ``n``: gloo's all_gather_single took
+        about twice the host time to issue (cProfile of one-rank calls on the development VM)."""
         bufs = self._bufs.get(n)
         if bufs is None:
             host = torch.zeros(self.world_size * n, dtype=torch.int64)
@@ -135,8 +135,7 @@ class BoundedCalls:
                 f"llcomm: rank {self.rank}: {op}: the call check (check_calls=True) waits on the "
                 "host for the ranks' headers, which a CUDA graph capture cannot do; create the "
                 f"{self.failure.what} with check_calls=False to capture its calls")
-        code, names = CALLS[op]
-        words = [code, P.DTYPE_CODES[str(dtype).removeprefix("torch.")], *fields]
+        words = [CALLS[op][0], P.DTYPE_CODES[str(dtype).removeprefix("torch.")], *fields]
         words += [0] * (HEADER_WORDS - len(words))
         rows = self._gather(op, words, HEADER_WORDS)
         mine = rows[self.rank]

@@ -166,8 +166,10 @@ MT, MH = 4, 128     # EP cases: tokens per rank, hidden (FP8 wants 128); 4 exper
 
 #: case -> what must appear in every rank's message: each side's call, as the check prints it
 MISMATCH_CASES = {
-    "all_reduce-size": ("all_reduce(numel=8, dtype=float32)", "all_reduce(numel=16, dtype=float32)"),
-    "all_reduce-dtype": ("all_reduce(numel=8, dtype=float32)", "all_reduce(numel=8, dtype=bfloat16)"),
+    "all_reduce-size": ("all_reduce(numel=8, dtype=float32)",
+                        "all_reduce(numel=16, dtype=float32)"),
+    "all_reduce-dtype": ("all_reduce(numel=8, dtype=float32)",
+                         "all_reduce(numel=8, dtype=bfloat16)"),
     "all_reduce-vs-all_gather": ("all_reduce(numel=8, dtype=float32)",
                                  "all_gather(numel=8, dtype=float32)"),
     "broadcast-src": ("broadcast(numel=8, src=0, dtype=float32)",
@@ -201,16 +203,16 @@ def _mismatched(case, rank, ws, odd):
                               backend="reference", timeout_ms=MISMATCH_TIMEOUT_MS)
         x = torch.ones(MT, hidden, dtype=torch.bfloat16)
         topk = torch.zeros(MT, 3 if case == "dispatch-topk" and me else 2, dtype=torch.int64)
-        fails = []
+        handle = []         # dispatch-vs-combine: the odd rank combines this dispatch's
 
         def matched(b):
-            fails.extend(_check_one(b, rank, ws, ME, MT, MH, 2, 7, "random", torch.bfloat16))
+            fails = _check_one(b, rank, ws, ME, MT, MH, 2, 7, "random", torch.bfloat16)
             assert not fails, fails
-            b.handle = b.dispatch(x, topk[:, :2].contiguous())[2]     # for dispatch-vs-combine
+            handle.append(b.dispatch(x, topk[:, :2].contiguous())[2])
         if case == "dispatch-vs-combine" and me:
             return buf, "combine", lambda: buf.combine(
                 torch.zeros(ME // ws, ws * MT, MH, dtype=torch.bfloat16), topk,
-                torch.ones(MT, 2), buf.handle), matched
+                torch.ones(MT, 2), handle[0]), matched
         return buf, "dispatch", lambda: buf.dispatch(
             x, topk, use_fp8=case == "dispatch-fp8" and me), \
             None if case == "dispatch-hidden" else matched
