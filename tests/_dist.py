@@ -20,6 +20,8 @@ Fault tests name the ranks that are meant to die: ``run_distributed(fn, 2, expec
 accepts rank 1 leaving with exit code 17 (``os._exit(17)``; ``-9`` for SIGKILL) without a report
 (its result is None), does not start the failure grace period for it, and then requires every
 other rank to report and to exit on its own (exit code 0) within ``KILL_WAIT_S``.
+``clean_exit=True`` requires the same of every rank without naming any that dies (a test that a
+library call never aborts the process, even after its report).
 
 A run whose process group could not form (``init_process_group`` raised on some rank, before
 ``fn`` ran anywhere: gloo's TCP mesh on the loopback now and then reports "Connection closed
@@ -94,7 +96,7 @@ def _worker(fn, rank, world_size, port, backend, timeout, args, results) -> None
 
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120,
-                    expect_exit: dict[int, int] | None = None):
+                    expect_exit: dict[int, int] | None = None, clean_exit: bool = False):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
     ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Returns the list of
@@ -106,20 +108,21 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r uses GPU r; multicast is switched off
     through the environment before the processes start, see ``GPU_ENV``).
     expect_exit: ``{rank: exit code}`` of ranks that are meant to die (see the module doc).
+    clean_exit: every rank must also exit with code 0 after its report (implied by expect_exit).
     A run whose process group did not form is started again (module doc).
     """
     __tracebackhide__ = True
     for attempt in range(INIT_ATTEMPTS):
         try:
             return _run_once(fn, world_size, *args, backend=backend, timeout=timeout,
-                             expect_exit=expect_exit)
+                             expect_exit=expect_exit, clean_exit=clean_exit)
         except _GroupNotFormed:
             if attempt == INIT_ATTEMPTS - 1:
                 raise
 
 
 def _run_once(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120,
-              expect_exit: dict[int, int] | None = None):
+              expect_exit: dict[int, int] | None = None, clean_exit: bool = False):
     """One run of ``run_distributed``: spawn, rendezvous, ``fn``, reports."""
     import torch.distributed as dist
 
@@ -190,7 +193,7 @@ def _run_once(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
         if len(reports) == world_size:  # all reported: let them exit on their own first
             for p in procs:
                 p.join(timeout=KILL_WAIT_S)
-            if expect_exit:  # fault tests: the survivors must also exit cleanly
+            if expect_exit or clean_exit:  # fault tests: the survivors must also exit cleanly
                 not_exited = {r: p.exitcode for r, p in enumerate(procs)
                               if r not in expect_exit and p.exitcode != 0}
         for p in procs:

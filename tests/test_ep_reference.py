@@ -537,22 +537,27 @@ def test_get_combine_input():
 
 
 def _masks_body(rank, W):
-    """enable_masks on the reference backend: same results, nobody masked, the mask API and its
-    validation."""
+    """Rank masks are peer-backend only: the reference backend refuses enable_masks=True, by
+    request or through "auto" (no CUDA here), on every rank; a buffer without masks still works,
+    and the mask API and its validation behave as documented."""
+    import llcomm
     import llcomm.ep as ep
     fails = []
     E, T, H, K = 8, 5, 16, 3
-    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
-                      backend="reference", enable_masks=True)
-    for kind in ("random", "dups"):
-        fails += _check_one(buf, rank, W, E, T, H, K, 21, kind, torch.bfloat16)
-    m = buf.query_mask()
-    if m.dtype != torch.int32 or m.tolist() != [0] * W:
-        fails.append(f"query_mask() = {m} ({m.dtype}); expected {W} int32 zeros")
-    buf.clean_mask()
-    fails += _check_one(buf, rank, W, E, T, H, K, 22, "random", torch.bfloat16)
+    for backend in ("reference", "auto"):
+        if backend == "auto" and torch.cuda.is_available():
+            continue
+        try:
+            ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                        backend=backend, enable_masks=True)
+            fails.append(f"backend={backend!r}: enable_masks=True was accepted")
+        except llcomm.UnsupportedConfigError as e:
+            if "enable_masks=True" not in str(e) or "peer-backend only" not in str(e):
+                fails.append(f"backend={backend!r}: message lacks the argument or 'peer-backend "
+                             f"only': {e}")
     plain = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
                         backend="reference")
+    fails += _check_one(plain, rank, W, E, T, H, K, 21, "random", torch.bfloat16)
     for fn in (plain.query_mask, plain.clean_mask):
         try:
             fn()
@@ -570,6 +575,6 @@ def _masks_body(rank, W):
     return fails
 
 
-def test_masks_on_reference_backend():
+def test_masks_are_refused_on_reference_backend():
     fails = [f for r in run_distributed(_masks_body, 2) for f in r]
     assert not fails, "\n".join(fails)

@@ -22,8 +22,9 @@ SLACK_S = 2.0
 LOOP_OPS = 60
 DIE_AT = 25
 EXIT_CODE = 17
-#: How long a straggler sleeps instead of calling (well past TIMEOUT_MS).
-STRAGGLE_S = 2.0
+#: The longest a straggler stays alive without calling, waiting for the others to have raised
+#: (far past TIMEOUT_MS + SLACK_S: a wait that is not bounded by timeout_ms cannot end in time).
+STRAGGLE_MAX_S = 20.0
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter")
 
@@ -54,7 +55,10 @@ def _run_tp_op(comm, op: str, rank: int, ws: int, i: int) -> None:
     assert torch.equal(got, want), f"rank {rank}: {op} at step {i} is wrong"
 
 
-def _tp_dies_body(rank, ws, victim, how):
+def _tp_dies_body(rank, ws, victim, how, released=None):
+    """``how="exit"``: the victim's process leaves. ``"sleep"``: it stays alive without calling
+    until ``released`` (an Event) is set by the others once they have raised, or STRAGGLE_MAX_S
+    has passed, then returns whether it was released."""
     import llcomm
     comm = llcomm.Communicator(backend="reference", timeout_ms=TIMEOUT_MS)
     for i in range(LOOP_OPS):
@@ -62,13 +66,14 @@ def _tp_dies_body(rank, ws, victim, how):
         if rank == victim and i == DIE_AT:
             if how == "exit":
                 os._exit(EXIT_CODE)
-            time.sleep(STRAGGLE_S)  # alive, but never makes this call
-            return None
+            return released.wait(STRAGGLE_MAX_S)    # alive, but never makes this call
         t0 = time.monotonic()
         try:
             _run_tp_op(comm, op, rank, ws, i)
         except llcomm.CommTimeoutError as caught:
             err, elapsed = caught, time.monotonic() - t0
+            if released is not None:
+                released.set()
             break
     else:
         raise AssertionError(f"rank {rank}: {LOOP_OPS} ops ran although rank {victim} left")
@@ -100,22 +105,27 @@ def test_killed_peer_raises_timeout(ws, victim):
 
 
 def test_straggler_raises_timeout():
-    """Rank 1 is alive but sleeps through a call: rank 0 gives up after timeout_ms."""
-    got = run_distributed(_tp_dies_body, 2, 1, "sleep", timeout=60)
+    """Rank 1 stays alive but does not make a call: rank 0 gives up after timeout_ms (not later,
+    not when rank 1 leaves: rank 1 is still there, waiting, when rank 0 raises)."""
+    import torch.multiprocessing as mp
+    released = mp.get_context("spawn").Event()
+    got = run_distributed(_tp_dies_body, 2, 1, "sleep", released, timeout=60)
     op, step, elapsed, msg = got[0]
-    assert step == DIE_AT and elapsed >= TIMEOUT_MS / 1000 * 0.9, (step, elapsed)
+    assert got[1] is True, "the straggler was not released: rank 0 did not raise while it waited"
+    assert step == DIE_AT, step
+    assert TIMEOUT_MS / 1000 * 0.9 <= elapsed < TIMEOUT_MS / 1000 + SLACK_S, elapsed
     assert f"{op} (reference backend, gloo)" in msg and "timeout_ms=300" in msg, msg
 
 
 E, T, H, K = 8, 4, 16, 2
 
 
-def _ep_dies_body(rank, ws, victim, masks=False):
+def _ep_dies_body(rank, ws, victim):
     import llcomm
     import llcomm.ep as ep
     from test_ep_oracle import expert_fn, make_case
     buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
-                      backend="reference", timeout_ms=TIMEOUT_MS, enable_masks=masks)
+                      backend="reference", timeout_ms=TIMEOUT_MS)
     failed = None
     for i in range(LOOP_OPS // 2):
         xs, topks, weights = make_case(ws, E, T, H, K, 100 + i, "random")
@@ -138,21 +148,168 @@ def _ep_dies_body(rank, ws, victim, masks=False):
         buf.dispatch(xs[rank], topks[rank])
     with pytest.raises(llcomm.CommBrokenError):
         buf.check()
-    if masks:       # the reference backend masks nobody (docs/failures.md)
-        assert buf.query_mask().tolist() == [0] * ws
     return e.op, i, elapsed
-
-
-def test_ep_reference_with_masks_still_raises():
-    """enable_masks=True on the reference backend: a collective cannot leave a member out, so a
-    lost peer is still CommTimeoutError, then CommBrokenError (documented)."""
-    run_distributed(_ep_dies_body, 2, 1, True, expect_exit={1: EXIT_CODE}, timeout=60)
 
 
 def test_ep_killed_peer_raises_timeout():
     got = run_distributed(_ep_dies_body, 2, 1, expect_exit={1: EXIT_CODE}, timeout=60)
     op, step, elapsed = got[0]
     print(f"rank 0: {op} at step {step} raised CommTimeoutError after {elapsed:.3f}s")
+
+
+# -- mismatched calls: CommMismatchError on every rank, no process aborts ---------------------
+#: A mismatch is caught by the call check at once, never by waiting out the bound: a case that
+#: takes MISMATCH_MAX_S (half the bound; the rest is a loaded CI runner's scheduling) waited.
+MISMATCH_TIMEOUT_MS = 10_000
+MISMATCH_MAX_S = 5.0
+MT, MH = 4, 128     # EP cases: tokens per rank, hidden (FP8 wants 128); 4 experts per rank
+
+#: case -> what must appear in every rank's message: each side's call, as the check prints it
+MISMATCH_CASES = {
+    "all_reduce-size": ("all_reduce(numel=8, dtype=float32)",
+                        "all_reduce(numel=16, dtype=float32)"),
+    "all_reduce-dtype": ("all_reduce(numel=8, dtype=float32)",
+                         "all_reduce(numel=8, dtype=bfloat16)"),
+    "all_reduce-vs-all_gather": ("all_reduce(numel=8, dtype=float32)",
+                                 "all_gather(numel=8, dtype=float32)"),
+    "broadcast-src": ("broadcast(numel=8, src=0, dtype=float32)",
+                      "broadcast(numel=8, src=1, dtype=float32)"),
+    "all_gather_2d-shape": ("all_gather_2d(tokens=2, part=8, dtype=float32)",
+                            "all_gather_2d(tokens=4, part=4, dtype=float32)"),
+    "dispatch-topk": ("dispatch(topk=2, fp8=0,", "dispatch(topk=3, fp8=0,"),
+    "dispatch-fp8": ("dispatch(topk=2, fp8=0,", "dispatch(topk=2, fp8=1,"),
+    "dispatch-vs-combine": ("dispatch(topk=2,", "combine(topk=2,"),
+    "dispatch-hidden": ("hidden=128,", "hidden=256,"),
+}
+
+
+def _matched_tp(comm, rank, ws):
+    """One matched call, checked exactly: the check lets it through and the sum is right."""
+    x = torch.arange(8, dtype=torch.float32) + 100.0 * rank
+    want = sum(torch.arange(8, dtype=torch.float32) + 100.0 * r for r in range(ws))
+    assert torch.equal(comm.all_reduce(x), want), f"rank {rank}: matched all_reduce is wrong"
+
+
+def _mismatched(case, rank, ws, odd):
+    """Objects for ``case`` and the call this rank makes (rank ``odd`` differs from the rest):
+    ``(obj, op, call, matched)``; ``matched(obj)`` is one matched call before it, or None."""
+    import llcomm
+    from test_ep_reference import _check_one
+    me = rank == odd
+    ME = 4 * ws
+    if case.startswith("dispatch"):
+        hidden = 256 if case == "dispatch-hidden" and me else MH
+        buf = llcomm.EPBuffer(num_experts=ME, hidden=hidden, num_max_dispatch_tokens_per_rank=MT,
+                              backend="reference", timeout_ms=MISMATCH_TIMEOUT_MS)
+        x = torch.ones(MT, hidden, dtype=torch.bfloat16)
+        topk = torch.zeros(MT, 3 if case == "dispatch-topk" and me else 2, dtype=torch.int64)
+        handle = []         # dispatch-vs-combine: the odd rank combines this dispatch's
+
+        def matched(b):
+            fails = _check_one(b, rank, ws, ME, MT, MH, 2, 7, "random", torch.bfloat16)
+            assert not fails, fails
+            handle.append(b.dispatch(x, topk[:, :2].contiguous())[2])
+        if case == "dispatch-vs-combine" and me:
+            return buf, "combine", lambda: buf.combine(
+                torch.zeros(ME // ws, ws * MT, MH, dtype=torch.bfloat16), topk,
+                torch.ones(MT, 2), handle[0]), matched
+        return buf, "dispatch", lambda: buf.dispatch(
+            x, topk, use_fp8=case == "dispatch-fp8" and me), \
+            None if case == "dispatch-hidden" else matched
+    comm = llcomm.Communicator(backend="reference", timeout_ms=MISMATCH_TIMEOUT_MS)
+    matched = lambda c: _matched_tp(c, rank, ws)    # noqa: E731
+    if case == "all_reduce-size":
+        return comm, "all_reduce", lambda: comm.all_reduce(torch.ones(16 if me else 8)), matched
+    if case == "all_reduce-dtype":
+        return comm, "all_reduce", lambda: comm.all_reduce(
+            torch.ones(8, dtype=torch.bfloat16 if me else torch.float32)), matched
+    if case == "all_reduce-vs-all_gather":
+        if me:
+            return comm, "all_gather", lambda: comm.all_gather(torch.ones(8)), matched
+        return comm, "all_reduce", lambda: comm.all_reduce(torch.ones(8)), matched
+    if case == "broadcast-src":
+        return comm, "broadcast", lambda: comm.broadcast(torch.ones(8), 1 if me else 0), matched
+    assert case == "all_gather_2d-shape", case
+    return comm, "all_gather_2d", lambda: comm.all_gather_2d(
+        torch.ones((4, 4) if me else (2, 8))), matched
+
+
+def _mismatch_body(rank, ws):
+    """Every case of MISMATCH_CASES on fresh objects, the last rank the odd one; per case what
+    this rank saw. The group itself must stay usable (a barrier after each case)."""
+    import torch.distributed as dist
+
+    import llcomm
+    odd = ws - 1
+    seen = {}
+    for case in MISMATCH_CASES:
+        obj, op, call, matched = _mismatched(case, rank, ws, odd)
+        if matched is not None:
+            matched(obj)
+        dist.barrier()      # time the check, not one rank's oracle work before it
+        t0 = time.monotonic()
+        try:
+            call()
+            seen[case] = dict(type="returned")
+        except llcomm.LLCommError as e:
+            seen[case] = dict(type=type(e).__name__, op=getattr(e, "op", None),
+                              phase=getattr(e, "phase", None), ranks=getattr(e, "ranks", None),
+                              msg=str(e))
+        seen[case].update(elapsed=time.monotonic() - t0, called=op)
+        # broken for good, at once: the same call, a check
+        broken = []
+        for again in (call, obj.check):
+            try:
+                again()
+                broken.append("returned")
+            except llcomm.CommBrokenError as e:
+                broken.append("broken" if "failed earlier" in str(e) else str(e))
+            except Exception as e:  # noqa: BLE001  (reported, the test names it)
+                broken.append(f"{type(e).__name__}: {e}")
+        seen[case]["broken"] = broken
+        dist.barrier()
+    # ranks that resolve check_calls differently are refused at construction, on every rank
+    try:
+        llcomm.Communicator(backend="reference", check_calls=rank != odd)
+        seen["check_calls"] = "accepted"
+    except ValueError as e:
+        seen["check_calls"] = str(e)
+    dist.barrier()
+    return seen
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_mismatched_calls_raise_on_every_rank(ws):
+    """Ranks that disagree about the op, a size, the dtype, broadcast's src, EP's topk, FP8 mode
+    or hidden, or dispatch against combine: CommMismatchError at once on EVERY rank (naming the
+    op and every rank's call), then CommBrokenError; no process aborts (gloo would: SIGABRT on a
+    size mismatch), every rank exits with code 0."""
+    got = run_distributed(_mismatch_body, ws, timeout=120, clean_exit=True)
+    odd = ws - 1
+    fails = []
+    for case, sides in MISMATCH_CASES.items():
+        for rank, seen in enumerate(got):
+            r, tag = seen[case], f"{case}, rank {rank}"
+            if r["type"] != "CommMismatchError":
+                fails.append(f"{tag}: {r['type']} {r.get('msg', '')}")
+                continue
+            want_ranks = tuple(range(odd)) if rank == odd else (odd,)
+            if (r["op"], r["phase"], r["ranks"]) != (r["called"], "call check", want_ranks):
+                fails.append(f"{tag}: op/phase/ranks {r['op']!r}, {r['phase']!r}, {r['ranks']} "
+                             f"!= {r['called']!r}, 'call check', {want_ranks}")
+            if not all(s in r["msg"] for s in sides) or f"rank {odd}: " not in r["msg"]:
+                fails.append(f"{tag}: the message does not show every rank's call {sides}: "
+                             f"{r['msg']}")
+            if r["elapsed"] > MISMATCH_MAX_S:
+                fails.append(f"{tag}: took {r['elapsed']:.2f}s (a timeout, not the check)")
+            if r["broken"] != ["broken", "broken"]:
+                fails.append(f"{tag}: afterwards the call / check() gave {r['broken']}, not "
+                             "CommBrokenError")
+    for rank, seen in enumerate(got):
+        if "check_calls differs between ranks" not in seen["check_calls"]:
+            fails.append(f"check_calls True on some ranks, False on others, rank {rank}: "
+                         f"{seen['check_calls']}")
+    assert not fails, "\n".join(fails)
 
 
 # -- the spawn helper's support for a rank that is meant to die -------------------------------

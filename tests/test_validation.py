@@ -381,6 +381,28 @@ def test_timeout_precedence(world1, monkeypatch):
     assert llcomm.Communicator(backend="reference", timeout_ms=20).timeout_ms == 20
 
 
+@pytest.mark.parametrize("value", [1, 0, "yes"])
+def test_bad_check_calls(world1, value):
+    from llcomm.ep import EPBuffer
+    with pytest.raises(TypeError, match=rf"llcomm\.Communicator: check_calls={value!r}; "
+                                        "expected True, False or None"):
+        llcomm.Communicator(backend="reference", check_calls=value)
+    with pytest.raises(TypeError, match=rf"llcomm\.EPBuffer: check_calls={value!r}"):
+        EPBuffer(num_experts=4, hidden=16, num_max_dispatch_tokens_per_rank=2,
+                 backend="reference", check_calls=value)
+
+
+def test_check_calls_default_is_on_over_gloo(world1):
+    from llcomm.ep import EPBuffer
+    ep_args = dict(num_experts=4, hidden=16, num_max_dispatch_tokens_per_rank=2,
+                   backend="reference")
+    assert llcomm.Communicator(backend="reference").check_calls is True
+    assert EPBuffer(**ep_args).check_calls is True
+    off = llcomm.Communicator(backend="reference", check_calls=False)
+    assert off.check_calls is False and EPBuffer(**ep_args, check_calls=False).check_calls is False
+    assert torch.equal(off.all_reduce(f32(3)), f32(3))      # a call without the check
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only host needed")
 def test_peer_backend_refused_without_cuda(world1):
     with pytest.raises(llcomm.UnsupportedConfigError,

@@ -16,23 +16,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime import validate as V
+from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
+from ..runtime import validate as V
+from ..runtime.backend import choose_backend
+from ..runtime.bounded import default_check_calls
+from ..runtime.registry import register
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .layout import HANDLE_SLOTS, MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
 from .peer import PeerEP
 from .reference import ReferenceEP
-from ..runtime.registry import register
-from ..errors import UnsupportedConfigError
-from ..runtime.backend import choose_backend
-
 
 BACKENDS = ("auto", "peer", "reference")
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
 MAX_MASK_RANKS = 32
-
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -112,15 +111,23 @@ class EPBuffer:
             The default (False) sizes it for the buffer dtype, which also holds FP8 rows and
             scales, so both kinds of dispatch work. ``size_hint(..., fp8=True)`` says how much
             this saves (about a quarter in bf16; docs/ep.md).
-        enable_masks: rank masks for fault tolerance (peer backend; at most 32 ranks). A rank
-            that misses a bounded wait is *masked* instead of failing the call: this rank goes
-            on without it (dispatch: its rows are not received and ``recv_count`` excludes
-            them; combine: its partials count as zero, a token routed only to masked ranks gets
-            zeros) and later calls do not wait for it, so a dead peer costs one timeout.
-            ``query_mask()`` says who is masked, ``clean_mask()`` forgets it. Mismatches still
-            raise. The reference backend accepts the flag but masks nobody: a failure there
-            still raises ``CommTimeoutError`` (a collective cannot leave a member out).
-            docs/failures.md has the exact semantics and limits.
+        enable_masks: rank masks for fault tolerance, **peer backend only** (at most 32
+            ranks). A rank that misses a bounded wait is *masked* instead of failing the call:
+            this rank goes on without it (dispatch: its rows are not received and
+            ``recv_count`` excludes them; combine: its partials count as zero, a token routed
+            only to masked ranks gets zeros) and later calls do not wait for it, so a dead peer
+            costs one timeout. ``query_mask()`` says who is masked, ``clean_mask()`` forgets
+            it. Mismatches still raise. Where the buffer would run on the reference backend
+            (requested, or chosen by ``"auto"``) the constructor raises
+            ``UnsupportedConfigError``: a collective cannot leave a member out. docs/ep.md has
+            the exact semantics and limits.
+        check_calls: reference backend: before each dispatch and combine, the ranks exchange a
+            64-byte header (op, dtype, hidden, ``topk``, FP8 mode, carried weights, the
+            buffer's shapes) and raise ``CommMismatchError`` on every rank where they differ,
+            before any data moves. ``None`` (default): on over gloo, where a mismatched
+            exchange would abort the process (cost: docs/failures.md); off over NCCL, where it
+            costs a host round trip per call and rules out CUDA graph capture. The same value
+            on every rank. The peer backend always checks in its kernels, whatever this says.
 
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
@@ -133,8 +140,9 @@ class EPBuffer:
     def __init__(self, group: dist.ProcessGroup | None = None, *, num_experts: int, hidden: int,
                  num_max_dispatch_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "auto", timeout_ms: int | None = None, fp8: bool = False,
-                 enable_masks: bool = False):
+                 enable_masks: bool = False, check_calls: bool | None = None):
         pr = V.Problems("EPBuffer")
+        V.check_optional_bool(pr, "check_calls", check_calls)
         if not isinstance(enable_masks, bool):
             pr.add(f"enable_masks={enable_masks!r}; expected True or False", type_error=True)
             enable_masks = False
@@ -180,17 +188,27 @@ class EPBuffer:
         backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer",
                                                       self.settings.agreed())
         self.backend = backend
+        if enable_masks and backend != "peer":
+            raise UnsupportedConfigError(
+                "llcomm.EPBuffer: enable_masks=True: rank masks are peer-backend only, and this "
+                f"buffer would run on the reference backend ({self.backend_reason}); a "
+                "torch.distributed collective cannot leave a member out. Create it without "
+                "enable_masks (a missing peer then raises CommTimeoutError), or on a group "
+                "where backend='peer' runs.")
         if backend == "peer":
             self._impl = PeerEP(self)
             self.device = self._impl.device
+            self.check_calls = True     # the kernels compare op, sizes and modes in every call
         else:
             self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms,
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            self.check_calls = (default_check_calls(self.group) if check_calls is None
+                                else check_calls)
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
                                      max_tokens=self.max_tokens, dtype=dtype, device=self.device,
-                                     timeout_ms=self.timeout_ms)
+                                     timeout_ms=self.timeout_ms, check_calls=self.check_calls)
         register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     @staticmethod
@@ -330,9 +348,11 @@ class EPBuffer:
                 x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
                 topk_weights)
         elif not return_recv_hook:
-            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales)
+            recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
+                                                              topk_weights is not None)
         else:
-            finish = self._impl.dispatch_send(x, topk_idx, recv_x, mode, scales)
+            finish = self._impl.dispatch_send(x, topk_idx, recv_x, mode, scales,
+                                              topk_weights is not None)
             recv_count = torch.empty(self.num_local_experts, dtype=torch.int32,
                                      device=self.device)
             src_info = torch.empty(self._recv_shape()[:2], dtype=torch.int32, device=self.device)
@@ -469,11 +489,14 @@ class EPBuffer:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
         if carried:         # peer: the kernel reads the handle slot's; reference: the copy
             topk_weights = handle._weights
+        more = () if self.backend == "peer" else (carried,)   # reference: for its call check
         if not return_recv_hook:
-            return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out)
+            return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out,
+                                      *more)
         index = self._combines
         self._combines += 1
-        recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out)
+        recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out,
+                                       *more)
         return out, self._hook("combine", index, recv)
 
     def _check_weights(self, pr: V.Problems, topk_weights, topk_idx) -> None:
@@ -539,12 +562,10 @@ class EPBuffer:
         buffer's device, 1 for a masked rank, else 0 (this rank's view; peers may differ).
 
         Stream-ordered, no host synchronisation: it reflects every call queued before it on the
-        current stream (``.tolist()`` waits for them). Not a collective. The reference backend
-        masks nobody (all zeros). Raises ValueError unless the buffer has ``enable_masks=True``.
+        current stream (``.tolist()`` waits for them). Not a collective. Raises ValueError unless
+        the buffer has ``enable_masks=True`` (peer backend only).
         """
         self._check_masks("query_mask")
-        if self.backend != "peer":
-            return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
         return self._impl.query_mask()
 
     def clean_mask(self) -> None:
@@ -554,11 +575,10 @@ class EPBuffer:
         Call it once the masked ranks are back **in step**: they have made the same calls as
         this rank (the flags carry a call count, so a rank that skipped calls is not seen as
         arrived). A rank that is still missing is simply masked again by the next call, after
-        one more timeout. The reference backend has nothing to clean. Raises ValueError unless
-        the buffer has ``enable_masks=True``."""
+        one more timeout. Raises ValueError unless the buffer has ``enable_masks=True`` (peer
+        backend only)."""
         self._check_masks("clean_mask")
-        if self.backend == "peer":
-            self._impl.clean_mask()
+        self._impl.clean_mask()
 
     def _check_masks(self, fn: str) -> None:
         if not self.enable_masks:

@@ -14,9 +14,12 @@ Exchanges have fixed sizes (every rank sends ``max_tokens`` slots to every rank)
 waits on the host and the whole thing can be captured in a CUDA graph on NCCL. Payloads travel
 as bytes (uint8 views): byte-exact, and gloo moves no 16-bit types. ``EPBuffer`` validates
 arguments before calling in here. On gloo every exchange is bounded by ``timeout_ms`` on the host
-(``reference.BoundedCalls``): a peer that is gone or late raises ``CommTimeoutError``. Rank
-masks (``enable_masks=True``) are accepted by ``EPBuffer`` but mask nobody here: a collective
-cannot leave a member out, so such a failure still raises (docs/failures.md).
+(``reference.BoundedCalls``): a peer that is gone or late raises ``CommTimeoutError``. With
+``check_calls`` (default over gloo) each dispatch and combine first exchanges a small header, so
+ranks that disagree about the op, ``topk``, FP8 mode, carried weights or the buffer's shapes get
+``CommMismatchError`` instead of a mismatched exchange (docs/failures.md). Rank masks
+(``enable_masks=True``) are peer-backend only: ``EPBuffer`` refuses them here, since a collective
+cannot leave a member out.
 
 FP8 dispatch quantises on the sender (``ep_fp8.quantize``, the documented arithmetic) and moves
 the e4m3 bytes and fp32 scales of each slot in one exchange, as the peer kernel does.
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .fp8 import FP8_BLOCK, quantize
-from ..tp.reference import BoundedCalls
+from ..runtime.bounded import BoundedCalls
 
 
 class ReferenceEP:
@@ -36,9 +39,10 @@ class ReferenceEP:
     name = "reference"
 
     def __init__(self, group, *, num_experts: int, hidden: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device, timeout_ms: int):
+                 dtype: torch.dtype, device: torch.device, timeout_ms: int, check_calls: bool):
         self.group = group
-        self.calls = BoundedCalls(group, timeout_ms, "EPBuffer")
+        self.calls = BoundedCalls(group, timeout_ms, "EPBuffer", device=device,
+                                  checked=check_calls)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.num_experts = num_experts
@@ -64,16 +68,22 @@ class ReferenceEP:
 
     # -- dispatch -------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor,
-                 fp8: int = 0, recv_scales: torch.Tensor | None = None):
+                 fp8: int = 0, recv_scales: torch.Tensor | None = None, weights: bool = False):
         """Fill ``recv_x`` (and, for ``fp8`` 1 or 2 (power-of-two scales), ``recv_scales``);
-        return ``(recv_count, src_info, row_of)``."""
-        return self.dispatch_send(x, topk_idx, recv_x, fp8, recv_scales)()
+        return ``(recv_count, src_info, row_of)``. ``weights``: the dispatch carries the
+        combine's weights (``EPBuffer`` keeps them; here it only enters the call check)."""
+        return self.dispatch_send(x, topk_idx, recv_x, fp8, recv_scales, weights)()
+
+    def _agree(self, op: str, topk: int, *modes: int) -> None:
+        self.calls.agree(op, self.dtype, topk, *modes, self.hidden, self.max_tokens,
+                         self.num_experts)
 
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor,
-                      fp8: int = 0, recv_scales: torch.Tensor | None = None):
-        """The send half: quantise, build the slots, start both exchanges. Returns the receive
-        half: a function that waits for them, fills the outputs and returns what ``dispatch``
-        does.
+                      fp8: int = 0, recv_scales: torch.Tensor | None = None,
+                      weights: bool = False):
+        """The send half: call check, quantise, build the slots, start both exchanges. Returns
+        the receive half: a function that waits for them, fills the outputs and returns what
+        ``dispatch`` does.
 
         ``row_of [W * T, K]`` int64: flat row ``e * W * T + j`` of expert_out that holds pair
         ``(s, t)``'s entry k on this rank, or -1 (what combine needs).
@@ -82,6 +92,7 @@ class ReferenceEP:
         L, E = self.num_local_experts, self.num_experts
         n, K = topk_idx.shape
         dev = self.device
+        self._agree("dispatch", K, fp8, int(weights))
         if dev.type == "cuda":
             self._bad += ((topk_idx < -1) | (topk_idx >= E)).sum()
         valid = (topk_idx >= 0) & (topk_idx < E)
@@ -148,18 +159,22 @@ class ReferenceEP:
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
-                topk_weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor):
-        return self.combine_send(expert_out, topk_idx, topk_weights, row_of, out)()
+                topk_weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor,
+                carried: bool = False):
+        return self.combine_send(expert_out, topk_idx, topk_weights, row_of, out, carried)()
 
     def combine_send(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
-                     topk_weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor):
-        """The send half (as the peer kernel's): weights exchange, partials, start their
-        exchange. Returns the receive half (wait, sum in rank order into ``out``, return it)."""
+                     topk_weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor,
+                     carried: bool = False):
+        """The send half (as the peer kernel's): call check, weights exchange, partials, start
+        their exchange. Returns the receive half (wait, sum in rank order into ``out``, return
+        it). ``carried``: the dispatch carried ``topk_weights`` (only enters the call check)."""
         W, T, H = self.world_size, self.max_tokens, self.hidden
         L = self.num_local_experts
         n, K = topk_idx.shape
         P = W * T
         dev = self.device
+        self._agree("combine", K, int(carried))
         # Weights: slot (dest, t, k) = topk_weights[t, k] for every dest.
         send_w = torch.zeros((W, T, K), dtype=torch.float32, device=dev)
         send_w[:, :n] = topk_weights

@@ -74,3 +74,9 @@ def check_open(closed: bool, fn: str, what: str) -> None:
     longer mapped."""
     if closed:
         raise CommClosedError(f"llcomm.{fn}: this {what} was closed; create a new one")
+
+
+def check_optional_bool(pr: Problems, name: str, value) -> None:
+    """``value`` is True, False or None (an argument whose None means "the default")."""
+    if value is not None and not isinstance(value, bool):
+        pr.add(f"{name}={value!r}; expected True, False or None", type_error=True)

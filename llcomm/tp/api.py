@@ -22,6 +22,7 @@ from ..runtime import settings as S
 from ..errors import UnsupportedConfigError
 from ..runtime.backend import choose_backend
 from ..runtime.registry import register
+from ..runtime.bounded import default_check_calls
 from .reference import ReferenceBackend
 
 log = logging.getLogger("llcomm")
@@ -84,6 +85,14 @@ class Communicator:
         deterministic: make all_reduce's bits independent of the algorithm ``"auto"`` picks
             (and so of the tuned table). Only float32 Lamport differs at all (see all_reduce),
             so this keeps float32 off Lamport and costs bf16 / fp16 nothing.
+        check_calls: reference backend: before each call's collective, the ranks exchange a
+            64-byte header (op, dtype, sizes, broadcast's ``src``) and raise
+            ``CommMismatchError`` on every rank where they differ, before any data moves.
+            ``None`` (default): on over gloo, where a mismatched collective would abort the
+            process (cost per call: docs/failures.md); off over NCCL, where it costs a host
+            round trip per call and rules out CUDA graph capture, so a mismatch there is
+            undefined unless you pass ``True``. The same value on every rank. The peer backend
+            always checks in its kernels, whatever this says.
 
     ``all_reduce(algo="auto")`` looks its algorithm up in a table chosen here, once (see
     ``llcomm/tp/algo_table.py``): the user's ``llcomm tune`` table for this GPU and world size,
@@ -98,6 +107,7 @@ class Communicator:
     Errors: a peer that never arrives, or that called a different op or size in the same round,
     is written by the kernel to a host-visible word; the next call (or ``check()``) raises
     ``CommTimeoutError`` / ``CommMismatchError`` and the communicator is broken from then on.
+    On the reference backend the call itself raises them (``check_calls`` for mismatches).
 
     Under ``torch.compile(fullgraph=True)`` call the ops through ``llcomm.ops`` (e.g.
     ``llcomm.ops.all_reduce(comm, x)``): they are ``torch.library`` custom ops that find this
@@ -106,10 +116,11 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  backend: str = "auto", timeout_ms: int | None = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, check_calls: bool | None = None):
         pr = V.Problems("Communicator")
         if backend not in BACKENDS:
             pr.add(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
+        V.check_optional_bool(pr, "check_calls", check_calls)
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
             pr.add(f"max_bytes={max_bytes!r}; expected a positive int")
         pr.raise_if_any()
@@ -130,12 +141,16 @@ class Communicator:
             from .peer import PeerBackend
             self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms, self.settings)
             self.device = self._impl.device
+            self.check_calls = True     # the kernels compare op, size and dtype in every call
         else:
             self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms,
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
-            self._impl = ReferenceBackend(self.group, self.timeout_ms)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            self.check_calls = (default_check_calls(self.group) if check_calls is None
+                                else check_calls)
+            self._impl = ReferenceBackend(self.group, self.timeout_ms, device=self.device,
+                                          check_calls=self.check_calls)
         self.backend = backend
         self.deterministic = bool(deterministic)
         self._closed = False

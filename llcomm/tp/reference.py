@@ -1,90 +1,21 @@
-"""The reference backend: every op on plain torch.distributed collectives.
+"""The reference backend of ``Communicator``: every TP op on plain torch.distributed collectives.
 
 It is the oracle of every test, the backend on machines without peer-reachable GPUs (gloo on
 CPU) and the multi-host path (NCCL). It shares no code with the peer kernels it checks. The
 ``Communicator`` validates arguments and allocates outputs before calling in here, so this
-module only moves data.
-
-Bounded waits (docs/failures.md): on gloo every collective is issued ``async_op=True`` and waited
-for at most ``timeout_ms`` on the host (default 30 s, ``protocol.REFERENCE_DEFAULT_TIMEOUT_MS``);
-a wait that runs out, or a transport error (a peer process died: "Connection reset by peer"),
-raises ``CommTimeoutError`` naming the op, and every later call raises ``CommBrokenError``, as
-on the peer backend. On NCCL the calls stay
-asynchronous (no host wait, so they can be captured in a CUDA graph) and the process group's own
-timeout and NCCL's watchdog bound them instead.
+module only moves data, through ``runtime.bounded.BoundedCalls`` (bounded waits on gloo and the
+call check that makes ranks agree before any payload moves).
 """
 from __future__ import annotations
-
-import datetime
 
 import torch
 import torch.distributed as dist
 
-from ..runtime import protocol as P
-from ..errors import CommTimeoutError
+from ..runtime.bounded import BoundedCalls
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class BoundedCalls:
-    """Runs the torch.distributed calls of one communicator (or EP buffer) with a host-side bound
-    on gloo, and latches the first failure. ``what`` names the object in messages.
-
-    ``run(op, call)``: ``call(async_op)`` issues one collective and returns its Work when
-    ``async_op`` is true. On gloo it is waited for ``timeout_ms`` at most; any error of the
-    collective (timeout, lost connection) becomes ``CommTimeoutError`` naming ``op``. On other
-    backends it is issued synchronously as before (NCCL: enqueued on the current stream)."""
-
-    def __init__(self, group: dist.ProcessGroup, timeout_ms: int, what: str):
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.timeout_ms = timeout_ms
-        self.bounded = dist.get_backend(group) == "gloo"
-        self._timeout = datetime.timedelta(milliseconds=timeout_ms)
-        self.failure = P.FailureLatch(self.rank, what)
-
-    def check(self) -> None:
-        """Raise CommBrokenError if an earlier call failed."""
-        self.failure.check(0)
-
-    def run(self, op: str, call) -> None:
-        self.start(op, call)()
-
-    def start(self, op: str, call):
-        """Issue one collective now; return a function that waits for it (bounded on gloo, the
-        same errors as ``run``). Split-phase callers do their own work in between."""
-        self.check()
-        if not self.bounded:
-            call(False)
-            return _nothing
-        try:
-            work = call(True)
-        except RuntimeError as e:
-            raise self._fail(op, e) from e
-
-        def wait() -> None:
-            try:
-                work.wait(timeout=self._timeout)
-            except RuntimeError as e:  # gloo: "Operation timed out!", "Connection reset by peer"
-                raise self._fail(op, e) from e
-        return wait
-
-    def _fail(self, op: str, e: Exception):
-        others = [r for r in range(self.world_size) if r != self.rank]
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-        err = CommTimeoutError(
-            f"llcomm: rank {self.rank}: {op} (reference backend, gloo): the collective did "
-            f"not complete within timeout_ms={self.timeout_ms} ({cause}); a peer of ranks "
-            f"{others} did not arrive or its process is gone. The {self.failure.what} is now "
-            "broken: destroy it and create a new one (after the missing ranks are back).",
-            op=op, phase="collective", ranks=())
-        return self.failure.fail(err)
-
-
-def _nothing() -> None:
-    return None
 
 
 class ReferenceBackend:
@@ -92,13 +23,16 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, group: dist.ProcessGroup, timeout_ms: int):
+    def __init__(self, group: dist.ProcessGroup, timeout_ms: int, *, device: torch.device,
+                 check_calls: bool):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.calls = BoundedCalls(group, timeout_ms, "communicator")
+        self.calls = BoundedCalls(group, timeout_ms, "communicator", device=device,
+                                  checked=check_calls)
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
+        self.calls.agree("all_reduce", x.dtype, x.numel())
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
         self.calls.run("all_reduce", lambda a: dist.all_reduce(
@@ -117,6 +51,7 @@ class ReferenceBackend:
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
         # Same arithmetic as the peer kernel (round the sum, add in fp32, round, normalise the
         # rounded h in fp32, round once); only the all-reduce itself is the library's.
+        self.calls.agree("all_reduce_residual_rmsnorm", x.dtype, *x.shape)
         s = x.clone()
         self.calls.run("all_reduce_residual_rmsnorm", lambda a: dist.all_reduce(
             s, op=dist.ReduceOp.SUM, group=self.group, async_op=a))
@@ -128,6 +63,7 @@ class ReferenceBackend:
         return out, res_out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        self.calls.agree("broadcast", x.dtype, x.numel(), src)
         src = dist.get_global_rank(self.group, src)
         self.calls.run("broadcast", lambda a: dist.broadcast(x, src=src, group=self.group,
                                                              async_op=a))
@@ -136,12 +72,14 @@ class ReferenceBackend:
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Flat views: gloo wants the output to be world_size chunks shaped exactly like the
         # input, which a 0-d x (out [world_size]) or a stacked output would not be.
+        self.calls.agree("all_gather", x.dtype, x.numel())
         self.calls.run("all_gather", lambda a: _all_gather_flat(
             out.view(-1), x.reshape(-1), group=self.group, async_op=a))
         return out
 
     def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         tokens, part = x.shape
+        self.calls.agree("all_gather_2d", x.dtype, tokens, part)
         stacked = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
         self.calls.run("all_gather_2d", lambda a: _all_gather_flat(
             stacked, x.reshape(-1), group=self.group, async_op=a))
@@ -150,6 +88,7 @@ class ReferenceBackend:
         return out
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        self.calls.agree("reduce_scatter", x.dtype, x.numel())
         if x.device.type == "cpu":  # gloo has no reduce_scatter_tensor
             full = x.clone()
             self.calls.run("reduce_scatter", lambda a: dist.all_reduce(
