@@ -24,7 +24,9 @@ from ..runtime.bounded import default_check_calls
 from ..runtime.registry import register
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .layout import HANDLE_SLOTS, MAX_TOPK, check_shape_args, default_num_blocks, ep_layout
+from .layout import HANDLE_SLOTS, check_shape_args, default_num_blocks, ep_layout
+from .checks import check_fp8, check_handle, check_out, check_topk, check_weights
+from .handle import EPHandle
 from .peer import PeerEP
 from .reference import ReferenceEP
 
@@ -37,52 +39,6 @@ MAX_MASK_RANKS = 32
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
-
-
-class EPHandle:
-    """What ``combine`` needs to know about one ``dispatch``; returned by ``dispatch``.
-
-    Attributes:
-        num_tokens, topk: the dispatch's ``x.shape[0]`` and ``topk_idx.shape[1]``.
-        recv_count: ``[num_local_experts]`` int32, rows of ``recv_x`` filled per local expert
-            (the same tensor ``dispatch`` returned).
-        src_info: ``[num_local_experts, num_ranks * max_tokens]`` int32; row ``j <
-            recv_count[e]`` of expert e came from rank ``src_info[e, j] // max_tokens``, token
-            ``src_info[e, j] % max_tokens``. Entries past ``recv_count[e]`` are unspecified.
-
-        carries_weights: True when the dispatch was given ``topk_weights`` (they travelled with
-            it; ``combine`` then takes ``topk_weights=None``).
-
-    Lifetime: valid until two more ``dispatch`` calls of the same buffer have been made (the
-    buffer keeps two handle slots and reuses the older); ``combine`` refuses an older handle.
-    On the peer backend ``recv_count``, ``src_info`` and carried weights live in that slot too.
-    """
-
-    __slots__ = ("_owner", "index", "num_tokens", "topk", "recv_count", "src_info", "_state",
-                 "carries_weights", "_weights")
-
-    def __init__(self, owner, index, num_tokens, topk, recv_count, src_info, state,
-                 weights=None, carries_weights=False):
-        self._owner = owner
-        self.index = index
-        self.num_tokens = num_tokens
-        self.topk = topk
-        self.recv_count = recv_count
-        self.src_info = src_info
-        self._state = state
-        self.carries_weights = carries_weights
-        self._weights = weights         # reference backend: the dispatch's copy
-
-    def src_rank(self) -> torch.Tensor:
-        """``[num_local_experts, num_ranks * max_tokens]`` source rank of every row (new tensor)."""
-        return torch.div(self.src_info, self._owner.max_tokens, rounding_mode="floor")
-
-    def src_token(self) -> torch.Tensor:
-        """``[num_local_experts, num_ranks * max_tokens]`` source token of every row (new tensor)."""
-        return torch.remainder(self.src_info, self._owner.max_tokens)
-
-    def __repr__(self):
-        return f"EPHandle(dispatch #{self.index}, num_tokens={self.num_tokens}, topk={self.topk})"
 
 
 class EPBuffer:
@@ -236,35 +192,6 @@ class EPBuffer:
     def _recv_shape(self) -> tuple[int, int, int]:
         return (self.num_local_experts, self.num_ranks * self.max_tokens, self.hidden)
 
-    def _check_topk(self, pr: V.Problems, topk_idx, num_tokens: int | None) -> bool:
-        if not V.check_tensor(pr, "topk_idx", topk_idx, self.device, dtypes=(torch.int64,)):
-            return False
-        if topk_idx.dim() != 2:
-            pr.add(f"topk_idx has shape {tuple(topk_idx.shape)}; expected 2-D [num_tokens, topk]")
-            return False
-        if num_tokens is not None and topk_idx.shape[0] != num_tokens:
-            pr.add(f"topk_idx has {topk_idx.shape[0]} rows; expected num_tokens={num_tokens}")
-            return False
-        if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
-            pr.add(f"topk_idx has topk={topk_idx.shape[1]}; expected 1 to {MAX_TOPK}")
-            return False
-        if topk_idx.device.type == "cpu" and topk_idx.numel():
-            # Host tensors are checked here; device tensors on the device (see check()).
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < -1 or hi >= self.num_experts:
-                pr.add(f"topk_idx holds values in [{lo}, {hi}]; expected -1 (no expert) or an "
-                       f"expert id in [0, {self.num_experts})")
-                return False
-        return True
-
-    def _check_out(self, pr: V.Problems, name: str, t, shape) -> None:
-        if t is None:
-            return
-        if not V.check_tensor(pr, name, t, self.device, dtypes=(self.dtype,)):
-            return
-        if tuple(t.shape) != tuple(shape):
-            pr.add(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
-
     # -- ops ------------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *,
                  out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -321,12 +248,12 @@ class EPBuffer:
                 pr.add(f"x has {x.shape[0]} tokens; at most num_max_dispatch_tokens_per_rank="
                        f"{self.max_tokens} (create the EPBuffer with a larger maximum)")
             else:
-                self._check_topk(pr, topk_idx, x.shape[0])
+                check_topk(self, pr, topk_idx, x.shape[0])
         else:
-            self._check_topk(pr, topk_idx, None)
-        fp8 = self._check_fp8(pr, use_fp8, round_scale, out)
+            check_topk(self, pr, topk_idx, None)
+        fp8 = check_fp8(self, pr, use_fp8, round_scale, out)
         if topk_weights is not None:
-            self._check_weights(pr, topk_weights, topk_idx)
+            check_weights(self, pr, topk_weights, topk_idx)
         pr.raise_if_any()
         self._precheck("dispatch")
         scales = None
@@ -396,41 +323,6 @@ class EPBuffer:
         return (self.num_local_experts, self.num_ranks * self.max_tokens,
                 self.hidden // FP8_BLOCK)
 
-    def _check_fp8(self, pr: V.Problems, use_fp8, round_scale, out) -> bool:
-        """Check use_fp8 / round_scale and the out= that goes with them; True for FP8."""
-        ok = True
-        for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale)):
-            if not isinstance(v, bool):
-                pr.add(f"{name}={v!r}; expected True or False", type_error=True)
-                ok = False
-        if not ok:
-            return False
-        if round_scale and not use_fp8:
-            pr.add("round_scale=True needs use_fp8=True (it rounds the FP8 scales)")
-        if use_fp8 and self.hidden % FP8_BLOCK:
-            pr.add(f"use_fp8=True needs hidden to be a multiple of {FP8_BLOCK} (one scale per "
-                   f"{FP8_BLOCK} channels); this buffer has hidden={self.hidden}")
-            return False
-        if not use_fp8 and self.fp8:
-            pr.add("use_fp8=False on a buffer created with fp8=True: its dispatch region holds "
-                   "FP8 rows only; pass use_fp8=True or create the EPBuffer with fp8=False")
-            return False
-        if not use_fp8:
-            self._check_out(pr, "out", out, self._recv_shape())
-            return False
-        if out is None:
-            return True
-        if not (isinstance(out, tuple) and len(out) == 2):
-            pr.add("out must be the pair (recv_x_fp8, recv_scales) with use_fp8=True, got "
-                   f"{type(out).__name__}", type_error=True)
-            return True
-        for name, t, shape, dt in (("out[0]", out[0], self._recv_shape(), FP8_DTYPE),
-                                   ("out[1]", out[1], self._scales_shape(), SCALE_DTYPE)):
-            if V.check_tensor(pr, name, t, self.device, dtypes=(dt,)) \
-                    and tuple(t.shape) != shape:
-                pr.add(f"{name} has shape {tuple(t.shape)}; expected {shape}")
-        return True
-
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor | None, handle: EPHandle, *,
                 out: torch.Tensor | None = None, return_recv_hook: bool = False):
@@ -464,15 +356,15 @@ class EPBuffer:
         pr = V.Problems("EPBuffer.combine")
         self._check_hook(pr, "combine", return_recv_hook)
         n = None
-        if not self._check_handle(pr, handle):
+        if not check_handle(self, pr, handle):
             pass
         elif self._pending["dispatch"] == handle.index:
             pr.add(f"handle is from dispatch #{handle.index}, whose receive hook has not been "
                    "called: call it before combining")
         else:
             n = handle.num_tokens
-        self._check_out(pr, "expert_out", expert_out, self._recv_shape())
-        if self._check_topk(pr, topk_idx, n) and n is not None \
+        check_out(self, pr, "expert_out", expert_out, self._recv_shape())
+        if check_topk(self, pr, topk_idx, n) and n is not None \
                 and topk_idx.shape[1] != handle.topk:
             pr.add(f"topk_idx has topk={topk_idx.shape[1]}; the dispatch had {handle.topk}")
         carried = isinstance(handle, EPHandle) and handle.carries_weights
@@ -480,9 +372,9 @@ class EPBuffer:
             pr.add("topk_weights must be None: the dispatch of this handle carried the weights "
                    "(dispatch(topk_weights=...)); it applies those")
         elif not carried:
-            self._check_weights(pr, topk_weights, topk_idx)
+            check_weights(self, pr, topk_weights, topk_idx)
         if n is not None:
-            self._check_out(pr, "out", out, (n, self.hidden))
+            check_out(self, pr, "out", out, (n, self.hidden))
         pr.raise_if_any()
         self._precheck("combine")
         if out is None:
@@ -498,13 +390,6 @@ class EPBuffer:
         recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out,
                                        *more)
         return out, self._hook("combine", index, recv)
-
-    def _check_weights(self, pr: V.Problems, topk_weights, topk_idx) -> None:
-        if V.check_tensor(pr, "topk_weights", topk_weights, self.device, dtypes=(torch.float32,)) \
-                and isinstance(topk_idx, torch.Tensor) \
-                and tuple(topk_weights.shape) != tuple(topk_idx.shape):
-            pr.add(f"topk_weights has shape {tuple(topk_weights.shape)}; expected "
-                   f"{tuple(topk_idx.shape)} (that of topk_idx)")
 
     def get_combine_input(self, handle: EPHandle) -> torch.Tensor:
         """A ``[num_local_experts, num_ranks * max_tokens, hidden]`` tensor (buffer dtype) owned
@@ -523,29 +408,13 @@ class EPBuffer:
         only for handle ``k + 2``. Not a collective; no synchronisation.
         """
         pr = V.Problems("EPBuffer.get_combine_input")
-        self._check_handle(pr, handle)
+        check_handle(self, pr, handle)
         pr.raise_if_any()
         slot = handle.index % HANDLE_SLOTS
         if self._combine_inputs[slot] is None:
             self._combine_inputs[slot] = torch.empty(self._recv_shape(), dtype=self.dtype,
                                                      device=self.device)
         return self._combine_inputs[slot]
-
-    def _check_handle(self, pr: V.Problems, handle) -> bool:
-        """The handle is one of this buffer's two latest dispatches; True when usable."""
-        if not isinstance(handle, EPHandle):
-            pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
-                   type_error=True)
-        elif handle._owner is not self:
-            pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
-                   "returned")
-        elif self._dispatches - handle.index > HANDLE_SLOTS:
-            pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
-                   f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
-                   f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
-        else:
-            return True
-        return False
 
     # -- errors and lifetime --------------------------------------------------------------------
     def _precheck(self, fn: str) -> None:

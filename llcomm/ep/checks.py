@@ -1,0 +1,102 @@
+"""Argument checks of ``EPBuffer``'s calls: each adds what is wrong to the call's
+``Problems`` (every bad argument named in one message, nothing touched before it is raised)."""
+from __future__ import annotations
+
+import torch
+
+from ..runtime import validate as V
+from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from .handle import EPHandle
+from .layout import HANDLE_SLOTS, MAX_TOPK
+
+
+def check_topk(buf, pr: V.Problems, topk_idx, num_tokens: int | None) -> bool:
+    if not V.check_tensor(pr, "topk_idx", topk_idx, buf.device, dtypes=(torch.int64,)):
+        return False
+    if topk_idx.dim() != 2:
+        pr.add(f"topk_idx has shape {tuple(topk_idx.shape)}; expected 2-D [num_tokens, topk]")
+        return False
+    if num_tokens is not None and topk_idx.shape[0] != num_tokens:
+        pr.add(f"topk_idx has {topk_idx.shape[0]} rows; expected num_tokens={num_tokens}")
+        return False
+    if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
+        pr.add(f"topk_idx has topk={topk_idx.shape[1]}; expected 1 to {MAX_TOPK}")
+        return False
+    if topk_idx.device.type == "cpu" and topk_idx.numel():
+        # Host tensors are checked here; device tensors on the device (see check()).
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= buf.num_experts:
+            pr.add(f"topk_idx holds values in [{lo}, {hi}]; expected -1 (no expert) or an "
+                   f"expert id in [0, {buf.num_experts})")
+            return False
+    return True
+
+
+def check_out(buf, pr: V.Problems, name: str, t, shape) -> None:
+    if t is None:
+        return
+    if not V.check_tensor(pr, name, t, buf.device, dtypes=(buf.dtype,)):
+        return
+    if tuple(t.shape) != tuple(shape):
+        pr.add(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+
+
+def check_fp8(buf, pr: V.Problems, use_fp8, round_scale, out) -> bool:
+    """Check use_fp8 / round_scale and the out= that goes with them; True for FP8."""
+    ok = True
+    for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale)):
+        if not isinstance(v, bool):
+            pr.add(f"{name}={v!r}; expected True or False", type_error=True)
+            ok = False
+    if not ok:
+        return False
+    if round_scale and not use_fp8:
+        pr.add("round_scale=True needs use_fp8=True (it rounds the FP8 scales)")
+    if use_fp8 and buf.hidden % FP8_BLOCK:
+        pr.add(f"use_fp8=True needs hidden to be a multiple of {FP8_BLOCK} (one scale per "
+               f"{FP8_BLOCK} channels); this buffer has hidden={buf.hidden}")
+        return False
+    if not use_fp8 and buf.fp8:
+        pr.add("use_fp8=False on a buffer created with fp8=True: its dispatch region holds "
+               "FP8 rows only; pass use_fp8=True or create the EPBuffer with fp8=False")
+        return False
+    if not use_fp8:
+        check_out(buf, pr, "out", out, buf._recv_shape())
+        return False
+    if out is None:
+        return True
+    if not (isinstance(out, tuple) and len(out) == 2):
+        pr.add("out must be the pair (recv_x_fp8, recv_scales) with use_fp8=True, got "
+               f"{type(out).__name__}", type_error=True)
+        return True
+    for name, t, shape, dt in (("out[0]", out[0], buf._recv_shape(), FP8_DTYPE),
+                               ("out[1]", out[1], buf._scales_shape(), SCALE_DTYPE)):
+        if V.check_tensor(pr, name, t, buf.device, dtypes=(dt,)) \
+                and tuple(t.shape) != shape:
+            pr.add(f"{name} has shape {tuple(t.shape)}; expected {shape}")
+    return True
+
+
+def check_weights(buf, pr: V.Problems, topk_weights, topk_idx) -> None:
+    if V.check_tensor(pr, "topk_weights", topk_weights, buf.device, dtypes=(torch.float32,)) \
+            and isinstance(topk_idx, torch.Tensor) \
+            and tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        pr.add(f"topk_weights has shape {tuple(topk_weights.shape)}; expected "
+               f"{tuple(topk_idx.shape)} (that of topk_idx)")
+
+
+def check_handle(buf, pr: V.Problems, handle) -> bool:
+    """The handle is one of this buffer's two latest dispatches; True when usable."""
+    if not isinstance(handle, EPHandle):
+        pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
+               type_error=True)
+    elif handle._owner is not buf:
+        pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
+               "returned")
+    elif buf._dispatches - handle.index > HANDLE_SLOTS:
+        pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
+               f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
+               f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
+    else:
+        return True
+    return False
