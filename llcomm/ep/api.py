@@ -140,9 +140,12 @@ class EPBuffer:
         self._combines = 0
         self._closed = False
         self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
+        # the reference backend's call check, resolved here so that the one exchange below
+        # compares it too: a rank that sends headers would meet another's payload
+        checked = default_check_calls(self.group) if check_calls is None else check_calls
         # a collective: also checks that the ranks agree on the settings they must share
-        backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer",
-                                                      self.settings.agreed())
+        backend, self.backend_reason = choose_backend(
+            self.group, backend, "EPBuffer", self.settings.agreed() + (("check_calls", checked),))
         self.backend = backend
         if enable_masks and backend != "peer":
             raise UnsupportedConfigError(
@@ -160,8 +163,7 @@ class EPBuffer:
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
-            self.check_calls = (default_check_calls(self.group) if check_calls is None
-                                else check_calls)
+            self.check_calls = checked
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
                                      max_tokens=self.max_tokens, dtype=dtype, device=self.device,
                                      timeout_ms=self.timeout_ms, check_calls=self.check_calls)

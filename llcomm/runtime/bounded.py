@@ -73,10 +73,9 @@ class BoundedCalls:
     backends it is issued synchronously as before (NCCL: enqueued on the current stream).
 
     ``agree(op, dtype, *fields)``: the call check (module doc); does nothing unless ``checked``.
-    The owner calls it once per call, before the call's first collective.
-
-    Construction is a collective: the ranks exchange ``checked`` (one small all-reduce), since a
-    rank that sends headers and one that does not would meet header against payload."""
+    The owner calls it once per call, before the call's first collective. Every rank must give
+    the same ``checked`` (a rank that sends headers would meet another's payload): the owners
+    compare it in their construction's exchange (``runtime/backend.choose_backend``)."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_ms: int, what: str, *,
                  device: torch.device, checked: bool):
@@ -89,19 +88,12 @@ class BoundedCalls:
         self.failure = P.FailureLatch(self.rank, what)
         self.device = device
         self._bufs: dict = {}       # words per rank -> (host buffer, its numpy view, on device)
-        self.checked = False
-        flags = [f for f, in self._gather(what, [int(checked)], 1)]
-        if len(set(flags)) != 1:
-            raise ValueError(
-                f"llcomm.{what}: check_calls differs between ranks (resolved per rank: "
-                + ", ".join(f"rank {r}: {bool(f)}" for r, f in enumerate(flags))
-                + "); pass the same check_calls on every rank")
         self.checked = bool(checked)
 
     def _gather(self, op: str, words: list[int], n: int) -> list[list[int]]:
         """Gather ``n`` int64 words of every rank (bounded like any call); by rank. An all-reduce
         of zeros but this rank's slot, in a buffer kept per ``n``: gloo's all_gather_single took
-        about twice the host time to issue (cProfile of one-rank calls on the development VM)."""
+        about twice the host time to issue (cProfile of one-rank calls on a CPU host)."""
         bufs = self._bufs.get(n)
         if bufs is None:
             host = torch.zeros(self.world_size * n, dtype=torch.int64)

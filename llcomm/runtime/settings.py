@@ -237,11 +237,4 @@ def check_agreement(what: str, per_rank: list[tuple[tuple[str, Any], ...]]) -> N
     if lines:
         raise UnsupportedConfigError(
             f"llcomm.{what}: " + "; ".join(lines) + "; every rank must use the same value "
-            "(docs/settings.md)")
-
-
-# -- a switch parsed where it is used ----------------------------------------------------------
-def env_bit(name: str, default: int) -> int:
-    """0 or 1 (the EP dispatch's last A/B switches, ep/peer.py, until they go)."""
-    raw = os.environ.get(name)
-    return default if raw is None else bit(name, raw)
+            "(LLCOMM_* settings: docs/settings.md)")

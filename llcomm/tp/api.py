@@ -134,9 +134,12 @@ class Communicator:
         self.settings = S.TPSettings.read(self.world_size)
         self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms)
         self.max_bytes = max_bytes
+        # the reference backend's call check, resolved here so that the one exchange below
+        # compares it too: a rank that sends headers would meet another's payload
+        checked = default_check_calls(self.group) if check_calls is None else check_calls
         # a collective: also checks that the ranks agree on the settings they must share
-        backend, self.backend_reason = choose_backend(self.group, backend, "Communicator",
-                                                      self.settings.agreed())
+        backend, self.backend_reason = choose_backend(
+            self.group, backend, "Communicator", self.settings.agreed() + (("check_calls", checked),))
         if backend == "peer":
             from .peer import PeerBackend
             self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms, self.settings)
@@ -147,8 +150,7 @@ class Communicator:
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
-            self.check_calls = (default_check_calls(self.group) if check_calls is None
-                                else check_calls)
+            self.check_calls = checked
             self._impl = ReferenceBackend(self.group, self.timeout_ms, device=self.device,
                                           check_calls=self.check_calls)
         self.backend = backend
