@@ -1,6 +1,6 @@
 """The flag kernels on the CPU: ``one_shot_kernel`` and ``two_shot_kernel`` (all_reduce),
-``broadcast_kernel``, ``all_gather_kernel`` and ``reduce_scatter_kernel`` (movement) and the flag
-protocol they share (``signal_peers`` / ``wait_peers``), under ``TRITON_INTERPRET=1`` on virtual
+``broadcast_kernel``, ``all_gather_kernel`` (movement), ``reduce_scatter_kernel``
+(reduce_scatter) and the flag protocol they share (``signal_peers`` / ``wait_peers``), under ``TRITON_INTERPRET=1`` on virtual
 ranks.
 
 Each virtual rank is a ``peer.PeerBackend`` whose workspace regions (flags, staging, gather)
@@ -32,7 +32,7 @@ import pytest
 from _interp import run_in_interpreter, run_ranks
 from llcomm.tp import peer                                  # PeerBackend and its region layout
 from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
-from llcomm.tp.kernels import all_reduce, movement  # the kernels PeerBackend launches
+from llcomm.tp.kernels import all_reduce, movement, reduce_scatter  # what PeerBackend launches
 
 BF, F32 = "bfloat16", "float32"
 #: Poison written over every output (and a non-root's broadcast buffer) before each call.
@@ -78,7 +78,8 @@ class VirtualPeers:
             b.rank, b.world_size, b.nb, b.WP = r, W, NB, 1 << (W - 1).bit_length()
             b.max_bytes, b.cap_bytes, b.timeout_us = max_bytes, cap_bytes, timeout_us
             b.ll_bytes = b.rs_lamport_bytes = b.lamport_bytes = 0
-            b._k_ar, b._k_mv, b._plans, b.tabs = all_reduce, movement, {}, tabs
+            b._k_ar, b._k_mv, b._k_rs = all_reduce, movement, reduce_scatter
+            b._plans, b.tabs = {}, tabs
             b.flags = self.regions["flags"][r].view(torch.int64)
             ctrl = torch.zeros(NB + peer.CTRL_ERR_WORDS, dtype=torch.int64)
             b.ctrl, b.err = ctrl[:NB], ctrl[NB:]

@@ -25,7 +25,7 @@ ptx_ep_tool = pytest.importorskip("ptx_ep")
 
 #: Every kind of kernel: Lamport one chunk / pipelined / reduce_scatter, flag one-shot and
 #: two-shot, flag movement, LL movement, both fused joins.
-TP_KERNELS = ("lamport_bf16_8k_own", "lamport_bf16_8m_pipe", "lamport_rs_bf16_8m",
+TP_KERNELS = ("lamport_bf16_8k", "lamport_bf16_8m_pipe", "lamport_rs_bf16_8m",
               "one_shot_bf16", "two_shot_bf16", "broadcast_i32", "all_gather_i32",
               "reduce_scatter_bf16", "ll_all_gather_8k", "lamport_norm_bf16_h8192",
               "one_shot_norm_bf16_h8192")
@@ -61,6 +61,6 @@ def test_pdl_wait_comes_before_any_global_memory_access(name):
     assert launch > wait, f"{name}: launch_dependents missing or before the wait"
 
 
-@pytest.mark.parametrize("name", ("lamport_bf16_8k_own", "dispatch_bf16"))
+@pytest.mark.parametrize("name", ("lamport_bf16_8k", "dispatch_bf16"))
 def test_without_pdl_no_grid_dependency_instruction(name):
     assert "griddepcontrol" not in _ptx(name, pdl=False)
