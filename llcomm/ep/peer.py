@@ -18,14 +18,15 @@ from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS,
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
 #: The scan's tile when one tile of this many tokens covers them all: faster at 1 token, slower
-#: as the only tile size at 128, so it only ever runs once (2xH200: docs/performance.md).
+#: as the only tile size at 128, so it only ever runs once
+#: (bench/results/ab/2026-11-30-ep-block-shape/).
 SMALL_SCAN_TILE = 16
 # The EP knobs (scan tile, push order, LL or flag dispatch, wait lanes, warps, profiling) are
 # EPSettings fields (llcomm/runtime/settings.py), read once by EPBuffer; only LLCOMM_EP_LL and
 # LLCOMM_EP_NUM_BLOCKS change what crosses between ranks.
 #: Largest buffer (max tokens per rank) that runs the LL dispatch unless LLCOMM_EP_LL says
 #: otherwise: faster than the flag dispatch up to it, slower with the buffer for 512 tokens,
-#: whose receive slots it arms again after every read (2xH200: docs/performance.md).
+#: whose receive slots it arms again after every read (bench/results/ab/2026-11-30-ep-ll-dispatch/).
 LL_MAX_TOKENS = 256
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
@@ -45,8 +46,8 @@ def _name(dtype: torch.dtype) -> str:
 
 def rows_first(settings: EPSettings, ll: int = 0) -> int:
     """ROWS_FIRST of the dispatch kernels: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
-    dispatch and 0 for the LL one (metadata and counts first measured faster there, 2xH200:
-    docs/performance.md)."""
+    dispatch and 0 for the LL one (metadata and counts first measured faster there:
+    bench/results/ab/2026-11-30-ep-ll-dispatch/)."""
     return (0 if ll else 1) if settings.rows_first is None else settings.rows_first
 
 

@@ -113,7 +113,7 @@ class _Shared(_Settings):
     pdl: int = setting("LLCOMM_PDL", 1, bit)
 
 
-#: Blocks of every TP kernel (docs/performance.md: 128 / 32 / 16 blocks measured).
+#: Blocks of every TP kernel (128 / 32 / 16 measured: bench/results/ab/2026-11-30-grid-size/).
 NUM_BLOCKS = 128
 #: Bytes of a Lamport slot: at world size 2 the pipelined Lamport all-reduce is the fastest
 #: algorithm to 8 MiB (bench/results/ab/2026-11-30-lamport-chunk/); elsewhere

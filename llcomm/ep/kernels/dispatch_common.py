@@ -108,7 +108,8 @@ def _send_routing(topk, n_tok, err, reg, ehi, tag, S, RV, TI, STAMP: tl.constexp
     emask = es < S.E
     ids = tl.where(emask, es, -1)                   # -1 matches no entry
     # one tile of TS tokens when that covers them all (a decode step's few tokens: the compare
-    # and the running sum of a 128-token tile cost 0.7 us more at 1 token, docs/performance.md)
+    # and the running sum of a 128-token tile cost 0.7 us more at 1 token:
+    # bench/results/ab/2026-11-30-ep-block-shape/)
     if n_tok <= TI.TS:
         cnt, nbad = _scan_tiles(topk, n_tok, reg, ids, ehi, S, TI.EB, TI.TS, RV.META, LL)
     else:
