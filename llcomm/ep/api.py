@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
 from ..runtime import validate as V
-from ..runtime.backend import choose_backend
+from ..runtime.backend import choose_backend, reference_device
 from ..runtime.bounded import default_check_calls
 from ..runtime.registry import register
 from ..runtime.settings import EPSettings
@@ -144,8 +144,8 @@ class EPBuffer:
         # compares it too: a rank that sends headers would meet another's payload
         checked = default_check_calls(self.group) if check_calls is None else check_calls
         # a collective: also checks that the ranks agree on the settings they must share
-        backend, self.backend_reason = choose_backend(
-            self.group, backend, "EPBuffer", self.settings.agreed() + (("check_calls", checked),))
+        agreed = self.settings.agreed() + (("check_calls", checked),)
+        backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer", agreed)
         self.backend = backend
         if enable_masks and backend != "peer":
             raise UnsupportedConfigError(
@@ -161,8 +161,7 @@ class EPBuffer:
         else:
             self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms,
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
-            self.device = (torch.device("cuda", torch.cuda.current_device())
-                           if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            self.device = reference_device(self.group)
             self.check_calls = checked
             self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
                                      max_tokens=self.max_tokens, dtype=dtype, device=self.device,

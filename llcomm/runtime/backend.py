@@ -81,3 +81,10 @@ def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
         log.info("llcomm: rank %d: %s uses the reference backend: %s", dist.get_rank(group),
                  what, why)
     return ("peer" if ok else "reference"), why
+
+
+def reference_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the reference backend's tensors live: the current GPU over NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

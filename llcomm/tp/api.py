@@ -20,7 +20,7 @@ from . import algo_table as T
 from ..runtime import protocol as P
 from ..runtime import settings as S
 from ..errors import UnsupportedConfigError
-from ..runtime.backend import choose_backend
+from ..runtime.backend import choose_backend, reference_device
 from ..runtime.registry import register
 from ..runtime.bounded import default_check_calls
 from .reference import ReferenceBackend
@@ -138,8 +138,8 @@ class Communicator:
         # compares it too: a rank that sends headers would meet another's payload
         checked = default_check_calls(self.group) if check_calls is None else check_calls
         # a collective: also checks that the ranks agree on the settings they must share
-        backend, self.backend_reason = choose_backend(
-            self.group, backend, "Communicator", self.settings.agreed() + (("check_calls", checked),))
+        agreed = self.settings.agreed() + (("check_calls", checked),)
+        backend, self.backend_reason = choose_backend(self.group, backend, "Communicator", agreed)
         if backend == "peer":
             from .peer import PeerBackend
             self._impl = PeerBackend(self.group, max_bytes, self.timeout_ms, self.settings)
@@ -148,8 +148,7 @@ class Communicator:
         else:
             self.timeout_ms = P.resolve_timeout_ms(timeout_ms, self.settings.timeout_ms,
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
-            self.device = (torch.device("cuda", torch.cuda.current_device())
-                           if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            self.device = reference_device(self.group)
             self.check_calls = checked
             self._impl = ReferenceBackend(self.group, self.timeout_ms, device=self.device,
                                           check_calls=self.check_calls)
