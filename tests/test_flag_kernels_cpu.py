@@ -404,6 +404,8 @@ MISMATCHES = {
     # 8 int8 move as 2 int32 words, 2 int8 as 2 bytes: as many words, other sizes
     "int8-words-vs-bytes": (2, [("all_gather", 8, "int8"), ("all_gather", 2, "int8")],
                             ["all_gather"] * 2),
+    "bf16-words-vs-bytes": (2, [("broadcast", 4, BF, 0), ("broadcast", 1, BF, 0)],
+                            ["broadcast"] * 2),
     "int64-vs-int32-words": (2, [("broadcast", 4, "int64", 1), ("broadcast", 8, "int32", 1)],
                              ["broadcast"] * 2),
 }
