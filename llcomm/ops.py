@@ -211,7 +211,8 @@ def all_reduce(comm: "Communicator", x: torch.Tensor, *, algo: str = "auto") -> 
 
 
 def broadcast(comm: "Communicator", x: torch.Tensor, src: int) -> torch.Tensor:
-    """``comm.broadcast(x, src)``: rank ``src``'s ``x`` into ``x`` on every rank, in place.
+    """``comm.broadcast(x, src)``: rank ``src``'s ``x`` into ``x`` on every rank, in place; any
+    dtype, byte-exact.
 
     Declared as mutating ``x`` (``torch.ops.llcomm.broadcast_``), so compiled code sees the
     write. Returns ``x``.
@@ -221,12 +222,14 @@ def broadcast(comm: "Communicator", x: torch.Tensor, src: int) -> torch.Tensor:
 
 
 def all_gather(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
-    """``comm.all_gather(x)``: x ``[d0, ...]`` -> new ``[world_size * d0, ...]``, rank order."""
+    """``comm.all_gather(x)``: x ``[d0, ...]`` -> new ``[world_size * d0, ...]``, rank order;
+    any dtype, byte-exact."""
     return torch.ops.llcomm.all_gather(_handle_of(comm), x)
 
 
 def all_gather_2d(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
-    """``comm.all_gather_2d(x)``: x ``[tokens, part]`` -> new ``[tokens, world_size * part]``."""
+    """``comm.all_gather_2d(x)``: x ``[tokens, part]`` -> new ``[tokens, world_size * part]``;
+    any dtype, byte-exact."""
     return torch.ops.llcomm.all_gather_2d(_handle_of(comm), x)
 
 

@@ -17,7 +17,12 @@ which also gives the interpreter the GPU clock the bounded waits read). Checked:
   every root, all_gather (contiguous and 2-D) and reduce_scatter are byte-exact against torch;
   outputs are poisoned before every call, inputs unchanged, no error word, every op counter
   equal to the rounds run;
-- ranks that disagree about the call (size, dtype, op, row shape): every rank's error word is
+- the movement ops on every kind of dtype (int64, int16, int8, bool, float8, float64: int32
+  word views, and uint8 views for odd byte counts), byte-exact, with LL off and on (4-byte
+  words up to the LL size run the LL kernel through the same host code, the rest the flag
+  kernels);
+- ranks that disagree about the call (size, dtype, op, row shape; dtypes of the same bytes;
+  as many words of another width): every rank's error word is
   a mismatch of its own op at the entry barrier naming the ranks that disagree, and nothing is
   written to its output;
 - a rank that never launches: its peers' error words are a timeout naming it (at the entry
@@ -30,13 +35,12 @@ from __future__ import annotations
 import pytest
 
 from _interp import run_in_interpreter, run_ranks
+from _payloads import POISON_BYTE, payload  # noqa: F401  (the poison of every output)
 from llcomm.tp import peer                                  # PeerBackend and its region layout
 from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
-from llcomm.tp.kernels import all_reduce, movement, reduce_scatter  # what PeerBackend launches
+from llcomm.tp.kernels import all_reduce, ll, lamport, movement, reduce_scatter  # its kernels
 
 BF, F32 = "bfloat16", "float32"
-#: Poison written over every output (and a non-root's broadcast buffer) before each call.
-POISON_BYTE = 0xA5
 #: Bound of the device waits in matched rounds and mismatches: long enough for any peer thread
 #: of a loaded CPU to arrive (a mismatch is seen as soon as the peer's word arrives).
 LONG_US = 10_000_000
@@ -44,9 +48,14 @@ LONG_US = 10_000_000
 
 class InterpreterLauncher:
     """``launch.Launcher``'s two entry points on Triton's own launch path, which is the
-    interpreter here (no compiled-kernel cache, no CUDA stream, no first-launch bound)."""
+    interpreter here (no compiled-kernel cache, no CUDA stream, no first-launch bound).
+    ``launched``: the name of every kernel launched, in order."""
+
+    def __init__(self):
+        self.launched = []
 
     def __call__(self, fn, grid, args, num_warps, **consts):
+        self.launched.append(fn.__name__)
         fn[(grid,)](*args, num_warps=num_warps, **consts)
 
     def run(self, plan, *ts):
@@ -57,16 +66,22 @@ class InterpreterLauncher:
 class VirtualPeers:
     """W virtual ranks: per rank the flags, staging and gather regions (sized as
     ``PeerBackend.__init__`` sizes them), private op counters and error words, and a
-    ``PeerBackend`` bound to them with LL and the Lamport reduce_scatter off (so every op runs
-    its flag kernel)."""
+    ``PeerBackend`` bound to them with the Lamport reduce_scatter off and LL off (so every op
+    runs its flag kernel) unless ``ll_bytes`` is given: then broadcasts and all-gathers of
+    whole 4-byte words up to that size run the LL kernel, in the LL words and Lamport tag
+    words ``PeerBackend.__init__`` would give it."""
 
-    def __init__(self, W: int, NB: int, max_bytes: int, timeout_us: int = LONG_US):
+    def __init__(self, W: int, NB: int, max_bytes: int, timeout_us: int = LONG_US,
+                 ll_bytes: int = 0):
         import torch
 
         self.W, self.NB = W, NB
         cap_bytes = (max_bytes + 255) // 256 * 256
+        ll_bytes = peer.ll_bytes(ll_bytes, max_bytes)
         sizes = {"flags": 8 * peer.FLAG_PHASES * NB * W, "stage": peer.HALVES * W * cap_bytes,
-                 "gather": peer.HALVES * cap_bytes}
+                 "gather": peer.HALVES * cap_bytes,
+                 "ll": peer.HALVES * W * ll_bytes // 4 * peer.LL_WORD_BYTES,
+                 "lamport_tags": peer.HALVES * NB * W * peer.LAMPORT_TAG_BYTES}
         self.regions = {k: [torch.zeros(v, dtype=torch.uint8) for _ in range(W)]
                         for k, v in sizes.items()}
         tabs = {k: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
@@ -77,8 +92,10 @@ class VirtualPeers:
             b = peer.PeerBackend.__new__(peer.PeerBackend)  # its __init__ needs GPUs and a group
             b.rank, b.world_size, b.nb, b.WP = r, W, NB, 1 << (W - 1).bit_length()
             b.max_bytes, b.cap_bytes, b.timeout_us = max_bytes, cap_bytes, timeout_us
-            b.ll_bytes = b.rs_lamport_bytes = b.lamport_bytes = 0
-            b._k_ar, b._k_mv, b._k_rs = all_reduce, movement, reduce_scatter
+            b.rs_lamport_bytes = b.lamport_bytes = 0
+            b.ll_bytes = ll_bytes
+            b._k_ar, b._k_mv, b._k_rs, b._k_ll, b._k_lam = (all_reduce, movement, reduce_scatter,
+                                                             ll, lamport)
             b._plans, b.tabs = {}, tabs
             b.flags = self.regions["flags"][r].view(torch.int64)
             ctrl = torch.zeros(NB + peer.CTRL_ERR_WORDS, dtype=torch.int64)
@@ -102,23 +119,22 @@ def _dtype(name):
 
 
 def _poisoned(shape, dtype):
-    import torch
-    t = torch.empty(shape, dtype=dtype)
-    t.view(-1).view(torch.uint8).fill_(POISON_BYTE)
-    return t
+    from _payloads import poisoned
+    return poisoned(shape, dtype)
 
 
 def _numbers(spec, seed: int, rank: int, shape, dtype):
-    """Fresh operand of one rank: normal floats for the sums, any bit pattern (NaN payloads
-    included) for the byte-exact movement."""
+    """Fresh operand of one rank: normal floats for the sums; for the byte-exact movement,
+    ``_payloads.payload`` (any bit pattern: NaN payloads, -0.0, subnormals, every float8
+    pattern, bools 0 / 1)."""
     import zlib
 
     import torch
-    g = torch.Generator().manual_seed(zlib.crc32(repr((tuple(spec), seed, rank)).encode()))
+    key = (tuple(spec), seed, rank)
     if spec[0] in ("one_shot", "two_shot", "reduce_scatter"):
+        g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
         return torch.randn(shape, generator=g).to(dtype)
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).view(dtype).view(shape)
+    return payload(dtype, shape, key)
 
 
 class Call:
@@ -208,8 +224,8 @@ def check_round(calls) -> list[str]:
                 fails.append(f"{where}: not the root's bytes")
         else:
             rows = spec[1] if kind == "all_gather_2d" else 1
-            want = torch.cat([o.x0.reshape(rows, -1) for o in calls], 1)
-            if not _same_bits(c.out, want.reshape(c.out.shape)):
+            want = torch.cat([o.x0.reshape(rows, -1).view(torch.uint8) for o in calls], 1)
+            if not torch.equal(c.out.reshape(rows, -1).view(torch.uint8), want):
                 fails.append(f"{where}: not the ranks' bytes in rank order")
     return fails
 
@@ -237,19 +253,22 @@ def _launch_round(V: VirtualPeers, specs, seed: int):
 
 
 # -- run in the interpreter process --------------------------------------------------------------
-def simulate_matched(W, NB, rounds):
-    """Matched rounds (every rank calls ``rounds[i]``) on one set of workspaces; returns the
-    failures."""
-    V = VirtualPeers(W, NB, max(_nbytes(s) for s in rounds))
-    fails = []
+def simulate_matched(W, NB, rounds, ll_bytes=0):
+    """Matched rounds (every rank calls ``rounds[i]``) on one set of workspaces (LL on up to
+    ``ll_bytes``); returns the failures and, per round, the kernels rank 0 launched."""
+    V = VirtualPeers(W, NB, max(_nbytes(s) for s in rounds), ll_bytes=ll_bytes)
+    fails, kernels = [], []
     for i, spec in enumerate(rounds):
+        launched = V.ranks[0]._launch.launched
+        before = len(launched)
         calls, _ = _launch_round(V, [spec] * W, seed=i)
+        kernels.append(launched[before:])
         fails += [f"round {i}: {f}" for f in check_round(calls)]
         fails += [f"round {i} {spec} rank {r}: error word {V.error(r)}" for r in range(W)
                   if V.error(r)]
     fails += [f"rank {r}: op counters {b.ctrl.tolist()}" for r, b in enumerate(V.ranks)
               if b.ctrl.tolist() != [len(rounds)] * NB]
-    return fails
+    return fails, kernels
 
 
 def simulate_faulty(W, NB, warmup, specs, timeout_us):
@@ -310,8 +329,54 @@ def _rounds(W):
 
 @pytest.mark.parametrize("W,NB", [(2, 2), (3, 3)])
 def test_matched_rounds(W, NB):
-    fails = run_in_interpreter("test_flag_kernels_cpu", "simulate_matched", W, NB, _rounds(W))
+    fails, _ = run_in_interpreter("test_flag_kernels_cpu", "simulate_matched", W, NB, _rounds(W))
     assert not fails, "\n".join(fails[:20])
+
+
+def _dtype_rounds(W):
+    """Movement of every kind of dtype through ``PeerBackend.broadcast`` / ``all_gather`` /
+    ``all_gather_2d`` (its word views and tags): int64 from every root, 1-byte dtypes of odd
+    byte counts (uint8 views: 3 int8, 1 bool, rows of 3 bytes), all 256 float8 patterns, float64
+    and int16 with NaN-payload and subnormal bit patterns."""
+    return [*[("broadcast", 5, "int64", s) for s in range(W)], ("broadcast", 3, "int8", 0),
+            ("broadcast", 1, "bool", W - 1), ("broadcast", 7, "float64", 1),
+            ("broadcast", 256, "float8_e5m2", 0), ("all_gather", 256, "float8_e4m3fn"),
+            ("all_gather", 3, "bool"), ("all_gather", 1, "int8"), ("all_gather", 5, "int16"),
+            ("all_gather", 4, "bool"), ("all_gather", 6, "float64"),
+            ("all_gather_2d", 3, 3, "int8"), ("all_gather_2d", 2, 2, "float8_e5m2"),
+            ("all_gather_2d", 4, 3, "int64"), ("all_gather_2d", 2, 4, "bool"),
+            ("broadcast", 4099, "uint8", W - 1)]
+
+
+#: Rounds of _dtype_rounds whose bytes are whole 4-byte words (LL when it is on), by index.
+def _word_rounds(W):
+    return [i for i, s in enumerate(_dtype_rounds(W))
+            if _nbytes(s) % 4 == 0 and (s[0] != "all_gather_2d" or
+                                        s[2] * _dtype(s[3]).itemsize % 4 == 0)]
+
+
+@pytest.mark.parametrize("W,NB", [(2, 2), (3, 3)])
+def test_every_dtype_through_peer_backend(W, NB):
+    """Flag kernels (LL off): byte-exact for every dtype, odd byte counts included."""
+    fails, kernels = run_in_interpreter("test_flag_kernels_cpu", "simulate_matched", W, NB,
+                                        _dtype_rounds(W))
+    assert not fails, "\n".join(fails[:20])
+    assert all(k and "ll_gather_kernel" not in k for k in kernels), kernels
+
+
+@pytest.mark.parametrize("W,NB", [(2, 2), (3, 4)])
+def test_every_dtype_through_peer_backend_ll(W, NB):
+    """LL on (4 KiB): messages of whole 4-byte words run the LL kernel (int32 words of any
+    dtype), the others (3 bytes, rows of 3 bytes, over 4 KiB) the flag kernels; all byte-exact
+    on the same counters."""
+    rounds = _dtype_rounds(W)
+    fails, kernels = run_in_interpreter("test_flag_kernels_cpu", "simulate_matched", W, NB,
+                                        rounds, 4096)
+    assert not fails, "\n".join(fails[:20])
+    words = set(_word_rounds(W))
+    for i, (spec, k) in enumerate(zip(rounds, kernels)):
+        ll_ran = k == ["ll_gather_kernel"]
+        assert ll_ran == (i in words and _nbytes(spec) <= 4096), (spec, k)
 
 
 A = ("one_shot", 4099, BF)
@@ -329,6 +394,20 @@ MISMATCHES = {
                         ["broadcast"] * 2),
     "all_gather-vs-one_shot-w3": (3, [A, ("all_gather", 4099, BF), A],
                                   ["one_shot", "all_gather", "one_shot"]),
+    # the same bytes, other dtypes: a mismatch, as on the reference backend
+    "int32-vs-float32": (2, [("broadcast", 64, "int32", 0), ("broadcast", 64, F32, 0)],
+                         ["broadcast"] * 2),
+    "int8-vs-bool": (2, [("all_gather", 3, "int8"), ("all_gather", 3, "bool")],
+                     ["all_gather"] * 2),
+    "float8-forms": (2, [("all_gather_2d", 2, 4, "float8_e4m3fn"),
+                         ("all_gather_2d", 2, 4, "float8_e5m2")], ["all_gather"] * 2),
+    # 8 int8 move as 2 int32 words, 2 int8 as 2 bytes: as many words, other sizes
+    "int8-words-vs-bytes": (2, [("all_gather", 8, "int8"), ("all_gather", 2, "int8")],
+                            ["all_gather"] * 2),
+    "bf16-words-vs-bytes": (2, [("broadcast", 4, BF, 0), ("broadcast", 1, BF, 0)],
+                            ["broadcast"] * 2),
+    "int64-vs-int32-words": (2, [("broadcast", 4, "int64", 1), ("broadcast", 8, "int32", 1)],
+                             ["broadcast"] * 2),
 }
 _OP = {"one_shot": P.OP_ONE_SHOT, "two_shot": P.OP_TWO_SHOT, "broadcast": P.OP_BROADCAST,
        "all_gather": P.OP_ALL_GATHER, "reduce_scatter": P.OP_REDUCE_SCATTER}

@@ -69,8 +69,8 @@ class Call:
         from llcomm.tp import peer
         from llcomm.runtime import protocol as P
         op = P.OP_ALL_GATHER if self.kind == "gather" else P.OP_BROADCAST
-        mix = self.n // self.part if self.kind == "gather" else self.src
-        return op, peer.PeerBackend._lamport_tag(op, self.n * peer.GATHER_TAG_MIX + mix,
+        mix = self.part if self.kind == "gather" else self.src
+        return op, peer.PeerBackend._lamport_tag(op, peer.PeerBackend._moved_numel(self.x, mix),
                                                  torch.int32)
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:

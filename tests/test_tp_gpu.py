@@ -125,7 +125,7 @@ LL_BYTES = 64 << 10
 
 def _random_words(nbytes, seed, rank):
     """Any bit patterns (NaN payloads, -0.0, denormals): float32 words, or bfloat16 halves when
-    ``nbytes`` is not a multiple of 4 (the ops take float dtypes only)."""
+    ``nbytes`` is not a multiple of 4 (other dtypes: test_movement_every_dtype)."""
     g = torch.Generator(device="cuda")
     g.manual_seed(seed * 7919 + rank)
     if nbytes % 4:
@@ -193,6 +193,56 @@ def _ll_body(rank, ws):
 
 def test_ll_movement_byte_exact_eager_and_graph():
     run_distributed(_ll_body, 2, backend="nccl", timeout=300)
+
+
+def _dtypes_body(rank, ws):
+    """broadcast / all_gather / all_gather_2d of every dtype (LL sizes, flag sizes, odd byte
+    counts) against payloads every rank builds itself, then a replayed graph of a decode step
+    that broadcasts rank 0's sampled int64 token ids."""
+    from _payloads import MOVE_DTYPES, payload, poisoned
+    comm = _comm()
+
+    def pay(dtype, shape, key, r):
+        return payload(dtype, shape, key + (r,)).cuda()
+
+    for dtype in MOVE_DTYPES:
+        name = str(dtype)
+        for n in (1, 3, 1000, 40000):          # 40000 elements: past LL for every dtype
+            for src in range(ws):
+                sent = pay(dtype, (n,), ("bcast", name, n), src)
+                x = sent.clone() if rank == src else poisoned((n,), dtype).cuda()
+                comm.broadcast(x, src)
+                assert torch.equal(_bits(x), _bits(sent)), ("broadcast", dtype, n, src)
+            parts = [pay(dtype, (n,), ("gather", name, n), r) for r in range(ws)]
+            out = poisoned((ws * n,), dtype).cuda()
+            comm.all_gather(parts[rank], out=out)
+            assert torch.equal(_bits(out), torch.cat([_bits(p) for p in parts])), \
+                ("all_gather", dtype, n)
+        for tokens, part in ((1, 1), (3, 3), (16, 100), (7, 2001)):
+            parts = [pay(dtype, (tokens, part), ("2d", name, tokens), r) for r in range(ws)]
+            got = comm.all_gather_2d(parts[rank])
+            want = torch.cat([p.view(torch.uint8).view(tokens, -1) for p in parts], 1)
+            assert torch.equal(_bits(got), _bits(want)), ("all_gather_2d", dtype, tokens, part)
+    # decode: rank 0 samples, every rank embeds the same ids (a replayed graph)
+    ids = torch.zeros(8, dtype=torch.int64, device="cuda")
+    seen = torch.zeros_like(ids)
+
+    def step():
+        comm.broadcast(ids, 0)
+        seen.copy_(ids)
+
+    g = capture(step, 1)
+    for i in range(10):
+        want = torch.randint(0, 2 ** 40, (8,), generator=torch.Generator().manual_seed(i))
+        ids.copy_(want.cuda() if rank == 0 else torch.full((8,), -1))
+        g.replay()
+        assert torch.equal(seen.cpu(), want), i
+    comm.check()
+    comm.close()
+
+
+def test_movement_every_dtype():
+    run_distributed(_dtypes_body, 2, backend="nccl", timeout=600)
 
 
 def _lamport_bits_body(rank, ws):

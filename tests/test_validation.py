@@ -41,20 +41,39 @@ def f32(*shape):
 # (id, call(comm, ws), exception type, regex the message must match). Each regex names the
 # argument as the message does, after the function's name.
 CASES = [
-    # dtype of x, every op
+    # dtype of x: the reductions sum bf16 / fp16 / fp32 and say why; the movement ops take any
+    # plain dtype (test_movement_accepts_every_dtype), not a quantized or sub-byte one
     ("all_reduce-int32", lambda c, ws: c.all_reduce(torch.ones(8, dtype=torch.int32)),
      TypeError, r"llcomm\.all_reduce: x has dtype int32; expected one of bfloat16, float16, float32"),
+    ("all_reduce-int64", lambda c, ws: c.all_reduce(torch.ones(8, dtype=torch.int64)),
+     TypeError, r"^llcomm\.all_reduce: x has dtype int64; expected one of bfloat16, float16, "
+                r"float32 \(a reduction sums, so it needs a float type; broadcast, all_gather and "
+                r"all_gather_2d copy bytes and take any dtype\)$"),
     ("all_reduce-float64", lambda c, ws: c.all_reduce(torch.ones(8, dtype=torch.float64)),
-     TypeError, r"llcomm\.all_reduce: x has dtype float64"),
-    ("broadcast-int32", lambda c, ws: c.broadcast(torch.ones(8, dtype=torch.int32), 0),
-     TypeError, r"llcomm\.broadcast: x has dtype int32"),
-    ("all_gather-float64", lambda c, ws: c.all_gather(torch.ones(8, dtype=torch.float64)),
-     TypeError, r"llcomm\.all_gather: x has dtype float64"),
-    ("all_gather_2d-int32", lambda c, ws: c.all_gather_2d(torch.ones(2, 4, dtype=torch.int32)),
-     TypeError, r"llcomm\.all_gather_2d: x has dtype int32"),
+     TypeError, r"llcomm\.all_reduce: x has dtype float64.*needs a float type"),
+    ("all_reduce-bool", lambda c, ws: c.all_reduce(torch.ones(8, dtype=torch.bool)),
+     TypeError, r"llcomm\.all_reduce: x has dtype bool.*needs a float type"),
+    ("all_reduce-float8", lambda c, ws: c.all_reduce(torch.ones(8, dtype=torch.float8_e4m3fn)),
+     TypeError, r"llcomm\.all_reduce: x has dtype float8_e4m3fn.*needs a float type"),
     ("reduce_scatter-float64",
      lambda c, ws: c.reduce_scatter(torch.ones(2 * ws, dtype=torch.float64)),
      TypeError, r"llcomm\.reduce_scatter: x has dtype float64"),
+    ("reduce_scatter-int32",
+     lambda c, ws: c.reduce_scatter(torch.ones(2 * ws, dtype=torch.int32)),
+     TypeError, r"llcomm\.reduce_scatter: x has dtype int32; expected one of bfloat16, float16, "
+                r"float32 \(a reduction sums, so it needs a float type; broadcast, all_gather"),
+    ("broadcast-bits8", lambda c, ws: c.broadcast(torch.zeros(8, dtype=torch.bits8), 0),
+     TypeError, r"llcomm\.broadcast: x has dtype bits8; expected one of float32, .*int64.*bool"
+                r".*float8_e4m3fn.* \(the movement ops copy the bytes of any plain dtype"),
+    ("all_gather-uint4", lambda c, ws: c.all_gather(torch.empty(8, dtype=torch.uint4)),
+     TypeError, r"llcomm\.all_gather: x has dtype uint4; expected one of"),
+    ("all_gather_2d-bits8",
+     lambda c, ws: c.all_gather_2d(torch.zeros(2, 4, dtype=torch.bits8)),
+     TypeError, r"llcomm\.all_gather_2d: x has dtype bits8"),
+    ("all_gather-out-dtype-int",
+     lambda c, ws: c.all_gather(torch.ones(8, dtype=torch.int64),
+                                out=torch.ones(8 * ws, dtype=torch.float64)),
+     TypeError, r"llcomm\.all_gather: out has dtype torch\.float64; expected torch\.int64"),
     ("all_reduce-not-a-tensor", lambda c, ws: c.all_reduce([1.0, 2.0]),
      TypeError, r"llcomm\.all_reduce: x must be a torch\.Tensor, got list"),
     # device: a meta tensor is on another device than the communicator's (cpu)
@@ -125,7 +144,8 @@ CASES = [
            ValueError, r"x has shape \(8,\); expected 2-D \[tokens, hidden\]"),
           ("x-int32", lambda c, ws: c.all_reduce_residual_rmsnorm(
               torch.ones(2, 8, dtype=torch.int32), f32(2, 8), f32(8)),
-           TypeError, r"x has dtype int32"),
+           TypeError, r"x has dtype int32; expected one of bfloat16, float16, float32 \(a "
+                      r"reduction sums, so it needs a float type"),
           ("x-hidden-too-long", lambda c, ws: c.all_reduce_residual_rmsnorm(
               f32(1, 16385), f32(1, 16385), f32(16385)),
            ValueError, r"x has hidden=16385; at most 16384"),
@@ -334,6 +354,25 @@ def test_rejected_call_touches_no_buffer(world1):
     assert torch.equal(big, torch.full((5,), 7.0))
 
 
+def test_movement_accepts_every_dtype(world1):
+    """broadcast, all_gather and all_gather_2d take every dtype of MOVE_DTYPES (int64 token ids
+    among them) and return it unchanged in one rank's world; max_bytes counts bytes."""
+    from _payloads import MOVE_DTYPES, payload, same_bytes
+    comm = llcomm.Communicator(backend="reference", max_bytes=128)
+    ids = torch.tensor([17, -1, 2 ** 40 + 3], dtype=torch.int64)   # sampled token ids
+    assert comm.broadcast(ids, 0) is ids
+    assert torch.equal(ids, torch.tensor([17, -1, 2 ** 40 + 3]))
+    for dtype in MOVE_DTYPES:
+        x = payload(dtype, (2, 3), ("accepts", str(dtype)))
+        x0 = x.clone()
+        assert comm.broadcast(x, src=0) is x and same_bytes(x, x0), dtype
+        assert same_bytes(comm.all_gather(x), x0) and same_bytes(comm.all_gather_2d(x), x0), dtype
+    with pytest.raises(ValueError, match=r"llcomm\.broadcast: x holds 136 bytes, more than "
+                                         r"max_bytes=128"):
+        comm.broadcast(torch.zeros(17, dtype=torch.int64), 0)
+    assert comm.broadcast(torch.zeros(128, dtype=torch.bool), 0).dtype == torch.bool
+
+
 # -- constructor -----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["nccl", "gloo", "", None, "Reference"])
 def test_unknown_backend(world1, backend):
@@ -421,6 +460,8 @@ def _two_ranks(rank, ws):
     comm = llcomm.Communicator(backend="reference")
     small = llcomm.Communicator(backend="reference", max_bytes=SMALL_MAX_BYTES)
     failures = []
+    ids = torch.tensor([5, 7 + rank], dtype=torch.int64)   # rank 0's sampled ids, every rank
+    assert comm.broadcast(ids, 0) is ids and ids.tolist() == [5, 7]
     for c, cases in ((comm, CASES + CASES_MULTI_RANK), (small, CASES_MAX_BYTES)):
         for case in cases:
             try:

@@ -77,7 +77,15 @@ PHASE_ENTRY, PHASE_EXIT, PHASE_DATA = 1, 2, 3
 
 STATUS_TIMEOUT, STATUS_MISMATCH = 1, 2
 
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5, "int64": 6}
+#: Every dtype an op takes, by name (``str(dtype)`` without ``torch.``): its code in size tags and
+#: in the reference backend's call headers. Each has its own code, so ranks that pass different
+#: dtypes are a mismatch even where the bytes would move alike (float32 and int32 of one numel).
+#: Codes are never reused or renumbered: they are what ranks compare.
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5, "int64": 6,
+               "int8": 7, "int16": 8, "bool": 9, "float64": 10, "float8_e4m3fn": 11,
+               "float8_e5m2": 12, "uint16": 13, "uint32": 14, "uint64": 15, "complex64": 16,
+               "complex128": 17, "float8_e4m3fnuz": 18, "float8_e5m2fnuz": 19,
+               "float8_e8m0fnu": 20, "float4_e2m1fn_x2": 21}
 
 
 def resolve_timeout_ms(timeout_ms: int | None, setting: int | None,

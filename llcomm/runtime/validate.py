@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import CommClosedError
+from . import protocol as P
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Dtypes of the reductions (all_reduce, reduce_scatter, all_reduce_residual_rmsnorm): they sum.
+REDUCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Dtypes of the movement ops (broadcast, all_gather, all_gather_2d): they copy bytes, so any
+#: dense dtype with a code in ``protocol.DTYPE_CODES`` (its name there is ``str(dtype)``
+#: without ``torch.``). Quantized and sub-byte dtypes are not among them.
+MOVE_DTYPES = tuple(getattr(torch, name) for name in P.DTYPE_CODES)
 
 
 class Problems:
@@ -28,17 +34,18 @@ class Problems:
         raise (TypeError if self.type_error else ValueError)(text)
 
 
-def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=SUPPORTED_DTYPES,
-                 max_bytes: int | None = None) -> bool:
-    """Check that ``t`` is a contiguous tensor of a supported dtype on ``device``."""
+def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=REDUCE_DTYPES,
+                 max_bytes: int | None = None, why: str | None = None) -> bool:
+    """Check that ``t`` is a contiguous tensor of one of ``dtypes`` (None: any) on ``device``.
+    ``why`` follows the list of dtypes in the message of a dtype that is not among them."""
     if not isinstance(t, torch.Tensor):
         pr.add(f"{name} must be a torch.Tensor, got {type(t).__name__}", type_error=True)
         return False
     ok = True
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        pr.add(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; expected one of {names}",
-               type_error=True)
+        pr.add(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; expected one of {names}"
+               + (f" ({why})" if why else ""), type_error=True)
         ok = False
     if t.device != device:
         pr.add(f"{name} is on {t.device}; expected {device} (this communicator's device)")

@@ -40,6 +40,11 @@ HOT_CACHE_MAX = 4096
 #: registers (32 fp32 per thread at 16 warps); the reference backend enforces the same bound so
 #: code that runs on one backend runs on the other.
 FUSED_MAX_HIDDEN = 16384
+#: Why a reduction refuses a dtype (the end of its message).
+REDUCE_ONLY = ("a reduction sums, so it needs a float type; broadcast, all_gather and "
+               "all_gather_2d copy bytes and take any dtype")
+#: Why a movement op refuses a dtype.
+MOVE_ONLY = "the movement ops copy the bytes of any plain dtype; not quantized or sub-byte ones"
 
 #: all_reduce(algo="auto") where no measured table applies (llcomm/tp/algo_table.py: the user's
 #: `llcomm tune` table, then llcomm/tp/tables/*.json, then this rule): (world_size, largest bytes,
@@ -102,7 +107,11 @@ class Communicator:
     Every op runs on the caller's current CUDA stream, allocates nothing but its output (pass
     ``out=`` to avoid even that), does not synchronise the host, and can be captured in a CUDA
     graph. All ranks must issue the same ops, in the same order, with the same shapes and dtypes,
-    on one stream at a time. Supported dtypes: bfloat16, float16, float32 (sum).
+    on one stream at a time. Dtypes: the reductions (all_reduce, reduce_scatter,
+    all_reduce_residual_rmsnorm) sum bfloat16, float16 or float32; the movement ops (broadcast,
+    all_gather, all_gather_2d) take any dtype (ints, bool, float8, float64, ...: ``MOVE_DTYPES``
+    in ``llcomm/runtime/validate.py``) and are byte-exact. A call whose ranks pass different
+    dtypes is a mismatch even where the bytes would move alike (int32 and float32).
 
     Errors: a peer that never arrives, or that called a different op or size in the same round,
     is written by the kernel to a host-visible word; the next call (or ``check()``) raises
@@ -222,7 +231,7 @@ class Communicator:
                 return call(x, torch.empty_like(x) if out is None else out)
         self._check_open("all_reduce")
         pr = V.Problems("all_reduce")
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=REDUCE_ONLY):
             V.check_out(pr, out, x, tuple(x.shape), self.device)
         if algo not in ALGOS:
             pr.add(f"algo={algo!r}; expected one of {', '.join(ALGOS)}")
@@ -311,7 +320,7 @@ class Communicator:
         self._check_open("all_reduce_residual_rmsnorm")
         pr = V.Problems("all_reduce_residual_rmsnorm")
         shape = None
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=REDUCE_ONLY):
             if x.dim() != 2 or x.shape[1] == 0:
                 pr.add(f"x has shape {tuple(x.shape)}; expected 2-D [tokens, hidden], hidden >= 1")
             elif x.shape[1] > FUSED_MAX_HIDDEN:
@@ -368,12 +377,14 @@ class Communicator:
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy ``x`` of rank ``src`` (a rank of this group) into ``x`` on every rank, in place.
 
-        x: contiguous, any of the supported dtypes, same shape on every rank. Returns x.
-        Byte-exact: the bytes that arrive are the bytes that were sent.
+        x: contiguous, **any dtype** (int64 token ids, bool masks, float8, ...), the same shape
+        and dtype on every rank, at most ``max_bytes``. Returns x. Byte-exact: the bytes that
+        arrive are the bytes that were sent (NaN payloads, -0.0 and subnormals included).
         """
         self._check_open("broadcast")
         pr = V.Problems("broadcast")
-        V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes)
+        V.check_tensor(pr, "x", x, self.device, dtypes=V.MOVE_DTYPES, max_bytes=self.max_bytes,
+                       why=MOVE_ONLY)
         if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < self.world_size:
             pr.add(f"src={src!r}; expected a rank in [0, {self.world_size})")
         pr.raise_if_any()
@@ -382,11 +393,13 @@ class Communicator:
     def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate every rank's ``x`` along dim 0 in rank order.
 
-        x: ``[d0, ...]``; out: ``[world_size * d0, ...]`` (allocated if not given). Byte-exact.
+        x: ``[d0, ...]``, **any dtype**; out: ``[world_size * d0, ...]`` of x's dtype (allocated
+        if not given). Byte-exact, as ``broadcast``.
         """
         self._check_open("all_gather")
         pr = V.Problems("all_gather")
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+        if V.check_tensor(pr, "x", x, self.device, dtypes=V.MOVE_DTYPES,
+                          max_bytes=self.max_bytes, why=MOVE_ONLY):
             shape = (self.world_size * (x.shape[0] if x.dim() else 1), *x.shape[1:])
             V.check_out(pr, out, x, shape, self.device)
         pr.raise_if_any()
@@ -399,10 +412,13 @@ class Communicator:
 
         Rank r's part of token t lands at ``out[t, r * part:(r + 1) * part]`` (flat offset
         ``t * full + r * part``), the layout a column-parallel projection's output needs.
+        x: **any dtype**; out: of x's dtype (allocated if not given). Byte-exact, as
+        ``broadcast``.
         """
         self._check_open("all_gather_2d")
         pr = V.Problems("all_gather_2d")
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+        if V.check_tensor(pr, "x", x, self.device, dtypes=V.MOVE_DTYPES,
+                          max_bytes=self.max_bytes, why=MOVE_ONLY):
             if x.dim() != 2:
                 pr.add(f"x has shape {tuple(x.shape)}; expected 2-D [tokens, part]")
             else:
@@ -420,7 +436,7 @@ class Communicator:
         """
         self._check_open("reduce_scatter")
         pr = V.Problems("reduce_scatter")
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes):
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=REDUCE_ONLY):
             if x.dim() == 0 or x.shape[0] % self.world_size:
                 pr.add(f"x has shape {tuple(x.shape)}; dim 0 must be a multiple of world_size="
                        f"{self.world_size}")

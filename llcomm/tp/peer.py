@@ -318,11 +318,23 @@ class PeerBackend:
     # -- movement -------------------------------------------------------------------------------
     @staticmethod
     def _word_views(row_bytes: int, *ts: torch.Tensor) -> list[torch.Tensor]:
-        """Movement kernels copy words: int32 views when every row and every address is 4-byte
-        aligned, else uint8 views. Either is exact."""
+        """Movement kernels copy words, whatever the dtype (bool, float8, int64, ...): int32
+        views when every row and every address is 4-byte aligned, else uint8 views (a 1-byte
+        dtype of 3 elements, a row of 6 bytes). Either is exact."""
         words = row_bytes % 4 == 0 and all(t.data_ptr() % 4 == 0 for t in ts)
         return [t.view(-1).view(torch.uint8).view(torch.int32 if words else torch.uint8)
                 for t in ts]
+
+    @staticmethod
+    def _moved_numel(xb: torch.Tensor, mix: int) -> int:
+        """What a movement op's tag hashes as its element count (beside x's dtype, which has a
+        code of its own: protocol.DTYPE_CODES): the words of ``xb`` (its word view), their
+        width, and ``mix`` (a broadcast's root, a gather's row length in words). So ranks that
+        disagree about numel, dtype, root or row length are a mismatch, and so are ranks whose
+        tensors are aligned differently: one moves int32 words, the other bytes, and their
+        blocks would copy different ranges (without the width, 8 bytes as 2 words would meet
+        2 bytes as 2 bytes)."""
+        return (xb.numel() * 2 + (xb.element_size() == 4)) * GATHER_TAG_MIX + mix
 
     def _ll(self, xb: torch.Tensor, n: int, numel_tag: int, dtype: torch.dtype, op: int,
             out: torch.Tensor, part: int, src: int) -> bool:
@@ -346,7 +358,7 @@ class PeerBackend:
             return x
         self._precheck()
         # the root is in the tag: ranks that disagree about it are a mismatch
-        numel_tag = n * GATHER_TAG_MIX + src
+        numel_tag = self._moved_numel(xb, src)
         if self._ll(xb, n, numel_tag, x.dtype, P.OP_BROADCAST, xb, n, src):
             return x
         block, warps = _launch_shape(n, xb.element_size(), self.nb)
@@ -363,13 +375,13 @@ class PeerBackend:
         if n == 0:
             return out
         self._precheck()
-        if self._ll(xb, n, n * GATHER_TAG_MIX + n // rows, x.dtype, P.OP_ALL_GATHER, ob,
-                    n // rows, 0):
+        numel_tag = self._moved_numel(xb, n // rows)
+        if self._ll(xb, n, numel_tag, x.dtype, P.OP_ALL_GATHER, ob, n // rows, 0):
             return out
         block, warps = _launch_shape(n, xb.element_size(), self.nb)
         self._launch(self._k_mv.all_gather_kernel, self.nb, (
             xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err, self.rank, self._tag(P.OP_ALL_GATHER, n * GATHER_TAG_MIX + n // rows, x.dtype),
+            self.err, self.rank, self._tag(P.OP_ALL_GATHER, numel_tag, x.dtype),
             self.timeout_us, self.cap_bytes // xb.element_size()), warps,
             W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
         return out

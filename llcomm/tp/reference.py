@@ -18,6 +18,14 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage as flat uint8: the movement ops send these, so any dtype moves byte-exact
+    on gloo and NCCL, which take only some dtypes (gloo refuses int16, uint16 / 32 / 64, float8
+    and float4 with "Invalid scalar type"; NCCL has a list of its own). ``t`` is contiguous (the
+    Communicator checked)."""
+    return t.view(-1).view(torch.uint8)
+
+
 class ReferenceBackend:
     """TP ops on torch.distributed collectives of ``group``."""
 
@@ -65,7 +73,8 @@ class ReferenceBackend:
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         self.calls.agree("broadcast", x.dtype, x.numel(), src)
         src = dist.get_global_rank(self.group, src)
-        self.calls.run("broadcast", lambda a: dist.broadcast(x, src=src, group=self.group,
+        xb = _bytes(x)
+        self.calls.run("broadcast", lambda a: dist.broadcast(xb, src=src, group=self.group,
                                                              async_op=a))
         return x
 
@@ -74,17 +83,19 @@ class ReferenceBackend:
         # input, which a 0-d x (out [world_size]) or a stacked output would not be.
         self.calls.agree("all_gather", x.dtype, x.numel())
         self.calls.run("all_gather", lambda a: _all_gather_flat(
-            out.view(-1), x.reshape(-1), group=self.group, async_op=a))
+            _bytes(out), _bytes(x), group=self.group, async_op=a))
         return out
 
     def all_gather_2d(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         tokens, part = x.shape
         self.calls.agree("all_gather_2d", x.dtype, tokens, part)
-        stacked = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
+        xb = _bytes(x)
+        row = part * x.element_size()           # bytes of one token's part
+        stacked = torch.empty(self.world_size * xb.numel(), dtype=torch.uint8, device=x.device)
         self.calls.run("all_gather_2d", lambda a: _all_gather_flat(
-            stacked, x.reshape(-1), group=self.group, async_op=a))
-        out.view(tokens, self.world_size, part).copy_(
-            stacked.view(self.world_size, tokens, part).transpose(0, 1))
+            stacked, xb, group=self.group, async_op=a))
+        _bytes(out).view(tokens, self.world_size, row).copy_(
+            stacked.view(self.world_size, tokens, row).transpose(0, 1))
         return out
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
