@@ -48,10 +48,10 @@ def layout_range(src_info: torch.Tensor, recv_count: torch.Tensor, max_tokens: i
     """
     L, rows = src_info.shape
     filled = torch.arange(rows, device=src_info.device).unsqueeze(0) < recv_count.unsqueeze(1)
+    # rows past recv_count hold anything: clamped to a valid index, and they add 0
     rank = torch.div(src_info, max_tokens, rounding_mode="floor").clamp_(0, num_ranks - 1)
-    rank = torch.where(filled, rank, 0).to(torch.int64)
     count = torch.zeros((L, num_ranks), dtype=torch.int64, device=src_info.device)
-    count.scatter_add_(1, rank, filled.to(torch.int64))
+    count.scatter_add_(1, rank.to(torch.int64), filled.to(torch.int64))
     begin = count.cumsum(1) - count          # rows are packed source rank major from row 0
     out.copy_(torch.bitwise_or(begin << 32, count))
 
