@@ -48,9 +48,10 @@ class Buffer:
         group: the process group (default: the world), one process per GPU.
         num_nvl_bytes: DeepEP's NVLink budget for its high-throughput mode: accepted, unused.
         num_rdma_bytes: the budget of the low-latency buffer, usually
-            ``get_low_latency_rdma_size_hint(...)``. When it is not 0, the EPBuffer's
-            ``size_hint`` for the first call's shapes must fit in it (ValueError otherwise);
-            llcomm allocates its own ``size_hint``, never more.
+            ``get_low_latency_rdma_size_hint(...)``. When it is not 0, the hint of the first
+            call's shapes (in bf16, as DeepEP's) must fit in it, else ValueError: a budget
+            computed for other shapes is caught before anything is allocated. llcomm allocates
+            ``EPBuffer.size_hint`` of the shapes and dtype (twice the hint for float32 tokens).
         low_latency_mode: must be True (the high-throughput mode is not implemented).
         num_qps_per_rank: RDMA queue pairs: accepted, unused (llcomm moves data over NVLink peer
             memory or torch.distributed, not RDMA).
@@ -157,17 +158,20 @@ class Buffer:
             return ep
         dtype = torch.bfloat16 if dtype is None else dtype
         if self.num_rdma_bytes:
+            # the hint of these shapes, in bf16 as DeepEP computes it: a budget from the hint of
+            # other (smaller) shapes is a configuration error DeepEP would meet too
             try:
-                need = EPBuffer.size_hint(max_tokens, hidden, self.group_size, num_experts, dtype)
+                need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size,
+                                                           num_experts)
             except (TypeError, ValueError):
                 need = 0                # bad shapes: EPBuffer's own checks below name them
             if need > self.num_rdma_bytes:
                 raise ValueError(
-                    f"{PREFIX}.{fn}: num_rdma_bytes={self.num_rdma_bytes} is less than the "
-                    f"{need} bytes llcomm's EPBuffer needs for num_max_dispatch_tokens_per_rank="
-                    f"{max_tokens}, hidden={hidden}, num_experts={num_experts}, {dtype} on "
-                    f"{self.group_size} ranks; pass get_low_latency_rdma_size_hint(...) of "
-                    "these shapes (or 0: no budget)")
+                    f"{PREFIX}.{fn}: num_rdma_bytes={self.num_rdma_bytes} is less than "
+                    f"get_low_latency_rdma_size_hint({max_tokens}, {hidden}, {self.group_size}, "
+                    f"{num_experts}) = {need} bytes, llcomm's need for these shapes "
+                    "(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts); pass "
+                    "the hint of the shapes the calls use (or 0: no budget)")
         self._ep = EPBuffer(self.group, num_experts=num_experts, hidden=hidden,
                             num_max_dispatch_tokens_per_rank=max_tokens, dtype=dtype,
                             backend=self._backend, timeout_ms=self._timeout_ms,
