@@ -153,7 +153,8 @@ def test_layout_range_and_source_token_by_hand():
                         [1 * T, 2 * T, -1, 0, 7, 11]], dtype=torch.int32)
     count = torch.tensor([3, 1, 0], dtype=torch.int32)
     layout = torch.empty(3, W, dtype=torch.int64)
-    convert.layout_range(src, count, T, W, layout)
+    convert.layout_range(src, count, convert.layout_aux(3, 2 * W, T, W, torch.device("cpu")),
+                         layout)
     pairs = [[(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in row] for row in layout]
     assert pairs == [[(0, 2), (2, 0), (2, 1)], [(0, 0), (0, 1), (1, 0)], [(0, 0)] * 3]
     tok = torch.empty_like(src)

@@ -113,6 +113,7 @@ class Buffer:
         self._backend = backend
         self._timeout_ms = timeout_ms
         self._ep: EPBuffer | None = None
+        self._aux = None            # convert.layout_aux of the EPBuffer's shapes
         self._destroyed = False
         if enable_shrink and (backend == "reference" or dist.get_backend(self.group) != "nccl"):
             raise UnsupportedConfigError(
@@ -172,11 +173,14 @@ class Buffer:
                     f"{num_experts}) = {need} bytes, llcomm's need for these shapes "
                     "(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts); pass "
                     "the hint of the shapes the calls use (or 0: no budget)")
-        self._ep = EPBuffer(self.group, num_experts=num_experts, hidden=hidden,
-                            num_max_dispatch_tokens_per_rank=max_tokens, dtype=dtype,
-                            backend=self._backend, timeout_ms=self._timeout_ms,
-                            enable_masks=self.enable_shrink)
-        return self._ep
+        ep = EPBuffer(self.group, num_experts=num_experts, hidden=hidden,
+                      num_max_dispatch_tokens_per_rank=max_tokens, dtype=dtype,
+                      backend=self._backend, timeout_ms=self._timeout_ms,
+                      enable_masks=self.enable_shrink)
+        self._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * max_tokens,
+                                       max_tokens, ep.num_ranks, ep.device)
+        self._ep = ep
+        return ep
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -279,7 +283,7 @@ class Buffer:
 
         def finish():
             convert.source_token(h.src_info, T, src_info)
-            convert.layout_range(h.src_info, recv_count, T, W, layout)
+            convert.layout_range(h.src_info, recv_count, self._aux, layout)
             if scales is not None:
                 convert.fill_scales(scales, ep_scales, use_ue8m0)
             if stats is not None:

@@ -29,7 +29,6 @@ UE8M0_PER_WORD = 4
 #: Channels per UE8M0 word: ``hidden`` must be a multiple of this for ``use_ue8m0=True``.
 UE8M0_CHANNELS = FP8_BLOCK * UE8M0_PER_WORD
 _EXP_SHIFT = 23          # fp32: 23 mantissa bits below the 8 exponent bits
-_EXP_MASK = 0xFF
 
 
 def source_token(src_info: torch.Tensor, max_tokens: int, out: torch.Tensor) -> None:
@@ -38,22 +37,29 @@ def source_token(src_info: torch.Tensor, max_tokens: int, out: torch.Tensor) -> 
     torch.remainder(src_info, max_tokens, out=out)
 
 
-def layout_range(src_info: torch.Tensor, recv_count: torch.Tensor, max_tokens: int,
-                 num_ranks: int, out: torch.Tensor) -> None:
-    """``out[e, s]`` = ``(begin << 32) | count`` of the rows of local expert e that came from
-    rank s (``count`` 0 and ``begin`` the rows before it when s sent e nothing).
+def layout_aux(num_local_experts: int, rows: int, max_tokens: int, num_ranks: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Constants of ``layout_range`` for one buffer, made once: the row numbers ``[1, rows]``
+    and every expert's rank boundaries ``s * max_tokens``, ``s = 0 .. num_ranks``."""
+    row = torch.arange(rows, dtype=torch.int32, device=device).unsqueeze(0)
+    bounds = (torch.arange(num_ranks + 1, dtype=torch.int32, device=device) * max_tokens)
+    return row, bounds.unsqueeze(0).expand(num_local_experts, -1).contiguous()
 
-    Counted from the filled rows only (``j < recv_count[e]``; what lies past them is never
-    read), so a masked rank, which sent nothing, gets count 0.
+
+def layout_range(src_info: torch.Tensor, recv_count: torch.Tensor, aux, out: torch.Tensor) -> None:
+    """``out[e, s]`` = ``(begin << 32) | count`` of the rows of local expert e that came from
+    rank s (``count`` 0, and ``begin`` the rows before it, when s sent e nothing).
+
+    The filled rows (``j < recv_count[e]``) are sorted by ``src_info`` (source rank major, then
+    source token), so the rows of rank s start where ``s * max_tokens`` would be inserted; the
+    rows past them hold anything and are set past every boundary first. A masked rank, which
+    sent nothing, gets count 0. ``aux`` is ``layout_aux(...)``. Six small kernels.
     """
-    L, rows = src_info.shape
-    filled = torch.arange(rows, device=src_info.device).unsqueeze(0) < recv_count.unsqueeze(1)
-    # rows past recv_count hold anything: clamped to a valid index, and they add 0
-    rank = torch.div(src_info, max_tokens, rounding_mode="floor").clamp_(0, num_ranks - 1)
-    count = torch.zeros((L, num_ranks), dtype=torch.int64, device=src_info.device)
-    count.scatter_add_(1, rank.to(torch.int64), filled.to(torch.int64))
-    begin = count.cumsum(1) - count          # rows are packed source rank major from row 0
-    out.copy_(torch.bitwise_or(begin << 32, count))
+    row, bounds = aux
+    key = torch.where(row < recv_count.unsqueeze(1), src_info, torch.iinfo(torch.int32).max)
+    pos = torch.searchsorted(key, bounds)                      # [L, W + 1] int64
+    count = pos[:, 1:] - pos[:, :-1]
+    torch.bitwise_or(pos[:, :-1] << 32, count, out=out)
 
 
 def scales_storage(num_local_experts: int, rows: int, hidden: int, ue8m0: bool,
@@ -71,13 +77,10 @@ def scales_storage(num_local_experts: int, rows: int, hidden: int, ue8m0: bool,
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """fp32 power-of-two ``scales [..., G]`` (G a multiple of 4) -> int32 ``[..., G / 4]``:
     each scale's biased exponent byte (its bits 23..30: ``2 ** (byte - 127)`` is the scale),
-    four to a word, scale ``4 i + b`` in byte ``b`` of word ``i`` (bits ``8 b .. 8 b + 7``)."""
-    exp = (scales.contiguous().view(torch.int32) >> _EXP_SHIFT) & _EXP_MASK
-    exp = exp.view(*scales.shape[:-1], scales.shape[-1] // UE8M0_PER_WORD, UE8M0_PER_WORD)
-    shifts = torch.arange(UE8M0_PER_WORD, dtype=torch.int64, device=scales.device) * 8
-    word = (exp.to(torch.int64) << shifts).sum(-1)          # the four bytes never overlap
-    word = torch.where(word >= 1 << 31, word - (1 << 32), word)   # bit 31 set: a negative int32
-    return word.to(torch.int32)
+    four to a word, scale ``4 i + b`` at byte ``b`` of word ``i`` in memory, which is bits
+    ``8 b .. 8 b + 7`` of the int32 on a little-endian device (every CUDA GPU, x86, Arm)."""
+    exp = (scales.contiguous().view(torch.int32) >> _EXP_SHIFT).to(torch.uint8)   # sign is 0
+    return exp.view(torch.int32)
 
 
 def fill_scales(out: torch.Tensor, scales: torch.Tensor, ue8m0: bool) -> None:
