@@ -78,7 +78,8 @@ class Buffer:
                  num_rdma_bytes: int = 0, low_latency_mode: bool = True,
                  num_qps_per_rank: int = 24, *, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: object | None = None,
                  backend: str = "auto", timeout_ms: int | None = None) -> None:
         refuse("__init__", {k: why for k, bad, why in (
             ("low_latency_mode=False", low_latency_mode is False,
@@ -92,9 +93,9 @@ class Buffer:
         ) if bad})
         pr = V.Problems("deep_ep.Buffer")
         check_bools(pr, low_latency_mode=low_latency_mode,
-                     allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
-                     allow_mnnvl=allow_mnnvl, use_fabric=use_fabric,
-                     explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
+                    allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                    allow_mnnvl=allow_mnnvl, use_fabric=use_fabric,
+                    explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
         check_int(pr, "num_nvl_bytes", num_nvl_bytes)
         check_int(pr, "num_rdma_bytes", num_rdma_bytes)
         check_int(pr, "num_qps_per_rank", num_qps_per_rank, 1)
@@ -190,7 +191,7 @@ class Buffer:
         self._check_open("clean_low_latency_buffer")
         pr = V.Problems("deep_ep.Buffer.clean_low_latency_buffer")
         ok = all([check_int(pr, "num_max_dispatch_tokens_per_rank",
-                             num_max_dispatch_tokens_per_rank, 1),
+                            num_max_dispatch_tokens_per_rank, 1),
                   check_int(pr, "hidden", hidden, 1),
                   check_int(pr, "num_experts", num_experts, 1)])
         pr.raise_if_any()
@@ -205,14 +206,15 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False) -> tuple:
         """Send each token to the experts ``topk_idx`` names (``EPBuffer.dispatch``).
 
         Args:
             x: ``[num_tokens, hidden]`` bfloat16 (float16 / float32 also work; the first call
                 fixes the dtype), ``num_tokens <= num_max_dispatch_tokens_per_rank``.
             topk_idx: ``[num_tokens, topk]`` int64 (``topk_idx_t``), -1 for no expert.
-            num_max_dispatch_tokens_per_rank, num_experts: as DeepEP's; the same in every call.
+            num_max_dispatch_tokens_per_rank: ``T``, as DeepEP's; the same in every call.
+            num_experts: as DeepEP's; the same in every call.
             cumulative_local_expert_recv_stats: optional int32 ``[num_local_experts]``; the
                 rows each local expert received are added to it on the device, when the
                 receive completes (after ``hook()`` with ``return_recv_hook``).
@@ -229,25 +231,29 @@ class Buffer:
                 unspecified until then. Without it the hook is None (as DeepEP's).
 
         Returns:
-            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` ``[L, W * T, hidden]``
-            in x's dtype, or with ``use_fp8`` the pair of float8_e4m3fn ``[L, W * T, hidden]``
-            and scales ``[L, W * T, hidden / 128]`` float32 (``hidden / 512`` int32 with
-            UE8M0) whose last two dimensions are column-major, as DeepEP's; ``recv_count``
-            ``[L]`` int32; ``handle`` DeepEP's tuple ``(src_info [L, W * T] int32 (source
-            token), layout_range [L, W] int64 ((begin << 32) | count per source rank), T,
-            hidden, num_experts)``; ``event`` an ``EventOverlap``; ``hook`` or None. Rows of
-            each expert are packed from row 0 by source rank, then source token.
+            recv_x: ``[L, W * T, hidden]`` in x's dtype; rows ``0 .. recv_count[e] - 1`` of
+                expert e filled, by source rank, then source token. With ``use_fp8`` the pair
+                of float8_e4m3fn ``[L, W * T, hidden]`` and scales ``[L, W * T, hidden / 128]``
+                float32 (``hidden / 512`` int32 with UE8M0) whose last two dimensions are
+                column-major, as DeepEP's.
+            recv_count: ``[L]`` int32.
+            handle: DeepEP's tuple ``(src_info, layout_range, T, hidden, num_experts)``:
+                ``src_info`` ``[L, W * T]`` int32, the source token of each row;
+                ``layout_range`` ``[L, W]`` int64, ``(begin << 32) | count`` of the rows from
+                each source rank. A ``LowLatencyHandle``, valid for two dispatches.
+            event: an ``EventOverlap`` (empty without ``async_finish``).
+            hook: the receive half with ``return_recv_hook``, else None.
         """
         fn = "low_latency_dispatch"
         self._check_open(fn)
         refuse(fn, {"dispatch_wait_recv_cost_stats": "llcomm's kernels do not time their "
-                     "waits per source rank; pass None"}
-                if dispatch_wait_recv_cost_stats is not None else {})
+                    "waits per source rank; pass None"}
+               if dispatch_wait_recv_cost_stats is not None else {})
         pr = V.Problems(f"deep_ep.Buffer.{fn}")
         check_bools(pr, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                     async_finish=async_finish, return_recv_hook=return_recv_hook)
+                    async_finish=async_finish, return_recv_hook=return_recv_hook)
         shapes_ok = check_int(pr, "num_max_dispatch_tokens_per_rank",
-                               num_max_dispatch_tokens_per_rank, 1) \
+                              num_max_dispatch_tokens_per_rank, 1) \
             & check_int(pr, "num_experts", num_experts, 1)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             pr.add(f"x must be a 2-D torch.Tensor [num_tokens, hidden], got "
@@ -324,7 +330,7 @@ class Buffer:
                             use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None) -> tuple:
         """Weighted sum of the experts' outputs back at each token's rank
         (``EPBuffer.combine``; its order and roundings, docs/ep.md).
 
@@ -337,12 +343,16 @@ class Buffer:
             use_logfmt: not supported (NotImplementedError).
             zero_copy: read the outputs from ``get_next_low_latency_combine_buffer(handle)``
                 (which must have been called for this handle) instead of ``x``, as DeepEP does.
-            async_finish, return_recv_hook: as in ``low_latency_dispatch``.
+            async_finish: as in ``low_latency_dispatch``.
+            return_recv_hook: as in ``low_latency_dispatch``; ``topk_idx`` must stay unchanged
+                until the hook has run.
             out: optional ``[num_tokens, hidden]`` result.
             combine_wait_recv_cost_stats: not supported (NotImplementedError).
 
         Returns:
-            ``(combined_x, event, hook)``; ``hook`` is None without ``return_recv_hook``.
+            combined_x: ``[num_tokens, hidden]`` in the dispatch's dtype (``out`` if given).
+            event: an ``EventOverlap`` (empty without ``async_finish``).
+            hook: the receive half with ``return_recv_hook``, else None.
         """
         fn = "low_latency_combine"
         self._check_open(fn)
@@ -354,7 +364,7 @@ class Buffer:
         ) if bad})
         pr = V.Problems(f"deep_ep.Buffer.{fn}")
         check_bools(pr, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
-                     return_recv_hook=return_recv_hook)
+                    return_recv_hook=return_recv_hook)
         h = check_handle(self, pr, handle)
         if h is not None and zero_copy is True and not h.combine_buffer_taken:
             pr.add("zero_copy=True reads the tensor get_next_low_latency_combine_buffer(handle) "
@@ -447,7 +457,7 @@ class Buffer:
     def dispatch(self, *args, **kwargs):
         """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
         refuse("dispatch", {"the high-throughput mode": "not implemented; use "
-                             "low_latency_dispatch"})
+                            "low_latency_dispatch"})
 
     def combine(self, *args, **kwargs):
         """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
