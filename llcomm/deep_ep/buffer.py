@@ -42,7 +42,8 @@ class Buffer:
     makes the same dispatch calls) that blocks the host, so make it before any CUDA graph
     capture (engines warm up eagerly first, or call ``clean_low_latency_buffer`` at start-up).
     Later calls must use the same shapes (ValueError naming the one that differs). The
-    constructor itself is local: it checks its arguments and allocates nothing.
+    constructor itself is local: it checks its arguments and allocates nothing. The arguments
+    after ``num_qps_per_rank`` are keyword-only: their order differs between DeepEP versions.
 
     Args:
         group: the process group (default: the world), one process per GPU.
