@@ -2,8 +2,9 @@
 
 Layers, bottom up: ``llcomm.errors`` and ``llcomm.runtime`` (shared by both op families);
 ``llcomm.tp`` and ``llcomm.ep`` (each: api, peer, reference, kernels), which never import each
-other; ``llcomm.ops`` (torch.library ops over both); ``llcomm.bench`` and ``llcomm.cli`` (tools),
-which the library never imports. A kernel module imports device helpers and constants, never an
+other; ``llcomm.ops`` (torch.library ops over both) and ``llcomm.deep_ep`` (DeepEP's low-latency
+API over ``llcomm.ep``), which nothing in the library imports; ``llcomm.bench`` and
+``llcomm.cli`` (tools), which the library never imports. A kernel module imports device helpers and constants, never an
 API, a backend or the reference.
 """
 from __future__ import annotations
@@ -102,12 +103,18 @@ def test_no_import_circles():
 def test_imports_point_down():
     graph = _graph()
     tools = ("llcomm.bench", "llcomm.cli", "llcomm.__main__")
+    adapters = ("llcomm.deep_ep",)
     rules = [
-        (("llcomm.runtime", "llcomm.errors"), ("llcomm.tp", "llcomm.ep", "llcomm.ops") + tools),
-        (("llcomm.tp",), ("llcomm.ep", "llcomm.ops") + tools),
-        (("llcomm.ep",), ("llcomm.tp", "llcomm.ops") + tools),
-        (("llcomm.ops",), tools),
+        (("llcomm.runtime", "llcomm.errors"),
+         ("llcomm.tp", "llcomm.ep", "llcomm.ops") + adapters + tools),
+        (("llcomm.tp",), ("llcomm.ep", "llcomm.ops") + adapters + tools),
+        (("llcomm.ep",), ("llcomm.tp", "llcomm.ops") + adapters + tools),
+        (("llcomm.ops",), adapters + tools),
     ]
+    # DeepEP's API sits on llcomm.ep's public API (EPBuffer and the FP8 format), the argument
+    # checks and the errors; no other module imports it (``import llcomm`` does not load it)
+    adapter_may_import = {"llcomm.ep", "llcomm.ep.fp8", "llcomm.runtime",
+                          "llcomm.runtime.validate", "llcomm.errors"}
     wrong = []
     for src, targets in graph.items():
         for layer, banned in rules:
@@ -116,6 +123,11 @@ def test_imports_point_down():
         if ".kernels" in src:
             wrong += [f"{src} -> {t}" for t in targets
                       if t.rsplit(".", 1)[-1] in ("api", "peer", "reference")]
+        if _under(src, *adapters):
+            wrong += [f"{src} -> {t}" for t in targets
+                      if not _under(t, *adapters) and t not in adapter_may_import]
+        else:
+            wrong += [f"{src} -> {t}" for t in targets if _under(t, *adapters)]
     assert wrong == []
 
 

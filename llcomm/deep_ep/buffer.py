@@ -1,0 +1,473 @@
+"""``Buffer``: DeepEP's low-latency ``Buffer`` API on ``llcomm.EPBuffer`` (docs/deep_ep.md)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..ep import EPBuffer
+from ..errors import UnsupportedConfigError
+from ..runtime import validate as V
+from . import convert
+from .checks import PREFIX, check_bools, check_handle, check_int, check_stats, refuse
+from .event import EventOverlap, after
+from .handle import LowLatencyHandle
+
+#: DeepEP's top-k index dtype; llcomm takes int64 top-k indices.
+topk_idx_t = torch.int64
+
+
+class Config:
+    """DeepEP's tuning config of its high-throughput kernels: here for imports only
+    (``from llcomm.deep_ep import Buffer, Config``); creating one raises NotImplementedError,
+    as the high-throughput mode is not implemented."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("llcomm.deep_ep.Config: DeepEP's high-throughput (normal) "
+                                  "mode is not implemented; llcomm.deep_ep serves the "
+                                  "low-latency mode only")
+
+
+class Buffer:
+    """DeepEP's ``Buffer`` in low-latency mode, on an ``llcomm.EPBuffer``.
+
+    ``import llcomm.deep_ep as deep_ep`` in place of ``import deep_ep``: the low-latency calls
+    take DeepEP's arguments and return DeepEP's tuples and layouts. What differs and what
+    raises NotImplementedError: docs/deep_ep.md.
+
+    **When the EPBuffer is created.** DeepEP's constructor takes a byte budget, not the shapes;
+    llcomm's buffer is laid out for ``(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+    dtype)``, which arrive with the first ``low_latency_dispatch`` (``hidden`` and the dtype
+    from ``x``) or with ``clean_low_latency_buffer`` (bfloat16). That first call creates the
+    ``EPBuffer``: a **collective** (every rank makes it, with the same shapes, as every rank
+    makes the same dispatch calls) that blocks the host, so make it before any CUDA graph
+    capture (engines warm up eagerly first, or call ``clean_low_latency_buffer`` at start-up).
+    Later calls must use the same shapes (ValueError naming the one that differs). The
+    constructor itself is local: it checks its arguments and allocates nothing. The arguments
+    after ``num_qps_per_rank`` are keyword-only: their order differs between DeepEP versions.
+
+    Args:
+        group: the process group (default: the world), one process per GPU.
+        num_nvl_bytes: DeepEP's NVLink budget for its high-throughput mode: accepted, unused.
+        num_rdma_bytes: the budget of the low-latency buffer, usually
+            ``get_low_latency_rdma_size_hint(...)``. When it is not 0, the hint of the first
+            call's shapes (in bf16, as DeepEP's) must fit in it, else ValueError: a budget
+            computed for other shapes is caught before anything is allocated. llcomm allocates
+            ``EPBuffer.size_hint`` of the shapes and dtype (twice the hint for float32 tokens).
+        low_latency_mode: must be True (the high-throughput mode is not implemented).
+        num_qps_per_rank: RDMA queue pairs: accepted, unused (llcomm moves data over NVLink peer
+            memory or torch.distributed, not RDMA).
+        allow_nvlink_for_low_latency_mode: must be True (llcomm's peer backend is NVLink).
+        allow_mnnvl: accepted, no effect: the peer backend serves the GPUs of one host;
+            across hosts the reference backend (torch.distributed) runs.
+        use_fabric: must be False.
+        explicitly_destroy: accepted; ``destroy()`` works either way.
+        enable_shrink: rank masks (``EPBuffer(enable_masks=True)``), **peer backend only**: a
+            rank that misses a bounded wait is masked, ``low_latency_query_mask_buffer`` reports
+            it, ``low_latency_clean_mask_buffer`` unmasks every rank. On a gloo group (where
+            only the reference backend runs) or with ``backend="reference"`` the constructor
+            raises UnsupportedConfigError; where ``"auto"`` picks the reference backend on an
+            NCCL group, the EPBuffer's creation raises it.
+        comm: an mpi4py communicator: not supported (pass ``group``).
+        backend: llcomm's backend of the EPBuffer (``"auto"``, ``"peer"`` or ``"reference"``).
+        timeout_ms: bound of every device-side wait of the EPBuffer (its default otherwise).
+    """
+
+    #: SMs of DeepEP's high-throughput kernels: kept for ``set_num_sms``; unused here.
+    num_sms: int = 20
+
+    def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0, low_latency_mode: bool = True,
+                 num_qps_per_rank: int = 24, *, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: object | None = None,
+                 backend: str = "auto", timeout_ms: int | None = None) -> None:
+        refuse("__init__", {k: why for k, bad, why in (
+            ("low_latency_mode=False", low_latency_mode is False,
+             "DeepEP's high-throughput (normal) mode is not implemented; llcomm.deep_ep serves "
+             "the low-latency mode"),
+            ("allow_nvlink_for_low_latency_mode=False", allow_nvlink_for_low_latency_mode is False,
+             "llcomm's peer backend moves data over NVLink only (there is no RDMA path); "
+             "backend='reference' runs on torch.distributed"),
+            ("use_fabric=True", use_fabric is True, "llcomm allocates no fabric memory"),
+            ("comm", comm is not None, "llcomm runs on torch.distributed; pass group"),
+        ) if bad})
+        pr = V.Problems("deep_ep.Buffer")
+        check_bools(pr, low_latency_mode=low_latency_mode,
+                    allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                    allow_mnnvl=allow_mnnvl, use_fabric=use_fabric,
+                    explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
+        check_int(pr, "num_nvl_bytes", num_nvl_bytes)
+        check_int(pr, "num_rdma_bytes", num_rdma_bytes)
+        check_int(pr, "num_qps_per_rank", num_qps_per_rank, 1)
+        pr.raise_if_any()
+        if not dist.is_initialized():
+            raise RuntimeError(f"{PREFIX}: torch.distributed is not initialised; call "
+                               "torch.distributed.init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = True
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self._backend = backend
+        self._timeout_ms = timeout_ms
+        self._ep: EPBuffer | None = None
+        self._aux = None            # convert.layout_aux of the EPBuffer's shapes
+        self._destroyed = False
+        if enable_shrink and (backend == "reference" or dist.get_backend(self.group) != "nccl"):
+            raise UnsupportedConfigError(
+                f"{PREFIX}: enable_shrink=True needs rank masks, which are peer-backend only, "
+                f"and this buffer would run on the reference backend (group backend "
+                f"{dist.get_backend(self.group)!r}, backend={backend!r}): a torch.distributed "
+                "collective cannot leave a member out. Create it without enable_shrink.")
+
+    # -- sizes and the EPBuffer -----------------------------------------------------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of symmetric memory llcomm's EPBuffer takes per rank for these shapes, in
+        bfloat16: ``EPBuffer.size_hint`` (about ``4 * num_ranks * T * hidden * 2`` plus small
+        metadata). **llcomm's own figure, much smaller than DeepEP's** (which holds one message
+        per (expert, token)): 14.4 MiB against DeepEP's 1,820 MiB for DeepSeek-V3 on 2 ranks
+        at 128 tokens (docs/ep.md has a table). Pass it as ``num_rdma_bytes``."""
+        return EPBuffer.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                  num_experts, torch.bfloat16)
+
+    @property
+    def ep_buffer(self) -> EPBuffer | None:
+        """The ``llcomm.EPBuffer`` underneath, once the first call has created it (else None)."""
+        return self._ep
+
+    def _check_open(self, fn: str) -> None:
+        V.check_open(self._destroyed, f"deep_ep.Buffer.{fn}", "deep_ep.Buffer")
+
+    def _ensure(self, fn: str, max_tokens: int, hidden: int, num_experts: int,
+                dtype: torch.dtype | None) -> EPBuffer:
+        """The EPBuffer for these shapes: created by the first call (a collective), the same
+        shapes required afterwards. ``dtype`` None: whatever it has (bfloat16 when new)."""
+        ep = self._ep
+        if ep is not None:
+            pr = V.Problems(f"deep_ep.Buffer.{fn}")
+            for name, got, have in (
+                    ("num_max_dispatch_tokens_per_rank", max_tokens, ep.max_tokens),
+                    ("hidden", hidden, ep.hidden), ("num_experts", num_experts, ep.num_experts)):
+                if got != have:
+                    pr.add(f"{name}={got}, but this Buffer's EPBuffer was created for {have} by "
+                           "its first call; one Buffer serves one set of shapes")
+            pr.raise_if_any()
+            return ep
+        dtype = torch.bfloat16 if dtype is None else dtype
+        if self.num_rdma_bytes:
+            # the hint of these shapes, in bf16 as DeepEP computes it: a budget from the hint of
+            # other (smaller) shapes is a configuration error DeepEP would meet too
+            try:
+                need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size,
+                                                           num_experts)
+            except (TypeError, ValueError):
+                need = 0                # bad shapes: EPBuffer's own checks below name them
+            if need > self.num_rdma_bytes:
+                raise ValueError(
+                    f"{PREFIX}.{fn}: num_rdma_bytes={self.num_rdma_bytes} is less than "
+                    f"get_low_latency_rdma_size_hint({max_tokens}, {hidden}, {self.group_size}, "
+                    f"{num_experts}) = {need} bytes, llcomm's need for these shapes "
+                    "(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts); pass "
+                    "the hint of the shapes the calls use (or 0: no budget)")
+        ep = EPBuffer(self.group, num_experts=num_experts, hidden=hidden,
+                      num_max_dispatch_tokens_per_rank=max_tokens, dtype=dtype,
+                      backend=self._backend, timeout_ms=self._timeout_ms,
+                      enable_masks=self.enable_shrink)
+        self._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * max_tokens,
+                                       max_tokens, ep.num_ranks, ep.device)
+        self._ep = ep
+        return ep
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean: llcomm's flags carry a call count, never reset. Creates the
+        EPBuffer (bfloat16) if no call has yet, a collective, so that start-up code can make it
+        before CUDA graph capture; afterwards checks that the shapes are the buffer's."""
+        self._check_open("clean_low_latency_buffer")
+        pr = V.Problems("deep_ep.Buffer.clean_low_latency_buffer")
+        ok = all([check_int(pr, "num_max_dispatch_tokens_per_rank",
+                            num_max_dispatch_tokens_per_rank, 1),
+                  check_int(pr, "hidden", hidden, 1),
+                  check_int(pr, "num_experts", num_experts, 1)])
+        pr.raise_if_any()
+        if ok:
+            self._ensure("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden,
+                         num_experts, None)
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False) -> tuple:
+        """Send each token to the experts ``topk_idx`` names (``EPBuffer.dispatch``).
+
+        Args:
+            x: ``[num_tokens, hidden]`` bfloat16 (float16 / float32 also work; the first call
+                fixes the dtype), ``num_tokens <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: ``[num_tokens, topk]`` int64 (``topk_idx_t``), -1 for no expert.
+            num_max_dispatch_tokens_per_rank: ``T``, as DeepEP's; the same in every call.
+            num_experts: as DeepEP's; the same in every call.
+            cumulative_local_expert_recv_stats: optional int32 ``[num_local_experts]``; the
+                rows each local expert received are added to it on the device, when the
+                receive completes (after ``hook()`` with ``return_recv_hook``).
+            dispatch_wait_recv_cost_stats: not supported (NotImplementedError): llcomm's
+                kernels do not time their waits per source rank.
+            use_fp8: quantise on the sender (DeepEP's default); ``hidden`` a multiple of 128.
+            round_scale: power-of-two scales.
+            use_ue8m0: scales as UE8M0 exponent bytes packed four to an int32 (needs
+                ``round_scale``; ``hidden`` a multiple of 512).
+            async_finish: the returned event is recorded after the call (a CUDA event);
+                without it the event is empty. The call runs on the current stream either way.
+            return_recv_hook: issue the send half only; ``hook()`` (on the same stream) issues
+                the receive half and the conversions to DeepEP's layouts. Outputs are
+                unspecified until then. Without it the hook is None (as DeepEP's).
+
+        Returns:
+            recv_x: ``[L, W * T, hidden]`` in x's dtype; rows ``0 .. recv_count[e] - 1`` of
+                expert e filled, by source rank, then source token. With ``use_fp8`` the pair
+                of float8_e4m3fn ``[L, W * T, hidden]`` and scales ``[L, W * T, hidden / 128]``
+                float32 (``hidden / 512`` int32 with UE8M0) whose last two dimensions are
+                column-major, as DeepEP's.
+            recv_count: ``[L]`` int32.
+            handle: DeepEP's tuple ``(src_info, layout_range, T, hidden, num_experts)``:
+                ``src_info`` ``[L, W * T]`` int32, the source token of each row;
+                ``layout_range`` ``[L, W]`` int64, ``(begin << 32) | count`` of the rows from
+                each source rank. A ``LowLatencyHandle``, valid for two dispatches.
+            event: an ``EventOverlap`` (empty without ``async_finish``).
+            hook: the receive half with ``return_recv_hook``, else None.
+        """
+        fn = "low_latency_dispatch"
+        self._check_open(fn)
+        refuse(fn, {"dispatch_wait_recv_cost_stats": "llcomm's kernels do not time their "
+                    "waits per source rank; pass None"}
+               if dispatch_wait_recv_cost_stats is not None else {})
+        pr = V.Problems(f"deep_ep.Buffer.{fn}")
+        check_bools(pr, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                    async_finish=async_finish, return_recv_hook=return_recv_hook)
+        shapes_ok = check_int(pr, "num_max_dispatch_tokens_per_rank",
+                              num_max_dispatch_tokens_per_rank, 1) \
+            & check_int(pr, "num_experts", num_experts, 1)
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            pr.add(f"x must be a 2-D torch.Tensor [num_tokens, hidden], got "
+                   f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
+                   type_error=not isinstance(x, torch.Tensor))
+            shapes_ok = False
+        if use_ue8m0 is True:
+            if round_scale is not True or use_fp8 is not True:
+                pr.add("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 keeps "
+                       "only a scale's exponent, so the scales must be powers of two)")
+            if shapes_ok and x.shape[1] % convert.UE8M0_CHANNELS:
+                pr.add(f"use_ue8m0=True needs hidden to be a multiple of "
+                       f"{convert.UE8M0_CHANNELS} (four scales per int32); x has hidden="
+                       f"{x.shape[1]}")
+        pr.raise_if_any()
+        ep = self._ensure(fn, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, x.dtype)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            check_stats(pr, stats, ep)
+        pr.raise_if_any()
+
+        r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+                        return_recv_hook=return_recv_hook)
+        recv_x, recv_count, h = r[:3]
+        L, W, T, H = ep.num_local_experts, ep.num_ranks, ep.max_tokens, ep.hidden
+        src_info = torch.empty((L, W * T), dtype=torch.int32, device=ep.device)
+        layout = torch.empty((L, W), dtype=torch.int64, device=ep.device)
+        scales = None
+        if use_fp8:
+            q, ep_scales = recv_x
+            scales = convert.scales_storage(L, W * T, H, use_ue8m0, ep.device)
+            recv_x = (q, scales)
+
+        def finish():
+            convert.source_token(h.src_info, T, src_info)
+            convert.layout_range(h.src_info, recv_count, self._aux, layout)
+            if scales is not None:
+                convert.fill_scales(scales, ep_scales, use_ue8m0)
+            if stats is not None:
+                stats.add_(recv_count)
+
+        hook = None
+        if return_recv_hook:
+            receive = r[3]
+
+            def hook():
+                receive()
+                finish()
+            hook.__doc__ = f"Receive half of {fn} #{h.index} (llcomm.deep_ep)."
+        else:
+            finish()
+        handle = LowLatencyHandle(src_info, layout, T, H, num_experts, h, self)
+        event = after(ep.device, async_finish, (x, topk_idx, *(recv_x if use_fp8 else (recv_x,)),
+                                                recv_count, src_info, layout, stats))
+        return recv_x, recv_count, handle, event, hook
+
+    # -- combine --------------------------------------------------------------------------------
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The ``[L, W * T, hidden]`` tensor (x's dtype) for the experts to write their
+        outputs into before ``low_latency_combine(..., zero_copy=True)``:
+        ``EPBuffer.get_combine_input``. One per handle slot (handles k and k + 2 share it),
+        plain device memory: llcomm's combine reads its input in place whatever it is, so this
+        saves an allocation, not a copy."""
+        self._check_open("get_next_low_latency_combine_buffer")
+        pr = V.Problems("deep_ep.Buffer.get_next_low_latency_combine_buffer")
+        h = check_handle(self, pr, handle)
+        pr.raise_if_any()
+        t = self._ep.get_combine_input(h.ep_handle)
+        h.combine_buffer_taken = True
+        return t
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None) -> tuple:
+        """Weighted sum of the experts' outputs back at each token's rank
+        (``EPBuffer.combine``; its order and roundings, docs/ep.md).
+
+        Args:
+            x: ``[L, W * T, hidden]`` expert outputs, x's dtype of the dispatch; row j of
+                expert e is the output for row j of ``recv_x``.
+            topk_idx: the dispatch's ``[num_tokens, topk]``.
+            topk_weights: ``[num_tokens, topk]`` float32.
+            handle: the dispatch's handle (one of this buffer's two latest dispatches).
+            use_logfmt: not supported (NotImplementedError).
+            zero_copy: read the outputs from ``get_next_low_latency_combine_buffer(handle)``
+                (which must have been called for this handle) instead of ``x``, as DeepEP does.
+            async_finish: as in ``low_latency_dispatch``.
+            return_recv_hook: as in ``low_latency_dispatch``; ``topk_idx`` must stay unchanged
+                until the hook has run.
+            out: optional ``[num_tokens, hidden]`` result.
+            combine_wait_recv_cost_stats: not supported (NotImplementedError).
+
+        Returns:
+            combined_x: ``[num_tokens, hidden]`` in the dispatch's dtype (``out`` if given).
+            event: an ``EventOverlap`` (empty without ``async_finish``).
+            hook: the receive half with ``return_recv_hook``, else None.
+        """
+        fn = "low_latency_combine"
+        self._check_open(fn)
+        refuse(fn, {k: why for k, bad, why in (
+            ("use_logfmt=True", use_logfmt is True, "there is no LogFMT combine; the partials "
+             "travel in the buffer dtype"),
+            ("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats is not None,
+             "llcomm's kernels do not time their waits per source rank; pass None"),
+        ) if bad})
+        pr = V.Problems(f"deep_ep.Buffer.{fn}")
+        check_bools(pr, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+                    return_recv_hook=return_recv_hook)
+        h = check_handle(self, pr, handle)
+        if h is not None and zero_copy is True and not h.combine_buffer_taken:
+            pr.add("zero_copy=True reads the tensor get_next_low_latency_combine_buffer(handle) "
+                   "returns, and it was not called for this handle: call it and write the "
+                   "expert outputs into it, or pass zero_copy=False")
+        pr.raise_if_any()
+        ep = self._ep
+        expert_out = ep.get_combine_input(h.ep_handle) if zero_copy else x
+        r = ep.combine(expert_out, topk_idx, topk_weights, h.ep_handle, out=out,
+                       return_recv_hook=return_recv_hook)
+        combined, hook = r if return_recv_hook else (r, None)
+        event = after(ep.device, async_finish, (expert_out, topk_idx, topk_weights, combined))
+        return combined, event, hook
+
+    # -- rank masks (enable_shrink=True) ---------------------------------------------------------
+    def _masks(self, fn: str) -> EPBuffer | None:
+        self._check_open(fn)
+        if self.enable_shrink:
+            return self._ep
+        if (self._ep.backend if self._ep is not None else self._backend) == "reference" \
+                or dist.get_backend(self.group) != "nccl":
+            raise UnsupportedConfigError(
+                f"{PREFIX}.{fn}: rank masks are peer-backend only and this buffer runs on the "
+                "reference backend: a torch.distributed collective cannot leave a member out")
+        raise ValueError(f"{PREFIX}.{fn}: this Buffer was created without enable_shrink=True "
+                         "(rank masks)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Not supported (NotImplementedError): llcomm masks a rank when it misses a bounded
+        wait, and there is no call that masks or unmasks one rank by hand;
+        ``low_latency_clean_mask_buffer`` unmasks every rank."""
+        self._masks("low_latency_update_mask_buffer")
+        refuse("low_latency_update_mask_buffer", {
+            "rank_to_mask": "llcomm masks a rank only when it misses a bounded wait (every "
+                            "live rank then goes on without it); no call masks or unmasks one "
+                            "rank by hand. low_latency_clean_mask_buffer() unmasks every rank"})
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write this rank's view of the masked ranks into ``mask_status`` (``[num_ranks]``
+        int32, 1 = masked): ``EPBuffer.query_mask()``, stream-ordered, no host sync. All zeros
+        before the first call has created the EPBuffer."""
+        ep = self._masks("low_latency_query_mask_buffer")
+        pr = V.Problems("deep_ep.Buffer.low_latency_query_mask_buffer")
+        if not isinstance(mask_status, torch.Tensor):
+            pr.add(f"mask_status must be a torch.Tensor, got {type(mask_status).__name__}",
+                   type_error=True)
+        elif mask_status.dtype != torch.int32:
+            pr.add(f"mask_status has dtype {mask_status.dtype}; expected torch.int32",
+                   type_error=True)
+        elif tuple(mask_status.shape) != (self.group_size,):
+            pr.add(f"mask_status has shape {tuple(mask_status.shape)}; expected "
+                   f"[num_ranks] = [{self.group_size}]")
+        elif ep is not None and mask_status.device != ep.device:
+            pr.add(f"mask_status is on {mask_status.device}; expected {ep.device}")
+        pr.raise_if_any()
+        if ep is None:
+            mask_status.zero_()
+        else:
+            mask_status.copy_(ep.query_mask())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank (``EPBuffer.clean_mask()``): stream-ordered, not a collective.
+        Call it once the masked ranks are back in step (docs/ep.md, "Rank masks")."""
+        ep = self._masks("low_latency_clean_mask_buffer")
+        if ep is not None:
+            ep.clean_mask()
+
+    # -- the rest of DeepEP's surface ------------------------------------------------------------
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded now on the current CUDA stream (empty without a GPU)."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        return after(torch.device("cuda", torch.cuda.current_device()), True, ())
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's SM count of its high-throughput kernels: checked (even, positive) and kept
+        in ``Buffer.num_sms``; the low-latency calls do not use it (nor do DeepEP's)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) \
+                or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"{PREFIX}.set_num_sms: new_num_sms={new_num_sms!r}; expected a "
+                             "positive even int")
+        Buffer.num_sms = new_num_sms
+
+    def get_dispatch_layout(self, *args, **kwargs):
+        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
+        refuse("get_dispatch_layout", {"the high-throughput mode": "not implemented"})
+
+    def dispatch(self, *args, **kwargs):
+        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
+        refuse("dispatch", {"the high-throughput mode": "not implemented; use "
+                            "low_latency_dispatch"})
+
+    def combine(self, *args, **kwargs):
+        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
+        refuse("combine", {"the high-throughput mode": "not implemented; use "
+                            "low_latency_combine"})
+
+    def destroy(self) -> None:
+        """Release the EPBuffer (``EPBuffer.close()``, a collective when one was created);
+        later calls raise CommClosedError. Allowed whatever ``explicitly_destroy`` says."""
+        if not self._destroyed and self._ep is not None:
+            self._ep.close()
+        self._destroyed = True

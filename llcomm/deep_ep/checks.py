@@ -1,0 +1,65 @@
+"""Argument checks of ``llcomm.deep_ep.Buffer``'s calls: ValueError / TypeError through
+``Problems`` (every bad argument named in one message), NotImplementedError for arguments llcomm
+cannot honour (named, never ignored)."""
+from __future__ import annotations
+
+import torch
+
+from ..runtime import validate as V
+from .handle import LowLatencyHandle
+
+PREFIX = "llcomm.deep_ep.Buffer"
+
+
+def refuse(fn: str, reasons: dict[str, str]) -> None:
+    """NotImplementedError naming every argument in ``reasons`` (name -> why), if any."""
+    if reasons:
+        raise NotImplementedError(f"{PREFIX}.{fn}: " + "; ".join(
+            f"{name} is not supported: {why}" for name, why in reasons.items()))
+
+
+def check_bools(pr: V.Problems, **values) -> None:
+    """Each value is True or False."""
+    for name, v in values.items():
+        if not isinstance(v, bool):
+            pr.add(f"{name}={v!r}; expected True or False", type_error=True)
+
+
+def check_int(pr: V.Problems, name: str, v, lo: int = 0) -> bool:
+    """``v`` is an int of at least ``lo``; True when it is."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        pr.add(f"{name}={v!r}; expected an int", type_error=True)
+        return False
+    if v < lo:
+        pr.add(f"{name}={v}; expected at least {lo}")
+        return False
+    return True
+
+
+def check_stats(pr: V.Problems, stats, ep) -> None:
+    """``cumulative_local_expert_recv_stats``: int32 ``[num_local_experts]`` on the device."""
+    name = "cumulative_local_expert_recv_stats"
+    if not isinstance(stats, torch.Tensor):
+        pr.add(f"{name} must be a torch.Tensor or None, got {type(stats).__name__}",
+               type_error=True)
+    elif stats.dtype != torch.int32:
+        pr.add(f"{name} has dtype {stats.dtype}; expected torch.int32", type_error=True)
+    elif tuple(stats.shape) != (ep.num_local_experts,):
+        pr.add(f"{name} has shape {tuple(stats.shape)}; expected [num_local_experts] = "
+               f"[{ep.num_local_experts}]")
+    elif stats.device != ep.device:
+        pr.add(f"{name} is on {stats.device}; expected {ep.device}")
+
+
+def check_handle(buf, pr: V.Problems, handle) -> LowLatencyHandle | None:
+    """The handle one of ``buf``'s dispatches returned (lifetime: the EPBuffer checks it)."""
+    if not isinstance(handle, LowLatencyHandle):
+        pr.add(f"handle must be the one low_latency_dispatch returned (a LowLatencyHandle), "
+               f"got {type(handle).__name__}: a tuple rebuilt by hand lacks the dispatch's "
+               "state", type_error=True)
+    elif handle._owner is not buf:
+        pr.add("handle comes from another deep_ep.Buffer; pass one this buffer's "
+               "low_latency_dispatch returned")
+    else:
+        return handle
+    return None

@@ -1,0 +1,246 @@
+"""GPU tests of ``llcomm.deep_ep`` on the peer backend (2 GPUs, NCCL group).
+
+- The CPU suite's DeepEP-style rounds (tests/test_deep_ep.py), here on the peer kernels: every
+  variant (bf16, FP8, power-of-two scales, UE8M0) with and without receive hooks, rows checked
+  through ``src_info`` and ``layout_range``, combine against the fp64 sum, stats, zero_copy,
+  two outstanding handles.
+- The conversions to DeepEP's layouts inside a captured CUDA graph, replayed with fresh inputs.
+- ``async_finish``: a consumer on another stream that waits for the event sees the result (the
+  producing stream is held back by a sleep kernel, so a missing wait reads the NaN poison).
+- Shrink mode (``enable_shrink=True``): a rank stops calling, the survivor goes on with it
+  masked (results equal the oracle without it), ``low_latency_query_mask_buffer`` reports it;
+  the rank catches up, everyone cleans, full results; then it stops for good, and after
+  ``low_latency_clean_mask_buffer`` the survivor is masked again after one timeout and keeps
+  returning the results without it.
+
+Run on a 2-GPU host: ``python -m pytest tests/test_deep_ep_gpu.py -m gpu -x -q``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _deep_ep_case import (VARIANTS, Quant, case, check_combine, check_dispatch, combine_oracle,
+                           expert_outputs)
+from _dist import run_distributed
+from llcomm.bench.timing import capture
+from test_deep_ep import H, K, L, T, _rounds_body
+
+pytestmark = pytest.mark.gpu
+
+TIMEOUT_MS = 300
+ABSENT = 1
+
+
+def _peer_rounds_body(rank, W):
+    return _rounds_body(rank, W, list(range(300, 310)), device="cuda", backend="peer")
+
+
+def test_rounds_on_the_peer_backend():
+    fails = [f for r in run_distributed(_peer_rounds_body, 2, backend="nccl", timeout=600)
+             for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+# -- CUDA graph ---------------------------------------------------------------------------------
+def _graph_body(rank, W):
+    """dispatch (FP8, UE8M0 or not, with the hook or not), graph-safe experts, combine, all
+    captured; replayed with fresh inputs copied into the static ones, each replay checked."""
+    import llcomm.deep_ep as deep_ep
+    E = L * W
+    buf = deep_ep.Buffer(None, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T, H, W, E), backend="peer")
+    buf.clean_low_latency_buffer(T, H, E)            # the EPBuffer, before any capture
+    assert buf.ep_buffer.backend == "peer"
+    fails, quant = [], Quant()
+    factor = (1 + (rank * L + torch.arange(L, device="cuda", dtype=torch.float32)) / 8).view(
+        L, 1, 1)
+    shift = ((rank * L + torch.arange(L, device="cuda", dtype=torch.float32)) / 4).view(L, 1, 1)
+    for variant, hook_on in ((VARIANTS[1], False), (VARIANTS[3], True), (VARIANTS[0], True)):
+        fp8, round_scale, ue8m0 = variant
+        x = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+        idx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
+        w = torch.zeros(T, K, dtype=torch.float32, device="cuda")
+        stats = torch.zeros(L, dtype=torch.int32, device="cuda")
+        st = {}
+
+        def step():
+            recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
+                x, idx, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
+                round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hook_on)
+            if hook_on:
+                hook()
+            if fp8:                  # dequantise every row, filled or not: no count is read
+                q, sc = recv_x
+                if ue8m0:
+                    shifts = torch.arange(4, device="cuda", dtype=torch.int32) * 8
+                    byte = (sc.unsqueeze(-1) >> shifts) & 0xFF
+                    sc = torch.pow(2.0, (byte - 127).float()).flatten(-2)
+                rows = (q.float().view(L, W * T, H // 128, 128) * sc.unsqueeze(-1)).view(
+                    L, W * T, H)
+            else:
+                rows = recv_x.float()
+            out = (rows * factor + shift).to(torch.bfloat16)
+            y, _, hook = buf.low_latency_combine(out, idx, w, handle,
+                                                 return_recv_hook=hook_on)
+            if hook_on:
+                hook()
+            st.update(recv_x=recv_x, recv_count=recv_count, handle=handle, y=y)
+
+        g = capture(step, 1)
+        for seed in (3, 6, 9):                       # seed % 3 == 0: T tokens on every rank
+            inputs = case(W, E, T, H, K, seed)
+            x.copy_(inputs[rank][0])
+            idx.copy_(inputs[rank][1])
+            w.copy_(inputs[rank][2])
+            stats.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            tag = f"[graph {variant} hook={hook_on} seed={seed}]"
+            more, _ = check_dispatch(tag, rank, inputs, st["recv_x"], st["recv_count"],
+                                     st["handle"], variant, quant, seed, W, E, T, H)
+            fails += more
+            if not torch.equal(stats, st["recv_count"]):
+                fails.append(f"{tag} stats {stats.tolist()} != {st['recv_count'].tolist()}")
+            fails += check_combine(tag, st["y"], *combine_oracle(inputs, rank, variant, quant,
+                                                                 seed, E, torch.bfloat16))
+    buf.ep_buffer.check()
+    buf.destroy()
+    return fails
+
+
+def test_graph_capture_and_replay():
+    fails = [f for r in run_distributed(_graph_body, 2, backend="nccl", timeout=600) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+# -- async_finish -------------------------------------------------------------------------------
+def _async_body(rank, W):
+    import llcomm.deep_ep as deep_ep
+    E = L * W
+    buf = deep_ep.Buffer(None, backend="peer")
+    inputs = case(W, E, T, H, K, 12)
+    x, idx, w = (t.cuda() for t in inputs[rank])
+    recv_x, recv_count, handle, event, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False,
+                                                                    async_finish=True)
+    if not isinstance(event.event, torch.cuda.Event):
+        return [f"async_finish=True gave event {event.event!r}"]
+    event.current_stream_wait()
+    more, rows_in = check_dispatch("[async]", rank, inputs, recv_x, recv_count, handle,
+                                   VARIANTS[0], Quant(), 12, W, E, T, H)
+    if more:
+        return more
+    eo = expert_outputs(rows_in, rank, L, W, T, H, torch.bfloat16, "cuda")
+    out = torch.full((x.shape[0], H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(200_000_000)                    # holds this stream back (~0.1 s)
+    y, event, _ = buf.low_latency_combine(eo, idx, w, handle, async_finish=True, out=out)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        event.current_stream_wait()                   # without it the copy reads the poison
+        seen = y.clone()
+    torch.cuda.synchronize()
+    fails = check_combine("[async consumer on another stream]", seen,
+                          *combine_oracle(inputs, rank, VARIANTS[0], Quant(), 12, E,
+                                          torch.bfloat16))
+    buf.destroy()
+    return fails
+
+
+def test_async_finish_event_orders_another_stream():
+    fails = [f for r in run_distributed(_async_body, 2, backend="nccl") for f in r]
+    assert not fails, "\n".join(fails)
+
+
+# -- shrink mode --------------------------------------------------------------------------------
+def _masked_round(buf, rank, W, seed, absent=(), check=True):
+    """One bf16 dispatch + combine; with ``check``, against the oracle with the ranks in
+    ``absent`` removed (they send nothing; their experts' partials count as zero)."""
+    E = L * W
+    inputs = case(W, E, T, H, K, seed)
+    x, idx, w = (t.cuda() for t in inputs[rank])
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    if not check:
+        torch.cuda.synchronize()
+        y, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+        torch.cuda.synchronize()
+        return []
+    seen = [(xs[:0], ix[:0], ws[:0]) if s in absent else (xs, ix, ws)
+            for s, (xs, ix, ws) in enumerate(inputs)]
+    tag = f"[shrink rank {rank} seed {seed} absent {sorted(absent)}]"
+    fails, rows_in = check_dispatch(tag, rank, seen, recv_x, recv_count, handle, VARIANTS[0],
+                                    Quant(), seed, W, E, T, H)
+    if fails:
+        return fails
+    eo = expert_outputs(rows_in, rank, L, W, T, H, torch.bfloat16, "cuda")
+    y, _, _ = buf.low_latency_combine(eo, idx, w, handle)
+    gone = torch.tensor(sorted(absent) or [-1])
+    cut = torch.where((inputs[rank][1] >= 0) & torch.isin(inputs[rank][1] // L, gone), -1,
+                      inputs[rank][1])
+    seen[rank] = (inputs[rank][0], cut, inputs[rank][2])
+    return fails + check_combine(tag, y, *combine_oracle(seen, rank, VARIANTS[0], Quant(), seed,
+                                                         E, torch.bfloat16))
+
+
+def _mask_of(buf, W):
+    m = torch.full((W,), 7, dtype=torch.int32, device="cuda")
+    buf.low_latency_query_mask_buffer(m)
+    return m.tolist()
+
+
+def _shrink_body(rank, W):
+    import llcomm.deep_ep as deep_ep
+    buf = deep_ep.Buffer(None, enable_shrink=True, backend="peer", timeout_ms=TIMEOUT_MS)
+    fails = []
+    none, only = [0] * W, [int(r == ABSENT) for r in range(W)]
+    if _mask_of(buf, W) != none:                         # before the EPBuffer exists
+        fails.append("mask before the first call is not all zeros")
+    for seed in (3, 4):                                  # everyone: full results
+        fails += _masked_round(buf, rank, W, seed)
+    if _mask_of(buf, W) != none:
+        fails.append(f"rank {rank}: masked ranks {_mask_of(buf, W)} without a fault")
+    dist.barrier()
+    if rank != ABSENT:                                   # the absent rank stops calling
+        for seed in (5, 6):
+            fails += _masked_round(buf, rank, W, seed, absent={ABSENT})
+        if _mask_of(buf, W) != only:
+            fails.append(f"rank {rank}: mask {_mask_of(buf, W)} != {only}")
+    dist.barrier()
+    if rank == ABSENT:                                   # back: the missed calls, late
+        for seed in (5, 6):
+            _masked_round(buf, rank, W, seed, check=False)
+        if _mask_of(buf, W) != none:
+            fails.append("the late rank masked somebody")
+    dist.barrier()
+    buf.low_latency_clean_mask_buffer()
+    if _mask_of(buf, W) != none:
+        fails.append(f"rank {rank}: mask after clean {_mask_of(buf, W)}")
+    for seed in (7, 8):                                  # in step again: full results
+        fails += _masked_round(buf, rank, W, seed)
+    dist.barrier()
+    if rank != ABSENT:                                   # gone for good this time
+        fails += _masked_round(buf, rank, W, 9, absent={ABSENT})
+        if _mask_of(buf, W) != only:
+            fails.append(f"rank {rank}: mask {_mask_of(buf, W)} != {only} (gone for good)")
+        buf.low_latency_clean_mask_buffer()              # masked again by the next call
+        fails += _masked_round(buf, rank, W, 10, absent={ABSENT})
+        if _mask_of(buf, W) != only:
+            fails.append(f"rank {rank}: mask {_mask_of(buf, W)} != {only} after clean")
+    torch.cuda.synchronize()
+    dist.barrier()
+    update = buf.low_latency_update_mask_buffer
+    try:
+        update(ABSENT, True)
+        fails.append("low_latency_update_mask_buffer did not raise")
+    except NotImplementedError as e:
+        if "rank_to_mask" not in str(e):
+            fails.append(f"low_latency_update_mask_buffer: {e}")
+    buf.destroy()
+    return fails
+
+
+def test_shrink_masks_a_silent_rank():
+    fails = [f for r in run_distributed(_shrink_body, 2, backend="nccl", timeout=600) for f in r]
+    assert not fails, "\n".join(fails)
