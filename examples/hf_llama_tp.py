@@ -188,13 +188,16 @@ def tensor_parallel(model: nn.Module, comm: llcomm.Communicator, *, fused: bool 
 
 # --- the check ------------------------------------------------------------------------------
 
-def tiny_llama(seed: int, dtype: torch.dtype = torch.float32, layers: int = 3):
-    """A small LlamaForCausalLM with random weights drawn from ``seed`` (every parameter,
-    norms included, so that a norm weight applied in the wrong place shows)."""
+def tiny_llama(seed: int, dtype: torch.dtype = torch.float32, layers: int = 3, ranks: int = 2):
+    """A small LlamaForCausalLM that ``ranks`` ranks can share, with random weights drawn from
+    ``seed`` (every parameter, norms included, so that a norm weight applied in the wrong place
+    shows). Two query heads per key / value head; 12 and 6 heads for 2, 3 or 6 ranks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=384, hidden_size=96, intermediate_size=192,
-                      num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=6,
+    kv_heads = 6 if 6 % ranks == 0 else ranks
+    cfg = LlamaConfig(vocab_size=ranks * (384 // ranks), hidden_size=16 * kv_heads,
+                      intermediate_size=ranks * (192 // ranks), num_hidden_layers=layers,
+                      num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads,
                       head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                       pad_token_id=0)
@@ -241,7 +244,7 @@ def main():
     rank, ws = dist.get_rank(), dist.get_world_size()
     dev = device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ref = tiny_llama(seed=0, dtype=dtype).to(dev)
+    ref = tiny_llama(seed=0, dtype=dtype, ranks=ws).to(dev)
     ids = torch.randint(1, ref.config.vocab_size, (3, 7),
                         generator=torch.Generator().manual_seed(1)).to(dev)
     with torch.no_grad():

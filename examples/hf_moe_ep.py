@@ -123,12 +123,14 @@ def expert_parallel(model: nn.Module, transport) -> nn.Module:
 
 # --- the check ------------------------------------------------------------------------------
 
-def tiny_qwen3_moe(seed: int, dtype: torch.dtype = torch.float32, layers: int = 2):
-    """A small Qwen3MoeForCausalLM with random weights drawn from ``seed``."""
+def tiny_qwen3_moe(seed: int, dtype: torch.dtype = torch.float32, layers: int = 2,
+                   ranks: int = 2):
+    """A small Qwen3MoeForCausalLM with 4 experts per rank of ``ranks`` and random weights drawn
+    from ``seed``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, num_experts=4 * ranks, num_experts_per_tok=2,
                          norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                          rms_norm_eps=1e-5, pad_token_id=0)
@@ -182,7 +184,7 @@ def main():
     rank, ws = dist.get_rank(), dist.get_world_size()
     dev = device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ref = tiny_qwen3_moe(seed=0, dtype=dtype).to(dev)
+    ref = tiny_qwen3_moe(seed=0, dtype=dtype, ranks=ws).to(dev)
     cfg = ref.config
     max_tokens = 16
     buf = llcomm.EPBuffer(num_experts=cfg.num_experts, hidden=cfg.hidden_size,

@@ -83,7 +83,7 @@ def _tp_body(rank, ws, seed):
     import hf_llama_tp as H
     import llcomm
 
-    ref = H.tiny_llama(seed)
+    ref = H.tiny_llama(seed, ranks=ws)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(1, ref.config.vocab_size, (3, 6), generator=g)      # batch of 3
     with torch.no_grad():
@@ -138,7 +138,7 @@ def _ep_body(rank, ws, seed):
     import hf_moe_ep as M
     import llcomm
 
-    ref = M.tiny_qwen3_moe(seed)
+    ref = M.tiny_qwen3_moe(seed, ranks=ws)
     cfg = ref.config
     block = ref.model.layers[1].mlp
     buf = llcomm.EPBuffer(num_experts=cfg.num_experts, hidden=cfg.hidden_size,
