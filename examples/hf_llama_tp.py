@@ -133,9 +133,11 @@ def fused_join(comm: llcomm.Communicator, partial: torch.Tensor, residual: torch
     """``(norm(residual + sum of partial), residual + sum of partial)``, one llcomm call."""
     shape = residual.shape
     h = shape[-1]
+    # plain tensors (the weight detached from its Parameter): llcomm's per-shape fast path
+    # takes those only
     out, res = comm.all_reduce_residual_rmsnorm(partial.reshape(-1, h).contiguous(),
                                                 residual.reshape(-1, h).contiguous(),
-                                                norm.weight, rms_eps(norm))
+                                                norm.weight.detach(), rms_eps(norm))
     return out.view(shape), res.view(shape)
 
 
@@ -165,7 +167,7 @@ def tensor_parallel(model: nn.Module, comm: llcomm.Communicator, *, fused: bool 
     base = model.model
     layers = list(base.layers)
     join = None if fused else comm.all_reduce
-    for i, layer in enumerate(layers):
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, _column_parallel(getattr(attn, name), comm))

@@ -58,8 +58,13 @@ class EPBufferTransport:
         return self.buf.combine(expert_out, topk_idx, topk_weights, handle)
 
 
-# A transport over llcomm.deep_ep has the same calls: dispatch through its
-# low_latency_dispatch (bf16 rows), combine through its low_latency_combine.
+# What ExpertParallelMoE asks of a transport: ``num_experts``, ``rank``, ``world_size``;
+# ``dispatch(x, topk_idx) -> (recv_x [L, W * T, hidden], recv_count [L], handle, expert_out)``;
+# ``combine(expert_out, topk_idx, topk_weights (float32), handle) -> [num_tokens, hidden]``.
+# A transport over llcomm.deep_ep (DeepEP's Buffer API) goes here: dispatch through its
+# low_latency_dispatch(..., use_fp8=False) and get_next_low_latency_combine_buffer(handle),
+# combine through low_latency_combine(...)[0]; tests/test_hf_models.py runs its checks once per
+# transport it lists.
 
 
 def local_experts(experts: nn.Module, rank: int, world_size: int) -> nn.Module:

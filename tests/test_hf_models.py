@@ -131,7 +131,20 @@ def test_llama_tensor_parallel(world_size):
           f" (tolerance {atol:.3g})")
 
 
-def _ep_body(rank, ws, seed):
+def _transport(name: str, buf):
+    """The example's transport called ``name``, over ``buf`` (``TRANSPORTS``)."""
+    import hf_moe_ep as M
+
+    if name == "EPBuffer":
+        return M.EPBufferTransport(buf)
+    raise ValueError(f"no transport {name!r}")
+
+
+#: The transports the expert-parallel block is checked through (examples/hf_moe_ep.py).
+TRANSPORTS = ["EPBuffer"]
+
+
+def _ep_body(rank, ws, seed, transport_name):
     _examples()
     import torch
 
@@ -147,7 +160,7 @@ def _ep_body(rank, ws, seed):
     # experts did not write and combine reads shows
     combine_input = buf.get_combine_input
     buf.get_combine_input = lambda handle: combine_input(handle).fill_(float("nan"))
-    transport = M.EPBufferTransport(buf)
+    transport = _transport(transport_name, buf)
     ep = M.ExpertParallelMoE(block, transport)
 
     per = cfg.num_experts // ws
@@ -191,8 +204,9 @@ def _ep_body(rank, ws, seed):
     return err, tol["atol"]
 
 
-def test_qwen3_moe_expert_parallel():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_qwen3_moe_expert_parallel(transport):
     seed = random.randrange(1 << 30)
-    results = run_distributed(_ep_body, 2, seed, timeout=240)
+    results = run_distributed(_ep_body, 2, seed, transport, timeout=240)
     print(f"seed {seed}: largest block output error {max(e for e, _ in results):.3g} "
           f"(tolerance {min(t for _, t in results):.3g})")
