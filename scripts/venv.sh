@@ -5,9 +5,11 @@
 #
 # Installs torch first, pinned (LLCOMM_TORCH, default torch==2.13.0: on the project's CPU
 # machines pip takes the CPU build that lies on disk instead of downloading a CUDA build), then
-# llcomm itself, editable, with the test, bench, gpu and docs extras (docs: mkdocs, so the
-# suite's `mkdocs build --strict` test runs). A stamp in .venv records what
-# was installed, so later calls return at once until pyproject.toml or LLCOMM_TORCH changes.
+# llcomm itself, editable, with the test, bench, gpu, docs and hf extras (docs: mkdocs, so the
+# suite's `mkdocs build --strict` test runs; hf: transformers for tests/test_hf_models.py and
+# examples/hf_*.py, which asks for no torch of its own, so the pinned torch stays). A stamp in
+# .venv records what was installed, so later calls return at once until pyproject.toml or
+# LLCOMM_TORCH changes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,7 +29,7 @@ if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]] \
         && "$VENV/bin/python" -c 'import torch, llcomm' 2>/dev/null; then
     exit 0
 fi
-echo "scripts/venv.sh: installing $TORCH_SPEC and llcomm[test,bench,gpu,docs] into $VENV" >&2
+echo "scripts/venv.sh: installing $TORCH_SPEC and llcomm[test,bench,gpu,docs,hf] into $VENV" >&2
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[test,bench,gpu,docs]"
+"$VENV/bin/python" -m pip install -q -e ".[test,bench,gpu,docs,hf]"
 echo "$want" > "$STAMP"

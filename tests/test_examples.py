@@ -1,5 +1,8 @@
 """Every example in examples/ runs to its 'ok' line on the CPU (reference backend, gloo, 2
-processes), as a user would start it: ``python examples/X.py --cpu``."""
+processes), as a user would start it: ``python examples/X.py --cpu``. The ``hf_*`` examples run
+transformers' models and are skipped where transformers is not installed (the ``hf`` extra;
+scripts/venv.sh installs it, so CI runs them)."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,11 +18,13 @@ TIMEOUT_S = 300
 
 def test_examples_found():
     assert {"quickstart.py", "tp_all_reduce.py", "deepep_low_latency.py",
-            "compile_decode_step.py"} <= set(EXAMPLES)
+            "compile_decode_step.py", "hf_llama_tp.py", "hf_moe_ep.py"} <= set(EXAMPLES)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs(name):
+    if name.startswith("hf_") and importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install -e '.[hf]')")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("RANK", None)  # never look like torchrun
