@@ -295,8 +295,10 @@ def _refusals_body(rank, W):
     expect("after destroy", CommClosedError, ["closed"], lambda: d(x, idx, T, E))
     with deep_ep.EventOverlap():                     # an empty event waits for nothing
         pass
-    if B.capture().event is not None:                # no GPU: nothing to record
-        errors.append("Buffer.capture() recorded an event without a GPU")
+    recorded = B.capture().event is not None        # an event on the current CUDA stream
+    if recorded != torch.cuda.is_available():        # (no GPU: nothing to record)
+        errors.append(f"Buffer.capture() recorded an event: {recorded}, with a GPU: "
+                      f"{torch.cuda.is_available()}")
     deep_ep.EventOverlap().current_stream_wait()
     return errors
 
