@@ -8,7 +8,10 @@ group, scale = amax / 448) and by the TP fused norm's FP8 outputs
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)           # largest finite float8_e4m3fn (llcomm/runtime/fp8.py)
+from .. import fp8 as F8
+
+FP8_MAX = tl.constexpr(F8.FP8_MAX)      # largest finite float8_e4m3fn
+FP8_BLOCK = tl.constexpr(F8.FP8_BLOCK)  # channels per scale of the per-group format
 # fp32 bit fields, and e4m3's exponent bias relative to fp32's (127 - 7)
 F32_MANT_BITS = tl.constexpr(23)
 F32_MANT_MASK = tl.constexpr(0x7FFFFF)
