@@ -15,7 +15,8 @@ the fp32 oracle of ``tests/_norm_oracle.py`` (its own e4m3 table; no llcomm code
   interpreter truncates fp32 -> bf16 where the GPU rounds, so bf16 gets a bound) and the plain
   kernel's; codes and scales byte for byte the oracle's quantisation of the plain kernel's
   ``y``; every rank the same bytes; nothing written past the outputs (a block without rows
-  stores no scales); Lamport slots and tags idle again after every call.
+  stores no scales); Lamport slots and tags idle again after every call. Ranks that call two
+  different variants in one round report a mismatch.
 
 The static scale of each case saturates the largest values and is one at which multiplying by
 its reciprocal and dividing by it give different codes for some element (``telling_scale``), so
@@ -199,33 +200,38 @@ class _Ranks:
     def run(self, algo, residual_on, out_mode, op, xs, res, w, outs, hs, qs, round_scale):
         """One fused op on every rank, push stage then reduce stage: rank r writes outs[r],
         hs[r] and (FP8) uses / writes qs[r]."""
+        from llcomm.tp.kernels import fused_norm as K
+        for stage in (K.PUSH, K.REDUCE):
+            for r in range(self.W):
+                self.launch(r, stage, algo, residual_on, out_mode, op, xs[r], res, w, outs[r],
+                            hs[r], qs[r], round_scale)
+        self.ops += 1
+
+    def launch(self, r, stage, algo, residual_on, out_mode, op, x, res, w, out, h, q,
+               round_scale):
+        """Rank r's launch of one stage of a fused kernel."""
         import triton.language as tl
         from llcomm.runtime import protocol as P
         from llcomm.tp import peer
         from llcomm.tp.kernels import fused_norm as K
-        tokens, hidden = xs[0].shape
+        tokens, hidden = x.shape
         ft = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
               torch.float32: tl.float32}[self.dtype]
         block, _ = peer._row_shape(hidden)
         rows = peer.PeerBackend._rows_numel(tokens, hidden)
         consts = dict(FT=ft, W=self.W, NB=self.NB, BLOCK=block, OP=op, RESIDUAL=residual_on,
-                      OUT=out_mode, ROUND=int(round_scale))
-        for stage in (K.PUSH, K.REDUCE):
-            for r in range(self.W):
-                lead = (xs[r].view(self.ityp), res if residual_on else xs[r], w, outs[r], hs[r],
-                        qs[r])
-                if algo == "lamport":
-                    tag = P.lamport_tag(op, rows, dname(self.dtype))
-                    K.lamport_norm_kernel[(self.NB,)](
-                        *lead, tokens, hidden, EPS, self.tab, self.tag_tab, self.ctrl[r],
-                        self.err[r], r, tag, 0, self.cap, SENTINEL=self.sent,
-                        WP=1 << (self.W - 1).bit_length(), STAGES=stage, **consts)
-                else:
-                    K.one_shot_norm_kernel[(self.NB,)](
-                        *lead, tokens, hidden, EPS, self.tab, self.dummy, self.dummy,
-                        self.ctrl[r], self.err[r], r, 0, 0, self.cap, WP=self.W, STAGES=stage,
-                        **consts)
-        self.ops += 1
+                      OUT=out_mode, ROUND=int(round_scale), STAGES=stage)
+        lead = (x.view(self.ityp), res if residual_on else x, w, out, h, q)
+        if algo == "lamport":
+            tag = P.lamport_tag(op, rows, dname(self.dtype))
+            K.lamport_norm_kernel[(self.NB,)](
+                *lead, tokens, hidden, EPS, self.tab, self.tag_tab, self.ctrl[r], self.err[r],
+                r, tag, 0, self.cap, SENTINEL=self.sent, WP=1 << (self.W - 1).bit_length(),
+                **consts)
+        else:
+            K.one_shot_norm_kernel[(self.NB,)](
+                *lead, tokens, hidden, EPS, self.tab, self.dummy, self.dummy, self.ctrl[r],
+                self.err[r], r, 0, 0, self.cap, WP=self.W, **consts)
 
     def idle_failures(self, tag, lamport: bool) -> list[str]:
         """Lamport: slots and tags idle again; either: counters at the ops run, no error."""
@@ -359,3 +365,46 @@ def test_kernels_in_interpreter(case):
     W, NB, dtype, algo = case
     fails = _run_in_interpreter(W, NB, CALLS, dtype, algo)
     assert not fails, "\n".join(fails[:20])
+
+
+def simulate_mismatch(variants, dtype_name):
+    """A Lamport round in which rank r calls ``variants[r]`` (a VARIANTS name, or "plain" for
+    all_reduce_residual_rmsnorm) on the same [4, 256] rows: per rank, what its error word
+    decodes to (exception type name, op, phase, ranks), or None."""
+    from llcomm.runtime import protocol as P
+    from llcomm.tp.kernels import fused_norm as K
+    dtype = getattr(torch, dtype_name)
+    W, shape = len(variants), (4, 256)
+    R = _Ranks(W, 3, shape[0] * shape[1], dtype)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(shape, generator=g).to(dtype) for _ in range(W)]
+    res, w = torch.randn(shape, generator=g).to(dtype), torch.ones(shape[1], dtype=dtype)
+    for stage in (K.PUSH, K.REDUCE):
+        for r, variant in enumerate(variants):
+            residual_on, out_name, op, _ = VARIANTS.get(variant, (1, "PLAIN", "OP_FUSED_LAMPORT",
+                                                                  None))
+            out_mode = getattr(K, out_name)
+            out = (torch.empty(shape, dtype=dtype) if out_mode == K.PLAIN
+                   else torch.empty(shape, dtype=torch.uint8))
+            q = (torch.ones(1) if out_mode == K.FP8_STATIC else
+                 torch.empty(shape[0], shape[1] // O.GROUP) if out_mode == K.FP8_GROUP else None)
+            R.launch(r, stage, "lamport", residual_on, out_mode, getattr(P, op), xs[r], res, w,
+                     out, torch.empty(shape, dtype=dtype), q, False)
+    seen = []
+    for r in range(W):
+        e = P.decode_error(int(R.host[r][0]), r)
+        seen.append(None if e is None else [type(e).__name__, e.op, e.phase, list(e.ranks)])
+    return seen
+
+
+@pytest.mark.parametrize("other", ["rmsnorm", "fp8", "fp8_group"])
+def test_variants_mismatch_in_one_round(other):
+    """Rank 0 calls all_reduce_residual_rmsnorm, rank 1 another variant of the same shape and
+    dtype: both report a mismatch naming their own op and the other rank, as they would for
+    another size (the variants' tags differ by op code)."""
+    from llcomm.runtime import protocol as P
+    seen = run_in_interpreter("test_fused_variants_cpu", "simulate_mismatch", ["plain", other],
+                              "bfloat16")
+    ops = [P.OPS[P.OP_FUSED_LAMPORT], P.OPS[getattr(P, VARIANTS[other][2])]]
+    for r in range(2):
+        assert seen[r] == ["CommMismatchError", ops[r], P.PHASES[P.PHASE_DATA], [1 - r]], (r, seen)
