@@ -148,7 +148,10 @@ class FusedJoins:
         ``all_reduce_residual_rmsnorm`` returns for the same inputs.
 
         Args:
-            x, residual, weight, eps: as in ``all_reduce_residual_rmsnorm``.
+            x: as in ``all_reduce_residual_rmsnorm``.
+            residual: as in ``all_reduce_residual_rmsnorm``.
+            weight: as in ``all_reduce_residual_rmsnorm``.
+            eps: as in ``all_reduce_residual_rmsnorm``.
             scale: float32 tensor of one element (shape ``()`` or ``(1,)``) on this
                 communicator's device: the dequantisation scale, ``y ~ float(out) * scale``.
                 Positive and finite (not checked: that would read device memory from the host).
@@ -182,8 +185,10 @@ class FusedJoins:
         ``all_reduce_residual_rmsnorm`` returns for the same inputs.
 
         Args:
-            x, residual, weight, eps: as in ``all_reduce_residual_rmsnorm``; ``hidden`` a
-                multiple of 128.
+            x: as in ``all_reduce_residual_rmsnorm``, ``hidden`` a multiple of 128.
+            residual: as in ``all_reduce_residual_rmsnorm``.
+            weight: as in ``all_reduce_residual_rmsnorm``.
+            eps: as in ``all_reduce_residual_rmsnorm``.
             round_scale: scales rounded up to a power of two (a Python bool).
             out: optional ``[tokens, hidden]`` ``torch.float8_e4m3fn``.
             scales_out: optional ``[tokens, hidden // 128]`` float32 (row-major: a token's
