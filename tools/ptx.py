@@ -219,10 +219,14 @@ def code_only(ptx: str) -> list[str]:
 
 
 def same_as(folder: str | None, name: str, ptx: str) -> str:
-    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx``; "" without it."""
+    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx``, "  new" where the
+    folder has no such kernel; "" without it."""
     if not folder:
         return ""
-    with open(os.path.join(folder, name + ".ptx")) as f:
+    path = os.path.join(folder, name + ".ptx")
+    if not os.path.exists(path):
+        return "  new"
+    with open(path) as f:
         return "  same" if code_only(f.read()) == code_only(ptx) else "  DIFFERENT"
 
 
