@@ -39,10 +39,9 @@ _FP8 = _Join("all_reduce_residual_rmsnorm_fp8", True, "static")
 _FP8_GROUP = _Join("all_reduce_residual_rmsnorm_fp8_per_group", True, "group")
 
 
-def _distinct(*ts) -> bool:
-    """No two of the given (non-None, non-empty) outputs start at the same address."""
-    ptrs = [t.data_ptr() for t in ts if t is not None and t.numel()]
-    return len(ptrs) == len(set(ptrs))
+def _apart(a, b) -> bool:
+    """Outputs ``a`` and ``b`` (None: allocated) do not start at the same address."""
+    return a is None or b is None or not a.numel() or a.data_ptr() != b.data_ptr()
 
 
 def _check_result(pr: V.Problems, name: str, t, shape: tuple, dtype: torch.dtype,
@@ -98,6 +97,19 @@ class FusedJoins:
             the same bits; the reference backend runs NCCL's / gloo's all_reduce and then the
             same fp32 arithmetic in torch (equal to the peer result within rounding).
         """
+        # Hot path, as in all_reduce: a key that passed the full checks before (``_join``)
+        # needs only the checks that depend on the tensors themselves.
+        if type(eps) is float and type(algo) is str and self._ready(x) and self._ready(residual) \
+                and self._ready(weight):
+            call = self._hot_fused.get((_RESIDUAL_RMSNORM.name, x.shape, x.dtype, weight.shape,
+                                        weight.dtype, eps, algo, False))
+            if call is not None and residual.shape == x.shape and residual.dtype == x.dtype \
+                    and self._fits(out, x) and self._fits(residual_out, x) \
+                    and _apart(out, residual_out):
+                out = torch.empty_like(x) if out is None else out
+                residual_out = torch.empty_like(x) if residual_out is None else residual_out
+                call(x, residual, weight, out, residual_out)
+                return out, residual_out
         return self._join(_RESIDUAL_RMSNORM, x, residual, weight, eps, out, residual_out, algo)
 
     def all_reduce_rmsnorm(
@@ -128,6 +140,15 @@ class FusedJoins:
             ``(out, residual_out)``, allocated where not given; stream, graph and error
             semantics as ``all_reduce``.
         """
+        if type(eps) is float and type(algo) is str and self._ready(x) and self._ready(weight):
+            call = self._hot_fused.get((_RMSNORM.name, x.shape, x.dtype, weight.shape,
+                                        weight.dtype, eps, algo, False))
+            if call is not None and self._fits(out, x) and self._fits(residual_out, x) \
+                    and _apart(out, residual_out):
+                out = torch.empty_like(x) if out is None else out
+                residual_out = torch.empty_like(x) if residual_out is None else residual_out
+                call(x, None, weight, out, residual_out)
+                return out, residual_out
         return self._join(_RMSNORM, x, None, weight, eps, out, residual_out, algo)
 
     def all_reduce_residual_rmsnorm_fp8(
@@ -162,6 +183,18 @@ class FusedJoins:
         Returns:
             ``(out, residual_out)``, allocated where not given.
         """
+        if type(eps) is float and type(algo) is str and self._ready(x) and self._ready(residual) \
+                and self._ready(weight) and self._ready(scale):
+            call = self._hot_fused.get((_FP8.name, x.shape, x.dtype, weight.shape, weight.dtype,
+                                        eps, algo, False))
+            if call is not None and residual.shape == x.shape and residual.dtype == x.dtype \
+                    and scale.dtype == torch.float32 and scale.numel() == 1 \
+                    and scale.dim() <= 1 and self._fits_fp8(out, x) \
+                    and self._fits(residual_out, x) and _apart(out, residual_out):
+                out = torch.empty_like(x, dtype=F8.FP8_DTYPE) if out is None else out
+                residual_out = torch.empty_like(x) if residual_out is None else residual_out
+                call(x, residual, weight, out, residual_out, scale)
+                return out, residual_out
         return self._join(_FP8, x, residual, weight, eps, out, residual_out, algo, scale)
 
     def all_reduce_residual_rmsnorm_fp8_per_group(
@@ -198,6 +231,24 @@ class FusedJoins:
         Returns:
             ``(out, scales, residual_out)``, allocated where not given.
         """
+        if type(eps) is float and type(algo) is str and type(round_scale) is bool \
+                and self._ready(x) and self._ready(residual) and self._ready(weight):
+            call = self._hot_fused.get((_FP8_GROUP.name, x.shape, x.dtype, weight.shape,
+                                        weight.dtype, eps, algo, round_scale))
+            if call is not None and residual.shape == x.shape and residual.dtype == x.dtype \
+                    and self._fits_fp8(out, x) and self._fits(residual_out, x) \
+                    and (scales_out is None or (
+                        self._ready(scales_out) and scales_out.dtype == F8.SCALE_DTYPE
+                        and scales_out.shape == (x.shape[0], x.shape[1] // FP8_GROUP))) \
+                    and _apart(out, residual_out) and _apart(out, scales_out) \
+                    and _apart(residual_out, scales_out):
+                out = torch.empty_like(x, dtype=F8.FP8_DTYPE) if out is None else out
+                residual_out = torch.empty_like(x) if residual_out is None else residual_out
+                if scales_out is None:
+                    scales_out = torch.empty((x.shape[0], x.shape[1] // FP8_GROUP),
+                                             dtype=F8.SCALE_DTYPE, device=x.device)
+                call(x, residual, weight, out, residual_out, scales_out)
+                return out, scales_out, residual_out
         return self._join(_FP8_GROUP, x, residual, weight, eps, out, residual_out, algo, None,
                           round_scale, scales_out)
 
@@ -210,16 +261,8 @@ class FusedJoins:
     # -- shared by the four -----------------------------------------------------------------
     def _join(self, j: _Join, x, residual, weight, eps, out, residual_out, algo, scale=None,
               round_scale=False, scales_out=None):
-        # Hot path, as in all_reduce: a key that passed the checks below before needs only the
-        # checks that depend on the tensors themselves.
-        if type(eps) is float and type(algo) is str and type(round_scale) is bool \
-                and self._ready(x) and self._ready(weight):
-            call = self._hot_fused.get((j, x.shape, x.dtype, weight.shape, weight.dtype, eps,
-                                        algo, round_scale))
-            if call is not None and self._hot_tensors_fit(j, x, residual, out, residual_out,
-                                                          scale, scales_out):
-                return self._finish(j, call, x, residual, weight, out, residual_out, scale,
-                                    scales_out)
+        """A join's full path (the methods' hot paths failed): every check, the backend's
+        bound call, kept for the hot path under the key the methods look up."""
         self._check_open(j.name)
         self._check_join(j, x, residual, weight, eps, out, residual_out, algo, scale,
                          round_scale, scales_out)
@@ -228,8 +271,8 @@ class FusedJoins:
                                      round_scale)
         if type(eps) is float and type(algo) is str and all(
                 type(t) is torch.Tensor for t in (x, weight)):
-            self._remember(self._hot_fused, (j, x.shape, x.dtype, weight.shape, weight.dtype,
-                                             eps, algo, round_scale), call)
+            self._remember(self._hot_fused, (j.name, x.shape, x.dtype, weight.shape,
+                                             weight.dtype, eps, algo, round_scale), call)
         return self._finish(j, call, x, residual, weight, out, residual_out, scale, scales_out)
 
     @staticmethod
@@ -248,29 +291,10 @@ class FusedJoins:
         call(x, residual, weight, out, residual_out, scales_out)
         return out, scales_out, residual_out
 
-    def _hot_tensors_fit(self, j, x, residual, out, residual_out, scale, scales_out) -> bool:
-        """What the hot path checks of a join's tensors: every one ready (``_ready``) and
-        shaped and typed as the full checks require, the outputs distinct."""
-        if j.residual and not (self._ready(residual) and residual.shape == x.shape
-                               and residual.dtype == x.dtype):
-            return False
-        if not j.residual and residual is not None:
-            return False
-        if not self._fits(residual_out, x):
-            return False
-        if j.fp8 is None:
-            fits = self._fits(out, x)
-        else:
-            fits = out is None or (self._ready(out) and out.shape == x.shape
-                                   and out.dtype == F8.FP8_DTYPE)
-        if j.fp8 == "static":
-            fits = fits and self._ready(scale) and scale.dtype == torch.float32 \
-                and scale.numel() == 1 and scale.dim() <= 1
-        elif j.fp8 == "group":
-            fits = fits and (scales_out is None or (
-                self._ready(scales_out) and scales_out.dtype == F8.SCALE_DTYPE
-                and scales_out.shape == (x.shape[0], x.shape[1] // FP8_GROUP)))
-        return fits and _distinct(out, residual_out, scales_out)
+    def _fits_fp8(self, out, x: torch.Tensor) -> bool:
+        """``out`` is None or ready and shaped like ``x``, float8_e4m3fn."""
+        return out is None or (self._ready(out) and out.shape == x.shape
+                               and out.dtype == F8.FP8_DTYPE)
 
     def _check_join(self, j, x, residual, weight, eps, out, residual_out, algo, scale,
                     round_scale, scales_out) -> None:
