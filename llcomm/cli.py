@@ -2,7 +2,7 @@
 ``llcomm tune``.
 
     llcomm bench [tp] [--sizes 8,64K,1M] [--ops all] [--algos all] [--json F] [--plot F]
-    llcomm bench fused [--tokens 1,8,32,64,128] [--hidden 8192] [--json F]
+    llcomm bench fused [--ops all] [--tokens 1,8,32,64,128] [--hidden 7168,8192] [--json F]
     llcomm bench ep [--tokens 1,32,128,256,512] [--json F] [--plot F]
     llcomm bench decode [--parts tp,ep] [--batches 1,8,32,64] [--json F] [--plot F]
     llcomm bench soak [--ops N] [--json F]
@@ -22,8 +22,8 @@ import sys
 #: ``llcomm bench <name>``: a module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gather, "
                   "all_gather_2d, reduce_scatter) against NCCL and torch symmetric memory"),
-           "fused": ("llcomm.bench.fused", "all_reduce_residual_rmsnorm against llcomm "
-                     "all_reduce + torch add + torch RMSNorm"),
+           "fused": ("llcomm.bench.fused", "the fused joins (all-reduce + residual + RMSNorm, "
+                     "+ FP8 quantisation) against llcomm all_reduce + the same in torch"),
            "ep": ("llcomm.bench.ep", "MoE dispatch / combine (EPBuffer): the peer backend "
                   "against the reference backend on NCCL"),
            "decode": ("llcomm.bench.decode", "whole synthetic decode steps (dense TP, MoE EP) "

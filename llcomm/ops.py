@@ -19,6 +19,10 @@ compiled code should call; ``torch.ops.llcomm.<name>(handle, ...)`` is the same 
 | ``all_gather`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.all_gather`` |
 | ``all_gather_2d`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.all_gather_2d`` |
 | ``reduce_scatter`` | ``(int comm, Tensor x) -> Tensor`` | ``Communicator.reduce_scatter`` |
+| ``all_reduce_residual_rmsnorm`` | ``(int comm, Tensor x, Tensor residual, Tensor weight, float eps, str algo) -> (Tensor, Tensor)`` | ``Communicator.all_reduce_residual_rmsnorm`` |
+| ``all_reduce_rmsnorm`` | ``(int comm, Tensor x, Tensor weight, float eps, str algo) -> (Tensor, Tensor)`` | ``Communicator.all_reduce_rmsnorm`` |
+| ``all_reduce_residual_rmsnorm_fp8`` | ``(int comm, Tensor x, Tensor residual, Tensor weight, float eps, Tensor scale, str algo) -> (Tensor, Tensor)`` | ``Communicator.all_reduce_residual_rmsnorm_fp8`` |
+| ``all_reduce_residual_rmsnorm_fp8_per_group`` | ``(int comm, Tensor x, Tensor residual, Tensor weight, float eps, bool round_scale, str algo) -> (Tensor, Tensor, Tensor)`` | ``Communicator.all_reduce_residual_rmsnorm_fp8_per_group`` |
 | ``ep_dispatch`` | ``(int buf, Tensor x, Tensor topk_idx) -> (Tensor, Tensor, Tensor)`` | ``EPBuffer.dispatch`` |
 | ``ep_dispatch_fp8`` | ``(int buf, Tensor x, Tensor topk_idx, bool round_scale) -> (Tensor, Tensor, Tensor, Tensor)`` | ``EPBuffer.dispatch(use_fp8=True)`` |
 | ``ep_combine`` | ``(int buf, Tensor y, Tensor topk_idx, Tensor w, Tensor ticket) -> Tensor`` | ``EPBuffer.combine`` |
@@ -33,7 +37,8 @@ dispatch in the graph, so the compiler cannot reorder them. A ticket lives as lo
 
 Outputs are fresh tensors (custom ops may not return views of their inputs or of each other), so
 ``ep_dispatch`` copies ``recv_count`` out of the handle slot (``[num_local_experts]`` int32) and
-``out=`` arguments are not offered. The ops have no autograd formula: call them on tensors that
+``out=`` arguments are not offered: the fused norms return a new ``residual_out`` rather than
+updating ``residual`` in place. The ops have no autograd formula: call them on tensors that
 do not require grad (inference). Fake (meta) implementations give every output's shape, dtype and
 device, so the ops trace with dynamic shapes too. Validation and errors are the methods' own.
 
@@ -48,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .ep.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from .runtime.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .runtime.registry import handle_of as _handle_of, lookup as _lookup, register  # noqa: F401
 
 if TYPE_CHECKING:
@@ -115,6 +120,68 @@ def _reduce_scatter(comm: int, x: torch.Tensor) -> torch.Tensor:
 def _(comm, x):
     ws = _lookup(comm, "reduce_scatter").world_size
     return x.new_empty((x.shape[0] // ws, *x.shape[1:]))
+
+
+# the fused norms: every output new (the methods allocate them)
+@torch.library.custom_op("llcomm::all_reduce_residual_rmsnorm", mutates_args=())
+def _all_reduce_residual_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor,
+                                 weight: torch.Tensor, eps: float, algo: str
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _lookup(comm, "all_reduce_residual_rmsnorm").all_reduce_residual_rmsnorm(
+        x, residual, weight, eps, algo=algo)
+
+
+def _rows_fake(x: torch.Tensor, fn: str) -> None:
+    torch._check(x.dim() == 2, lambda: f"llcomm.ops.{fn}: x must be 2-D [tokens, hidden]")
+
+
+@_all_reduce_residual_rmsnorm.register_fake
+def _(comm, x, residual, weight, eps, algo):
+    _rows_fake(x, "all_reduce_residual_rmsnorm")
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("llcomm::all_reduce_rmsnorm", mutates_args=())
+def _all_reduce_rmsnorm(comm: int, x: torch.Tensor, weight: torch.Tensor, eps: float, algo: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _lookup(comm, "all_reduce_rmsnorm").all_reduce_rmsnorm(x, weight, eps, algo=algo)
+
+
+@_all_reduce_rmsnorm.register_fake
+def _(comm, x, weight, eps, algo):
+    _rows_fake(x, "all_reduce_rmsnorm")
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("llcomm::all_reduce_residual_rmsnorm_fp8", mutates_args=())
+def _all_reduce_residual_rmsnorm_fp8(comm: int, x: torch.Tensor, residual: torch.Tensor,
+                                     weight: torch.Tensor, eps: float, scale: torch.Tensor,
+                                     algo: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _lookup(comm, "all_reduce_residual_rmsnorm_fp8").all_reduce_residual_rmsnorm_fp8(
+        x, residual, weight, eps, scale=scale, algo=algo)
+
+
+@_all_reduce_residual_rmsnorm_fp8.register_fake
+def _(comm, x, residual, weight, eps, scale, algo):
+    _rows_fake(x, "all_reduce_residual_rmsnorm_fp8")
+    return torch.empty_like(x, dtype=FP8_DTYPE), torch.empty_like(x)
+
+
+@torch.library.custom_op("llcomm::all_reduce_residual_rmsnorm_fp8_per_group", mutates_args=())
+def _all_reduce_residual_rmsnorm_fp8_per_group(
+        comm: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        round_scale: bool, algo: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = _lookup(comm, "all_reduce_residual_rmsnorm_fp8_per_group")
+    return c.all_reduce_residual_rmsnorm_fp8_per_group(x, residual, weight, eps,
+                                                       round_scale=round_scale, algo=algo)
+
+
+@_all_reduce_residual_rmsnorm_fp8_per_group.register_fake
+def _(comm, x, residual, weight, eps, round_scale, algo):
+    _rows_fake(x, "all_reduce_residual_rmsnorm_fp8_per_group")
+    return (torch.empty_like(x, dtype=FP8_DTYPE),
+            x.new_empty((x.shape[0], x.shape[1] // FP8_BLOCK), dtype=SCALE_DTYPE),
+            torch.empty_like(x))
 
 
 # -- EP ops -------------------------------------------------------------------------------------
@@ -238,6 +305,59 @@ def reduce_scatter(comm: "Communicator", x: torch.Tensor) -> torch.Tensor:
     return torch.ops.llcomm.reduce_scatter(_handle_of(comm), x)
 
 
+def _scalar_args(fn: str, eps, round_scale=False) -> None:
+    """The Python scalars of a fused-norm op, named when they are of the wrong type (the
+    schema would refuse them with a message of its own)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"llcomm.ops.{fn}: eps={eps!r}; expected a positive finite float")
+    if not isinstance(round_scale, bool):
+        raise TypeError(f"llcomm.ops.{fn}: round_scale={round_scale!r}; expected True or False")
+
+
+def all_reduce_residual_rmsnorm(comm: "Communicator", x: torch.Tensor, residual: torch.Tensor,
+                                weight: torch.Tensor, eps: float = 1e-6, *,
+                                algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``comm.all_reduce_residual_rmsnorm(x, residual, weight, eps, algo=algo)``: new
+    ``(out, residual_out)``, bitwise the method's (``residual`` is not updated in place)."""
+    _scalar_args("all_reduce_residual_rmsnorm", eps)
+    return torch.ops.llcomm.all_reduce_residual_rmsnorm(_handle_of(comm), x, residual, weight,
+                                                        float(eps), algo)
+
+
+def all_reduce_rmsnorm(comm: "Communicator", x: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6, *, algo: str = "auto"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``comm.all_reduce_rmsnorm(x, weight, eps, algo=algo)``: new ``(out, residual_out)``
+    (``residual_out`` the all-reduced x: the first layer's residual stream)."""
+    _scalar_args("all_reduce_rmsnorm", eps)
+    return torch.ops.llcomm.all_reduce_rmsnorm(_handle_of(comm), x, weight, float(eps), algo)
+
+
+def all_reduce_residual_rmsnorm_fp8(comm: "Communicator", x: torch.Tensor,
+                                    residual: torch.Tensor, weight: torch.Tensor,
+                                    eps: float = 1e-6, *, scale: torch.Tensor,
+                                    algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``comm.all_reduce_residual_rmsnorm_fp8(x, residual, weight, eps, scale=scale)``: new
+    ``(out [tokens, hidden] float8_e4m3fn, residual_out)``. ``scale``: a one-element float32
+    tensor on ``comm.device``, an input of the graph (its value is read on the device)."""
+    _scalar_args("all_reduce_residual_rmsnorm_fp8", eps)
+    return torch.ops.llcomm.all_reduce_residual_rmsnorm_fp8(_handle_of(comm), x, residual,
+                                                            weight, float(eps), scale, algo)
+
+
+def all_reduce_residual_rmsnorm_fp8_per_group(
+        comm: "Communicator", x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        eps: float = 1e-6, *, round_scale: bool = False, algo: str = "auto"
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``comm.all_reduce_residual_rmsnorm_fp8_per_group(x, residual, weight, eps,
+    round_scale=round_scale)``: new ``(out [tokens, hidden] float8_e4m3fn, scales [tokens,
+    hidden // 128] float32, residual_out)``. ``round_scale`` is a Python bool, fixed when the
+    graph is traced."""
+    _scalar_args("all_reduce_residual_rmsnorm_fp8_per_group", eps, round_scale)
+    return torch.ops.llcomm.all_reduce_residual_rmsnorm_fp8_per_group(
+        _handle_of(comm), x, residual, weight, float(eps), round_scale, algo)
+
+
 def ep_dispatch(buf: "EPBuffer", x: torch.Tensor, topk_idx: torch.Tensor, *,
                 use_fp8: bool = False, round_scale: bool = False):
     """``buf.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale)`` with a ticket in
@@ -296,4 +416,6 @@ def ep_src_info(buf: "EPBuffer", ticket: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["register", "all_reduce", "broadcast", "all_gather", "all_gather_2d",
-           "reduce_scatter", "ep_dispatch", "ep_combine", "ep_src_info"]
+           "reduce_scatter", "all_reduce_residual_rmsnorm", "all_reduce_rmsnorm",
+           "all_reduce_residual_rmsnorm_fp8", "all_reduce_residual_rmsnorm_fp8_per_group",
+           "ep_dispatch", "ep_combine", "ep_src_info"]

@@ -63,25 +63,46 @@ def test_bench_tp_cpu_writes_json_and_plot(tmp_path):
 
 
 def test_bench_fused_cpu_writes_json(tmp_path):
-    p = llcomm("bench", "fused", "--cpu", "--tokens", "1,3", "--hidden", "72", "--iters", "3",
-               "--warmup", "1", "--json", "fused.json", "--no-progress", cwd=tmp_path)
+    from llcomm.bench.fused_ops import OPS
+    p = llcomm("bench", "fused", "--cpu", "--tokens", "1,3", "--hidden", "128,256", "--iters",
+               "3", "--warmup", "1", "--json", "fused.json", "--no-progress", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "all_reduce_residual_rmsnorm" in p.stdout
+    for op in OPS:                                   # one table per op, every op by default
+        assert f"# {op} vs " in p.stdout, op
     result = json.loads((tmp_path / "fused.json").read_text())
     assert HEADER_KEYS <= set(result) and result["bench"] == "fused"
-    assert {(r["impl"], r["tokens"]) for r in result["rows"]} == {
-        (impl, t) for impl in ("reference", "unfused") for t in (1, 3)}
+    assert result["hidden"] == [128, 256]
+    assert {(r["op"], r["impl"], r["hidden"], r["tokens"]) for r in result["rows"]} == {
+        (op, impl, h, t) for op in OPS for impl in ("reference", "unfused") for h in (128, 256)
+        for t in (1, 3)}
     for row in result["rows"]:
         assert ROW_KEYS <= set(row), row
-        assert row["mode"] == "eager" and row["hidden"] == 72, row
+        assert row["mode"] == "eager", row
         assert row["wrong"] == 0 and row["median_us"] > 0, row
-        assert row["bytes"] == row["tokens"] * 72 * 2, row
+        assert row["bytes"] == row["tokens"] * row["hidden"] * 2, row
+
+
+def test_bench_fused_one_op_any_hidden(tmp_path):
+    """Without the per-group op, rows need not hold whole 128-channel groups."""
+    p = llcomm("bench", "fused", "--cpu", "--ops", "all_reduce_rmsnorm", "--tokens", "2",
+               "--hidden", "72", "--iters", "2", "--warmup", "1", "--json", "f.json",
+               "--no-progress", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert {(r["op"], r["impl"], r["hidden"]) for r in rows} == {
+        ("all_reduce_rmsnorm", impl, 72) for impl in ("reference", "unfused")}
+    assert all(r["wrong"] == 0 for r in rows)
 
 
 def test_bench_fused_bad_arguments(tmp_path):
-    p = llcomm("bench", "fused", "--tokens", "0,x", "--hidden", "0", cwd=tmp_path)
+    p = llcomm("bench", "fused", "--tokens", "0,x", "--hidden", "0", "--ops", "all_reduce,nope",
+               cwd=tmp_path)
     assert p.returncode == 2
-    assert "--tokens" in p.stdout and "--hidden" in p.stdout
+    assert "--tokens" in p.stdout and "--hidden" in p.stdout and "--ops" in p.stdout
+    p = llcomm("bench", "fused", "--hidden", "72", cwd=tmp_path)   # the per-group op is in "all"
+    assert p.returncode == 2 and "--hidden 72" in p.stdout and "multiples of 128" in p.stdout
+
+
 EP_ROW_KEYS = ROW_KEYS | {"tokens_per_rank", "hidden", "num_experts", "topk", "max_tokens", "fp8"}
 
 

@@ -68,3 +68,40 @@ def _compile_body(rank, ws):
 
 def test_compiled_step_matches_eager():
     run_distributed(_compile_body, 2, backend="nccl", timeout=300)
+
+
+def _fused_body(rank, ws):
+    """The four fused-norm ops chained in one compiled step (the first layer's join, then the
+    residual joins with FP8 outputs), against the same step eagerly; the static scale is an
+    input of the graph, a new value each call."""
+    import llcomm
+    import llcomm.ops as ops
+    comm = llcomm.Communicator(max_bytes=1 << 20, backend="peer", timeout_ms=COMPILE_TIMEOUT_MS)
+
+    def step(x, w, scale):
+        y0, h0 = ops.all_reduce_rmsnorm(comm, x, w)
+        y1, h1 = ops.all_reduce_residual_rmsnorm(comm, y0 * 0.5, h0, w)   # * 0.5: exact
+        q2, h2 = ops.all_reduce_residual_rmsnorm_fp8(comm, y1, h1, w, scale=scale)
+        q3, s3, h3 = ops.all_reduce_residual_rmsnorm_fp8_per_group(comm, y1, h2, w,
+                                                                   round_scale=True)
+        return y0, h0, y1, h1, q2, h2, q3, s3, h3
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in range(3):
+        x = _case(rank, seed, n=1)[0]
+        g = torch.Generator(device="cuda")
+        g.manual_seed(seed)                             # weight and scale: the same on all ranks
+        w = (torch.rand(x.shape[1], generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+        scale = torch.rand((), generator=g, device="cuda") * 0.01 + 0.001
+        want = step(x, w, scale)
+        got = compiled(x, w, scale)
+        torch.cuda.synchronize()
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), \
+                (seed, i)
+    comm.check()
+    comm.close()
+
+
+def test_compiled_fused_norms_match_eager():
+    run_distributed(_fused_body, 2, backend="nccl", timeout=300)

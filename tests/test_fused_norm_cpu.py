@@ -132,13 +132,14 @@ def simulate(W, NB, calls, dtype_name, algo):
                     lam_tag = peer.PeerBackend._lamport_tag(
                         P.OP_FUSED_LAMPORT, peer.PeerBackend._rows_numel(tokens, hidden), dtype)
                     K.lamport_norm_kernel[(NB,)](
-                        xi, res, w, ys[r], hs[r], tokens, hidden, EPS, tab, tag_tab, ctrl[r],
-                        err[r], r, lam_tag, 0, cap, SENTINEL=sent, FT=ft, W=W, WP=wp, NB=NB,
-                        BLOCK=block, STAGES=stage)
+                        xi, res, w, ys[r], hs[r], None, tokens, hidden, EPS, tab, tag_tab,
+                        ctrl[r], err[r], r, lam_tag, 0, cap, SENTINEL=sent, FT=ft, W=W, WP=wp,
+                        NB=NB, BLOCK=block, STAGES=stage)
                 else:
                     K.one_shot_norm_kernel[(NB,)](
-                        xi, res, w, ys[r], hs[r], tokens, hidden, EPS, tab, dummy, dummy, ctrl[r],
-                        err[r], r, 0, 0, cap, FT=ft, W=W, WP=W, NB=NB, BLOCK=block, STAGES=stage)
+                        xi, res, w, ys[r], hs[r], None, tokens, hidden, EPS, tab, dummy, dummy,
+                        ctrl[r], err[r], r, 0, 0, cap, FT=ft, W=W, WP=W, NB=NB, BLOCK=block,
+                        STAGES=stage)
         # Expected h: rank-order fp32 sum, rounded, plus residual in fp32, rounded.
         acc = torch.zeros(tokens, hidden)
         for x in xs:

@@ -110,7 +110,8 @@ class Call:
             tag = peer.PeerBackend._lamport_tag(self.op(), numel, self.dtype)
             block, _ = peer._row_shape(self.hidden)
             fused_norm.lamport_norm_kernel[(R.NB,)](
-                self.x.view(ityp), self.res, self.w, self.out, self.h, self.tokens, self.hidden,
+                self.x.view(ityp), self.res, self.w, self.out, self.h, None, self.tokens,
+                self.hidden,
                 1e-6, R.data_tab, R.tag_tab, R.ctrl[rank], R.err[rank], rank, tag, 0, cap,
                 BLOCK=block, **common)
 

@@ -146,47 +146,72 @@ def test_every_planned_argument_is_the_right_one(algo):
     assert len(pb._plans) == len(cases)
 
 
-def _expect_fused(pb, algo, tokens, hidden, dtype, eps):
+#: Per fused variant (the Communicator method): RESIDUAL, OUT, the Lamport and one-shot op codes.
+FUSED = {
+    "all_reduce_residual_rmsnorm": (1, F.PLAIN, P.OP_FUSED_LAMPORT, P.OP_FUSED_ONE_SHOT),
+    "all_reduce_rmsnorm": (0, F.PLAIN, P.OP_NORM_LAMPORT, P.OP_NORM_ONE_SHOT),
+    "all_reduce_residual_rmsnorm_fp8": (1, F.FP8_STATIC, P.OP_FP8_LAMPORT, P.OP_FP8_ONE_SHOT),
+    "all_reduce_residual_rmsnorm_fp8_per_group": (1, F.FP8_GROUP, P.OP_FP8_GROUP_LAMPORT,
+                                                  P.OP_FP8_GROUP_ONE_SHOT),
+}
+
+
+def _expect_fused(pb, variant, algo, tokens, hidden, dtype, eps, round_scale):
     """What the fused kernel's launch must carry (independent of _fused_plan)."""
     isz = dtype.itemsize
     name = str(dtype).removeprefix("torch.")
     rows = tokens * hidden * peer.GATHER_TAG_MIX + hidden
     block, warps = peer._row_shape(hidden)
+    residual, out_mode, op_lamport, op_one_shot = FUSED[variant]
     common = dict(tokens=tokens, hidden=hidden, eps=eps, ctrl=pb.ctrl, err=pb.err, rank=RANK,
                   timeout_us=TIMEOUT_US, FT=pb._tl_float[dtype], W=W, WP=2, NB=NB, BLOCK=block,
-                  STAGES=F.ALL_STAGES)
+                  STAGES=F.ALL_STAGES, RESIDUAL=residual, OUT=out_mode, ROUND=int(round_scale))
     if algo == "lamport":
         return F.lamport_norm_kernel, warps, dict(
             common, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"],
-            tag=P.lamport_tag(P.OP_FUSED_LAMPORT, rows, name), cap=pb.lamport_bytes // isz,
-            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32)
+            tag=P.lamport_tag(op_lamport, rows, name), cap=pb.lamport_bytes // isz,
+            SENTINEL=peer.SENTINEL16 if isz == 2 else peer.SENTINEL32, OP=op_lamport)
     return F.one_shot_norm_kernel, warps, dict(
         common, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
-        tag=P.size_tag(P.OP_FUSED_ONE_SHOT, rows, name), cap=pb.cap_bytes // isz)
+        tag=P.size_tag(op_one_shot, rows, name), cap=pb.cap_bytes // isz, OP=op_one_shot)
 
 
+@pytest.mark.parametrize("variant", sorted(FUSED))
 @pytest.mark.parametrize("algo", ["lamport", "one_shot"])
-def test_every_fused_planned_argument_is_the_right_one(algo):
-    """The fused kernels' plans, as above: per (tokens, hidden, dtype, weight dtype, eps)."""
+def test_every_fused_planned_argument_is_the_right_one(algo, variant):
+    """The fused kernels' plans, as above: per variant and (tokens, hidden, dtype, weight
+    dtype, eps, round_scale). The tensors land where the kernel reads them: x as ints, an FP8
+    out as bytes, qscale the scale / scales tensor (None for plain outputs), and without a
+    residual the unread residual pointer is x."""
     rec = Recorder()
     pb = _backend(rec)
     pb._k_fn = F
-    cases = [(t, h, dt, wdt, eps) for t in (1, 3, 128) for h in (8, 1000, 8192)
-             for dt in DTYPES for wdt in (torch.float32, torch.bfloat16) for eps in (1e-6, 1e-5)]
-    for t, h, dt, wdt, eps in cases + cases[::-1]:
+    residual_read, out_mode = FUSED[variant][:2]
+    fp8 = out_mode != F.PLAIN
+    cases = [(t, h, dt, wdt, eps, rs) for t in (1, 3, 128) for h in (128, 1024, 8192)
+             for dt in DTYPES for wdt in (torch.float32, torch.bfloat16) for eps in (1e-6, 1e-5)
+             for rs in ((False, True) if out_mode == F.FP8_GROUP else (False,))]
+    for t, h, dt, wdt, eps, rs in cases + cases[::-1]:
         x, res = torch.randn(t, h).to(dt), torch.randn(t, h).to(dt)
-        w, out, res_out = torch.rand(h).to(wdt), torch.empty(t, h, dtype=dt), torch.empty(t, h, dtype=dt)
-        pb.all_reduce_residual_rmsnorm(x, res, w, eps, out, res_out, algo)
+        w, res_out = torch.rand(h).to(wdt), torch.empty(t, h, dtype=dt)
+        out = torch.empty(t, h, dtype=torch.float8_e4m3fn if fp8 else dt)
+        qscale = (torch.ones(1) if out_mode == F.FP8_STATIC else
+                  torch.empty(t, h // 128) if out_mode == F.FP8_GROUP else None)
+        pb.fused_call(variant, algo, t, h, dt, wdt, eps, rs)(
+            x, res if residual_read else None, w, out, res_out, qscale)
         fn, grid, args, warps, consts, plan = rec.calls[-1]
-        want_fn, want_warps, want = _expect_fused(pb, algo, t, h, dt, eps)
+        want_fn, want_warps, want = _expect_fused(pb, variant, algo, t, h, dt, eps, rs)
         assert (fn, grid, warps) == (want_fn, NB, want_warps), (algo, t, h)
         got = _named(fn, args, consts)
         for name, value in want.items():
             same = got[name] is value if isinstance(value, torch.Tensor) else got[name] == value
-            assert same, (algo, t, h, dt, wdt, eps, name, got[name], value)
+            assert same, (variant, algo, t, h, dt, wdt, eps, name, got[name], value)
         assert got["x"].dtype == (torch.int16 if dt.itemsize == 2 else torch.int32)
         assert got["x"].data_ptr() == x.data_ptr()
-        for name, tensor in (("residual", res), ("weight", w), ("out", out), ("res_out", res_out)):
+        assert got["out"].dtype == (torch.uint8 if fp8 else dt)
+        assert got["out"].data_ptr() == out.data_ptr()
+        assert got["residual"] is (res if residual_read else x)
+        for name, tensor in (("weight", w), ("res_out", res_out), ("qscale", qscale)):
             assert got[name] is tensor, name
         assert plan.raw_tail == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
                                       for a in args[len(plan.views):])

@@ -194,3 +194,83 @@ def _fp8_body(rank, ws, compilers):
 
 def test_ep_dispatch_fp8_ops():
     run_distributed(_fp8_body, 2, ("eager", "aot_eager"), timeout=300)
+
+
+HF = 256          # fused norms: hidden (two FP8 groups)
+
+
+def _fused_case(rank, seed, tokens=3):
+    """This rank's x; residual, weight and the static scale the same on every rank."""
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    gs = torch.Generator().manual_seed(seed * 31 + 1000)
+    x = torch.randn(tokens, HF, generator=g)
+    res = torch.randn(tokens, HF, generator=gs)
+    w = torch.rand(HF, generator=gs) + 0.5
+    scale = torch.rand((), generator=gs) * 0.02 + 0.001
+    return x, res, w, scale
+
+
+def _bits_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _fused_ops_body(rank, ws, compilers):
+    import llcomm
+    import llcomm.ops as ops
+    from torch.library import opcheck
+    comm = llcomm.Communicator(backend="reference")
+    c = comm.op_handle
+    for seed in range(2):
+        x, res, w, scale = _fused_case(rank, seed)
+        pairs = [
+            (ops.all_reduce_residual_rmsnorm(comm, x, res, w, 1e-5),
+             comm.all_reduce_residual_rmsnorm(x, res, w, 1e-5)),
+            (ops.all_reduce_rmsnorm(comm, x, w), comm.all_reduce_rmsnorm(x, w)),
+            (ops.all_reduce_residual_rmsnorm_fp8(comm, x, res, w, scale=scale),
+             comm.all_reduce_residual_rmsnorm_fp8(x, res, w, scale=scale)),
+            (ops.all_reduce_residual_rmsnorm_fp8_per_group(comm, x, res, w, round_scale=True),
+             comm.all_reduce_residual_rmsnorm_fp8_per_group(x, res, w, round_scale=True)),
+        ]
+        for i, (got, want) in enumerate(pairs):
+            assert len(got) == len(want) and all(map(_bits_equal, got, want)), (seed, i)
+    assert pairs[2][0][0].dtype == torch.float8_e4m3fn
+    assert pairs[3][0][1].shape == (3, HF // 128) and pairs[3][0][1].dtype == torch.float32
+    # the methods' validation, and the wrappers' own for the Python scalars
+    with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm_fp8_per_group: .*hidden=8"):
+        ops.all_reduce_residual_rmsnorm_fp8_per_group(
+            comm, x[:, :8].contiguous(), res[:, :8].contiguous(), w[:8].contiguous())
+    with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm_fp8: scale has dtype"):
+        ops.all_reduce_residual_rmsnorm_fp8(comm, x, res, w, scale=scale.double())
+    with pytest.raises(TypeError, match="round_scale=1"):
+        ops.all_reduce_residual_rmsnorm_fp8_per_group(comm, x, res, w, round_scale=1)
+    with pytest.raises(TypeError, match="eps='1e-6'"):
+        ops.all_reduce_rmsnorm(comm, x, w, "1e-6")
+
+    L = torch.ops.llcomm
+    opcheck(L.all_reduce_residual_rmsnorm.default, (c, x, res, w, 1e-6, "auto"))
+    opcheck(L.all_reduce_rmsnorm.default, (c, x, w, 1e-6, "auto"))
+    opcheck(L.all_reduce_residual_rmsnorm_fp8.default, (c, x, res, w, 1e-6, scale, "auto"))
+    opcheck(L.all_reduce_residual_rmsnorm_fp8_per_group.default,
+            (c, x, res, w, 1e-6, False, "auto"))
+
+    def step(x, res, w, scale):
+        y0, h0 = ops.all_reduce_rmsnorm(comm, x, w)                 # the first layer
+        y1, h1 = ops.all_reduce_residual_rmsnorm(comm, y0 * 2, h0, w)
+        q2, h2 = ops.all_reduce_residual_rmsnorm_fp8(comm, y1, h1, w, scale=scale)
+        q3, s3, h3 = ops.all_reduce_residual_rmsnorm_fp8_per_group(
+            comm, q2.float() * scale, h2, w, round_scale=False)
+        return y0, h0, y1, h1, q2, h2, q3, s3, h3
+
+    for compiler in compilers:
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend=compiler)
+        for seed in range(2, 4):      # a new scale value each time: an input, not a constant
+            args = _fused_case(rank, seed, tokens=seed)      # two shapes: dynamic tokens
+            got, want = compiled(*args), step(*args)
+            assert all(map(_bits_equal, got, want)), (compiler, seed)
+    comm.close()
+
+
+def test_fused_norm_ops():
+    run_distributed(_fused_ops_body, 2, ("eager", "aot_eager"), timeout=300)

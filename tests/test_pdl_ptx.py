@@ -24,11 +24,14 @@ ptx_tool = pytest.importorskip("ptx")      # tools/ptx.py
 ptx_ep_tool = pytest.importorskip("ptx_ep")
 
 #: Every kind of kernel: Lamport one chunk / pipelined / reduce_scatter, flag one-shot and
-#: two-shot, flag movement, LL movement, both fused joins.
+#: two-shot, flag movement, LL movement, the fused joins (both algorithms; no residual, the FP8
+#: outputs, whose static scale is read from memory too).
 TP_KERNELS = ("lamport_bf16_8k", "lamport_bf16_8m_pipe", "lamport_rs_bf16_8m",
               "one_shot_bf16", "two_shot_bf16", "broadcast_i32", "all_gather_i32",
               "reduce_scatter_bf16", "ll_all_gather_8k", "lamport_norm_bf16_h8192",
-              "one_shot_norm_bf16_h8192")
+              "one_shot_norm_bf16_h8192", "lamport_rmsnorm_bf16_h8192",
+              "lamport_norm_fp8_bf16_h7168", "one_shot_norm_fp8_bf16_h7168",
+              "lamport_norm_fp8g_bf16_h7168", "one_shot_norm_fp8g_bf16_h7168")
 EP_KERNELS = ("dispatch_bf16", "combine_bf16")
 #: A global load, store, reduction or async copy (any qualifiers: .volatile, .acquire.sys, .v4,
 #: ...) or any atomic, predicated or not.

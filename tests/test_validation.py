@@ -196,6 +196,81 @@ CASES = [
               f32(2, 8), f32(2, 7), f32(9), eps=-1.0),
            ValueError, r"residual has shape .*weight has shape .*eps=-1\.0"),
       ]],
+    # the other fused joins: x [2, 128] float32 (the hot path has run that shape first)
+    *[(f"rmsnorm-{name}", call, exc, r"llcomm\.all_reduce_rmsnorm: " + pattern)
+      for name, call, exc, pattern in [
+          ("x-1d", lambda c, ws: c.all_reduce_rmsnorm(f32(128), f32(128)),
+           ValueError, r"x has shape \(128,\); expected 2-D"),
+          ("weight-length", lambda c, ws: c.all_reduce_rmsnorm(f32(2, 128), f32(127)),
+           ValueError, r"weight has shape \(127,\); expected \(128,\)"),
+          ("eps-zero", lambda c, ws: c.all_reduce_rmsnorm(f32(2, 128), f32(128), 0.0),
+           ValueError, r"eps=0\.0; expected a positive finite float"),
+          ("out-dtype", lambda c, ws: c.all_reduce_rmsnorm(
+              f32(2, 128), f32(128), out=torch.ones(2, 128, dtype=torch.float16)),
+           TypeError, r"out has dtype torch\.float16; expected torch\.float32"),
+          ("residual_out-shape", lambda c, ws: c.all_reduce_rmsnorm(
+              f32(2, 128), f32(128), residual_out=f32(2, 127)),
+           ValueError, r"residual_out has shape \(2, 127\)"),
+          ("out-is-residual_out", lambda c, ws: (lambda o: c.all_reduce_rmsnorm(
+              f32(2, 128), f32(128), out=o, residual_out=o))(f32(2, 128)),
+           ValueError, r"out and residual_out are the same memory"),
+          ("algo", lambda c, ws: c.all_reduce_rmsnorm(f32(2, 128), f32(128), algo="two_shot"),
+           ValueError, r"algo='two_shot'; expected one of auto, one_shot, lamport"),
+      ]],
+    *[(f"fp8-{name}", call, exc, r"llcomm\.all_reduce_residual_rmsnorm_fp8: " + pattern)
+      for name, call, exc, pattern in [
+          ("scale-float64", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), f32(2, 128), f32(128), scale=torch.tensor(1.0, dtype=torch.float64)),
+           TypeError, r"scale has dtype float64; expected one of float32"),
+          ("scale-two-elements", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), f32(2, 128), f32(128), scale=f32(2)),
+           ValueError, r"scale has shape \(2,\); expected one element"),
+          ("scale-2d", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), f32(2, 128), f32(128), scale=f32(1, 1)),
+           ValueError, r"scale has shape \(1, 1\); expected one element"),
+          ("scale-float", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), f32(2, 128), f32(128), scale=0.5),
+           TypeError, r"scale must be a torch\.Tensor, got float"),
+          ("scale-meta", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), f32(2, 128), f32(128), scale=torch.ones((), device="meta")),
+           ValueError, r"scale is on meta; expected cpu"),
+          ("out-float32", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), f32(2, 128), f32(128), scale=f32(1), out=f32(2, 128)),
+           TypeError, r"out has dtype torch\.float32; expected torch\.float8_e4m3fn"),
+          ("out-shape", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), f32(2, 128), f32(128), scale=f32(1),
+              out=torch.empty(2, 64, dtype=torch.float8_e4m3fn)),
+           ValueError, r"out has shape \(2, 64\); expected \(2, 128\)"),
+          ("residual-dtype", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+              f32(2, 128), torch.ones(2, 128, dtype=torch.bfloat16), f32(128), scale=f32(1)),
+           TypeError, r"residual has dtype torch\.bfloat16; expected torch\.float32"),
+      ]],
+    *[(f"fp8-group-{name}", call, exc,
+       r"llcomm\.all_reduce_residual_rmsnorm_fp8_per_group: " + pattern)
+      for name, call, exc, pattern in [
+          ("hidden-not-a-multiple", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
+              f32(2, 8), f32(2, 8), f32(8)),
+           ValueError, r"x has hidden=8; the per-group FP8 output needs a multiple of 128"),
+          ("scales_out-shape", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
+              f32(2, 128), f32(2, 128), f32(128), scales_out=f32(2, 2)),
+           ValueError, r"scales_out has shape \(2, 2\); expected \(2, 1\)"),
+          ("scales_out-dtype", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
+              f32(2, 128), f32(2, 128), f32(128),
+              scales_out=torch.ones(2, 1, dtype=torch.bfloat16)),
+           TypeError, r"scales_out has dtype torch\.bfloat16; expected torch\.float32"),
+          ("round_scale-int", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
+              f32(2, 128), f32(2, 128), f32(128), round_scale=1),
+           TypeError, r"round_scale=1; expected True or False"),
+          ("scales_out-in-out", lambda c, ws: (lambda o: c.all_reduce_residual_rmsnorm_fp8_per_group(
+              f32(2, 128), f32(2, 128), f32(128), out=o,
+              scales_out=o.view(torch.uint8).view(-1)[:8].view(torch.float32).view(2, 1)))(
+              torch.empty(2, 128, dtype=torch.float8_e4m3fn)),
+           ValueError, r"out and scales_out are the same memory"),
+          ("several", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
+              f32(2, 128), f32(3, 128), f32(128), eps=float("inf"), algo="ring",
+              scales_out=f32(2)),
+           ValueError, r"residual has shape .*scales_out has shape .*eps=inf.*algo='ring'"),
+      ]],
     # every problem of one call is reported at once
     ("all_reduce-three-problems",
      lambda c, ws: c.all_reduce(torch.ones(4, 8, dtype=torch.int32)[:, ::2], algo="ring"),
@@ -221,6 +296,12 @@ CASES_MAX_BYTES = [
         ("reduce_scatter", lambda c, ws: c.reduce_scatter(f32(ws, 257))),
         ("all_reduce_residual_rmsnorm",
          lambda c, ws: c.all_reduce_residual_rmsnorm(f32(1, 257), f32(1, 257), f32(257))),
+        ("all_reduce_rmsnorm", lambda c, ws: c.all_reduce_rmsnorm(f32(1, 257), f32(257))),
+        ("all_reduce_residual_rmsnorm_fp8", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8(
+            f32(1, 257), f32(1, 257), f32(257), scale=f32(1))),
+        ("all_reduce_residual_rmsnorm_fp8_per_group",
+         lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
+             f32(3, 128), f32(3, 128), f32(128))),
     ]
 ]
 
@@ -285,6 +366,14 @@ def warm_hot_path(comm) -> None:
                 x, res, w, 1e-6, out=torch.empty(2, 8), residual_out=torch.empty(2, 8), algo=algo)
             assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert len(comm._hot_fused) == len(HOT_FUSED_WEIGHTS) * 3
+    # the other joins, x [2, 128] float32 (the shape of their rejected cases)
+    x, res, w = torch.randn(2, 128), torch.randn(2, 128), torch.rand(128)
+    for algo in ("auto", "one_shot", "lamport"):
+        for _ in range(2):          # full checks, then the hot path
+            comm.all_reduce_rmsnorm(x, w, algo=algo)
+            comm.all_reduce_residual_rmsnorm_fp8(x, res, w, scale=torch.ones(()), algo=algo)
+            comm.all_reduce_residual_rmsnorm_fp8_per_group(x, res, w, algo=algo)
+    assert len(comm._hot_fused) == len(HOT_FUSED_WEIGHTS) * 3 + 3 * 3
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))

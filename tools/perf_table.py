@@ -97,6 +97,8 @@ def tp_table(res: dict, op: str) -> str:
 
 def fused_table(res: dict) -> str:
     rows = _pick(res["rows"], op="all_reduce_residual_rmsnorm")
+    hiddens = sorted({r.get("hidden") for r in rows}, key=lambda h: (h != 8192, h or 0))
+    rows = [r for r in rows if r.get("hidden") == hiddens[0]] if hiddens else rows  # one table
     tokens = sorted({r["tokens"] for r in rows})
     out = []
     for label, impl, mode in (("fused (llcomm)", "llcomm", "graph"),

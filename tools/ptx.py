@@ -49,6 +49,30 @@ def _lamport(nb, block, warps=4, fn=lamport.lamport_kernel, **later):
              "STAGES": lamport.ALL_STAGES, **later}, warps)
 
 
+def _norm(algo, out_mode, residual=1, hidden=7168, block=8192, warps=16):
+    """A fused-norm variant of ``fused_norm`` (``algo``: "lamport" / "one_shot") on bf16 at 2
+    ranks: ``out_mode`` fused_norm.PLAIN / FP8_STATIC / FP8_GROUP, ``residual`` the RESIDUAL
+    constexpr, the op code the host would give it (llcomm/tp/peer.py)."""
+    lamport = algo == "lamport"
+    sig = {"x": "*i16", "residual": "*bf16", "weight": "*bf16",
+           "out": "*bf16" if out_mode == fused_norm.PLAIN else "*u8", "res_out": "*bf16",
+           "tokens": "i32", "hidden": "i32", "eps": "fp32", "ctrl": "*i64", "err": "*i64",
+           "rank": "i32", "tag": "i32" if lamport else "i64", "timeout_us": "i32", "cap": "i64"}
+    sig.update({"lam_tab": "*i64", "tag_tab": "*i64"} if lamport else
+               {"stage_tab": "*i64", "flag_tab": "*i64", "flags": "*i64"})
+    consts = {"SENTINEL": -32768} if lamport else {}
+    if out_mode == fused_norm.PLAIN:
+        consts["qscale"] = None
+    else:
+        sig["qscale"] = "*fp32"
+    op = {(fused_norm.PLAIN, 0): P.OP_NORM_LAMPORT, (fused_norm.FP8_STATIC, 1): P.OP_FP8_LAMPORT,
+          (fused_norm.FP8_GROUP, 1): P.OP_FP8_GROUP_LAMPORT}[out_mode, residual]
+    consts.update(FT="bf16", W=2, WP=2, NB=128, BLOCK=block, STAGES=fused_norm.ALL_STAGES,
+                  OP=op + (0 if lamport else 1), RESIDUAL=residual, OUT=out_mode, ROUND=0)
+    fn = fused_norm.lamport_norm_kernel if lamport else fused_norm.one_shot_norm_kernel
+    return fn, sig, consts, warps
+
+
 KERNELS = {
     "one_shot_bf16": (all_reduce.one_shot_kernel,
                       {"x": "*bf16", "out": "*bf16", "n": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
@@ -92,23 +116,32 @@ KERNELS = {
                                  "res_out": "*bf16", "tokens": "i32", "hidden": "i32", "eps": "fp32",
                                  "lam_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
                                  "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                                {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": 128, "BLOCK": 8192,
-                                 "STAGES": fused_norm.ALL_STAGES}, 16),
+                                {"qscale": None, "SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2,
+                                 "NB": 128, "BLOCK": 8192, "STAGES": fused_norm.ALL_STAGES}, 16),
     "one_shot_norm_bf16_h8192": (fused_norm.one_shot_norm_kernel,
                                  {"x": "*i16", "residual": "*bf16", "weight": "*bf16", "out": "*bf16",
                                   "res_out": "*bf16", "tokens": "i32", "hidden": "i32", "eps": "fp32",
                                   "stage_tab": "*i64", "flag_tab": "*i64", "flags": "*i64",
                                   "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
                                   "timeout_us": "i32", "cap": "i64"},
-                                 {"FT": "bf16", "W": 2, "WP": 2, "NB": 128, "BLOCK": 8192,
-                                  "STAGES": fused_norm.ALL_STAGES}, 16),
+                                 {"qscale": None, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
+                                  "BLOCK": 8192, "STAGES": fused_norm.ALL_STAGES}, 16),
     "lamport_norm_fp32_w4": (fused_norm.lamport_norm_kernel,
                                 {"x": "*i32", "residual": "*fp32", "weight": "*fp32", "out": "*fp32",
                                  "res_out": "*fp32", "tokens": "i32", "hidden": "i32", "eps": "fp32",
                                  "lam_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
                                  "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                                {"SENTINEL": -2147450880, "FT": "fp32", "W": 4, "WP": 4, "NB": 128,
-                                 "BLOCK": 8192, "STAGES": fused_norm.ALL_STAGES}, 16),
+                                {"qscale": None, "SENTINEL": -2147450880, "FT": "fp32", "W": 4,
+                                 "WP": 4, "NB": 128, "BLOCK": 8192,
+                                 "STAGES": fused_norm.ALL_STAGES}, 16),
+    # the other fused norms: no residual (the first layer), FP8 static and per-group outputs
+    "lamport_rmsnorm_bf16_h8192": _norm("lamport", fused_norm.PLAIN, residual=0, hidden=8192),
+    "lamport_norm_fp8_bf16_h7168": _norm("lamport", fused_norm.FP8_STATIC),
+    "lamport_norm_fp8g_bf16_h7168": _norm("lamport", fused_norm.FP8_GROUP),
+    "one_shot_norm_fp8_bf16_h7168": _norm("one_shot", fused_norm.FP8_STATIC),
+    "one_shot_norm_fp8g_bf16_h7168": _norm("one_shot", fused_norm.FP8_GROUP),
+    "lamport_norm_fp8g_bf16_h16384": _norm("lamport", fused_norm.FP8_GROUP, hidden=16384,
+                                           block=16384),
 }
 
 
@@ -186,10 +219,14 @@ def code_only(ptx: str) -> list[str]:
 
 
 def same_as(folder: str | None, name: str, ptx: str) -> str:
-    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx``; "" without it."""
+    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx``, "  new" where the
+    folder has no such kernel; "" without it."""
     if not folder:
         return ""
-    with open(os.path.join(folder, name + ".ptx")) as f:
+    path = os.path.join(folder, name + ".ptx")
+    if not os.path.exists(path):
+        return "  new"
+    with open(path) as f:
         return "  same" if code_only(f.read()) == code_only(ptx) else "  DIFFERENT"
 
 

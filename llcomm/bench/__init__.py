@@ -3,7 +3,8 @@ this package.
 
 - ``tp``: ``llcomm bench tp``, the TP joins against NCCL and torch symmetric memory;
   ``tp_report`` prints its nccl-tests style table.
-- ``fused``: ``llcomm bench fused``, all_reduce_residual_rmsnorm against the unfused sequence.
+- ``fused``: ``llcomm bench fused``, the fused joins against the unfused sequences
+  (``fused_ops`` has the cases).
 - ``ep``: ``llcomm bench ep``, EPBuffer dispatch / combine, peer backend against the reference;
   ``ep_oracle`` computes what each rank must receive, ``ep_report`` prints the tables.
 - ``decode``: ``llcomm bench decode``, whole synthetic decode steps with each communication

@@ -49,7 +49,8 @@ LAYOUTS = {
                  lambda r: f"{r['op']}{'[' + r['algo'] + ']' if r['op'] == 'overlap_step' else ''}"
                            f"{'[round_scale]' if r.get('round_scale') else ''} {series_label(r)}"),
     "fused": Layout("tokens", "tokens (rows of the hidden size in the title)", "median_us", "median µs per op",
-                    lambda r: "all_reduce + residual add + RMSNorm", series_label),
+                    lambda r: f"{r.get('op', 'all_reduce_residual_rmsnorm')}, hidden "
+                              f"{r.get('hidden', '?')}", series_label),
     "decode": Layout("batch", "tokens per rank (batch)", "ms_per_step", "median ms per step",
                      lambda r: f"{r['part']}: {r['model']}", series_label),
 }

@@ -40,6 +40,9 @@ CALLS = {
     "reduce_scatter": (6, ("numel",)),
     "dispatch": (7, ("topk", "fp8", "weights", "hidden", "max_tokens", "num_experts")),
     "combine": (8, ("topk", "weights", "hidden", "max_tokens", "num_experts")),
+    "all_reduce_rmsnorm": (9, ("tokens", "hidden")),
+    "all_reduce_residual_rmsnorm_fp8": (10, ("tokens", "hidden")),
+    "all_reduce_residual_rmsnorm_fp8_per_group": (11, ("tokens", "hidden")),
 }
 _OP_NAMES = {code: op for op, (code, _) in CALLS.items()}
 _DTYPE_NAMES = {code: name for name, code in P.DTYPE_CODES.items()}

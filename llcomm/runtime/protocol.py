@@ -65,11 +65,21 @@ OPS = {
     9: "all_reduce_residual_rmsnorm(lamport)",
     10: "all_reduce_residual_rmsnorm(one_shot)",
     11: "reduce_scatter(lamport)",
+    12: "all_reduce_rmsnorm(lamport)",
+    13: "all_reduce_rmsnorm(one_shot)",
+    14: "all_reduce_residual_rmsnorm_fp8(lamport)",
+    15: "all_reduce_residual_rmsnorm_fp8(one_shot)",
+    16: "all_reduce_residual_rmsnorm_fp8_per_group(lamport)",
+    17: "all_reduce_residual_rmsnorm_fp8_per_group(one_shot)",
 }
 OP_ONE_SHOT, OP_TWO_SHOT, OP_LAMPORT, OP_BROADCAST, OP_ALL_GATHER, OP_REDUCE_SCATTER = 1, 2, 3, 4, 5, 6
 OP_DISPATCH, OP_COMBINE = 7, 8
 OP_FUSED_LAMPORT, OP_FUSED_ONE_SHOT = 9, 10
 OP_LAMPORT_REDUCE_SCATTER = 11
+# the other fused norms (llcomm/tp/kernels/fused_norm.py variants), Lamport and one-shot each
+OP_NORM_LAMPORT, OP_NORM_ONE_SHOT = 12, 13
+OP_FP8_LAMPORT, OP_FP8_ONE_SHOT = 14, 15
+OP_FP8_GROUP_LAMPORT, OP_FP8_GROUP_ONE_SHOT = 16, 17
 
 # Phase codes: which wait gave up. Entry and exit barriers have distinct codes (seed contract).
 PHASES = {1: "entry barrier", 2: "exit barrier", 3: "data poll"}

@@ -13,6 +13,11 @@ REDUCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: dense dtype with a code in ``protocol.DTYPE_CODES`` (its name there is ``str(dtype)``
 #: without ``torch.``). Quantized and sub-byte dtypes are not among them.
 MOVE_DTYPES = tuple(getattr(torch, name) for name in P.DTYPE_CODES)
+#: Why a reduction refuses a dtype (the end of its message).
+REDUCE_ONLY = ("a reduction sums, so it needs a float type; broadcast, all_gather and "
+               "all_gather_2d copy bytes and take any dtype")
+#: Why a movement op refuses a dtype.
+MOVE_ONLY = "the movement ops copy the bytes of any plain dtype; not quantized or sub-byte ones"
 
 
 class Problems:

@@ -10,7 +10,6 @@ GPU and peer access works both ways, reference otherwise, with the reason logged
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from ..errors import UnsupportedConfigError
 from ..runtime.backend import choose_backend, reference_device
 from ..runtime.registry import register
 from ..runtime.bounded import default_check_calls
+from .fused import FUSED_ALGOS, FUSED_MAX_HIDDEN, FusedJoins  # noqa: F401  (public names)
 from .reference import ReferenceBackend
 
 log = logging.getLogger("llcomm")
@@ -31,20 +31,9 @@ log = logging.getLogger("llcomm")
 DEFAULT_MAX_BYTES = 16 << 20
 BACKENDS = ("auto", "peer", "reference")
 ALGOS = ("auto", "one_shot", "two_shot", "lamport")
-#: all_reduce_residual_rmsnorm algorithms (auto: lamport while x fits a Lamport slot).
-FUSED_ALGOS = ("auto", "one_shot", "lamport")
 #: all_reduce calls remembered for the hot path (one per shape, dtype and algo seen; past this
 #: many the memory starts over, so an endless variety of shapes cannot grow it without bound).
 HOT_CACHE_MAX = 4096
-#: all_reduce_residual_rmsnorm: longest row. The peer kernel keeps a whole row in one block's
-#: registers (32 fp32 per thread at 16 warps); the reference backend enforces the same bound so
-#: code that runs on one backend runs on the other.
-FUSED_MAX_HIDDEN = 16384
-#: Why a reduction refuses a dtype (the end of its message).
-REDUCE_ONLY = ("a reduction sums, so it needs a float type; broadcast, all_gather and "
-               "all_gather_2d copy bytes and take any dtype")
-#: Why a movement op refuses a dtype.
-MOVE_ONLY = "the movement ops copy the bytes of any plain dtype; not quantized or sub-byte ones"
 
 #: all_reduce(algo="auto") where no measured table applies (llcomm/tp/algo_table.py: the user's
 #: `llcomm tune` table, then llcomm/tp/tables/*.json, then this rule): (world_size, largest bytes,
@@ -66,7 +55,7 @@ def _remember(hot: dict, key: tuple, call) -> None:
     hot[key] = call
 
 
-class Communicator:
+class Communicator(FusedJoins):
     """Tensor-parallel collectives for one process group.
 
     Creating a Communicator is a **collective** and **host-blocking**: every rank of ``group``
@@ -164,7 +153,7 @@ class Communicator:
         self.backend = backend
         self.deterministic = bool(deterministic)
         self._closed = False
-        # Hot paths (all_reduce, all_reduce_residual_rmsnorm): validated keys -> bound calls
+        # Hot paths (all_reduce, the fused joins): validated keys -> bound calls
         self._hot_ar: dict = {}
         self._hot_fused: dict = {}
         self._auto = self._auto_selection()
@@ -231,7 +220,7 @@ class Communicator:
                 return call(x, torch.empty_like(x) if out is None else out)
         self._check_open("all_reduce")
         pr = V.Problems("all_reduce")
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=REDUCE_ONLY):
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=V.REDUCE_ONLY):
             V.check_out(pr, out, x, tuple(x.shape), self.device)
         if algo not in ALGOS:
             pr.add(f"algo={algo!r}; expected one of {', '.join(ALGOS)}")
@@ -270,110 +259,6 @@ class Communicator:
         one_shot where this says lamport)."""
         return self._auto.choose(nbytes)
 
-    def all_reduce_residual_rmsnorm(
-            self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-            eps: float = 1e-6, *, out: torch.Tensor | None = None,
-            residual_out: torch.Tensor | None = None,
-            algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """The join after a row-parallel projection: all-reduce, residual add, RMSNorm, fused.
-
-        Per token row, with ``round`` the conversion to x's dtype::
-
-            s = all_reduce(x)                                # fp32, rank order, rounded once
-            h = round(float(s) + float(residual))            # -> residual_out
-            y = round(h * rsqrt(mean(h * h) + eps) * weight) # fp32 -> out
-
-        The norm reads the *rounded* ``h`` (what TensorRT-LLM / FlashInfer's allreduce fusion
-        and vLLM's fused_add_rms_norm do), so ``out`` is the norm of exactly the residual stream
-        the next layer reads; ``residual_out`` equals the unfused ``all_reduce(x) + residual``
-        bit for bit on the peer backend.
-
-        Args:
-            x: ``[tokens, hidden]``, contiguous, bf16 / fp16 / fp32, at most ``max_bytes``,
-                ``hidden <= FUSED_MAX_HIDDEN`` (16384). This rank's partial sums; not modified
-                (unless ``out is x``).
-            residual: ``[tokens, hidden]``, x's dtype. Must be the same on every rank for the
-                results to be the same on every rank (it is, in tensor parallelism).
-            weight: ``[hidden]``, bf16 / fp16 / fp32 (read in fp32).
-            eps: positive finite float added to the mean square.
-            out: optional ``[tokens, hidden]`` of x's dtype for the normalised rows (may be x).
-            residual_out: optional ``[tokens, hidden]`` of x's dtype for ``h`` (may be
-                ``residual``: in-place update of the residual stream). Must not be ``out``.
-            algo: ``"lamport"`` (barrier-free, x up to ``lamport_bytes``), ``"one_shot"`` (one
-                flag barrier, up to ``max_bytes``) or ``"auto"`` (lamport up to 1 MiB).
-        Returns:
-            ``(out, residual_out)``, allocated where not given. Stream, graph capture and error
-            semantics as ``all_reduce``. The peer backend runs one kernel and gives every rank
-            the same bits; the reference backend runs NCCL's / gloo's all_reduce and then the
-            same fp32 arithmetic in torch (equal to the peer result within rounding).
-        """
-        # Hot path, as in all_reduce: a key that passed the checks below before
-        if type(eps) is float and type(algo) is str and self._ready(x) and self._ready(residual) \
-                and self._ready(weight):
-            call = self._hot_fused.get((x.shape, x.dtype, weight.shape, weight.dtype, eps, algo))
-            if call is not None and residual.shape == x.shape and residual.dtype == x.dtype \
-                    and self._fits(out, x) and self._fits(residual_out, x) \
-                    and (out is None or residual_out is None or not out.numel()
-                         or out.data_ptr() != residual_out.data_ptr()):
-                return call(x, residual, weight, torch.empty_like(x) if out is None else out,
-                            torch.empty_like(x) if residual_out is None else residual_out)
-        self._check_open("all_reduce_residual_rmsnorm")
-        pr = V.Problems("all_reduce_residual_rmsnorm")
-        shape = None
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=REDUCE_ONLY):
-            if x.dim() != 2 or x.shape[1] == 0:
-                pr.add(f"x has shape {tuple(x.shape)}; expected 2-D [tokens, hidden], hidden >= 1")
-            elif x.shape[1] > FUSED_MAX_HIDDEN:
-                pr.add(f"x has hidden={x.shape[1]}; at most {FUSED_MAX_HIDDEN} is supported (a "
-                       "row is held in one block's registers); use all_reduce and a separate norm")
-            else:
-                shape = tuple(x.shape)
-        if shape is not None:
-            if V.check_tensor(pr, "residual", residual, self.device):
-                if tuple(residual.shape) != shape:
-                    pr.add(f"residual has shape {tuple(residual.shape)}; expected {shape} "
-                           "(the shape of x)")
-                if residual.dtype != x.dtype:
-                    pr.add(f"residual has dtype {residual.dtype}; expected {x.dtype} (the dtype "
-                           "of x)", type_error=True)
-            if V.check_tensor(pr, "weight", weight, self.device):
-                if tuple(weight.shape) != (shape[1],):
-                    pr.add(f"weight has shape {tuple(weight.shape)}; expected ({shape[1]},) "
-                           "(hidden of x)")
-            V.check_out(pr, out, x, shape, self.device)
-            V.check_out(pr, residual_out, x, shape, self.device, name="residual_out")
-            if isinstance(out, torch.Tensor) and isinstance(residual_out, torch.Tensor) \
-                    and out.numel() and out.data_ptr() == residual_out.data_ptr():
-                pr.add("out and residual_out are the same memory; they must be distinct")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) \
-                or not math.isfinite(eps) or eps <= 0:
-            pr.add(f"eps={eps!r}; expected a positive finite float", type_error=not isinstance(
-                eps, (int, float)) or isinstance(eps, bool))
-        if algo not in FUSED_ALGOS:
-            pr.add(f"algo={algo!r}; expected one of {', '.join(FUSED_ALGOS)}")
-        elif algo == "lamport" and shape is not None and self.backend == "peer" \
-                and x.numel() * x.element_size() > self._impl.lamport_bytes:
-            pr.add(f"algo='lamport' takes at most {self._impl.lamport_bytes} bytes; x has "
-                   f"{x.numel() * x.element_size()}")
-        pr.raise_if_any()
-        if out is None:
-            out = torch.empty_like(x)
-        if residual_out is None:
-            residual_out = torch.empty_like(x)
-        run = self.choose_fused_algo(x.numel() * x.element_size()) if algo == "auto" else algo
-        call = self._impl.fused_call(run, *x.shape, x.dtype, weight.dtype, float(eps))
-        if type(eps) is float and type(algo) is str and all(
-                type(t) is torch.Tensor for t in (x, residual, weight)):
-            _remember(self._hot_fused, (x.shape, x.dtype, weight.shape, weight.dtype, eps, algo),
-                      call)
-        return call(x, residual, weight, out, residual_out)
-
-    def choose_fused_algo(self, nbytes: int) -> str:
-        """The algorithm ``all_reduce_residual_rmsnorm(algo="auto")`` runs for ``nbytes`` of x."""
-        if self.backend != "peer":
-            return "reference"
-        return self._impl.fused_algo(nbytes)
-
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy ``x`` of rank ``src`` (a rank of this group) into ``x`` on every rank, in place.
 
@@ -384,7 +269,7 @@ class Communicator:
         self._check_open("broadcast")
         pr = V.Problems("broadcast")
         V.check_tensor(pr, "x", x, self.device, dtypes=V.MOVE_DTYPES, max_bytes=self.max_bytes,
-                       why=MOVE_ONLY)
+                       why=V.MOVE_ONLY)
         if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < self.world_size:
             pr.add(f"src={src!r}; expected a rank in [0, {self.world_size})")
         pr.raise_if_any()
@@ -399,7 +284,7 @@ class Communicator:
         self._check_open("all_gather")
         pr = V.Problems("all_gather")
         if V.check_tensor(pr, "x", x, self.device, dtypes=V.MOVE_DTYPES,
-                          max_bytes=self.max_bytes, why=MOVE_ONLY):
+                          max_bytes=self.max_bytes, why=V.MOVE_ONLY):
             shape = (self.world_size * (x.shape[0] if x.dim() else 1), *x.shape[1:])
             V.check_out(pr, out, x, shape, self.device)
         pr.raise_if_any()
@@ -418,7 +303,7 @@ class Communicator:
         self._check_open("all_gather_2d")
         pr = V.Problems("all_gather_2d")
         if V.check_tensor(pr, "x", x, self.device, dtypes=V.MOVE_DTYPES,
-                          max_bytes=self.max_bytes, why=MOVE_ONLY):
+                          max_bytes=self.max_bytes, why=V.MOVE_ONLY):
             if x.dim() != 2:
                 pr.add(f"x has shape {tuple(x.shape)}; expected 2-D [tokens, part]")
             else:
@@ -436,7 +321,7 @@ class Communicator:
         """
         self._check_open("reduce_scatter")
         pr = V.Problems("reduce_scatter")
-        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=REDUCE_ONLY):
+        if V.check_tensor(pr, "x", x, self.device, max_bytes=self.max_bytes, why=V.REDUCE_ONLY):
             if x.dim() == 0 or x.shape[0] % self.world_size:
                 pr.add(f"x has shape {tuple(x.shape)}; dim 0 must be a multiple of world_size="
                        f"{self.world_size}")
@@ -449,6 +334,8 @@ class Communicator:
         return self._impl.reduce_scatter(x, out)
 
     # -- hot-path checks ----------------------------------------------------------------------
+    _remember = staticmethod(_remember)
+
     def _ready(self, t) -> bool:
         """``t`` is a plain tensor, on this communicator's device, contiguous."""
         return type(t) is torch.Tensor and t.device == self.device and t.is_contiguous()

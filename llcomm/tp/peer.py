@@ -59,6 +59,18 @@ CTRL_ERR_WORDS = 2
 #: Flag slots per block: entry barrier and exit barrier.
 FLAG_PHASES = 2
 
+#: The fused norms (``kernels/fused_norm.py``), by the Communicator method they run: the RESIDUAL
+#: constexpr, the OUT mode (a name in fused_norm) and the op codes of the Lamport and the
+#: one-shot kernel. Each variant has its own codes, so ranks that call two different ones in the
+#: same round get a mismatch, and errors name the method.
+FUSED_VARIANTS = {
+    "all_reduce_residual_rmsnorm": (1, "PLAIN", P.OP_FUSED_LAMPORT, P.OP_FUSED_ONE_SHOT),
+    "all_reduce_rmsnorm": (0, "PLAIN", P.OP_NORM_LAMPORT, P.OP_NORM_ONE_SHOT),
+    "all_reduce_residual_rmsnorm_fp8": (1, "FP8_STATIC", P.OP_FP8_LAMPORT, P.OP_FP8_ONE_SHOT),
+    "all_reduce_residual_rmsnorm_fp8_per_group": (1, "FP8_GROUP", P.OP_FP8_GROUP_LAMPORT,
+                                                  P.OP_FP8_GROUP_ONE_SHOT),
+}
+
 #: Fused all-reduce + RMSNorm: a block holds one whole row in registers, 16 elements per thread
 #: (32 bytes of bf16) up to FUSED_MAX_WARPS warps; hidden 8192 -> 16 warps.
 FUSED_ELEMS_PER_WARP = 32 * 16
@@ -103,8 +115,8 @@ def _nothing_to_reduce(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _nothing_to_norm(x, residual, weight, out, res_out):
-    return out, res_out
+def _nothing_to_norm(x, residual, weight, out, res_out, qscale=None):
+    return None
 
 
 class PeerBackend:
@@ -272,48 +284,70 @@ class PeerBackend:
             else "one_shot"
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
-        return self.fused_call(algo, *x.shape, x.dtype, weight.dtype, eps)(
-            x, residual, weight, out, res_out)
+        self.fused_call("all_reduce_residual_rmsnorm", algo, *x.shape, x.dtype, weight.dtype,
+                        eps)(x, residual, weight, out, res_out)
+        return out, res_out
 
-    def fused_call(self, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
-                   wdtype: torch.dtype, eps: float):
-        """``all_reduce_residual_rmsnorm`` by ``algo`` of ``[tokens, hidden]`` rows, bound to
-        its launch plan: ``f(x, residual, weight, out, res_out) -> (out, res_out)``
-        (``Communicator.all_reduce_residual_rmsnorm``'s hot path)."""
+    def fused_call(self, variant: str, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
+                   wdtype: torch.dtype, eps: float, round_scale: bool = False):
+        """The fused norm ``variant`` (a FUSED_VARIANTS name) by ``algo`` of ``[tokens,
+        hidden]`` rows, bound to its launch plan: ``f(x, residual, weight, out, res_out,
+        qscale=None)``, which writes the outputs (``residual`` None without a residual;
+        ``qscale`` the static scale or the per-group scales' output, None for plain outputs;
+        the Communicator's hot paths keep it)."""
         if tokens == 0:
             return _nothing_to_norm
-        key = ("fused", algo, tokens, hidden, dtype, wdtype, eps)
+        key = ("fused", variant, algo, tokens, hidden, dtype, wdtype, eps, round_scale)
         plan = self._plans.get(key) or self._keep(key, self._fused_plan(
-            algo, tokens, hidden, dtype, eps))
+            variant, algo, tokens, hidden, dtype, eps, round_scale))
         run, check, err = self._launch.run, self._failure.check, self._err_np
-
-        def call(x, residual, weight, out, res_out):
-            check(err[0])
-            run(plan, x, residual, weight, out, res_out)
-            return out, res_out
+        residual_read, out_mode = FUSED_VARIANTS[variant][:2]
+        if out_mode == "PLAIN" and residual_read:
+            def call(x, residual, weight, out, res_out, qscale=None):
+                check(err[0])
+                run(plan, x, residual, weight, out, res_out)
+        elif out_mode == "PLAIN":
+            # no residual: the kernel (RESIDUAL=0) never reads that pointer; x stands in for it
+            def call(x, residual, weight, out, res_out, qscale=None):
+                check(err[0])
+                run(plan, x, x, weight, out, res_out)
+        else:
+            def call(x, residual, weight, out, res_out, qscale=None):
+                check(err[0])
+                run(plan, x, residual, weight, out, res_out, qscale)
         return call
 
-    def _fused_plan(self, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
-                    eps: float) -> Plan:
-        """The fused kernel's launch bar x, residual, weight, out and res_out (x read as ints)."""
+    def _fused_plan(self, variant: str, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
+                    eps: float, round_scale: bool) -> Plan:
+        """The fused kernel's launch bar x, residual, weight, out, res_out and (FP8 outputs)
+        qscale: x read as ints, an FP8 out as bytes. A plain output's qscale is None in the
+        tail: Triton takes a None argument as a compile-time constant, so the plain kernels
+        have no such parameter at all (their code is the same as without it)."""
         block, warps = _row_shape(hidden)
         W, itemsize = self.world_size, dtype.itemsize
         view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
-        views = (view, None, None, None, None)
+        residual, out_name, op_lamport, op_one_shot = FUSED_VARIANTS[variant]
+        out_mode = getattr(self._k_fn, out_name)
+        plain = out_mode == self._k_fn.PLAIN
+        views = (view, None, None, None, None) if plain else (view, None, None, torch.uint8,
+                                                             None, None)
+        lead = (None,) if plain else ()             # qscale, when it is not a leading tensor
+        variant_consts = dict(RESIDUAL=residual, OUT=out_mode, ROUND=int(bool(round_scale)))
         ft = self._tl_float[dtype]
         rows = self._rows_numel(tokens, hidden)
         if algo == "lamport":
             return Plan(self._k_fn.lamport_norm_kernel, self.nb, (
-                tokens, hidden, eps, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl,
-                self.err, self.rank, self._lamport_tag(P.OP_FUSED_LAMPORT, rows, dtype),
+                *lead, tokens, hidden, eps, self.tabs["lamport"], self.tabs["lamport_tags"],
+                self.ctrl, self.err, self.rank, self._lamport_tag(op_lamport, rows, dtype),
                 self.timeout_us, self.lamport_bytes // itemsize), warps, dict(
                 SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
-                STAGES=self._k_fn.ALL_STAGES), views)
+                STAGES=self._k_fn.ALL_STAGES, OP=op_lamport, **variant_consts), views)
         return Plan(self._k_fn.one_shot_norm_kernel, self.nb, (
-            tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
-            self.err, self.rank, self._tag(P.OP_FUSED_ONE_SHOT, rows, dtype), self.timeout_us,
-            self.cap_bytes // itemsize), warps, dict(
-            FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES), views)
+            *lead, tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags,
+            self.ctrl, self.err, self.rank, self._tag(op_one_shot, rows, dtype),
+            self.timeout_us, self.cap_bytes // itemsize), warps, dict(
+            FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES,
+            OP=op_one_shot, **variant_consts), views)
 
     # -- movement -------------------------------------------------------------------------------
     @staticmethod

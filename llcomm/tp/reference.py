@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..runtime import fp8 as F8
 from ..runtime.bounded import BoundedCalls
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work but warn).
@@ -51,24 +52,40 @@ class ReferenceBackend:
         """``all_reduce`` bound: ``f(x, out) -> out`` (NCCL's or gloo's own algorithm)."""
         return lambda x, out: self.all_reduce(x, out, algo)
 
-    def fused_call(self, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
-                   wdtype: torch.dtype, eps: float):
-        """``all_reduce_residual_rmsnorm`` bound: ``f(x, residual, weight, out, res_out)``."""
-        return lambda x, r, w, o, ro: self.all_reduce_residual_rmsnorm(x, r, w, eps, o, ro, algo)
+    def fused_call(self, variant: str, algo: str, tokens: int, hidden: int, dtype: torch.dtype,
+                   wdtype: torch.dtype, eps: float, round_scale: bool = False):
+        """The fused norm ``variant`` bound: ``f(x, residual, weight, out, res_out,
+        qscale=None)`` (as ``PeerBackend.fused_call``)."""
+        return lambda x, r, w, o, ro, q=None: self.fused(variant, x, r, w, eps, o, ro, q,
+                                                         round_scale)
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, out, res_out, algo):
-        # Same arithmetic as the peer kernel (round the sum, add in fp32, round, normalise the
-        # rounded h in fp32, round once); only the all-reduce itself is the library's.
-        self.calls.agree("all_reduce_residual_rmsnorm", x.dtype, *x.shape)
+        self.fused("all_reduce_residual_rmsnorm", x, residual, weight, eps, out, res_out)
+        return out, res_out
+
+    def fused(self, variant: str, x, residual, weight, eps, out, res_out, qscale=None,
+              round_scale=False) -> None:
+        """Every fused norm (``variant``: the Communicator method). The peer kernels'
+        arithmetic (round the sum, add the residual in fp32 and round, normalise the rounded h
+        in fp32, round y, quantise the rounded y by ``llcomm/runtime/fp8.py``); only the
+        all-reduce itself is the library's."""
+        self.calls.agree(variant, x.dtype, *x.shape)
         s = x.clone()
-        self.calls.run("all_reduce_residual_rmsnorm", lambda a: dist.all_reduce(
+        self.calls.run(variant, lambda a: dist.all_reduce(
             s, op=dist.ReduceOp.SUM, group=self.group, async_op=a))
-        h = (s.float() + residual.float()).to(x.dtype)
+        h = s if residual is None else (s.float() + residual.float()).to(x.dtype)
         hf = h.float()
         inv = torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
-        out.copy_(hf * inv * weight.float())
+        y = hf * inv * weight.float()
+        if variant == "all_reduce_residual_rmsnorm_fp8":
+            out.copy_(F8.quantize_static(y.to(x.dtype), qscale))
+        elif variant == "all_reduce_residual_rmsnorm_fp8_per_group":
+            q, scales = F8.quantize(y.to(x.dtype), round_scale)
+            out.copy_(q)
+            qscale.copy_(scales)
+        else:
+            out.copy_(y)
         res_out.copy_(h)
-        return out, res_out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         self.calls.agree("broadcast", x.dtype, x.numel(), src)

@@ -3,12 +3,24 @@
 For every token row, in one kernel::
 
     s = round(sum over ranks of x, fp32, rank 0 first)   # what all_reduce would return
-    h = round(s + residual)                               # residual_out
+    h = round(s + residual)                               # residual_out (RESIDUAL=0: h = s)
     y = round(h * rsqrt(mean(h * h) + eps) * weight)      # out; h, mean, weight in fp32
 
 ``round`` is the conversion to the dtype of ``x``. ``h`` is rounded before it is normalised,
 as TensorRT-LLM's / FlashInfer's allreduce fusion and vLLM's fused_add_rms_norm do, so ``out``
 is the norm of exactly the residual stream that the next layer reads back.
+
+Variants, constexprs of both kernels (the host picks them per op; the defaults are
+``all_reduce_residual_rmsnorm``): ``RESIDUAL=0`` adds no residual (``all_reduce_rmsnorm``,
+the first layer's join: ``residual`` is not read). ``OUT`` says what ``out`` receives:
+``PLAIN`` y itself; ``FP8_STATIC`` the float8_e4m3fn codes of ``float(y) * (1 / scale)``,
+``scale`` the one fp32 at ``qscale``; ``FP8_GROUP`` the codes of ``float(y) / scale`` per
+128-channel group, scale = amax / 448 (``ROUND``: up to a power of two) stored to
+``qscale [tokens, hidden // 128]``. Both FP8 outputs quantise the *rounded* y, so they are
+byte for byte ``llcomm/runtime/fp8.py`` applied to the PLAIN output (e4m3: round to nearest
+even, saturated to +-448; ``llcomm/runtime/kernels/fp8.py``). ``OP`` is the op code the tags
+and error words carry, one per variant and algorithm, so ranks that call different variants in
+one round report a mismatch.
 
 Block ``b`` owns rows ``b, b + NB, b + 2 NB, ...`` whole, on every rank, so it can finish a row's
 sum of squares without talking to another block. Both kernels reuse the all-reduce protocols and
@@ -36,46 +48,83 @@ import triton.language as tl
 from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import limit_ticks, own_words, push_tag, receive, tag_slots
+from ...runtime.kernels.fp8 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
 from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, signal_peers,
                     wait_peers)
 from ...runtime import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
-OP_FUSED_LAMPORT = tl.constexpr(P.OP_FUSED_LAMPORT)
-OP_FUSED_ONE_SHOT = tl.constexpr(P.OP_FUSED_ONE_SHOT)
+#: What ``out`` receives (the OUT constexpr; python ints for the host).
+PLAIN, FP8_STATIC, FP8_GROUP = 0, 1, 2
+_PLAIN = tl.constexpr(PLAIN)
+_FP8_STATIC = tl.constexpr(FP8_STATIC)
 
 
 @triton.jit
-def _add_norm_row(acc, residual, weight, out, res_out, row, cols, m, hidden, eps,
-                  FT: tl.constexpr):
-    """Finish one row from its fp32 rank-order sum ``acc`` (0 in masked lanes)."""
-    s = acc.to(FT).to(tl.float32)  # rounded as all_reduce returns it
-    r = tl.load(residual + row + cols, mask=m, other=0.0).to(tl.float32)
-    h = (s + r).to(FT)
+def _add_norm_row(acc, residual, weight, out, res_out, qscale, row, cols, m, live, hidden, eps,
+                  FT: tl.constexpr, RESIDUAL: tl.constexpr, OUT: tl.constexpr,
+                  ROUND: tl.constexpr):
+    """Finish one row from its fp32 rank-order sum ``acc`` (0 in masked lanes); ``live``: the
+    row's columns in ``m`` (hidden, or 0 for a row past the last)."""
+    if RESIDUAL:
+        s = acc.to(FT).to(tl.float32)  # rounded as all_reduce returns it
+        r = tl.load(residual + row + cols, mask=m, other=0.0).to(tl.float32)
+        h = (s + r).to(FT)
+    else:
+        h = acc.to(FT)
     tl.store(res_out + row + cols, h, mask=m)
     hf = h.to(tl.float32)          # masked lanes are 0 and add nothing to the sum of squares
     inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
     w = tl.load(weight + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
+    if OUT == _PLAIN:
+        tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
+    else:               # quantise y as the PLAIN variant returns it: rounded to FT
+        _store_fp8((hf * inv * w).to(FT).to(tl.float32), out, qscale, row, cols, m, live, OUT,
+                   ROUND)
+
+
+@triton.jit
+def _store_fp8(y, out, qscale, row, cols, m, live, OUT: tl.constexpr, ROUND: tl.constexpr):
+    """``out`` (e4m3 bytes) of the row ``y`` (fp32, the rounded norm; 0 in masked lanes):
+    FP8_STATIC: ``y * (1 / scale)`` (the reciprocal rounded once); FP8_GROUP: ``y / scale``
+    (IEEE division, ``div_by``) per 128-channel group, the scales stored to ``qscale`` at
+    ``row // 128`` (the row's first group). Clamped to +-448, rounded to nearest even."""
+    if OUT == _FP8_STATIC:
+        inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(qscale))
+        q = e4m3_clamped(y * inv)
+    else:
+        BLOCK: tl.constexpr = y.shape[0]
+        G: tl.constexpr = BLOCK // FP8_BLOCK
+        y2 = tl.reshape(y, (G, FP8_BLOCK))
+        sc = fp8_scales(y2, ROUND)      # masked lanes are 0: no group's amax grows
+        q = tl.reshape(e4m3_clamped(div_by(y2, sc)), (BLOCK,))
+        g = tl.arange(0, G)
+        tl.store(qscale + row // FP8_BLOCK + g, sc, mask=g * FP8_BLOCK < live)
+    tl.store(out + row + cols, q.to(tl.uint8), mask=m)
 
 
 @triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
-def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, lam_tab,
-                        tag_tab, ctrl, err, rank, tag, timeout_us,
+def lamport_norm_kernel(x, residual, weight, out, res_out,
+                        qscale,                  # FP8_STATIC: the scale; FP8_GROUP: scales out
+                        tokens, hidden, eps, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us,
                         cap,                     # elements per Lamport slot
                         SENTINEL: tl.constexpr,  # bit pattern of "not yet written" (int view)
                         FT: tl.constexpr,        # the float dtype the int view holds
                         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                         BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
                         STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                        PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
+                        PDL: tl.constexpr = 0,   # launched with PDL (_sync.after_previous_kernel)
+                        OP: tl.constexpr = P.OP_FUSED_LAMPORT,  # op code of tags and errors
+                        RESIDUAL: tl.constexpr = 1, OUT: tl.constexpr = PLAIN,
+                        ROUND: tl.constexpr = 0):  # the variant (module doc)
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
     Slot and tag layout as ``lamport.lamport_kernel`` (element i of rank r's operand at
     ``(half * W + r) * cap + i`` of every rank's Lamport region, tags ``[half][block][r]``), so
-    both kernels share halves. ``tag`` is ``protocol.lamport_tag`` of OP_FUSED_LAMPORT and the
-    shape (tokens and hidden, as the one-shot variant's flag): it differs from every plain
-    all_reduce's, so ranks that call the two kernels in one round report a mismatch.
+    both kernels share halves. ``tag`` is ``protocol.lamport_tag`` of ``OP`` (this variant's
+    code) and the shape (tokens and hidden, as the one-shot variant's flag): it differs from
+    every plain all_reduce's and every other variant's, so ranks that call two different ones in
+    one round report a mismatch.
     """
     b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
@@ -103,22 +152,27 @@ def lamport_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, 
             mt = cols < tl.where(t < tokens, hidden, 0)     # a row past the last: no columns
             own = own_words(x, t * hidden + cols, mt, SENTINEL)
             acc, failed = receive(local, cap, t * hidden + cols, mt, tags, tag, t == b, failed,
-                                  limit, err, OP_FUSED_LAMPORT, own.to(IT), rank, SENTINEL, FT,
+                                  limit, err, OP, own.to(IT), rank, SENTINEL, FT,
                                   W, BLOCK, POLL)
-            _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, mt, hidden, eps,
-                          FT)
+            _add_norm_row(acc, residual, weight, out, res_out, qscale, t * hidden, cols, mt,
+                          tl.where(t < tokens, hidden, 0), hidden, eps, FT, RESIDUAL, OUT, ROUND)
         tl.store(ctrl + b, seq + 1)
 
 
 @triton.jit(do_not_specialize=RANK_VARYING)
-def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps, stage_tab,
-                         flag_tab, flags, ctrl, err, rank, tag, timeout_us,
+def one_shot_norm_kernel(x, residual, weight, out, res_out,
+                         qscale,                 # FP8_STATIC: the scale; FP8_GROUP: scales out
+                         tokens, hidden, eps, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
+                         timeout_us,
                          cap,                    # elements per staging slot
                          FT: tl.constexpr,       # the float dtype the int view of x holds
                          W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                          BLOCK: tl.constexpr,    # pow2 >= hidden: one row per iteration
                          STAGES: tl.constexpr,   # PUSH | REDUCE; only ALL_STAGES signals, waits
-                         PDL: tl.constexpr = 0):  # launched with PDL (_sync.after_previous_kernel)
+                         PDL: tl.constexpr = 0,  # launched with PDL (_sync.after_previous_kernel)
+                         OP: tl.constexpr = P.OP_FUSED_ONE_SHOT,  # op code of flags and errors
+                         RESIDUAL: tl.constexpr = 1, OUT: tl.constexpr = PLAIN,
+                         ROUND: tl.constexpr = 0):  # the variant (module doc)
     """Push one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
     Staging as ``all_reduce.one_shot_kernel``: rank r's rows go to slot r of half
@@ -142,7 +196,7 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps,
         if b < tokens:  # a block without rows has nothing to wait for
             tl.debug_barrier()
             signal_peers(flag_tab, b, word, rank, W, WP)
-            ok = wait_peers(flags, b, word, timeout_us, err, OP_FUSED_ONE_SHOT, PHASE_ENTRY,
+            ok = wait_peers(flags, b, word, timeout_us, err, OP, PHASE_ENTRY,
                             W, WP).to(tl.int32)
     if STAGES & 2:
         if ok:
@@ -152,6 +206,6 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out, tokens, hidden, eps,
                 for p in tl.static_range(W):
                     src = tl.where(p == rank, x + t * hidden + cols, local + p * cap + t * hidden + cols)
                     acc += tl.load(src, mask=m, other=0).to(FT, bitcast=True).to(tl.float32)
-                _add_norm_row(acc, residual, weight, out, res_out, t * hidden, cols, m, hidden,
-                              eps, FT)
+                _add_norm_row(acc, residual, weight, out, res_out, qscale, t * hidden, cols, m,
+                              hidden, hidden, eps, FT, RESIDUAL, OUT, ROUND)
         tl.store(ctrl + b, seq + 1)
