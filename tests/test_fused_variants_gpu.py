@@ -22,42 +22,12 @@ from _dist import absent_peer_error, run_distributed
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TOKENS = (1, 7, 64, 128)
+# the plain fused join's GPU tests share their cases and helpers
+from test_fused_gpu import (DTYPES, EPS, LAMPORT_MAX, MAX_BYTES, TOKENS, TOL,  # noqa: E402
+                            _case, _comm, _rand, _rms_norm)
+
 HIDDENS = (7168, 8192, 4099)   # DeepSeek-V3, Llama-70B, an odd row (no FP8 groups there)
-MAX_BYTES = 4 << 20            # 128 x 8192 fp32
-LAMPORT_MAX = 1 << 20
-EPS = 1e-6
 NAN8 = 0x7F
-#: Tolerance of ``out`` against torch's RMSNorm (which rounds before the weight multiply).
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def _comm(**kw):
-    import llcomm
-    return llcomm.Communicator(max_bytes=kw.pop("max_bytes", MAX_BYTES), backend="peer", **kw)
-
-
-def _rand(shape, dtype, seed):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
-
-
-def _case(tokens, hidden, dtype, seed, rank):
-    """This rank's x; residual and weight shared by every rank (same seed)."""
-    x = _rand((tokens, hidden), dtype, seed * 1009 + rank)
-    res = _rand((tokens, hidden), dtype, seed * 1009 + 997)
-    w = (_rand((hidden,), dtype, seed * 1009 + 998).abs() + 0.5).to(dtype)
-    return x, res, w
-
-
-def _rms_norm(h, w, eps):
-    fn = getattr(torch.nn.functional, "rms_norm", None)
-    if fn is not None:
-        return fn(h, (h.shape[-1],), w, eps)
-    hf = h.float()
-    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * w
 
 
 def _bits(t):
