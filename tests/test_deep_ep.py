@@ -18,6 +18,7 @@ import torch
 from _deep_ep_case import (VARIANTS, Quant, case, check_combine, check_dispatch,
                            combine_oracle, expert_outputs)
 from _dist import run_distributed
+from test_ep_reference import _expect  # a call must raise exc naming words
 
 H, T, K, L = 512, 12, 4, 3
 
@@ -179,22 +180,6 @@ def test_ue8m0_packing_by_hand():
 
 
 # -- refusals -----------------------------------------------------------------------------------
-def _expect(errors, what, exc, words, fn):
-    """Run ``fn``; append to ``errors`` unless it raises ``exc`` (exactly that class or a
-    subclass) with every one of ``words`` in its message."""
-    try:
-        fn()
-    except exc as e:
-        missing = [wd for wd in words if wd not in str(e)]
-        if missing:
-            errors.append(f"{what}: message lacks {missing}: {e}")
-        return
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"{what}: raised {type(e).__name__}: {e}")
-        return
-    errors.append(f"{what}: did not raise {exc.__name__}")
-
-
 def _refusals_body(rank, W):
     import llcomm
     import llcomm.deep_ep as deep_ep
