@@ -1,16 +1,19 @@
 """A functional check of the peer kernels with two ranks sharing ONE GPU (a development aid).
 
     python tools/one_gpu_check.py [--json PATH]
+    python tools/one_gpu_check.py --pytest tests/test_deep_ep_gpu.py [more pytest arguments]
 
 For a host with one GPU (a multi-GPU host runs the GPU suite instead). Two processes (a gloo group) both use
-cuda:0, and ``llcomm.runtime.backend.peer_support`` is overridden: the library refuses this setup on
-purpose, since two contexts on one device are time-sliced, not concurrent, and a store between
-them is not a supported peer path. PyTorch's symmetric memory refuses two ranks on one device
-too ("allocations from overlapping devices"), so the workspace here is a plain allocation
-mapped into the other process with CUDA IPC (``_ipc_workspace``). This proves nothing about
-speed or NVLink ordering. It does run the real Triton kernels, the launch path (plans, int
-pointers, hot paths) and the EP host side on the machine's own torch and Triton, against exact
-oracles computed on the CPU:
+cuda:0; ``tools/_one_gpu.py`` lifts the library's refusal of that setup (two contexts on one
+device are time-sliced, not concurrent) and shares the workspaces by CUDA IPC. This proves
+nothing about speed or NVLink ordering. It does run the real Triton kernels, the launch path
+(plans, int pointers, hot paths) and the host code on the machine's own torch and Triton.
+
+``--pytest`` runs the named ``gpu`` tests that way: each 2-rank NCCL run becomes a gloo run on
+cuda:0. What needs two devices (NCCL itself, torch's symmetric-memory ops, true concurrency:
+a peer that must make progress while another spins) can fail there without a fault in llcomm;
+read the failures. Without ``--pytest``, the built-in checks run against exact oracles computed
+on the CPU:
 
 - all_reduce (every algorithm, bf16 and fp32, three sizes, three rounds: the hot path),
   broadcast, all_gather, all_gather_2d, reduce_scatter: bit for bit;
@@ -233,33 +236,10 @@ def _ep_graph_check(buf, rank, s, name, record):
     record(f"EP {name} graph replay, 4 routings", bad == 0, f"{bad} mismatches")
 
 
-class _IpcHandle:
-    """What llcomm's workspace reads from a symmetric-memory handle: rank, world size, and every
-    rank's base address, here from CUDA IPC (the peers' tensors are kept alive with it)."""
-
-    def __init__(self, buffer):
-        import torch.distributed as dist
-        from torch.multiprocessing.reductions import reduce_tensor
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        shared = [None] * self.world_size
-        dist.all_gather_object(shared, reduce_tensor(buffer))
-        self._peers = [buffer if r == self.rank else fn(*args) for r, (fn, args) in enumerate(shared)]
-        self.buffer_ptrs = [t.data_ptr() for t in self._peers]
-
-
-def _ipc_workspace():
-    """Point llcomm's workspace at plain allocations shared by CUDA IPC (one group: the world)."""
-    import torch.distributed._symmetric_memory as symm_mem
-    symm_mem.empty = lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device)
-    symm_mem.rendezvous = lambda buffer, group_name: _IpcHandle(buffer)
-
-
 def _body(rank, world_size):
-    import llcomm.runtime.backend as backend
     import llcomm.tp.api as tp
-    torch.cuda.set_device(0)
-    backend.peer_support = lambda places: (True, "tools/one_gpu_check.py: two ranks on one GPU")
-    _ipc_workspace()
+    from _one_gpu import patch_process
+    patch_process()
     results = []
 
     def record(name, ok, detail):
@@ -284,7 +264,15 @@ def main():
     from _dist import run_distributed
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pytest", nargs=argparse.REMAINDER, default=None,
+                    help="run these pytest arguments' gpu tests with two ranks on cuda:0")
     a = ap.parse_args()
+    if a.pytest is not None:
+        import pytest
+
+        from _one_gpu import PytestPlugin
+        sys.exit(pytest.main(["-m", "gpu", "-p", "no:cacheprovider", *a.pytest],
+                             plugins=[PytestPlugin()]))
     per_rank = run_distributed(_body, WORLD, backend="gloo", timeout=900)
     failed = 0
     for rank, (results, secs) in enumerate(per_rank):
