@@ -39,9 +39,10 @@ def _same_bits(a, b):
 
 
 def _same_on_all_ranks(t):
-    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, t.contiguous())
-    return all(torch.equal(_bits(g), _bits(got[0])) for g in got)
+    b = _bits(t)        # the bytes: a collective need not know float8
+    got = [torch.empty_like(b) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, b)
+    return all(torch.equal(g, got[0]) for g in got)
 
 
 def _poison8(shape):

@@ -74,7 +74,12 @@ def _add_norm_row(acc, residual, weight, out, res_out, qscale, row, cols, m, liv
         h = acc.to(FT)
     tl.store(res_out + row + cols, h, mask=m)
     hf = h.to(tl.float32)          # masked lanes are 0 and add nothing to the sum of squares
-    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+    # The sum of squares in fp64: a square is exact there and so, nearly always, is the sum, so
+    # inv does not depend on the order of the sum. An fp32 sum's order follows the compiled
+    # layout, which differs between the output variants (the FP8 ones reshape y into groups),
+    # and their y would differ from PLAIN's by one step in rare elements.
+    h64 = hf.to(tl.float64)
+    inv = tl.rsqrt(tl.sum(h64 * h64, axis=0).to(tl.float32) / hidden + eps)
     w = tl.load(weight + cols, mask=m, other=0.0).to(tl.float32)
     if OUT == _PLAIN:
         tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
