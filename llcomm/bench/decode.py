@@ -84,7 +84,8 @@ class Rank:
 
 def _cross_rank_wrong(out: torch.Tensor) -> int:
     all_out = verify.gather_bytes(out)
-    same = all_out[0].view(torch.int16) == out.view(torch.int16)
+    iv = verify.INT_VIEW[out.element_size()]
+    same = all_out[0].view(iv) == out.view(iv)
     return int((~same | ~torch.isfinite(out)).sum())
 
 

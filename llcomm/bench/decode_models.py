@@ -279,6 +279,7 @@ def moe_blocks(shape: MoEShape, seed: int, device, dtype):
                             norm_topk_prob=True, num_hidden_layers=1, num_attention_heads=8,
                             num_key_value_heads=8, head_dim=16, rms_norm_eps=NORM_EPS,
                             pad_token_id=0)
+    cfg._experts_implementation = "eager"   # the module's own loop, where its forward is run
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for _ in range(shape.layers):
