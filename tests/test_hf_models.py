@@ -1,6 +1,7 @@
 """transformers' own models through llcomm on the CPU (gloo, reference backend, float32), with
 the sharding code of ``llcomm.hf`` (``llama_tp``, ``moe_ep``) and the tiny models of
-examples/hf_llama_tp.py and examples/hf_moe_ep.py, against the same model unsharded, on fresh random weights and inputs every run (the seed is in the failure message):
+examples/hf_llama_tp.py and examples/hf_moe_ep.py, against the same model unsharded, on fresh
+random weights and inputs every run (the seed is in the failure message):
 
 - tensor parallelism of a Llama (2 and 3 ranks, fused and unfused joins): logits of a batch of
   prompts within float32 rounding of the unsharded model's, and the same greedy tokens over

@@ -5,8 +5,8 @@ Layers, bottom up: ``llcomm.errors`` and ``llcomm.runtime`` (shared by both op f
 other; ``llcomm.ops`` (torch.library ops over both) and ``llcomm.deep_ep`` (DeepEP's low-latency
 API over ``llcomm.ep``), which nothing in the library imports; ``llcomm.hf`` (transformers'
 models sharded over both, an optional integration), which only the tools import;
-``llcomm.bench`` and ``llcomm.cli`` (tools), which the library never imports. A kernel module imports device helpers and constants, never an
-API, a backend or the reference.
+``llcomm.bench`` and ``llcomm.cli`` (tools), which the library never imports. A kernel module
+imports device helpers and constants, never an API, a backend or the reference.
 """
 from __future__ import annotations
 

@@ -331,10 +331,11 @@ def print_result(result: dict) -> None:
           f"{result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; median of "
           f"{result['iters']} steps after {result['warmup']} warm-up, slowest rank")
     d, m = result["dense"], result["moe"]
+    sets = min(result["weight_sets"], d["layers"])
     titles = {"tp": f"tp: {MODELS['tp']} (transformers' LlamaDecoderLayer, hidden "
-                    f"{d['hidden']}, {d['layers']} layers of {min(result['weight_sets'], d['layers'])} "
-                    f"weight sets, context {d.get('context')}, {2 * d['layers']} joins per step); graph "
-                    "mode: one CUDA graph per step",
+                    f"{d['hidden']}, {d['layers']} layers of {sets} weight sets, context "
+                    f"{d.get('context')}, {2 * d['layers']} joins per step); graph mode: one "
+                    "CUDA graph per step",
               "ep": f"ep: {MODELS['ep']} (transformers' Qwen3MoeSparseMoeBlock, hidden "
                     f"{m['hidden']}, {m['experts']} experts, top-{m['topk']}, {m['layers']} MoE "
                     f"layers, expert intermediate {m['intermediate']}); batch = tokens per rank"}
