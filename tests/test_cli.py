@@ -320,6 +320,25 @@ def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
             assert row["context"] == 16, row
 
 
+def test_bench_decode_bad_shapes_name_the_option():
+    from llcomm.bench import decode
+    from llcomm.bench import decode_models as M
+
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    with pytest.raises(ValueError, match="--context must be at least 1"):
+        decode.config_from_args(parser.parse_args(["--context", "0"]), on_cpu=True)
+    cfg = decode.config_from_args(parser.parse_args(["--context", "5"]), on_cpu=True)
+    assert cfg.dense.context == 5 and cfg.dense.hidden == M.DENSE_CPU.hidden
+    odd = M.DenseShape(hidden=64, q_heads=3, kv_heads=3, head_dim=16, intermediate=96)
+    with pytest.raises(ValueError, match="q_heads=3, kv_heads=3 not a multiple of the world "
+                                         "size 2"):
+        M.DenseTP(odd, M.Group(0, 2), 1, 0, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="rows=0"):
+        from llcomm.hf.moe_ep import ExpertParallelMoE
+        ExpertParallelMoE(None, None, rows=0)
+
+
 def test_bench_decode_without_transformers_says_so(monkeypatch, capsys):
     """Where transformers is missing, ``llcomm bench decode`` names the hf extra and exits 2
     (no traceback, no processes started)."""

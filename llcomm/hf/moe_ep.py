@@ -117,11 +117,12 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, block: nn.Module, transport, rows: int | None = None):
         super().__init__()
+        if rows is not None and (not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"ExpertParallelMoE: rows={rows!r} must be an int of at least 1 "
+                             "(or None)")
         if block.experts.num_experts != transport.num_experts:
             raise ValueError(f"ExpertParallelMoE: the block has {block.experts.num_experts} "
                              f"experts, the transport {transport.num_experts}")
-        if rows is not None and rows < 1:
-            raise ValueError(f"ExpertParallelMoE: rows={rows} must be at least 1 (or None)")
         self.gate = block.gate
         self.experts = local_experts(block.experts, transport.rank, transport.world_size)
         self.transport = transport
