@@ -45,7 +45,8 @@ Qwen3-MoE's, not DeepSeek-V3's group-limited sigmoid router; the traffic (top-8 
 the same. The expert intermediate I (default 128, DeepSeek-V3's is 2048) makes a rank read as
 many expert-weight bytes per layer at W = 2 (128 experts x 3 x 7168 x 128 x 2 B = 705 MB) as
 one rank of a 32-way EP DeepSeek-V3 deployment (8 experts x 3 x 7168 x 2048 x 2 B), without
-holding 2 x 10 GB of random weights per layer. No shared expert, attention or dense layers.
+holding 11 GB of random expert weights per rank and layer (DeepSeek-V3's own I at W = 2). No
+shared expert, attention or dense layers.
 
 The ``none`` variants: TP, the row-parallel layers unjoined (each rank's partial product used as
 is); EP, the router and the experts on a static ``recv_x``, no dispatch, no combine. So step -
