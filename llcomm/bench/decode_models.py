@@ -54,6 +54,7 @@ none is the time communication adds.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -152,6 +153,7 @@ def _takes_device() -> bool:
     return "device" in inspect.signature(ml.LlamaRotaryEmbedding.__init__).parameters
 
 
+@functools.lru_cache(maxsize=None)
 def cache_argument() -> str:
     """The name transformers' decoder layer takes its cache by (``cache``, formerly
     ``past_key_values``)."""
@@ -176,13 +178,15 @@ class _Slot:
 class SlotKVCache:
     """The KV caches of ``layers`` layers for ``batch`` sequences: ``context`` random filled
     positions of all ``kv_heads`` (drawn from ``seed``, the same on every rank) of which this
-    rank keeps its heads ``[rank * kv_heads / W, ...)``, and one slot for the step's own token."""
+    rank keeps its heads ``[rank * kv_heads / W, ...)``, and one slot for the step's own token;
+    ``positions [batch, 1]``, the step's position (``context``), a static tensor."""
 
     def __init__(self, shape: DenseShape, batch: int, group: Group, seed: int, device, dtype):
         per = shape.kv_heads // group.world_size
         heads = slice(group.rank * per, (group.rank + 1) * per)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
+        self.positions = torch.full((batch, 1), shape.context, dtype=torch.long, device=device)
         self.slots = []
         for _ in range(shape.layers):
             kv = [torch.randn(batch, shape.kv_heads, shape.context + 1, shape.head_dim,
@@ -195,13 +199,12 @@ class SlotKVCache:
 
 
 def run_layers(layers: list, norm: nn.Module, rotary: nn.Module, h: torch.Tensor,
-               cache: SlotKVCache, num_layers: int, context: int,
-               fused_join=None) -> torch.Tensor:
-    """``num_layers`` decoder layers (``layers`` in turn) on ``h [B, 1, hidden]`` at position
-    ``context``, then ``norm``: each layer's own forward, or with ``fused_join`` each through
-    ``fused_layer_forward`` (its norms must be ``JoinedNorm``\\ s, which take the hand-over)."""
-    positions = torch.full((h.shape[0], 1), context, dtype=torch.long, device=h.device)
-    emb = rotary(h, positions)
+               cache: SlotKVCache, num_layers: int, fused_join=None) -> torch.Tensor:
+    """``num_layers`` decoder layers (``layers`` in turn) on ``h [B, 1, hidden]`` at the
+    cache's position, then ``norm``: each layer's own forward, or with ``fused_join`` each
+    through ``fused_layer_forward`` (its norms must be ``JoinedNorm``\\ s, which take the
+    hand-over)."""
+    emb = rotary(h, cache.positions)
     name = cache_argument()
     for i in range(num_layers):
         layer = layers[i % len(layers)]
@@ -242,7 +245,7 @@ class DenseTP:
     def step(self, h: torch.Tensor, cache: SlotKVCache, fused_join=None) -> torch.Tensor:
         """One decode step on ``h [B, 1, hidden]`` (the same on every rank)."""
         return run_layers(self.layers, self.norm, self.rotary, h, cache, self.shape.layers,
-                          self.shape.context, fused_join)
+                          fused_join)
 
 
 # -- MoE EP ----------------------------------------------------------------------------------
