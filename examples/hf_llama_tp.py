@@ -1,31 +1,12 @@
 """Tensor parallelism for transformers' own Llama model, joined by llcomm (docs/integration.md,
 "Real model code").
 
-``tensor_parallel(model, comm)`` shards a ``transformers.LlamaForCausalLM`` in place over the
-ranks of an ``llcomm.Communicator``: it swaps the model's ``nn.Linear`` layers for sharded ones
-and leaves transformers' attention, rotary embedding, KV cache, MLP, norms, masks and
-``generate()`` to run as they are.
-
-- q / k / v and gate / up are column-parallel: each rank keeps its rows of the weight (its
-  query heads and key / value heads, its part of the MLP's width), so attention runs on this
-  rank's heads only and the KV cache holds only them.
-- o_proj and down_proj are row-parallel: each rank multiplies its slice of the input by its
-  columns of the weight, and the partial sums are joined across ranks.
-- The join. ``fused=False``: the row-parallel layer calls ``comm.all_reduce`` and the decoder
-  layer's own forward adds the residual and applies the next RMSNorm. ``fused=True``: each
-  join is ``comm.all_reduce_residual_rmsnorm`` (all-reduce, residual add and the next RMSNorm in
-  one call). transformers' decoder layer adds the residual inline, between its calls to
-  ``self_attn`` and ``post_attention_layernorm``, where no hook reaches, so the fused mode gives
-  each decoder layer a forward of its own that calls the layer's own modules in the layer's
-  order and joins through llcomm (``_fused_layer_forward``). The join after down_proj takes the
-  *next* norm's weight (the next layer's ``input_layernorm``, or the model's final ``norm``),
-  and that norm hands back the join's output when it is called on the join's residual.
-- The embedding is replicated; lm_head is vocab-parallel: each rank computes the logits of its
-  slice of the vocabulary and ``comm.all_gather_2d`` puts every rank's slice in place (token
-  major), so every rank holds the whole logits and ``generate()`` picks the same tokens.
-
-Requires ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
-``vocab_size`` to be multiples of the world size.
+``tensor_parallel(model, comm)`` (``llcomm.hf.llama_tp``, which says how each layer is split and
+joined) shards a ``transformers.LlamaForCausalLM`` in place over the ranks of an
+``llcomm.Communicator``: it swaps the model's ``nn.Linear`` layers for sharded ones and leaves
+transformers' attention, rotary embedding, KV cache, MLP, norms, masks and ``generate()`` to run
+as they are. ``fused=True`` makes each decoder layer's two joins
+``comm.all_reduce_residual_rmsnorm`` calls; ``fused=False`` joins with ``comm.all_reduce``.
 
 The check below builds a tiny Llama with random weights (nothing is downloaded), shards a copy,
 and compares the logits of a batch of prompts and the tokens ``generate()`` picks (with its KV
@@ -36,156 +17,14 @@ cache) against the unsharded model on every rank, fused and unfused.
 from __future__ import annotations
 
 import copy
-import functools
-import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import llcomm
 from _launch import device, launch
-
-
-class RowParallelLinear(nn.Module):
-    """This rank's input columns of an ``nn.Linear``; the partial products are joined across
-    ranks by ``join`` (``comm.all_reduce``), or left unjoined (``join=None``) for a caller that
-    joins them itself (the fused decoder layer). A bias is added once, by rank 0."""
-
-    def __init__(self, linear: nn.Linear, comm: llcomm.Communicator, join=None):
-        super().__init__()
-        part = linear.in_features // comm.world_size
-        cols = slice(comm.rank * part, (comm.rank + 1) * part)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].contiguous(),
-                                   requires_grad=False)
-        self.bias = None
-        if linear.bias is not None and comm.rank == 0:
-            self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.join = join
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return y if self.join is None else self.join(y.contiguous())
-
-
-def _column_parallel(linear: nn.Linear, comm: llcomm.Communicator) -> nn.Linear:
-    """This rank's output rows of an ``nn.Linear`` (its heads, its part of the MLP), as an
-    ``nn.Linear`` the module calls as before."""
-    part = linear.out_features // comm.world_size
-    rows = slice(comm.rank * part, (comm.rank + 1) * part)
-    out = nn.Linear(linear.in_features, part, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(linear.weight[rows])
-        if linear.bias is not None:
-            out.bias.copy_(linear.bias[rows])
-    out.requires_grad_(False)
-    return out
-
-
-class VocabParallelLMHead(nn.Module):
-    """lm_head split by vocabulary rows; ``comm.all_gather_2d`` joins the slices token-major, so
-    every rank returns the whole ``[..., vocab]`` logits."""
-
-    def __init__(self, linear: nn.Linear, comm: llcomm.Communicator):
-        super().__init__()
-        self.inner = _column_parallel(linear, comm)
-        self.comm = comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = self.inner(x.reshape(-1, x.shape[-1]).contiguous())
-        return self.comm.all_gather_2d(part).view(*x.shape[:-1], -1)
-
-
-def rms_eps(norm: nn.Module) -> float:
-    """The epsilon of an RMSNorm module (transformers names it ``variance_epsilon``)."""
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-
-
-class JoinedNorm(nn.Module):
-    """Stands where an RMSNorm stood. The fused join before it already computed its output for
-    one tensor (``hand_over``); called on that very tensor it returns the output, on anything
-    else it runs the RMSNorm it replaced. ``hits`` counts the hand-overs taken."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.norm = norm
-        self.weight = norm.weight
-        self.eps = rms_eps(norm)
-        self._key = self._value = None
-        self.hits = 0
-
-    def hand_over(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        self._key, self._value = key, value
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key, value = self._key, self._value
-        self._key = self._value = None
-        if x is key:
-            self.hits += 1
-            return value
-        return self.norm(x)
-
-
-def fused_join(comm: llcomm.Communicator, partial: torch.Tensor, residual: torch.Tensor,
-               norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(residual + sum of partial), residual + sum of partial)``, one llcomm call."""
-    shape = residual.shape
-    h = shape[-1]
-    # plain tensors (the weight detached from its Parameter): llcomm's per-shape fast path
-    # takes those only
-    out, res = comm.all_reduce_residual_rmsnorm(partial.reshape(-1, h).contiguous(),
-                                                residual.reshape(-1, h).contiguous(),
-                                                norm.weight.detach(), rms_eps(norm))
-    return out.view(shape), res.view(shape)
-
-
-def _fused_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-    """A Llama decoder layer's forward with its two joins fused (bound to the layer by
-    ``tensor_parallel``): the layer's own modules, called as the layer calls them."""
-    residual = hidden_states
-    x = self.input_layernorm(hidden_states)        # a JoinedNorm after the first layer
-    x, _ = self.self_attn(hidden_states=x, **kwargs)        # o_proj's partial sums
-    x, residual = self.tp_join(x, residual, self.post_attention_layernorm)
-    x = self.mlp(x)                                         # down_proj's partial sums
-    normed, hidden = self.tp_join(x, residual, self.tp_next_norm)
-    self.tp_next_norm.hand_over(hidden, normed)
-    return hidden
-
-
-def tensor_parallel(model: nn.Module, comm: llcomm.Communicator, *, fused: bool = True):
-    """Shard a ``LlamaForCausalLM`` (or a model of the same layout) in place over ``comm``'s
-    ranks (see the module doc); returns it. Every rank must pass the same weights."""
-    cfg, ws = model.config, comm.world_size
-    bad = [f"{k}={getattr(cfg, k)}" for k in ("num_attention_heads", "num_key_value_heads",
-                                              "intermediate_size", "vocab_size")
-           if getattr(cfg, k) % ws]
-    if bad:
-        raise ValueError(f"tensor_parallel: {', '.join(bad)} not a multiple of the world size "
-                         f"{ws}")
-    base = model.model
-    layers = list(base.layers)
-    join = None if fused else comm.all_reduce
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, _column_parallel(getattr(attn, name), comm))
-        attn.o_proj = RowParallelLinear(attn.o_proj, comm, join)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, _column_parallel(getattr(mlp, name), comm))
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, comm, join)
-    if fused:
-        for i, layer in enumerate(layers):
-            if i + 1 < len(layers):
-                nxt = layers[i + 1].input_layernorm = JoinedNorm(layers[i + 1].input_layernorm)
-            else:
-                nxt = base.norm = JoinedNorm(base.norm)
-            layer.tp_next_norm = nxt
-            layer.tp_join = functools.partial(fused_join, comm)
-            layer.forward = types.MethodType(_fused_layer_forward, layer)
-    model.lm_head = VocabParallelLMHead(model.lm_head, comm)
-    return model
+from llcomm.hf.llama_tp import tensor_parallel
 
 
 # --- the check ------------------------------------------------------------------------------

@@ -1,24 +1,10 @@
 """Expert parallelism for transformers' own Qwen3-MoE block, tokens moved by ``llcomm.EPBuffer``
 (docs/integration.md, "Real model code").
 
-``ExpertParallelMoE(block, transport)`` stands in for a ``Qwen3MoeSparseMoeBlock``. It keeps
-the block's own router (``block.gate``) on every rank and this rank's slice of the block's own
-experts module (``block.experts``: transformers stores all experts' weights as 3-D tensors and
-runs them in one module), and per call:
-
-1. routes this rank's tokens with the router: ``topk_idx`` (global expert ids) and
-   ``topk_weights``;
-2. ``dispatch``: each token goes to the ranks of its top-k experts. Rank r holds experts
-   ``[r * L, (r + 1) * L)``; what it receives is ``recv_x [L, W * T, hidden]`` (W ranks, T the
-   most tokens a rank sends) with ``recv_count[e]`` valid rows for local expert e;
-3. runs the experts module on the valid rows, each row tagged with its local expert, weight 1
-   (the same code and weights the block runs, on this rank's experts only), and writes each
-   expert's outputs to its rows of the combine input;
-4. ``combine``: every token gets back the sum of its experts' outputs weighted by the router's
-   top-k weights, in the order it was given.
-
-The transport is the one place that speaks to llcomm (``EPBufferTransport``); a transport with
-the same three calls over ``llcomm.deep_ep`` (DeepEP's ``Buffer`` API) slots in beside it.
+``ExpertParallelMoE(block, transport)`` (``llcomm.hf.moe_ep``, which says what one call does)
+stands in for a ``Qwen3MoeSparseMoeBlock``: the block's own router on every rank, this rank's
+slice of the block's own experts, and the tokens moved to their experts and back by the
+transport (``EPBufferTransport``: ``EPBuffer.dispatch`` / ``combine``).
 
 The check below builds a tiny Qwen3-MoE with random weights (nothing is downloaded). The block:
 each rank routes tokens of its own (three of them sent only to experts of other ranks) and
@@ -39,91 +25,7 @@ from torch import nn
 
 import llcomm
 from _launch import device, launch
-
-
-class EPBufferTransport:
-    """dispatch / combine over an ``llcomm.EPBuffer`` (bf16 / fp32 rows, no FP8)."""
-
-    def __init__(self, buf: llcomm.EPBuffer):
-        self.buf = buf
-        self.num_experts, self.rank, self.world_size = buf.num_experts, buf.rank, buf.num_ranks
-
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor):
-        """``(recv_x [L, W * T, hidden], recv_count [L], handle, expert_out)``: ``expert_out``
-        is where the experts write their rows for ``combine``."""
-        recv_x, recv_count, handle = self.buf.dispatch(x, topk_idx)
-        return recv_x, recv_count, handle, self.buf.get_combine_input(handle)
-
-    def combine(self, expert_out, topk_idx, topk_weights, handle) -> torch.Tensor:
-        return self.buf.combine(expert_out, topk_idx, topk_weights, handle)
-
-
-# What ExpertParallelMoE asks of a transport: ``num_experts``, ``rank``, ``world_size``;
-# ``dispatch(x, topk_idx) -> (recv_x [L, W * T, hidden], recv_count [L], handle, expert_out)``;
-# ``combine(expert_out, topk_idx, topk_weights (float32), handle) -> [num_tokens, hidden]``.
-# A transport over llcomm.deep_ep (DeepEP's Buffer API) goes here: dispatch through its
-# low_latency_dispatch(..., use_fp8=False) and get_next_low_latency_combine_buffer(handle),
-# combine through low_latency_combine(...)[0]; tests/test_hf_models.py runs its checks once per
-# transport it lists.
-
-
-def local_experts(experts: nn.Module, rank: int, world_size: int) -> nn.Module:
-    """A copy of a transformers experts module (3-D ``gate_up_proj`` / ``down_proj``) holding
-    this rank's experts only, numbered from 0."""
-    n = experts.num_experts
-    if n % world_size:
-        raise ValueError(f"local_experts: num_experts={n} is not a multiple of the world size "
-                         f"{world_size}")
-    per = n // world_size
-    mine = slice(rank * per, (rank + 1) * per)
-    out = copy.copy(experts)            # a shallow copy: the module's code, config and act_fn
-    out._parameters = dict(experts._parameters)
-    with torch.no_grad():
-        for name in ("gate_up_proj", "down_proj"):
-            setattr(out, name, nn.Parameter(getattr(experts, name)[mine].clone(),
-                                            requires_grad=False))
-    out.num_experts = per
-    return out
-
-
-class ExpertParallelMoE(nn.Module):
-    """A Qwen3-MoE sparse block with its experts spread over the transport's ranks (module
-    doc). Every rank must call it the same number of times; token counts may differ."""
-
-    def __init__(self, block: nn.Module, transport):
-        super().__init__()
-        if block.experts.num_experts != transport.num_experts:
-            raise ValueError(f"ExpertParallelMoE: the block has {block.experts.num_experts} "
-                             f"experts, the transport {transport.num_experts}")
-        self.gate = block.gate
-        self.experts = local_experts(block.experts, transport.rank, transport.world_size)
-        self.transport = transport
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1]).contiguous()
-        _, topk_weights, topk_idx = self.gate(x)                    # the block's own router
-        recv_x, recv_count, handle, expert_out = self.transport.dispatch(x, topk_idx)
-        counts = recv_count.tolist()       # a host sync (a grouped GEMM on recv_count avoids it)
-        rows = torch.cat([recv_x[e, :c] for e, c in enumerate(counts)])
-        if rows.shape[0]:
-            which = torch.cat([torch.full((c, 1), e, dtype=torch.long, device=x.device)
-                               for e, c in enumerate(counts)])
-            y = self.experts(rows, which, torch.ones(which.shape, dtype=rows.dtype,
-                                                     device=x.device))
-            for e, part in enumerate(y.split(counts)):
-                expert_out[e, :counts[e]] = part
-        out = self.transport.combine(expert_out, topk_idx, topk_weights.float(), handle)
-        return out.view(shape)
-
-
-def expert_parallel(model: nn.Module, transport) -> nn.Module:
-    """Replace every sparse MoE block of a Qwen3-MoE model by ``ExpertParallelMoE`` (in
-    place); returns the model."""
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate"):
-            layer.mlp = ExpertParallelMoE(layer.mlp, transport)
-    return model
+from llcomm.hf.moe_ep import EPBufferTransport, ExpertParallelMoE, expert_parallel
 
 
 # --- the check ------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gathe
                      "+ FP8 quantisation) against llcomm all_reduce + the same in torch"),
            "ep": ("llcomm.bench.ep", "MoE dispatch / combine (EPBuffer): the peer backend "
                   "against the reference backend on NCCL"),
-           "decode": ("llcomm.bench.decode", "whole synthetic decode steps (dense TP, MoE EP) "
-                      "with each communication implementation and with none"),
+           "decode": ("llcomm.bench.decode", "whole decode steps built from transformers' modules "
+                      "(Llama layers at TP, Qwen3-MoE blocks at EP; the hf extra) with each "
+                      "communication implementation and with none"),
            "soak": ("llcomm.bench.soak", "soak test: many random ops of every kind, each result "
                     "checked, then a replayed CUDA graph; counts of ops, wrong, timeouts"),
            "link": ("llcomm.bench.link", "bandwidth between this host's GPUs (copy engine, SM "

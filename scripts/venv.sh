@@ -6,8 +6,9 @@
 # Installs torch first, pinned (LLCOMM_TORCH, default torch==2.13.0: on the project's CPU
 # machines pip takes the CPU build that lies on disk instead of downloading a CUDA build), then
 # llcomm itself, editable, with the test, bench, gpu, docs and hf extras (docs: mkdocs, so the
-# suite's `mkdocs build --strict` test runs; hf: transformers for tests/test_hf_models.py and
-# examples/hf_*.py, which asks for no torch of its own, so the pinned torch stays). A stamp in
+# suite's `mkdocs build --strict` test runs; hf: transformers for llcomm.hf, `llcomm bench
+# decode`, tests/test_hf_models.py and examples/hf_*.py, which asks for no torch of its own, so
+# the pinned torch stays). A stamp in
 # .venv records what was installed, so later calls return at once until pyproject.toml or
 # LLCOMM_TORCH changes.
 set -euo pipefail

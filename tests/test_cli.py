@@ -3,6 +3,8 @@
 The CPU tests force two gloo processes (``--cpu``) so they behave the same on every host; the
 ``gpu`` tests run the same commands on the GPUs (one process per GPU).
 """
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -290,17 +292,20 @@ def test_check_passes_on_cpu(tmp_path):
         assert op in p.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers is not installed (pip install -e '.[hf]')")
 def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
     p = llcomm("bench", "decode", "--cpu", "--batches", "1,2", "--iters", "2", "--warmup", "1",
                "--json", "d.json", "--plot", "d.png", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "tp: dense-70b" in p.stdout and "ep: deepseek-v3-moe" in p.stdout
+    assert "LlamaDecoderLayer" in p.stdout and "Qwen3MoeSparseMoeBlock" in p.stdout
     assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads((tmp_path / "d.json").read_text())
     assert HEADER_KEYS <= set(result) and result["bench"] == "decode"
     rows = result["rows"]
     assert {(r["part"], r["impl"], r["batch"]) for r in rows} == {
-        *(("tp", i, b) for i in ("none", "reference") for b in (1, 2)),
+        *(("tp", i, b) for i in ("none", "reference", "reference_fused") for b in (1, 2)),
         ("ep", "none", 4), ("ep", "reference", 4)}
     for row in rows:
         assert ROW_KEYS | {"model", "batch", "ms_per_step"} <= set(row), row
@@ -309,8 +314,46 @@ def test_bench_decode_cpu_writes_json_and_plot(tmp_path):
         if row["impl"] != "none":
             assert row["comm_ms"] is not None
     for row in rows:                # the TP all-reduce left both ranks the same bits
-        if row["part"] == "tp" and row["impl"] == "reference":
+        if row["part"] == "tp" and row["impl"] != "none":
             assert row["wrong"] == 0, row
+        if row["part"] == "tp":
+            assert row["context"] == 16, row
+
+
+def test_bench_decode_bad_shapes_name_the_option():
+    from llcomm.bench import decode
+    from llcomm.bench import decode_models as M
+
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    with pytest.raises(ValueError, match="--context must be at least 1"):
+        decode.config_from_args(parser.parse_args(["--context", "0"]), on_cpu=True)
+    cfg = decode.config_from_args(parser.parse_args(["--context", "5"]), on_cpu=True)
+    assert cfg.dense.context == 5 and cfg.dense.hidden == M.DENSE_CPU.hidden
+    odd = M.DenseShape(hidden=64, q_heads=3, kv_heads=3, head_dim=16, intermediate=96)
+    with pytest.raises(ValueError, match="q_heads=3, kv_heads=3 not a multiple of the world "
+                                         "size 2"):
+        M.DenseTP(odd, M.Group(0, 2), 1, 0, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="rows=0"):
+        from llcomm.hf.moe_ep import ExpertParallelMoE
+        ExpertParallelMoE(None, None, rows=0)
+
+
+def test_bench_decode_without_transformers_says_so(monkeypatch, capsys):
+    """Where transformers is missing, ``llcomm bench decode`` names the hf extra and exits 2
+    (no traceback, no processes started)."""
+    import llcomm.hf
+    from llcomm.bench import decode
+
+    monkeypatch.setattr(llcomm.hf, "transformers_available", lambda: False)
+    started = []
+    monkeypatch.setattr(decode.spawn, "launch", lambda *a, **k: started.append(a))
+    assert decode.run(argparse.Namespace(cpu=True)) == 2
+    out = capsys.readouterr().out
+    assert "transformers is not installed" in out and "llcomm[hf]" in out, out
+    assert started == []
+    with pytest.raises(ImportError, match=r"llcomm\[hf\]"):
+        llcomm.hf.require_transformers("x")
 
 
 def test_bench_subcommands_and_default(capsys):

@@ -1,6 +1,7 @@
 """transformers' own models through llcomm on the CPU (gloo, reference backend, float32), with
-the sharding code of examples/hf_llama_tp.py and examples/hf_moe_ep.py against the same model
-unsharded, on fresh random weights and inputs every run (the seed is in the failure message):
+the sharding code of ``llcomm.hf`` (``llama_tp``, ``moe_ep``) and the tiny models of
+examples/hf_llama_tp.py and examples/hf_moe_ep.py, against the same model unsharded, on fresh
+random weights and inputs every run (the seed is in the failure message):
 
 - tensor parallelism of a Llama (2 and 3 ranks, fused and unfused joins): logits of a batch of
   prompts within float32 rounding of the unsharded model's, and the same greedy tokens over
@@ -8,7 +9,8 @@ unsharded, on fresh random weights and inputs every run (the seed is in the fail
 - expert parallelism of a Qwen3-MoE sparse block (2 ranks): the block's output within float32
   rounding of the block's own forward, for tokens routed only to another rank's experts, only
   to this rank's, and at random, a different number on each rank and none on one; the combine
-  input poisoned with NaN; then the whole model generating.
+  input poisoned with NaN; the same through the capturable path (``rows=``: a fixed number of
+  rows per expert, here all of them); then the whole model generating.
 
 Each also breaks the sharding on purpose (a join skipped on one layer, the other rank's experts
 run) and requires the comparison to fail by far. The tolerance is each example's
@@ -68,10 +70,10 @@ def _skip_join(partial, residual, norm):
     """A fused join without its all-reduce: this rank's partial sum taken for the whole."""
     import torch
 
-    import hf_llama_tp as H
+    from llcomm.hf.llama_tp import rms_eps
 
     h = residual + partial
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + H.rms_eps(norm)) * norm.weight
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + rms_eps(norm)) * norm.weight
     return y, h
 
 
@@ -82,6 +84,7 @@ def _tp_body(rank, ws, seed):
 
     import hf_llama_tp as H
     import llcomm
+    from llcomm.hf import llama_tp as T
 
     ref = H.tiny_llama(seed, ranks=ws)
     g = torch.Generator().manual_seed(seed + 1)
@@ -93,7 +96,7 @@ def _tp_body(rank, ws, seed):
     comm = llcomm.Communicator(max_bytes=1 << 20)
     errs = {}
     for fused in (True, False):
-        tp = H.tensor_parallel(copy.deepcopy(ref), comm, fused=fused)
+        tp = T.tensor_parallel(copy.deepcopy(ref), comm, fused=fused)
         with torch.no_grad():
             got = tp(ids).logits
         errs[fused] = _max_err(got, want)
@@ -104,7 +107,7 @@ def _tp_body(rank, ws, seed):
         dist.all_gather_object(everyone, tokens)
         assert all(torch.equal(t, tokens) for t in everyone), "ranks picked different tokens"
         if fused:   # every down_proj join handed its norm over: 1 forward + STEPS in generate
-            hits = [m.hits for m in tp.modules() if isinstance(m, H.JoinedNorm)]
+            hits = [m.hits for m in tp.modules() if isinstance(m, T.JoinedNorm)]
             assert hits == [1 + STEPS] * ref.config.num_hidden_layers, hits
             tp.model.layers[1].tp_join = _skip_join            # broken on purpose
         else:
@@ -116,7 +119,7 @@ def _tp_body(rank, ws, seed):
     bad = copy.deepcopy(ref)
     bad.config.num_key_value_heads = 2 * ws + 1
     with pytest.raises(ValueError, match="num_key_value_heads=.*world size"):
-        H.tensor_parallel(bad, comm)
+        T.tensor_parallel(bad, comm)
     comm.check()
     comm.close()
     return errs, tol["atol"]
@@ -132,15 +135,15 @@ def test_llama_tensor_parallel(world_size):
 
 
 def _transport(name: str, buf):
-    """The example's transport called ``name``, over ``buf`` (``TRANSPORTS``)."""
-    import hf_moe_ep as M
+    """The transport called ``name``, over ``buf`` (``TRANSPORTS``)."""
+    from llcomm.hf.moe_ep import EPBufferTransport
 
     if name == "EPBuffer":
-        return M.EPBufferTransport(buf)
+        return EPBufferTransport(buf)
     raise ValueError(f"no transport {name!r}")
 
 
-#: The transports the expert-parallel block is checked through (examples/hf_moe_ep.py).
+#: The transports the expert-parallel block is checked through (llcomm/hf/moe_ep.py).
 TRANSPORTS = ["EPBuffer"]
 
 
@@ -150,6 +153,7 @@ def _ep_body(rank, ws, seed, transport_name):
 
     import hf_moe_ep as M
     import llcomm
+    from llcomm.hf import moe_ep as E
 
     ref = M.tiny_qwen3_moe(seed, ranks=ws)
     cfg = ref.config
@@ -161,7 +165,7 @@ def _ep_body(rank, ws, seed, transport_name):
     combine_input = buf.get_combine_input
     buf.get_combine_input = lambda handle: combine_input(handle).fill_(float("nan"))
     transport = _transport(transport_name, buf)
-    ep = M.ExpertParallelMoE(block, transport)
+    ep = E.ExpertParallelMoE(block, transport)
 
     per = cfg.num_experts // ws
     mine = list(range(rank * per, (rank + 1) * per))
@@ -176,6 +180,9 @@ def _ep_body(rank, ws, seed, transport_name):
         err = _max_err(got, want)
         tol = M.tolerance(want)
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"seed {seed}: {m}")
+        # the capturable path: a fixed number of rows per expert, every row here (W * T)
+        fixed = E.ExpertParallelMoE(block, transport, rows=ws * 16)
+        torch.testing.assert_close(fixed(x), want, **tol, msg=lambda m: f"seed {seed}: {m}")
         # rank 1 sends nothing, rank 0 a few tokens that the other ranks' experts serve
         x = x[:, :3] if rank == 0 else x[:, :0]
         got = ep(x)
@@ -183,14 +190,14 @@ def _ep_body(rank, ws, seed, transport_name):
         if rank == 0:
             torch.testing.assert_close(got, block(x), **tol)
         # broken on purpose: run the next rank's experts in place of this rank's
-        wrong = M.ExpertParallelMoE(block, transport)
-        wrong.experts = M.local_experts(block.experts, (rank + 1) % ws, ws)
+        wrong = E.ExpertParallelMoE(block, transport)
+        wrong.experts = E.local_experts(block.experts, (rank + 1) % ws, ws)
         x = torch.randn(1, 8, cfg.hidden_size, generator=g)
         broken = _max_err(wrong(x), block(x))
         assert broken > 100 * tol["atol"], (broken, tol)
 
     # the whole model, every MoE block expert-parallel, each rank with prompts of its own
-    model = M.expert_parallel(copy.deepcopy(ref), transport)
+    model = E.expert_parallel(copy.deepcopy(ref), transport)
     ids = torch.randint(1, cfg.vocab_size, (2, 5), generator=g)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=STEPS, min_new_tokens=STEPS,
               do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)

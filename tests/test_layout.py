@@ -3,9 +3,10 @@
 Layers, bottom up: ``llcomm.errors`` and ``llcomm.runtime`` (shared by both op families);
 ``llcomm.tp`` and ``llcomm.ep`` (each: api, peer, reference, kernels), which never import each
 other; ``llcomm.ops`` (torch.library ops over both) and ``llcomm.deep_ep`` (DeepEP's low-latency
-API over ``llcomm.ep``), which nothing in the library imports; ``llcomm.bench`` and
-``llcomm.cli`` (tools), which the library never imports. A kernel module imports device helpers and constants, never an
-API, a backend or the reference.
+API over ``llcomm.ep``), which nothing in the library imports; ``llcomm.hf`` (transformers'
+models sharded over both, an optional integration), which only the tools import;
+``llcomm.bench`` and ``llcomm.cli`` (tools), which the library never imports. A kernel module
+imports device helpers and constants, never an API, a backend or the reference.
 """
 from __future__ import annotations
 
@@ -104,12 +105,15 @@ def test_imports_point_down():
     graph = _graph()
     tools = ("llcomm.bench", "llcomm.cli", "llcomm.__main__")
     adapters = ("llcomm.deep_ep",)
+    integrations = ("llcomm.hf",)
     rules = [
         (("llcomm.runtime", "llcomm.errors"),
-         ("llcomm.tp", "llcomm.ep", "llcomm.ops") + adapters + tools),
-        (("llcomm.tp",), ("llcomm.ep", "llcomm.ops") + adapters + tools),
-        (("llcomm.ep",), ("llcomm.tp", "llcomm.ops") + adapters + tools),
-        (("llcomm.ops",), adapters + tools),
+         ("llcomm.tp", "llcomm.ep", "llcomm.ops") + adapters + integrations + tools),
+        (("llcomm.tp",), ("llcomm.ep", "llcomm.ops") + adapters + integrations + tools),
+        (("llcomm.ep",), ("llcomm.tp", "llcomm.ops") + adapters + integrations + tools),
+        (("llcomm.ops",), adapters + integrations + tools),
+        # transformers' models sharded over tp / ep: above both, like ops; only the tools use it
+        (integrations, ("llcomm.ops",) + tools),
     ]
     # DeepEP's API sits on llcomm.ep's public API (EPBuffer and the FP8 format), the argument
     # checks and the errors; no other module imports it (``import llcomm`` does not load it)

@@ -7,8 +7,9 @@ this package.
   (``fused_ops`` has the cases).
 - ``ep``: ``llcomm bench ep``, EPBuffer dispatch / combine, peer backend against the reference;
   ``ep_oracle`` computes what each rank must receive, ``ep_report`` prints the tables.
-- ``decode``: ``llcomm bench decode``, whole synthetic decode steps with each communication
-  implementation and with none; ``decode_models`` holds the steps (what each one contains).
+- ``decode``: ``llcomm bench decode``, whole decode steps built from transformers' modules
+  (sharded by ``llcomm.hf``) with each communication implementation and with none;
+  ``decode_models`` holds the steps (what each one contains).
 - ``soak``: ``llcomm bench soak``, many random ops, each checked, then a replayed CUDA graph.
 - ``link``: ``llcomm bench link``, the bandwidth between this host's GPUs (``link_kernel``: its
   Triton kernel).

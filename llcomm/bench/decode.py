@@ -1,28 +1,36 @@
-"""``llcomm bench decode``: whole synthetic decode steps (llcomm/bench/decode_models.py says what
-is in them) timed with each communication implementation, and with none, in the same run.
+"""``llcomm bench decode``: whole decode steps built from transformers' own modules
+(llcomm/bench/decode_models.py says what is in them), timed with each communication
+implementation, and with none, in the same run. Needs transformers (the ``hf`` extra).
 
-- ``tp`` part: the dense 70B-class step at TP = world size, batches 1, 8, 32, 64, with the joins
-  done by llcomm (``Communicator.all_reduce``, algo auto), NCCL (``dist.all_reduce``), torch
-  symmetric memory (``one_shot_all_reduce`` / ``two_shot_all_reduce_``, the projection written
-  straight into the symmetric buffer), and ``none``. The whole step is one CUDA graph.
-- ``ep`` part: the DeepSeek-V3 MoE stack at EP = world size, 128 tokens per rank, with
+- ``tp`` part: transformers' Llama decoder layers at a 70B-class shape, sharded at TP = world
+  size by ``llcomm.hf.llama_tp``, attention over a KV cache of ``--context`` positions, batches
+  1, 8, 32, 64 (one new token per sequence), with the row-parallel layers joined by llcomm
+  (``Communicator.all_reduce``, algo auto; and ``llcomm_fused``: each layer's two joins
+  ``all_reduce_residual_rmsnorm``, as examples/hf_llama_tp.py does with ``fused=True``), NCCL
+  (``dist.all_reduce``), torch symmetric memory (``one_shot_all_reduce`` /
+  ``two_shot_all_reduce_``, the projection written straight into the symmetric buffer), and
+  ``none``. The whole step is one CUDA graph.
+- ``ep`` part: transformers' Qwen3-MoE sparse block at DeepSeek-V3's MoE shape, expert-parallel
+  at EP = world size by ``llcomm.hf.moe_ep``, 128 tokens per rank, with
   ``EPBuffer(backend="peer")`` (llcomm), ``EPBuffer(backend="reference")`` (all_to_all_single on
   NCCL) and ``none``; graph mode and eager mode (a reference graph that cannot be captured gives
   an ``error`` row, and the table then shows the eager time, marked).
 
 Every number is the median over ``--iters`` replays of one step, slowest rank per iteration.
 ``comm_ms`` = step - the ``none`` step of the same part, batch and mode; ``comm_ratio`` = llcomm's
-comm_ms / NCCL's (TP) or / the reference's (EP); the goal is <= 0.5. tokens/s: batch / step
-(TP: every rank holds the same tokens), W x tokens per rank / step (EP).
+comm_ms (``llcomm`` and ``llcomm_fused`` rows) / NCCL's (TP) or / the reference's (EP); the goal
+is <= 0.5. tokens/s: batch / step (TP: every rank holds the same tokens), W x tokens per rank /
+step (EP).
 
 ``wrong``: TP: elements of the step output that are not finite or differ from rank 0's (an
 all-reduce leaves every rank the same bits); EP (llcomm only): elements of the output that
 differ from the reference backend's step on the same inputs (dispatch is byte-exact and combine
 bitwise, so the whole stack must match). On CPU (two gloo processes) tiny shapes run with the
-reference backends, eagerly.
+reference backends, eagerly (the ``reference`` and ``reference_fused`` rows).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,6 +50,8 @@ DEFAULT_WEIGHT_SETS = 8
 MODELS = {"tp": "dense-70b", "ep": "deepseek-v3-moe"}
 #: The implementation whose comm share llcomm's is divided by, per part.
 BASELINE = {"tp": "nccl", "ep": "reference"}
+#: llcomm's own rows (the peer backend), which get a comm_ratio.
+LLCOMM = ("llcomm", "llcomm_fused")
 
 
 @dataclass
@@ -74,50 +84,75 @@ class Rank:
 
 def _cross_rank_wrong(out: torch.Tensor) -> int:
     all_out = verify.gather_bytes(out)
-    same = all_out[0].view(torch.int16) == out.view(torch.int16)
+    iv = verify.INT_VIEW[out.element_size()]
+    same = all_out[0].view(iv) == out.view(iv)
     return int((~same | ~torch.isfinite(out)).sum())
 
 
 # -- TP ------------------------------------------------------------------------------------------
+def _nccl_join(y: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(y)
+    return y
+
+
+class SymmJoin:
+    """A join by torch symmetric memory: the row-parallel layer writes its partial product
+    straight into the symmetric buffer (``target``), then ``one_shot_all_reduce`` or
+    ``two_shot_all_reduce_`` joins it."""
+
+    def __init__(self, buf: torch.Tensor, group_name: str, two_shot: bool):
+        self.buf, self.group_name, self.two_shot = buf, group_name, two_shot
+
+    def target(self, shape, dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        return self.buf[:n].view(shape)
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        if self.two_shot:
+            torch.ops.symm_mem.two_shot_all_reduce_(y, "sum", self.group_name)
+            return y
+        return torch.ops.symm_mem.one_shot_all_reduce(y, "sum", self.group_name)
+
+
+def tp_joins(R: Rank, comm, symm, batch: int) -> dict:
+    """``{impl: (algo, join, fused_join)}``: how each implementation joins the row-parallel
+    layers (``join``, the layer's own forward) or each layer's two joins (``fused_join``)."""
+    from llcomm.hf.llama_tp import fused_join
+
+    name = comm_name(comm)
+    algo = (comm.choose_algo(batch * R.cfg.dense.hidden * 2) if comm.backend == "peer"
+            else "reference")
+    joins = {"none": ("none", None, None),
+             name: (algo, comm.all_reduce, None),
+             f"{name}_fused": ("fused", None, functools.partial(fused_join, comm))}
+    if R.cuda:
+        joins["nccl"] = ("nccl", _nccl_join, None)
+        buf, gname, _ = symm
+        if buf is not None:
+            joins["torch_one_shot"] = ("one_shot", SymmJoin(buf, gname, False), None)
+            joins["torch_two_shot"] = ("two_shot", SymmJoin(buf, gname, True), None)
+    return joins
+
+
 def tp_impls(R: Rank, model: M.DenseTP, comm, symm, batch: int) -> list[Impl]:
     H = model.shape.hidden
     # The same starting state on every rank (TP: every rank holds the whole batch).
     g = torch.Generator(device=R.device)
     g.manual_seed(R.cfg.seed + batch)
-    x = torch.randn(batch, H, generator=g, device=R.device).to(DTYPE)
+    x = torch.randn(batch, 1, H, generator=g, device=R.device).to(DTYPE)
     out = torch.empty_like(x)
-
-    def nccl(a, w):
-        y = a @ w
-        dist.all_reduce(y)
-        return y
-
-    projs = {"none": ("none", lambda a, w: a @ w),
-             comm_name(comm): (comm.choose_algo(batch * H * 2) if comm.backend == "peer"
-                               else "reference", lambda a, w: comm.all_reduce(a @ w))}
-    if R.cuda:
-        projs["nccl"] = ("nccl", nccl)
-        buf, gname, why = symm
-        if buf is not None:
-            view = buf[:batch * H].view(batch, H)
-
-            def one_shot(a, w):
-                torch.matmul(a, w, out=view)
-                return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", gname)
-
-            def two_shot(a, w):
-                torch.matmul(a, w, out=view)
-                torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", gname)
-                return view
-            projs["torch_one_shot"] = ("one_shot", one_shot)
-            projs["torch_two_shot"] = ("two_shot", two_shot)
+    cache = model.cache(batch)
     impls = []
-    for name, (algo, proj) in projs.items():
-        def fn(proj=proj):
-            out.copy_(model.step(x, proj))
+    for name, (algo, join, fused) in tp_joins(R, comm, symm, batch).items():
+        def fn(join=join, fused=fused):
+            model.set_join(join)
+            out.copy_(model.step(x, cache, fused))
+        mine = name.startswith(comm_name(comm))
         impls.append(Impl(name, algo, fn, reset=lambda: verify.poison_(out), modes=R.modes,
                           check=None if name == "none" else (lambda: _cross_rank_wrong(out)),
-                          raise_errors=comm.check if name == comm_name(comm) else None))
+                          raise_errors=comm.check if mine else None))
     if R.cuda and symm[0] is None:
         impls += [Impl(n, n[6:], None, modes=R.modes, error=symm[2])
                   for n in ("torch_one_shot", "torch_two_shot")]
@@ -132,7 +167,8 @@ def run_tp(R: Rank, bar) -> list[dict]:
     from llcomm import Communicator
 
     cfg = R.cfg
-    model = M.DenseTP(cfg.dense, R.world, cfg.weight_sets, R.gen, R.device, DTYPE)
+    model = M.DenseTP(cfg.dense, M.Group(R.rank, R.world), cfg.weight_sets, cfg.seed,
+                      R.device, DTYPE)
     max_bytes = max(cfg.batches) * cfg.dense.hidden * 2
     comm = Communicator(max_bytes=max_bytes)
     symm = (timing.torch_symm_buffer(max_bytes // 2, DTYPE, R.device) if R.cuda
@@ -142,7 +178,7 @@ def run_tp(R: Rank, bar) -> list[dict]:
         base = {"op": "decode_step", "part": "tp", "model": MODELS["tp"], "batch": batch,
                 "dtype": options.dtype_name(DTYPE), "world_size": R.world,
                 "bytes": batch * cfg.dense.hidden * 2, "layers": cfg.dense.layers,
-                "joins_per_step": 2 * cfg.dense.layers}
+                "context": cfg.dense.context, "joins_per_step": 2 * cfg.dense.layers}
         for impl in tp_impls(R, model, comm, symm, batch):
             rows += timing.time_impl(impl, base, R.timing)
         bar.advance(f"tp batch {batch}")
@@ -157,7 +193,9 @@ def run_ep(R: Rank, bar) -> list[dict]:
     cfg = R.cfg
     rows = []
     for tokens in cfg.ep_tokens:
-        model = M.MoEEP(cfg.moe, R.world, tokens, R.gen, R.device, DTYPE)
+        # CPU: every row of every expert (the module's forward exactly); GPU: a fixed budget
+        model = M.MoEEP(cfg.moe, M.Group(R.rank, R.world), tokens, cfg.seed, R.device, DTYPE,
+                        rows=None if R.cuda else R.world * tokens)
         x = R.rand(tokens, cfg.moe.hidden)
         kw = dict(num_experts=cfg.moe.experts, hidden=cfg.moe.hidden,
                   num_max_dispatch_tokens_per_rank=tokens, dtype=DTYPE)
@@ -165,9 +203,11 @@ def run_ep(R: Rank, bar) -> list[dict]:
         if R.cuda:
             bufs["llcomm"] = EPBuffer(backend="peer", **kw)
         ref = bufs["reference"]
-        expected = model.step(x, ref, *model.buffers())     # the reference's step: the oracle
+        # the reference's step: the oracle
+        expected = model.step(x, model.transport(ref, *model.buffers()))
+        _, _, first = model.blocks[0].gate(x)
         dests = torch.zeros(tokens, R.world, dtype=torch.bool, device=R.device)
-        dests.scatter_(1, model.routing[0][0] // (cfg.moe.experts // R.world), True)
+        dests.scatter_(1, first // (cfg.moe.experts // R.world), True)
         base = {"op": "decode_step", "part": "ep", "model": MODELS["ep"], "batch": tokens,
                 "tokens_per_rank": tokens, "dtype": options.dtype_name(DTYPE),
                 "world_size": R.world,
@@ -179,10 +219,10 @@ def run_ep(R: Rank, bar) -> list[dict]:
         for name, buf in (("none", None), *((n, bufs[n]) for n in ("llcomm", "reference")
                                              if n in bufs)):
             out = torch.empty_like(x)
-            recv, y = model.buffers()
+            transport = model.transport(buf, *model.buffers())
 
-            def fn(buf=buf, recv=recv, y=y, out=out):
-                out.copy_(model.step(x, buf, recv, y))
+            def fn(transport=transport, out=out):
+                out.copy_(model.step(x, transport))
 
             check = ((lambda out=out: verify.count_wrong(out, expected)) if name == "llcomm"
                      else None)
@@ -192,13 +232,15 @@ def run_ep(R: Rank, bar) -> list[dict]:
             rows += timing.time_impl(impl, base, R.timing)
         for buf in bufs.values():
             buf.close()
+        del model
         bar.advance(f"ep {tokens} tokens")
     return rows
 
 
 # -- results -------------------------------------------------------------------------------------
 def add_shares(rows: list[dict]) -> None:
-    """Per row: ms_per_step, tokens_per_s, comm_ms (vs ``none``) and, for llcomm, comm_ratio."""
+    """Per row: ms_per_step, tokens_per_s, comm_ms (vs ``none``) and, for llcomm's rows,
+    comm_ratio."""
     for r in rows:
         med = r["median_us"]
         r["ms_per_step"] = med / 1e3 if med is not None else None
@@ -215,7 +257,7 @@ def add_shares(rows: list[dict]) -> None:
                         and none["ms_per_step"] is not None else None)
     for r in rows:
         base = by[key(r)].get(BASELINE[r["part"]])
-        if r["impl"] == "llcomm" and base and r["comm_ms"] is not None and base["comm_ms"]:
+        if r["impl"] in LLCOMM and base and r["comm_ms"] is not None and base["comm_ms"]:
             r["comm_ratio"] = r["comm_ms"] / base["comm_ms"]
 
 
@@ -245,11 +287,16 @@ def _ms(r: dict | None, key: str = "ms_per_step") -> str:
     return f"{r[key]:.3f}"
 
 
+def _ratio(r: dict | None) -> str:
+    return f"{r['comm_ratio']:.2f}" if r and r.get("comm_ratio") else "-"
+
+
 def table(rows: list[dict], part: str) -> tuple[list[str], list[list[str]]]:
     impls = list(dict.fromkeys(r["impl"] for r in rows if r["part"] == part))
     headers = ["batch", *[f"{i} ms" for i in impls],
                *[f"{i} comm ms" for i in impls if i != "none"],
-               f"llcomm/{BASELINE[part]} comm", "llcomm tok/s", "#wrong"]
+               *[f"{i}/{BASELINE[part]} comm" for i in LLCOMM if i in impls],
+               "llcomm tok/s", "#wrong"]
     lines: dict = {}
     for r in rows:
         if r["part"] == part:
@@ -271,7 +318,7 @@ def table(rows: list[dict], part: str) -> tuple[list[str], list[list[str]]]:
                   if r.get("wrong") is not None]
         out.append([str(batch), *[_ms(picked[i][0]) + picked[i][1] for i in impls],
                     *[_ms(picked[i][0], "comm_ms") for i in impls if i != "none"],
-                    f"{ll['comm_ratio']:.2f}" if ll and ll.get("comm_ratio") else "-",
+                    *[_ratio(picked[i][0]) for i in LLCOMM if i in impls],
                     f"{ll['tokens_per_s']:.0f}" if ll and ll.get("tokens_per_s") else "-",
                     str(sum(wrongs)) if wrongs else "-"])
     return headers, out
@@ -284,11 +331,14 @@ def print_result(result: dict) -> None:
           f"{result.get('commit')}{' (dirty)' if result.get('dirty') else ''}; median of "
           f"{result['iters']} steps after {result['warmup']} warm-up, slowest rank")
     d, m = result["dense"], result["moe"]
-    titles = {"tp": f"tp: {MODELS['tp']} (hidden {d['hidden']}, {d['layers']} layers, "
-                    f"{2 * d['layers']} all-reduces per step); graph mode: one CUDA graph per step",
-              "ep": f"ep: {MODELS['ep']} (hidden {m['hidden']}, {m['experts']} experts, "
-                    f"top-{m['topk']}, {m['layers']} MoE layers, expert intermediate "
-                    f"{m['intermediate']}); batch = tokens per rank"}
+    sets = min(result["weight_sets"], d["layers"])
+    titles = {"tp": f"tp: {MODELS['tp']} (transformers' LlamaDecoderLayer, hidden "
+                    f"{d['hidden']}, {d['layers']} layers of {sets} weight sets, context "
+                    f"{d.get('context')}, {2 * d['layers']} joins per step); graph mode: one "
+                    "CUDA graph per step",
+              "ep": f"ep: {MODELS['ep']} (transformers' Qwen3MoeSparseMoeBlock, hidden "
+                    f"{m['hidden']}, {m['experts']} experts, top-{m['topk']}, {m['layers']} MoE "
+                    f"layers, expert intermediate {m['intermediate']}); batch = tokens per rank"}
     for part in PARTS:
         if any(r["part"] == part for r in result["rows"]):
             headers, lines = table(result["rows"], part)
@@ -305,6 +355,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batches", help=f"TP batches (default {GPU_BATCHES}; CPU {CPU_BATCHES})")
     p.add_argument("--layers", type=int, help=f"dense layers (default {M.DenseShape.layers}; "
                    f"CPU {M.DENSE_CPU.layers})")
+    p.add_argument("--context", type=int, help="filled KV-cache positions per sequence (default "
+                   f"{M.DenseShape.context}; CPU {M.DENSE_CPU.context})")
     p.add_argument("--weight-sets", type=int, default=DEFAULT_WEIGHT_SETS,
                    help="distinct dense weight sets, used by layers in turn (default "
                    f"{DEFAULT_WEIGHT_SETS})")
@@ -332,7 +384,8 @@ def config_from_args(a, on_cpu: bool) -> Config:
         problems.append(str(e))
     dense = M.DENSE_CPU if on_cpu else M.DenseShape()
     moe = M.MOE_CPU if on_cpu else M.MoEShape()
-    for flag, v in (("--layers", a.layers), ("--moe-layers", a.moe_layers),
+    for flag, v in (("--layers", a.layers), ("--context", a.context),
+                    ("--moe-layers", a.moe_layers),
                     ("--moe-intermediate", a.moe_intermediate),
                     ("--weight-sets", a.weight_sets)):
         if v is not None and v < 1:
@@ -342,6 +395,8 @@ def config_from_args(a, on_cpu: bool) -> Config:
         raise ValueError("; ".join(problems))
     if a.layers:
         dense = replace(dense, layers=a.layers)
+    if a.context:
+        dense = replace(dense, context=a.context)
     if a.moe_layers:
         moe = replace(moe, layers=a.moe_layers)
     if a.moe_intermediate:
@@ -353,6 +408,12 @@ def config_from_args(a, on_cpu: bool) -> Config:
 
 def run(a) -> int:
     """``llcomm bench decode``: exit status 1 if an llcomm row was wrong or failed."""
+    from llcomm.hf import INSTALL_HINT, transformers_available
+
+    if not transformers_available():
+        print("llcomm bench decode: the decode steps are built from transformers' own modules, "
+              f"and transformers is not installed here: {INSTALL_HINT}")
+        return 2
     world, backend = spawn.plan(a.cpu)
     try:
         cfg = config_from_args(a, backend == "gloo")
@@ -363,7 +424,7 @@ def run(a) -> int:
                           multicast_off=a.no_multicast)
     print_result(result)
     result_files.write_outputs(result, a)
-    bad = [r for r in result["rows"] if r["impl"] in ("llcomm", "reference")
+    bad = [r for r in result["rows"] if r["impl"] in (*LLCOMM, "reference", "reference_fused")
            and (r.get("wrong") or r.get("error"))
            and not (r["part"] == "ep" and r["impl"] == "reference" and r["mode"] == "graph")]
     if bad:
