@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llcomm.runtime import protocol as P
+from llcomm.runtime.launch import FP_FUSION
 from llcomm.tp.kernels import all_reduce, fused_norm, lamport, ll, movement, reduce_scatter
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -165,7 +166,8 @@ def compile_one(fn, sig, consts, num_warps=4, pdl=False):
              if v.startswith("*") or k in ("n", "cap", "shard", "m_out", "part", "hidden")}
     src = ASTSource(fn, signature=full, constexprs={(list(full).index(k),): v for k, v in cs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "launch_pdl": pdl})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "launch_pdl": pdl,
+                                                       "enable_fp_fusion": FP_FUSION})
 
 
 def ptxas_usage(ptx: str) -> str:

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llcomm.ep import kernels as K  # noqa: E402
 from llcomm.ep.layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_dispatch, ll_row_consts  # noqa: E402
+from llcomm.runtime.launch import FP_FUSION  # noqa: E402
 from llcomm.runtime.settings import EPSettings  # noqa: E402
 from ptx import code_only, ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
 
@@ -47,8 +48,8 @@ def compile_one(fn, sig, consts, num_warps, options=None, pdl=False):
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if full[k].startswith("*")}
     src = ASTSource(fn, signature=full, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    opts = {"num_warps": num_warps, "launch_pdl": pdl}
-    opts.update(options or {})
+    opts = {"num_warps": num_warps, "launch_pdl": pdl, "enable_fp_fusion": FP_FUSION}
+    opts.update(options or {})      # as the launcher: a kernel's own option wins
     return triton.compile(src, target=TARGET, options=opts)
 
 
@@ -127,7 +128,6 @@ def same_as(folder, name, ptx):
 
 
 def main():
-    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default=None)
     ap.add_argument("--hidden", type=int, default=7168)

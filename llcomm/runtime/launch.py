@@ -83,6 +83,13 @@ def _spec(a):
 ALIGN = 16
 
 
+#: Triton's floating-point contraction (mul + add -> fma), stated at every launch rather than left
+#: to Triton's default, which Triton has announced it will change (and warns about while it is
+#: unset). A kernel whose arithmetic must not contract passes ``enable_fp_fusion=False`` itself
+#: (the EP combine).
+FP_FUSION = True
+
+
 def static_key(fn, num_warps: int, tail: tuple, consts: dict) -> tuple:
     """The part of a launch's cache key fixed by a plan: kernel, warps, constexprs and the
     arguments after the plan's leading tensors (``tail``)."""
@@ -194,7 +201,8 @@ class Launcher:
             consts = {**consts, PDL_ARG: int(self.pdl)}
             if self.pdl:    # Triton's option: passed only where pdl_available found it
                 consts["launch_pdl"] = True
-        kernel = fn[(grid,)](*args, num_warps=num_warps, **consts)
+        kernel = fn[(grid,)](*args, num_warps=num_warps,
+                             **{"enable_fp_fusion": FP_FUSION, **consts})
         if self.direct:
             names = fn.arg_names[len(args):]
             self._cache[key] = (kernel, tuple(consts[n] for n in names))
