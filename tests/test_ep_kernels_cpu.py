@@ -429,3 +429,119 @@ MASK_CASES = [  # W, E, T, H, topk, NB, dtype, seed, kind, masked ranks
 def test_masked_sources_are_skipped_in_interpreter(case):
     fails = _run_in_interpreter("simulate_masked", *case)
     assert not fails, "\n".join(fails[:20])
+
+
+def simulate_masked_by_hand(W, E, T, H, topk, NB, dtype_name, seeds, kind, hand):
+    """A rank masked by hand (``EPBuffer.set_mask`` / DeepEP's ``low_latency_update_mask_
+    buffer``): every live rank sets bit ``hand`` of its mask word with
+    ``masks.update_mask_word``, the update ``set_mask`` makes (and sets and clears another bit,
+    which must leave no trace), then one round runs with every rank making every stage, the
+    masked one included (it is alive: its rows, counts and partials land, and must be ignored).
+    The live ranks' results must equal the oracle without it; its partial slots are poisoned
+    before the sums. Then the live ranks unmask it with the same update and a second round must
+    match the full oracle on every rank. Returns failures."""
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from llcomm.ep import kernels as K
+    from llcomm.ep.layout import ERR_MASK, ep_layout
+    from llcomm.ep.masks import update_mask_word
+    from llcomm.ep.peer import kernel_consts
+    from test_ep_oracle import expert_fn, make_case, oracle_combine, oracle_dispatch
+
+    dtype = getattr(torch, dtype_name)
+    L = E // W
+    live = [r for r in range(W) if r != hand]
+    isz = torch.tensor([], dtype=dtype).element_size()
+    lay = ep_layout(T, H, W, E, isz, num_blocks=NB)
+    regions = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64)
+    host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8, 0, 0], dtype=torch.int64)
+           for h in host]
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    dc, cc, _ = kernel_consts(lay, topk, ll=0, tile_tokens=4, small_tile_tokens=2)
+    dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)      # masks: the flag dispatch
+    fails = []
+    if K.ERR_MASK.value != ERR_MASK:
+        fails.append(f"the kernels' mask word {K.ERR_MASK.value} is not layout's {ERR_MASK}")
+    other = (hand + 1) % W
+    for r in live:
+        update_mask_word(err[r], hand, True)
+        update_mask_word(err[r], other, True)
+        update_mask_word(err[r], other, False)
+        if int(err[r][ERR_MASK]) != 1 << hand:
+            fails.append(f"rank {r}: mask word {int(err[r][ERR_MASK]):#x} after masking "
+                         f"{hand} and {other}, unmasking {other} (expected {1 << hand:#x})")
+    for round_, seed in enumerate(seeds):
+        absent = [hand] if round_ == 0 else []
+        tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} " \
+              f"masked by hand={absent}]"
+        xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+        recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+        row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
+        src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
+        cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
+        ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+        for stage in (K.D_SEND, K.D_RECV):
+            for r in range(W):
+                K.flag_dispatch_kernel[(NB,)](
+                    xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r],
+                    cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0,
+                    STAGES=stage, FP8=0, **dc)
+        xs_l = [x[:0] if s in absent else x for s, x in enumerate(xs)]
+        tk_l = [t[:0] if s in absent else t for s, t in enumerate(topks)]
+        exp = oracle_dispatch(xs_l, tk_l, W, E, T)
+        checked = live if absent else range(W)
+        for r in checked:
+            ex, ec, es = exp[r]
+            if not torch.equal(cnt[r], ec):
+                fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}")
+                continue
+            for e in range(L):
+                c = int(ec[e])
+                if not torch.equal(recv[r][e, :c].view(torch.uint8),
+                                   ex[e, :c].view(torch.uint8)):
+                    fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
+                if not torch.equal(src[r][e, :c], es[e, :c]):
+                    fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+        outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
+        outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+        cx = lay.offsets()["combine_x"]
+        for stage in (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM):
+            if stage == K.C_SUM and absent:        # the masked rank's partials: poisoned
+                for r in live:
+                    base = (int(ctrl[r][1][0]) % 2) * lay.set_bytes + cx
+                    region = regions[r][base:base + W * T * H * isz].view(dtype).view(W, T, H)
+                    region[hand] = float("nan")
+            for r in range(W):
+                K.combine_kernel[(NB,)](
+                    outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
+                    ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, 0, STAGES=stage, **cc)
+        gone = torch.tensor(absent or [-1])
+        cut = [torch.where((t >= 0) & (t < E) & torch.isin(t // L, gone), -1, t) for t in tk_l]
+        all_out = [expert_fn(*exp[q][:2], q) for q in range(W)]
+        want = oracle_combine(all_out, cut, weights, W, E, dtype)
+        for r in checked:
+            if not _same_up_to_interpreter_rounding(outs[r], want[r]):
+                d = (outs[r].float() - want[r].float()).abs()
+                fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
+        if round_ == 0:
+            for r in live:                          # back: unmasked by hand
+                update_mask_word(err[r], hand, False)
+    for r in range(W):
+        if int(err[r][0]) or int(err[r][ERR_MASK]):
+            fails.append(f"rank {r}: error word {int(err[r][0]):#x}, mask "
+                         f"{int(err[r][ERR_MASK]):#x} at the end (expected 0, 0)")
+    return fails
+
+
+HAND_CASES = [  # W, E, T, H, topk, NB, dtype, seeds (masked round, full round), kind, masked
+    (2, 8, 6, 32, 3, 4, "float32", [1, 2], "random", 1),
+    (3, 6, 4, 16, 2, 3, "bfloat16", [3, 4], "dups", 0),
+    (4, 8, 5, 16, 4, 2, "float16", [5, 6], "zero_and_max", 2),
+]
+
+
+@pytest.mark.parametrize("case", HAND_CASES, ids=[f"w{c[0]}-{c[6]}-m{c[9]}" for c in HAND_CASES])
+def test_rank_masked_by_hand_is_skipped_then_back_in_interpreter(case):
+    fails = _run_in_interpreter("simulate_masked_by_hand", *case)
+    assert not fails, "\n".join(fails[:20])

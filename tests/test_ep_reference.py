@@ -558,13 +558,29 @@ def _masks_body(rank, W):
     plain = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
                         backend="reference")
     fails += _check_one(plain, rank, W, E, T, H, K, 21, "random", torch.bfloat16)
-    for fn in (plain.query_mask, plain.clean_mask):
+    for fn in (plain.query_mask, plain.clean_mask, lambda: plain.set_mask(0, True)):
+        name = "set_mask" if fn.__name__ == "<lambda>" else fn.__name__
         try:
             fn()
-            fails.append(f"{fn.__name__}() without enable_masks did not raise")
+            fails.append(f"{name}() without enable_masks did not raise")
         except ValueError as e:
-            if "enable_masks=True" not in str(e) or fn.__name__ not in str(e):
-                fails.append(f"{fn.__name__}(): message lacks the name or enable_masks: {e}")
+            if "enable_masks=True" not in str(e) or name not in str(e):
+                fails.append(f"{name}(): message lacks the name or enable_masks: {e}")
+    # set_mask's arguments are checked first, whatever the buffer, each named
+    for args, exc, words in (((W, True), ValueError, [f"rank={W}", f"[0, {W})"]),
+                             ((-1, False), ValueError, ["rank=-1"]),
+                             (("0", True), TypeError, ["rank='0'"]),
+                             ((True, True), TypeError, ["rank=True"]),
+                             ((0, 1), TypeError, ["masked=1", "True or False"]),
+                             ((W, None), TypeError, [f"rank={W}", "masked=None"])):
+        try:
+            plain.set_mask(*args)
+            fails.append(f"set_mask{args} did not raise")
+        except exc as e:
+            if not all(w in str(e) for w in words) or "set_mask" not in str(e):
+                fails.append(f"set_mask{args}: message lacks {words}: {e}")
+        except Exception as e:  # noqa: BLE001
+            fails.append(f"set_mask{args}: {type(e).__name__} instead of {exc.__name__}: {e}")
     try:
         ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
                     backend="reference", enable_masks=1)

@@ -63,7 +63,8 @@ class Buffer:
         explicitly_destroy: accepted; ``destroy()`` works either way.
         enable_shrink: rank masks (``EPBuffer(enable_masks=True)``), **peer backend only**: a
             rank that misses a bounded wait is masked, ``low_latency_query_mask_buffer`` reports
-            it, ``low_latency_clean_mask_buffer`` unmasks every rank. On a gloo group (where
+            it, ``low_latency_update_mask_buffer`` masks or unmasks one rank by hand,
+            ``low_latency_clean_mask_buffer`` unmasks every rank. On a gloo group (where
             only the reference backend runs) or with ``backend="reference"`` the constructor
             raises UnsupportedConfigError; where ``"auto"`` picks the reference backend on an
             NCCL group, the EPBuffer's creation raises it.
@@ -116,6 +117,7 @@ class Buffer:
         self._timeout_ms = timeout_ms
         self._ep: EPBuffer | None = None
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
+        self._early_mask = 0        # ranks masked by hand before the EPBuffer exists (bits)
         self._destroyed = False
         if enable_shrink and (backend == "reference" or dist.get_backend(self.group) != "nccl"):
             raise UnsupportedConfigError(
@@ -181,6 +183,9 @@ class Buffer:
                       enable_masks=self.enable_shrink)
         self._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * max_tokens,
                                        max_tokens, ep.num_ranks, ep.device)
+        for r in range(self.group_size):        # masked by hand before it existed
+            if (self._early_mask >> r) & 1:
+                ep.set_mask(r, True)
         self._ep = ep
         return ep
 
@@ -394,19 +399,32 @@ class Buffer:
                          "(rank masks)")
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Not supported (NotImplementedError): llcomm masks a rank when it misses a bounded
-        wait, and there is no call that masks or unmasks one rank by hand;
-        ``low_latency_clean_mask_buffer`` unmasks every rank."""
-        self._masks("low_latency_update_mask_buffer")
-        refuse("low_latency_update_mask_buffer", {
-            "rank_to_mask": "llcomm masks a rank only when it misses a bounded wait (every "
-                            "live rank then goes on without it); no call masks or unmasks one "
-                            "rank by hand. low_latency_clean_mask_buffer() unmasks every rank"})
+        """Mask (``mask=True``) or unmask (``mask=False``) rank ``rank_to_mask`` in this rank's
+        mask: ``EPBuffer.set_mask(rank_to_mask, mask)``, stream-ordered, no host sync, not a
+        collective. A masked rank is not waited for, its rows are not received and its partials
+        count as zero (docs/ep.md, "Rank masks"). Before the first call has created the
+        EPBuffer the change is kept and applied when it is created (``low_latency_query_mask_
+        buffer`` reports it meanwhile). TypeError / ValueError naming ``rank_to_mask`` (an int
+        in ``[0, num_ranks)``) or ``mask`` (a bool), before anything changes."""
+        fn = "low_latency_update_mask_buffer"
+        self._check_open(fn)
+        pr = V.Problems(f"deep_ep.Buffer.{fn}")
+        if check_int(pr, "rank_to_mask", rank_to_mask) and rank_to_mask >= self.group_size:
+            pr.add(f"rank_to_mask={rank_to_mask}; expected a rank in [0, {self.group_size})")
+        check_bools(pr, mask=mask)
+        pr.raise_if_any()
+        ep = self._masks(fn)
+        if ep is not None:
+            ep.set_mask(rank_to_mask, mask)
+        elif mask:
+            self._early_mask |= 1 << rank_to_mask
+        else:
+            self._early_mask &= ~(1 << rank_to_mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write this rank's view of the masked ranks into ``mask_status`` (``[num_ranks]``
-        int32, 1 = masked): ``EPBuffer.query_mask()``, stream-ordered, no host sync. All zeros
-        before the first call has created the EPBuffer."""
+        int32, 1 = masked): ``EPBuffer.query_mask()``, stream-ordered, no host sync. Before the
+        first call has created the EPBuffer: the ranks masked by hand so far."""
         ep = self._masks("low_latency_query_mask_buffer")
         pr = V.Problems("deep_ep.Buffer.low_latency_query_mask_buffer")
         if not isinstance(mask_status, torch.Tensor):
@@ -421,8 +439,9 @@ class Buffer:
         elif ep is not None and mask_status.device != ep.device:
             pr.add(f"mask_status is on {mask_status.device}; expected {ep.device}")
         pr.raise_if_any()
-        if ep is None:
-            mask_status.zero_()
+        if ep is None:      # the masks set before the EPBuffer exists
+            mask_status.copy_(torch.tensor([(self._early_mask >> r) & 1
+                                            for r in range(self.group_size)], dtype=torch.int32))
         else:
             mask_status.copy_(ep.query_mask())
 
@@ -430,6 +449,7 @@ class Buffer:
         """Unmask every rank (``EPBuffer.clean_mask()``): stream-ordered, not a collective.
         Call it once the masked ranks are back in step (docs/ep.md, "Rank masks")."""
         ep = self._masks("low_latency_clean_mask_buffer")
+        self._early_mask = 0
         if ep is not None:
             ep.clean_mask()
 

@@ -27,6 +27,7 @@ from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .layout import HANDLE_SLOTS, check_shape_args, default_num_blocks, ep_layout
 from .checks import check_fp8, check_handle, check_out, check_topk, check_weights
 from .handle import EPHandle
+from .masks import RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
 
@@ -41,7 +42,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 
-class EPBuffer:
+class EPBuffer(RankMasks):
     """Buffers and kernels for MoE dispatch / combine over one process group.
 
     Creating an EPBuffer is a **collective** and **host-blocking**: every rank of ``group`` calls
@@ -73,7 +74,8 @@ class EPBuffer:
             ``recv_count`` excludes them; combine: its partials count as zero, a token routed
             only to masked ranks gets zeros) and later calls do not wait for it, so a dead peer
             costs one timeout. ``query_mask()`` says who is masked, ``clean_mask()`` forgets
-            it. Mismatches still raise. Where the buffer would run on the reference backend
+            it, ``set_mask(rank, masked)`` masks or unmasks one rank by hand (llcomm/ep/masks.py).
+            Mismatches still raise. Where the buffer would run on the reference backend
             (requested, or chosen by ``"auto"``) the constructor raises
             ``UnsupportedConfigError``: a collective cannot leave a member out. docs/ep.md has
             the exact semantics and limits.
@@ -425,35 +427,6 @@ class EPBuffer:
                              f"entries outside [-1, {self.num_experts}); they were treated as -1 "
                              "(no expert). Fix the router output.")
         self._impl.precheck()
-
-    # -- rank masks (enable_masks=True) ----------------------------------------------------------
-    def query_mask(self) -> torch.Tensor:
-        """The ranks this rank treats as absent: a new ``[num_ranks]`` int32 tensor on the
-        buffer's device, 1 for a masked rank, else 0 (this rank's view; peers may differ).
-
-        Stream-ordered, no host synchronisation: it reflects every call queued before it on the
-        current stream (``.tolist()`` waits for them). Not a collective. Raises ValueError unless
-        the buffer has ``enable_masks=True`` (peer backend only).
-        """
-        self._check_masks("query_mask")
-        return self._impl.query_mask()
-
-    def clean_mask(self) -> None:
-        """Unmask every rank: later calls wait for all ranks again. Stream-ordered (takes effect
-        for the calls issued after it on the current stream); not a collective, no sync.
-
-        Call it once the masked ranks are back **in step**: they have made the same calls as
-        this rank (the flags carry a call count, so a rank that skipped calls is not seen as
-        arrived). A rank that is still missing is simply masked again by the next call, after
-        one more timeout. Raises ValueError unless the buffer has ``enable_masks=True`` (peer
-        backend only)."""
-        self._check_masks("clean_mask")
-        self._impl.clean_mask()
-
-    def _check_masks(self, fn: str) -> None:
-        if not self.enable_masks:
-            raise ValueError(f"llcomm.EPBuffer.{fn}: this buffer was created without rank masks; "
-                             "pass enable_masks=True to EPBuffer(...)")
 
     def check(self) -> None:
         """Wait for this rank's queued work, then raise what the device reported: a timeout or

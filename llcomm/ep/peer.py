@@ -9,6 +9,7 @@ from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK
+from .masks import update_mask_word
 from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS, PROF_WORDS,
                      default_num_blocks, ep_layout)
 
@@ -284,6 +285,9 @@ class PeerEP:
 
     def clean_mask(self) -> None:
         self.err[self.k.ERR_MASK.value].zero_()
+
+    def set_mask(self, rank: int, masked: bool) -> None:
+        update_mask_word(self.err, rank, masked)
 
     def take_bad_count(self, sync: bool) -> int:
         bad = int(self._host_np[1])

@@ -70,8 +70,8 @@ ELAPSED_MASK = tl.constexpr((1 << 60) - 1)
 # Rank masks (EPBuffer(enable_masks=True), MASKS = 1): words of the buffer's private ``err``
 # tensor. Every wait skips the masked ranks' flags, and a wait that runs out adds the late
 # ranks to the mask instead of writing the error word. Data stages skip masked sources.
-ERR_MASK = tl.constexpr(3)              # bit s: rank s is masked (set by the waits, cleared by
-#                                         the host's clean_mask)
+ERR_MASK = tl.constexpr(EL.ERR_MASK)    # bit s: rank s is masked (set by the waits; set and
+#                                         cleared by the host: llcomm/ep/masks.py)
 ERR_VERDICT = tl.constexpr(4)           # dispatch: (epoch << 32) | the mask its blocks agreed on
 VERDICT_SHIFT = tl.constexpr(32)
 VERDICT_EPOCH = tl.constexpr(0x7FFFFFFF)    # epoch bits kept: consecutive calls differ
