@@ -238,8 +238,15 @@ def _refusals_body(rank, W):
 
     buf = B(None)
     d = buf.low_latency_dispatch
-    expect("wait stats", NotImplementedError, ["dispatch_wait_recv_cost_stats"],
+    # wait-cost statistics: checked (named), then refused on the reference backend, before the
+    # EPBuffer is made
+    expect("wait stats", NotImplementedError, ["dispatch_wait_recv_cost_stats", "peer-backend"],
            lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(W, dtype=torch.int64)))
+    expect("wait stats dtype", TypeError, ["dispatch_wait_recv_cost_stats", "torch.int64"],
+           lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(W)))
+    expect("wait stats shape", ValueError, ["dispatch_wait_recv_cost_stats", f"[{W}]"],
+           lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(
+               W, W, dtype=torch.int64)))
     expect("ue8m0 without round_scale", ValueError, ["use_ue8m0=True", "round_scale=True"],
            lambda: d(x, idx, T, E, use_ue8m0=True))
     expect("ue8m0 hidden", ValueError, ["use_ue8m0=True", "512", "hidden=384"],
@@ -268,9 +275,16 @@ def _refusals_body(rank, W):
     c = buf.low_latency_combine
     expect("logfmt", NotImplementedError, ["use_logfmt=True"],
            lambda: c(recv_x, idx, w, handle, use_logfmt=True))
-    expect("combine wait stats", NotImplementedError, ["combine_wait_recv_cost_stats"],
+    expect("combine wait stats", NotImplementedError, ["combine_wait_recv_cost_stats",
+                                                       "peer-backend"],
            lambda: c(recv_x, idx, w, handle,
                      combine_wait_recv_cost_stats=torch.zeros(W, dtype=torch.int64)))
+    expect("combine wait stats type", TypeError, ["combine_wait_recv_cost_stats",
+                                                  "torch.Tensor or None"],
+           lambda: c(recv_x, idx, w, handle, combine_wait_recv_cost_stats=[0] * W))
+    expect("combine wait stats device", ValueError, ["combine_wait_recv_cost_stats", "meta"],
+           lambda: c(recv_x, idx, w, handle, combine_wait_recv_cost_stats=torch.zeros(
+               W, dtype=torch.int64, device="meta")))
     expect("rebuilt handle", TypeError, ["LowLatencyHandle", "tuple"],
            lambda: c(recv_x, idx, w, tuple(handle)))
     expect("zero_copy unprepared", ValueError, ["zero_copy=True",

@@ -45,7 +45,7 @@ def _escaped(x):
 
 
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
-             carry=False, ll=0, plant=False):
+             carry=False, ll=0, plant=False, stats=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
@@ -57,7 +57,11 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ``ll``: the LL dispatch; each receive slot must be armed again after the call, and no
     word may have been missing (the receive half reads once and reports what it lacks).
     ``plant``: some row words are the LL sentinel (0xFFFFFFFF); they must arrive escaped
-    (``_escaped``) and the combine is skipped (those rows are NaNs)."""
+    (``_escaped``) and the combine is skipped (those rows are NaNs). ``stats``: the kernels'
+    wait-statistics variants (STATS=1, a ``[W]`` int64 tensor per rank): the same results, and
+    the statistics stay zero, since nothing here waits or reads the GPU clock (the LL receive
+    reads each word once; ``lamport._clock`` is 0 there), so only the STATS code paths' data
+    handling is exercised, not the timing (which the GPU tests check)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernels as K
     from llcomm.ep.fp8 import dequantize, quantize
@@ -78,6 +82,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64) for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    st = [torch.zeros(W, dtype=torch.int64) if stats else None for _ in range(W)]
     # TT=4: several top-k tiles even at these small token counts; up to 2 tokens take the
     # one-small-tile path (TS=2)
     dc, cc, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=4, small_tile_tokens=2)
@@ -116,7 +121,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     dispatch[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
-                        **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry)))
+                        st[r], **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
+                                      STATS=int(stats)))
             if ll:
                 for r in range(W):
                     a, b = lay.armed_ranges()[(call - 1) % 2]
@@ -175,8 +181,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                 for r in range(W):
                     K.combine_kernel[(NB,)](
                         outs_e[r], topks[r], given[r], xs[r].shape[0], outs[r], row_of[r],
-                        ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, w_off,
-                        **dict(cc, STAGES=stage, CARRIED=int(carry)))
+                        ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, w_off, st[r],
+                        **dict(cc, STAGES=stage, CARRIED=int(carry), STATS=int(stats)))
             want = oracle_combine(outs_e, topks, weights, W, E, dtype)
             for r in range(W):
                 if not _same_up_to_interpreter_rounding(outs[r], want[r]):
@@ -184,6 +190,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
     calls = len(seeds) * len(kinds)
     for r in range(W):
+        if stats and st[r].tolist() != [0] * W:
+            fails.append(f"rank {r}: wait statistics {st[r].tolist()} without any wait")
         if ctrl[r].tolist() != [[calls] * NB, [0 if plant else calls] * NB]:
             fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls} everywhere")
         if int(host[r][1]):
@@ -233,7 +241,8 @@ def _bad_topk():
         dc, _, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=2)
         for stage in (K.D_SEND, K.D_RECV):
             dispatch_kernel(ll)[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab,
-                                       ctrl, err, 0, 0, 0, idx, 0, STAGES=stage, FP8=0, **dc)
+                                       ctrl, err, 0, 0, 0, idx, 0, None, STAGES=stage, FP8=0,
+                                       **dc)
         if int(host[1]) != 3:
             fails.append(f"ll={ll}: reported {int(host[1])} bad entries, expected 3")
         if cnt.tolist() != [1, 2, 0, 0]:
@@ -270,6 +279,10 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True,
      1),
     (2, 8, 6, 32, 3, 4, "bfloat16", [3], ["random", "zero_and_max"], 0, False, False, 1, True),
+    # the wait-statistics variants (STATS=1), LL and flag dispatch, FP8 and carried weights
+    (3, 6, 3, 128, 2, 2, "float32", [2], ["random", "dups"], 1, False, True, 1, False, True),
+    (2, 8, 6, 32, 3, 4, "bfloat16", [1], ["random", "zero_and_max"], 0, True, False, 0, False,
+     True),
 ]
 
 
@@ -277,8 +290,9 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
                                              + ("-signals" if len(c) > 10 and c[10] else "")
                                              + ("-carry" if len(c) > 11 and c[11] else "")
-                                             + ("-ll" if len(c) > 12 else "")
-                                             + ("-sentinel" if len(c) > 13 else "")
+                                             + ("-ll" if len(c) > 12 and c[12] else "")
+                                             + ("-sentinel" if len(c) > 13 and c[13] else "")
+                                             + ("-stats" if len(c) > 14 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)
@@ -363,8 +377,8 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
         for r in ranks:
             K.flag_dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
-                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, STAGES=stage, FP8=0,
-                **dc)
+                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, None, STAGES=stage,
+                FP8=0, **dc)
     # the oracle: masked sources sent nothing
     xs_live = [x if s in live else x[:0] for s, x in enumerate(xs)]
     topks_live = [t if s in live else t[:0] for s, t in enumerate(topks)]
@@ -398,7 +412,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
         for r in live:
             K.combine_kernel[(NB,)](
                 outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r], ntok[r],
-                tab, ctrl[r][1], err[r], r, 0, 0, 0, STAGES=stage, **cc)
+                tab, ctrl[r][1], err[r], r, 0, 0, 0, None, STAGES=stage, **cc)
     # experts on masked ranks count as absent from every top-k
     topks_cut = [torch.where((t >= 0) & (t < E) & torch.isin(t // L, torch.tensor(masked)), -1, t)
                  for t in topks_live]
@@ -485,7 +499,7 @@ def simulate_masked_by_hand(W, E, T, H, topk, NB, dtype_name, seeds, kind, hand)
             for r in range(W):
                 K.flag_dispatch_kernel[(NB,)](
                     xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r],
-                    cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0,
+                    cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, None,
                     STAGES=stage, FP8=0, **dc)
         xs_l = [x[:0] if s in absent else x for s, x in enumerate(xs)]
         tk_l = [t[:0] if s in absent else t for s, t in enumerate(topks)]
@@ -515,7 +529,7 @@ def simulate_masked_by_hand(W, E, T, H, topk, NB, dtype_name, seeds, kind, hand)
             for r in range(W):
                 K.combine_kernel[(NB,)](
                     outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
-                    ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, 0, STAGES=stage, **cc)
+                    ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, 0, None, STAGES=stage, **cc)
         gone = torch.tensor(absent or [-1])
         cut = [torch.where((t >= 0) & (t < E) & torch.isin(t // L, gone), -1, t) for t in tk_l]
         all_out = [expert_fn(*exp[q][:2], q) for q in range(W)]

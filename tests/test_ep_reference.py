@@ -260,6 +260,25 @@ def _validation_body(rank, W):
            lambda: b8.dispatch(x8, idx, use_fp8=True,
                                out=(torch.empty(L, W * T, 128, dtype=torch.bfloat16),
                                     torch.empty(L, W * T, 2))))
+    # wait_stats: checked as a tensor first, then refused on this backend (peer only)
+    i64 = torch.zeros(W, dtype=torch.int64)
+    for name, call in (("dispatch", lambda s: d(x, idx, wait_stats=s)),
+                       ("combine", lambda s: buf.combine(eo, idx, w, handle, wait_stats=s))):
+        expect(f"{name} wait_stats dtype", TypeError, [f"EPBuffer.{name}",
+                                                       "wait_stats has dtype int32"],
+               lambda call=call: call(i64.int()))
+        expect(f"{name} wait_stats shape", ValueError, ["wait_stats has shape (3,)",
+                                                        f"[num_ranks] = [{W}]"],
+               lambda call=call: call(torch.zeros(3, dtype=torch.int64)))
+        expect(f"{name} wait_stats type", TypeError, ["wait_stats must be a torch.Tensor"],
+               lambda call=call: call([0] * W))
+        expect(f"{name} wait_stats device", ValueError, ["wait_stats is on meta"],
+               lambda call=call: call(torch.zeros(W, dtype=torch.int64, device="meta")))
+        expect(f"{name} wait_stats on reference", NotImplementedError,
+               [f"EPBuffer.{name}", "wait_stats is peer-backend only"],
+               lambda call=call: call(i64))
+    if i64.tolist() != [0] * W:
+        results.append(("wait_stats", f"a refused call changed it: {i64.tolist()}"))
     # after all those refusals the buffer still works (nothing was touched)
     rx, rc, h2 = buf.dispatch(x, idx)
     y = buf.combine(expert_fn(rx, rc, rank), idx, w, h2)

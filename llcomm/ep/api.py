@@ -25,7 +25,8 @@ from ..runtime.registry import register
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .layout import HANDLE_SLOTS, check_shape_args, default_num_blocks, ep_layout
-from .checks import check_fp8, check_handle, check_out, check_topk, check_weights
+from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
+                     check_weights)
 from .handle import EPHandle
 from .masks import RankMasks
 from .peer import PeerEP
@@ -199,7 +200,8 @@ class EPBuffer(RankMasks):
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *,
                  out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
                  use_fp8: bool = False, round_scale: bool = False,
-                 return_recv_hook: bool = False, topk_weights: torch.Tensor | None = None):
+                 return_recv_hook: bool = False, topk_weights: torch.Tensor | None = None,
+                 wait_stats: torch.Tensor | None = None):
         """Send every token to the experts ``topk_idx`` names; return ``(recv_x, recv_count,
         handle)``.
 
@@ -230,6 +232,10 @@ class EPBuffer(RankMasks):
                 so that combine skips its own weights exchange and the wait for it; pass
                 ``topk_weights=None`` to that combine. The values at the time of the dispatch
                 are used (on the stream, as for ``x``). The same choice on every rank.
+            wait_stats: optional ``[num_ranks]`` int64 tensor on the device, **peer backend
+                only** (NotImplementedError on the reference one): the kernel adds to entry r
+                the nanoseconds its blocks spent waiting for rank r's data (summed over the
+                blocks; docs/ep.md, "Wait statistics"). Per rank: others may pass None.
         Returns:
             recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
                 e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
@@ -257,6 +263,7 @@ class EPBuffer(RankMasks):
         fp8 = check_fp8(self, pr, use_fp8, round_scale, out)
         if topk_weights is not None:
             check_weights(self, pr, topk_weights, topk_idx)
+        check_wait_stats(self, "dispatch", pr, wait_stats)
         pr.raise_if_any()
         self._precheck("dispatch")
         scales = None
@@ -276,7 +283,7 @@ class EPBuffer(RankMasks):
         if self.backend == "peer":
             recv_count, src_info, state, recv = self._impl.dispatch(
                 x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
-                topk_weights)
+                topk_weights, wait_stats)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
                                                               topk_weights is not None)
@@ -328,7 +335,8 @@ class EPBuffer(RankMasks):
 
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor | None, handle: EPHandle, *,
-                out: torch.Tensor | None = None, return_recv_hook: bool = False):
+                out: torch.Tensor | None = None, return_recv_hook: bool = False,
+                wait_stats: torch.Tensor | None = None):
         """Weighted sum of the experts' outputs back at each token's rank.
 
         Args:
@@ -347,6 +355,7 @@ class EPBuffer(RankMasks):
                 is unspecified until then. ``topk_idx`` must stay unchanged until the hook has
                 run (the receive half reads it); ``expert_out`` and ``topk_weights`` may be
                 reused after the send half.
+            wait_stats: as in ``dispatch``: both of combine's waits (weights, partials).
         Returns:
             ``out[t] = sum_k topk_weights[t, k] * expert_out[expert k of t, its row]`` over the
             entries that are not -1 (zeros for a token with none), accumulated in fp32 in one
@@ -378,13 +387,15 @@ class EPBuffer(RankMasks):
             check_weights(self, pr, topk_weights, topk_idx)
         if n is not None:
             check_out(self, pr, "out", out, (n, self.hidden))
+        check_wait_stats(self, "combine", pr, wait_stats)
         pr.raise_if_any()
         self._precheck("combine")
         if out is None:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
         if carried:         # peer: the kernel reads the handle slot's; reference: the copy
             topk_weights = handle._weights
-        more = () if self.backend == "peer" else (carried,)   # reference: for its call check
+        # reference: carried, for its call check; peer: the wait statistics
+        more = (wait_stats,) if self.backend == "peer" else (carried,)
         if not return_recv_hook:
             return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out,
                                       *more)
