@@ -42,16 +42,21 @@ def _oracle(W, seed, absent):
     return xs, topks, ws, disp, oracle_combine(outs, cut, ws, W, E, DTYPE)
 
 
-def _round(buf, rank, W, seed, absent=(), check=True):
+def _round(buf, rank, W, seed, absent=(), check=True, stats=(None, None), delay=(0.0, 0.0)):
     """One dispatch + combine on this rank; with ``check``, compared with the oracle. Returns
-    the seconds the two calls and ``check()`` took."""
+    the seconds the two calls and ``check()`` took. ``stats``: the ``wait_stats`` tensors of
+    the dispatch and the combine; ``delay``: host seconds slept before each call."""
     xs, topks, ws, disp, comb = _oracle(W, seed, set(absent))
     x, idx, w = xs[rank].cuda(), topks[rank].cuda(), ws[rank].cuda()
     L = E // W
     t0 = time.monotonic()
-    rx, rc, h = buf.dispatch(x, idx, out=torch.full((L, W * T, H), float("nan"), device="cuda"))
+    time.sleep(delay[0])
+    rx, rc, h = buf.dispatch(x, idx, out=torch.full((L, W * T, H), float("nan"), device="cuda"),
+                             wait_stats=stats[0])
     eo = expert_fn(rx.cpu(), rc.cpu(), rank).cuda()     # syncs: the dispatch is done here
-    y = buf.combine(eo, idx, w, h, out=torch.full((x.shape[0], H), float("nan"), device="cuda"))
+    time.sleep(delay[1])
+    y = buf.combine(eo, idx, w, h, out=torch.full((x.shape[0], H), float("nan"), device="cuda"),
+                    wait_stats=stats[1])
     buf.check()
     elapsed = time.monotonic() - t0
     if not check:
