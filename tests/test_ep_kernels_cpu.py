@@ -559,3 +559,61 @@ HAND_CASES = [  # W, E, T, H, topk, NB, dtype, seeds (masked round, full round),
 def test_rank_masked_by_hand_is_skipped_then_back_in_interpreter(case):
     fails = _run_in_interpreter("simulate_masked_by_hand", *case)
     assert not fails, "\n".join(fails[:20])
+
+
+def _stub_peer(ll, masks):
+    """A ``PeerEP`` without a GPU: its launch arguments built exactly as ``dispatch`` /
+    ``combine`` build them, the launch recorded instead of made."""
+    from types import SimpleNamespace
+    from llcomm.ep import kernels
+    from llcomm.ep.layout import HANDLE_SLOTS, MAX_TOPK, ep_layout
+    from llcomm.ep.peer import PeerEP, dispatch_kernel, ll_row_consts
+    from llcomm.runtime.settings import EPSettings
+
+    W, T, H, E, NB = 2, 4, 64, 8, 4
+    p = PeerEP.__new__(PeerEP)
+    p.k, p.rank, p.W, p.nb, p.num_warps = kernels, 0, W, NB, 4
+    p.settings = EPSettings.read()
+    p.layout = ep_layout(T, H, W, E, 2, num_blocks=NB)
+    p.buf = SimpleNamespace(max_tokens=T, num_local_experts=E // W, hidden=H,
+                            dtype=torch.bfloat16)
+    p.timeout_us, p.ll, p.masks, p.profile = 1000, ll, masks, 0
+    p.dispatch_kernel, p.combine_kernel = dispatch_kernel(ll), kernels.combine_kernel
+    p._rows = [ll_row_consts(p.layout, f) for f in range(3)]
+    p.tab = torch.zeros(W, dtype=torch.int64)
+    ctrl = torch.zeros(2, NB, dtype=torch.int64)
+    p._ctrl, p.err = (ctrl[0], ctrl[1]), torch.zeros(16, dtype=torch.int64)
+    p._slot_words = (W * T * MAX_TOPK, (E // W) * W * T, E // W, W)
+    p.slots = [torch.zeros(sum(p._slot_words), dtype=torch.int32) for _ in range(HANDLE_SLOTS)]
+    p._call_consts, p._slot_views, p._tags = {}, {}, {}
+    p.launches = []
+    p._launch = lambda fn, grid, args, warps, **consts: p.launches.append((fn, args, consts))
+    return p, W, T, H
+
+
+@pytest.mark.parametrize("ll,masks", [(1, 0), (0, 0), (0, 1)])
+def test_peer_launch_arguments_bind_to_the_kernels(ll, masks):
+    """Every launch ``PeerEP`` makes (dispatch, split halves, combine, with and without wait
+    statistics) binds to its kernel's parameters: no argument missing or extra, ``stats`` the
+    tensor with STATS=1 and None (a constexpr: no code) without. A mistake here would only show
+    on the GPU otherwise."""
+    import inspect
+    p, W, T, H = _stub_peer(ll, masks)
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    idx = torch.zeros(T, 2, dtype=torch.int64)
+    w = torch.zeros(T, 2)
+    recv = torch.zeros(4, W * T, H, dtype=torch.bfloat16)
+    for stats in (None, torch.zeros(W, dtype=torch.int64)):
+        p.launches.clear()
+        _, _, state, recv_half = p.dispatch(x, idx, recv, 0, stats=stats)
+        p.dispatch(x, idx, recv, 1, split=True, weights=w, stats=stats)[3]()
+        p.combine(recv, idx, w, state, torch.zeros(T, H, dtype=torch.bfloat16), stats=stats)
+        p.combine_send(recv, idx, w, state, torch.zeros(T, H, dtype=torch.bfloat16),
+                       stats=stats)()
+        assert recv_half is None and len(p.launches) == 6
+        for fn, args, consts in p.launches:
+            params = inspect.signature(fn.fn).parameters
+            bound = inspect.signature(fn.fn).bind(
+                *args, **{k: v for k, v in consts.items() if k in params})
+            assert bound.arguments["stats"] is stats, fn.fn.__name__
+            assert consts.get("STATS", 0) == int(stats is not None), fn.fn.__name__

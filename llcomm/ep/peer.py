@@ -244,10 +244,10 @@ class PeerEP:
         args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
                 src_info, recv_count, ntok, self.tab, self._ctrl[0], self.err, self.rank,
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
-                weights if carry else topk_idx, w_off)
+                weights if carry else topk_idx, w_off, stats)
         consts = self._consts("dispatch", K, fp8, carry)
-        if stats is not None:       # the kernels' STATS variant (kernels/common.py)
-            args, consts = (*args, stats), dict(consts, STATS=1)
+        if stats is not None:       # the kernels' STATS variant (None: a constexpr, no code)
+            consts = dict(consts, STATS=1)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.dispatch_kernel, self.nb, args, self.num_warps, **consts)
@@ -268,11 +268,9 @@ class PeerEP:
         args = (expert_out, topk_idx, topk_idx if carried else topk_weights, topk_idx.shape[0],
                 out, row_of, ntok, self.tab, self._ctrl[1], self.err, self.rank,
                 self._tag(P.OP_COMBINE, K, 0, carried), self.timeout_us,
-                w_off if carried else 0)
+                w_off if carried else 0, stats)
         consts = self._consts("combine", K, 0, carried)
-        if stats is not None:
-            return (*args, stats), dict(consts, STATS=1)
-        return args, consts
+        return args, (consts if stats is None else dict(consts, STATS=1))
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out, stats=None):
         args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out, stats)
