@@ -320,7 +320,7 @@ class Buffer(ShrinkMasks):
             finish()
         handle = LowLatencyHandle(src_info, layout, T, H, num_experts, h, self)
         event = after(ep.device, async_finish, (x, topk_idx, *(recv_x if use_fp8 else (recv_x,)),
-                                                recv_count, src_info, layout, stats))
+                                                recv_count, src_info, layout, stats, cost))
         return recv_x, recv_count, handle, event, hook
 
     # -- combine --------------------------------------------------------------------------------
@@ -390,7 +390,8 @@ class Buffer(ShrinkMasks):
         r = ep.combine(expert_out, topk_idx, topk_weights, h.ep_handle, out=out,
                        return_recv_hook=return_recv_hook, wait_stats=cost)
         combined, hook = r if return_recv_hook else (r, None)
-        event = after(ep.device, async_finish, (expert_out, topk_idx, topk_weights, combined))
+        event = after(ep.device, async_finish, (expert_out, topk_idx, topk_weights, combined,
+                                                cost))
         return combined, event, hook
 
     # -- the rest of DeepEP's surface ------------------------------------------------------------
