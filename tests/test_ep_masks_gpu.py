@@ -132,8 +132,8 @@ def _by_hand_body(rank, W):
     results equal the oracle without the other (both call, nothing is waited for); masking
     is captured in a CUDA graph too; then rank 1 stays away from a round that rank 0 makes
     alone with a long timeout (rank 0 does not wait: it finishes before rank 1 starts, which
-    the barrier between them orders), rank 1 makes it up late, both unmask, and full rounds
-    match the full oracle."""
+    the barrier between them orders, and its wait statistics for rank 1 stay 0), rank 1 makes
+    it up late, both unmask, and full rounds match the full oracle."""
     import llcomm.ep as ep
     buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T, dtype=DTYPE,
                       backend="peer", enable_masks=True, timeout_ms=20_000)
@@ -162,8 +162,11 @@ def _by_hand_body(rank, W):
     assert buf.query_mask().tolist() == [int(r == other) for r in range(W)]
     dist.barrier()
     if rank == 0:           # alone: rank 1 starts only after this rank has finished
+        ds, cs = (torch.zeros(W, dtype=torch.int64, device="cuda") for _ in range(2))
         for seed in HAND_ALONE_SEEDS:
-            _round(buf, rank, W, seed, absent={1})
+            _round(buf, rank, W, seed, absent={1}, stats=(ds, cs))
+        torch.cuda.synchronize()    # never waited for rank 1: its wait statistics stay 0
+        assert ds[1].item() == 0 and cs[1].item() == 0, (ds.tolist(), cs.tolist())
     dist.barrier()
     if rank == 1:           # late, its results unspecified (rank 0 masked it)
         for seed in HAND_ALONE_SEEDS:

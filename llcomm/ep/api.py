@@ -235,7 +235,8 @@ class EPBuffer(RankMasks):
             wait_stats: optional ``[num_ranks]`` int64 tensor on the device, **peer backend
                 only** (NotImplementedError on the reference one): the kernel adds to entry r
                 the nanoseconds its blocks spent waiting for rank r's data (summed over the
-                blocks; docs/ep.md, "Wait statistics"). Per rank: others may pass None.
+                blocks; docs/ep.md, "Wait statistics"). Per rank: others may pass None, but
+                start on every rank at the same call (the first one compiles a variant).
         Returns:
             recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
                 e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
