@@ -218,10 +218,35 @@ def _refusals_body(rank, W):
     expect("budget too small", ValueError, ["num_rdma_bytes", "get_low_latency_rdma_size_hint"],
            lambda: small.low_latency_dispatch(x, idx, T, E, use_fp8=False))
 
+    # masks set by hand before the first call (which creates the EPBuffer) are kept and
+    # reported; gloo refuses enable_shrink, so the flag is set on a plain Buffer to reach the
+    # path a shrink Buffer takes before its first call
+    early = B(None)
+    early.enable_shrink = True
+    status = torch.full((W,), -1, dtype=torch.int32)
+    for r, m, want in ((W - 1, True, [0] * (W - 1) + [1]), (0, True, [1] + [0] * (W - 2) + [1]),
+                       (W - 1, False, [1] + [0] * (W - 1))):
+        early.low_latency_update_mask_buffer(r, m)
+        early.low_latency_query_mask_buffer(status)
+        if status.tolist() != want:
+            errors.append(f"before the EPBuffer: mask {status.tolist()} after update({r}, {m}), "
+                          f"expected {want}")
+    early.low_latency_clean_mask_buffer()
+    early.low_latency_query_mask_buffer(status)
+    if status.tolist() != [0] * W:
+        errors.append(f"before the EPBuffer: mask {status.tolist()} after clean")
+
     buf = B(None)
     d = buf.low_latency_dispatch
-    expect("wait stats", NotImplementedError, ["dispatch_wait_recv_cost_stats"],
+    # wait-cost statistics: checked (named), then refused on the reference backend, before the
+    # EPBuffer is made
+    expect("wait stats", NotImplementedError, ["dispatch_wait_recv_cost_stats", "peer-backend"],
            lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(W, dtype=torch.int64)))
+    expect("wait stats dtype", TypeError, ["dispatch_wait_recv_cost_stats", "torch.int64"],
+           lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(W)))
+    expect("wait stats shape", ValueError, ["dispatch_wait_recv_cost_stats", f"[{W}]"],
+           lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(
+               W, W, dtype=torch.int64)))
     expect("ue8m0 without round_scale", ValueError, ["use_ue8m0=True", "round_scale=True"],
            lambda: d(x, idx, T, E, use_ue8m0=True))
     expect("ue8m0 hidden", ValueError, ["use_ue8m0=True", "512", "hidden=384"],
@@ -250,9 +275,16 @@ def _refusals_body(rank, W):
     c = buf.low_latency_combine
     expect("logfmt", NotImplementedError, ["use_logfmt=True"],
            lambda: c(recv_x, idx, w, handle, use_logfmt=True))
-    expect("combine wait stats", NotImplementedError, ["combine_wait_recv_cost_stats"],
+    expect("combine wait stats", NotImplementedError, ["combine_wait_recv_cost_stats",
+                                                       "peer-backend"],
            lambda: c(recv_x, idx, w, handle,
                      combine_wait_recv_cost_stats=torch.zeros(W, dtype=torch.int64)))
+    expect("combine wait stats type", TypeError, ["combine_wait_recv_cost_stats",
+                                                  "torch.Tensor or None"],
+           lambda: c(recv_x, idx, w, handle, combine_wait_recv_cost_stats=[0] * W))
+    expect("combine wait stats device", ValueError, ["combine_wait_recv_cost_stats", "meta"],
+           lambda: c(recv_x, idx, w, handle, combine_wait_recv_cost_stats=torch.zeros(
+               W, dtype=torch.int64, device="meta")))
     expect("rebuilt handle", TypeError, ["LowLatencyHandle", "tuple"],
            lambda: c(recv_x, idx, w, tuple(handle)))
     expect("zero_copy unprepared", ValueError, ["zero_copy=True",
@@ -260,6 +292,13 @@ def _refusals_body(rank, W):
            lambda: c(recv_x, idx, w, handle, zero_copy=True))
     expect("bad weights", TypeError, ["topk_weights"],
            lambda: c(recv_x, idx, w.double(), handle))
+    # the mask update's arguments are checked first (named), then the backend refuses
+    for args, exc, words in (((W, True), ValueError, [f"rank_to_mask={W}", f"[0, {W})"]),
+                             ((-1,), ValueError, ["rank_to_mask=-1"]),
+                             (("1", True), TypeError, ["rank_to_mask='1'"]),
+                             ((0, "yes"), TypeError, ["mask='yes'"])):
+        expect(f"update_mask{args}", exc, ["low_latency_update_mask_buffer"] + words,
+               lambda args=args: buf.low_latency_update_mask_buffer(*args))
     for name, call in (("update", lambda: buf.low_latency_update_mask_buffer(1, True)),
                        ("query", lambda: buf.low_latency_query_mask_buffer(
                            torch.zeros(W, dtype=torch.int32))),

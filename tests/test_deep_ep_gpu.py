@@ -12,6 +12,9 @@
   the rank catches up, everyone cleans, full results; then it stops for good, and after
   ``low_latency_clean_mask_buffer`` the survivor is masked again after one timeout and keeps
   returning the results without it.
+- Masks by hand (``low_latency_update_mask_buffer``): set before the first call (kept until the
+  EPBuffer exists), each rank masks the other and gets the results without it; unmasked, full
+  results again.
 
 Run on a 2-GPU host: ``python -m pytest tests/test_deep_ep_gpu.py -m gpu -x -q``.
 """
@@ -230,17 +233,43 @@ def _shrink_body(rank, W):
             fails.append(f"rank {rank}: mask {_mask_of(buf, W)} != {only} after clean")
     torch.cuda.synchronize()
     dist.barrier()
-    update = buf.low_latency_update_mask_buffer
-    try:
-        update(ABSENT, True)
-        fails.append("low_latency_update_mask_buffer did not raise")
-    except NotImplementedError as e:
-        if "rank_to_mask" not in str(e):
-            fails.append(f"low_latency_update_mask_buffer: {e}")
     buf.destroy()
     return fails
 
 
 def test_shrink_masks_a_silent_rank():
     fails = [f for r in run_distributed(_shrink_body, 2, backend="nccl", timeout=600) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def _update_mask_body(rank, W):
+    """``low_latency_update_mask_buffer`` before the first call (the EPBuffer does not exist
+    yet: the mask is kept and applied when it is made) and after: each rank masks the other,
+    so each gets exactly the results without it while both call; unmasked after a barrier,
+    full results."""
+    import llcomm.deep_ep as deep_ep
+    buf = deep_ep.Buffer(None, enable_shrink=True, backend="peer", timeout_ms=20_000)
+    other = 1 - rank
+    fails = []
+    buf.low_latency_update_mask_buffer(other, True)
+    if _mask_of(buf, W) != [int(r == other) for r in range(W)]:
+        fails.append(f"rank {rank}: mask {_mask_of(buf, W)} before the EPBuffer exists")
+    for seed in (11, 12):                   # the first creates the EPBuffer, other masked
+        fails += _masked_round(buf, rank, W, seed, absent={other})
+    if _mask_of(buf, W) != [int(r == other) for r in range(W)]:
+        fails.append(f"rank {rank}: mask {_mask_of(buf, W)} after the masked rounds")
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.low_latency_update_mask_buffer(other)               # mask=False: DeepEP's default
+    if _mask_of(buf, W) != [0] * W:
+        fails.append(f"rank {rank}: mask {_mask_of(buf, W)} after unmasking {other}")
+    for seed in (13, 14):
+        fails += _masked_round(buf, rank, W, seed)
+    buf.destroy()
+    return fails
+
+
+def test_update_mask_buffer_masks_and_unmasks_by_hand():
+    fails = [f for r in run_distributed(_update_mask_body, 2, backend="nccl", timeout=600)
+             for f in r]
     assert not fails, "\n".join(fails)

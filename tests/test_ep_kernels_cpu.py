@@ -45,7 +45,7 @@ def _escaped(x):
 
 
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
-             carry=False, ll=0, plant=False):
+             carry=False, ll=0, plant=False, stats=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
     ``fp8``: the dispatch's FP8 mode (0 off, 1 on, 2 power-of-two scales). ``signals``: run the
     signal stages too, grouped as the send halves of ``return_recv_hook`` launch them
@@ -57,7 +57,11 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     ``ll``: the LL dispatch; each receive slot must be armed again after the call, and no
     word may have been missing (the receive half reads once and reports what it lacks).
     ``plant``: some row words are the LL sentinel (0xFFFFFFFF); they must arrive escaped
-    (``_escaped``) and the combine is skipped (those rows are NaNs)."""
+    (``_escaped``) and the combine is skipped (those rows are NaNs). ``stats``: the kernels'
+    wait-statistics variants (STATS=1, a ``[W]`` int64 tensor per rank): the same results, and
+    the statistics stay zero, since nothing here waits or reads the GPU clock (the LL receive
+    reads each word once; ``lamport._clock`` is 0 there), so only the STATS code paths' data
+    handling is exercised, not the timing (which the GPU tests check)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernels as K
     from llcomm.ep.fp8 import dequantize, quantize
@@ -78,6 +82,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64) for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    st = [torch.zeros(W, dtype=torch.int64) if stats else None for _ in range(W)]
     # TT=4: several top-k tiles even at these small token counts; up to 2 tokens take the
     # one-small-tile path (TS=2)
     dc, cc, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=4, small_tile_tokens=2)
@@ -116,7 +121,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     dispatch[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
-                        **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry)))
+                        st[r], **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
+                                      STATS=int(stats)))
             if ll:
                 for r in range(W):
                     a, b = lay.armed_ranges()[(call - 1) % 2]
@@ -175,8 +181,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                 for r in range(W):
                     K.combine_kernel[(NB,)](
                         outs_e[r], topks[r], given[r], xs[r].shape[0], outs[r], row_of[r],
-                        ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, w_off,
-                        **dict(cc, STAGES=stage, CARRIED=int(carry)))
+                        ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, w_off, st[r],
+                        **dict(cc, STAGES=stage, CARRIED=int(carry), STATS=int(stats)))
             want = oracle_combine(outs_e, topks, weights, W, E, dtype)
             for r in range(W):
                 if not _same_up_to_interpreter_rounding(outs[r], want[r]):
@@ -184,6 +190,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
     calls = len(seeds) * len(kinds)
     for r in range(W):
+        if stats and st[r].tolist() != [0] * W:
+            fails.append(f"rank {r}: wait statistics {st[r].tolist()} without any wait")
         if ctrl[r].tolist() != [[calls] * NB, [0 if plant else calls] * NB]:
             fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls} everywhere")
         if int(host[r][1]):
@@ -233,7 +241,8 @@ def _bad_topk():
         dc, _, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=2)
         for stage in (K.D_SEND, K.D_RECV):
             dispatch_kernel(ll)[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab,
-                                       ctrl, err, 0, 0, 0, idx, 0, STAGES=stage, FP8=0, **dc)
+                                       ctrl, err, 0, 0, 0, idx, 0, None, STAGES=stage, FP8=0,
+                                       **dc)
         if int(host[1]) != 3:
             fails.append(f"ll={ll}: reported {int(host[1])} bad entries, expected 3")
         if cnt.tolist() != [1, 2, 0, 0]:
@@ -270,6 +279,10 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
     (2, 8, 6, 32, 3, 4, "float32", [1, 2], ["random", "dups", "zero_and_max"], 0, False, True,
      1),
     (2, 8, 6, 32, 3, 4, "bfloat16", [3], ["random", "zero_and_max"], 0, False, False, 1, True),
+    # the wait-statistics variants (STATS=1), LL and flag dispatch, FP8 and carried weights
+    (3, 6, 3, 128, 2, 2, "float32", [2], ["random", "dups"], 1, False, True, 1, False, True),
+    (2, 8, 6, 32, 3, 4, "bfloat16", [1], ["random", "zero_and_max"], 0, True, False, 0, False,
+     True),
 ]
 
 
@@ -277,8 +290,9 @@ CASES = [  # W, E, T, H, topk, NB, dtype, seeds, kinds
                                              + (f"-fp8m{c[9]}" if len(c) > 9 else "")
                                              + ("-signals" if len(c) > 10 and c[10] else "")
                                              + ("-carry" if len(c) > 11 and c[11] else "")
-                                             + ("-ll" if len(c) > 12 else "")
-                                             + ("-sentinel" if len(c) > 13 else "")
+                                             + ("-ll" if len(c) > 12 and c[12] else "")
+                                             + ("-sentinel" if len(c) > 13 and c[13] else "")
+                                             + ("-stats" if len(c) > 14 else "")
                                              for c in CASES])
 def test_kernels_match_oracle_in_interpreter(case):
     fails = _run_in_interpreter("simulate", *case)
@@ -363,8 +377,8 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
         for r in ranks:
             K.flag_dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
-                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, STAGES=stage, FP8=0,
-                **dc)
+                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, None, STAGES=stage,
+                FP8=0, **dc)
     # the oracle: masked sources sent nothing
     xs_live = [x if s in live else x[:0] for s, x in enumerate(xs)]
     topks_live = [t if s in live else t[:0] for s, t in enumerate(topks)]
@@ -398,7 +412,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
         for r in live:
             K.combine_kernel[(NB,)](
                 outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r], ntok[r],
-                tab, ctrl[r][1], err[r], r, 0, 0, 0, STAGES=stage, **cc)
+                tab, ctrl[r][1], err[r], r, 0, 0, 0, None, STAGES=stage, **cc)
     # experts on masked ranks count as absent from every top-k
     topks_cut = [torch.where((t >= 0) & (t < E) & torch.isin(t // L, torch.tensor(masked)), -1, t)
                  for t in topks_live]
@@ -429,3 +443,177 @@ MASK_CASES = [  # W, E, T, H, topk, NB, dtype, seed, kind, masked ranks
 def test_masked_sources_are_skipped_in_interpreter(case):
     fails = _run_in_interpreter("simulate_masked", *case)
     assert not fails, "\n".join(fails[:20])
+
+
+def simulate_masked_by_hand(W, E, T, H, topk, NB, dtype_name, seeds, kind, hand):
+    """A rank masked by hand (``EPBuffer.set_mask`` / DeepEP's ``low_latency_update_mask_
+    buffer``): every live rank sets bit ``hand`` of its mask word with
+    ``masks.update_mask_word``, the update ``set_mask`` makes (and sets and clears another bit,
+    which must leave no trace), then one round runs with every rank making every stage, the
+    masked one included (it is alive: its rows, counts and partials land, and must be ignored).
+    The live ranks' results must equal the oracle without it; its partial slots are poisoned
+    before the sums. Then the live ranks unmask it with the same update and a second round must
+    match the full oracle on every rank. Returns failures."""
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from llcomm.ep import kernels as K
+    from llcomm.ep.layout import ERR_MASK, ep_layout
+    from llcomm.ep.masks import update_mask_word
+    from llcomm.ep.peer import kernel_consts
+    from test_ep_oracle import expert_fn, make_case, oracle_combine, oracle_dispatch
+
+    dtype = getattr(torch, dtype_name)
+    L = E // W
+    live = [r for r in range(W) if r != hand]
+    isz = torch.tensor([], dtype=dtype).element_size()
+    lay = ep_layout(T, H, W, E, isz, num_blocks=NB)
+    regions = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64)
+    host = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8, 0, 0], dtype=torch.int64)
+           for h in host]
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    dc, cc, _ = kernel_consts(lay, topk, ll=0, tile_tokens=4, small_tile_tokens=2)
+    dc, cc = dict(dc, MASKS=1), dict(cc, MASKS=1)      # masks: the flag dispatch
+    fails = []
+    if K.ERR_MASK.value != ERR_MASK:
+        fails.append(f"the kernels' mask word {K.ERR_MASK.value} is not layout's {ERR_MASK}")
+    other = (hand + 1) % W
+    for r in live:
+        update_mask_word(err[r], hand, True)
+        update_mask_word(err[r], other, True)
+        update_mask_word(err[r], other, False)
+        if int(err[r][ERR_MASK]) != 1 << hand:
+            fails.append(f"rank {r}: mask word {int(err[r][ERR_MASK]):#x} after masking "
+                         f"{hand} and {other}, unmasking {other} (expected {1 << hand:#x})")
+    for round_, seed in enumerate(seeds):
+        absent = [hand] if round_ == 0 else []
+        tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} " \
+              f"masked by hand={absent}]"
+        xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
+        recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+        row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
+        src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
+        cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
+        ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+        for stage in (K.D_SEND, K.D_RECV):
+            for r in range(W):
+                K.flag_dispatch_kernel[(NB,)](
+                    xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r],
+                    cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, None,
+                    STAGES=stage, FP8=0, **dc)
+        xs_l = [x[:0] if s in absent else x for s, x in enumerate(xs)]
+        tk_l = [t[:0] if s in absent else t for s, t in enumerate(topks)]
+        exp = oracle_dispatch(xs_l, tk_l, W, E, T)
+        checked = live if absent else range(W)
+        for r in checked:
+            ex, ec, es = exp[r]
+            if not torch.equal(cnt[r], ec):
+                fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}")
+                continue
+            for e in range(L):
+                c = int(ec[e])
+                if not torch.equal(recv[r][e, :c].view(torch.uint8),
+                                   ex[e, :c].view(torch.uint8)):
+                    fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
+                if not torch.equal(src[r][e, :c], es[e, :c]):
+                    fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+        outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
+        outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+        cx = lay.offsets()["combine_x"]
+        for stage in (K.C_WEIGHTS, K.C_REDUCE, K.C_SUM):
+            if stage == K.C_SUM and absent:        # the masked rank's partials: poisoned
+                for r in live:
+                    base = (int(ctrl[r][1][0]) % 2) * lay.set_bytes + cx
+                    region = regions[r][base:base + W * T * H * isz].view(dtype).view(W, T, H)
+                    region[hand] = float("nan")
+            for r in range(W):
+                K.combine_kernel[(NB,)](
+                    outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
+                    ntok[r], tab, ctrl[r][1], err[r], r, 0, 0, 0, None, STAGES=stage, **cc)
+        gone = torch.tensor(absent or [-1])
+        cut = [torch.where((t >= 0) & (t < E) & torch.isin(t // L, gone), -1, t) for t in tk_l]
+        all_out = [expert_fn(*exp[q][:2], q) for q in range(W)]
+        want = oracle_combine(all_out, cut, weights, W, E, dtype)
+        for r in checked:
+            if not _same_up_to_interpreter_rounding(outs[r], want[r]):
+                d = (outs[r].float() - want[r].float()).abs()
+                fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
+        if round_ == 0:
+            for r in live:                          # back: unmasked by hand
+                update_mask_word(err[r], hand, False)
+    for r in range(W):
+        if int(err[r][0]) or int(err[r][ERR_MASK]):
+            fails.append(f"rank {r}: error word {int(err[r][0]):#x}, mask "
+                         f"{int(err[r][ERR_MASK]):#x} at the end (expected 0, 0)")
+    return fails
+
+
+HAND_CASES = [  # W, E, T, H, topk, NB, dtype, seeds (masked round, full round), kind, masked
+    (2, 8, 6, 32, 3, 4, "float32", [1, 2], "random", 1),
+    (3, 6, 4, 16, 2, 3, "bfloat16", [3, 4], "dups", 0),
+    (4, 8, 5, 16, 4, 2, "float16", [5, 6], "zero_and_max", 2),
+]
+
+
+@pytest.mark.parametrize("case", HAND_CASES, ids=[f"w{c[0]}-{c[6]}-m{c[9]}" for c in HAND_CASES])
+def test_rank_masked_by_hand_is_skipped_then_back_in_interpreter(case):
+    fails = _run_in_interpreter("simulate_masked_by_hand", *case)
+    assert not fails, "\n".join(fails[:20])
+
+
+def _stub_peer(ll, masks):
+    """A ``PeerEP`` without a GPU: its launch arguments built exactly as ``dispatch`` /
+    ``combine`` build them, the launch recorded instead of made."""
+    from types import SimpleNamespace
+    from llcomm.ep import kernels
+    from llcomm.ep.layout import HANDLE_SLOTS, MAX_TOPK, ep_layout
+    from llcomm.ep.peer import PeerEP, dispatch_kernel, ll_row_consts
+    from llcomm.runtime.settings import EPSettings
+
+    W, T, H, E, NB = 2, 4, 64, 8, 4
+    p = PeerEP.__new__(PeerEP)
+    p.k, p.rank, p.W, p.nb, p.num_warps = kernels, 0, W, NB, 4
+    p.settings = EPSettings.read()
+    p.layout = ep_layout(T, H, W, E, 2, num_blocks=NB)
+    p.buf = SimpleNamespace(max_tokens=T, num_local_experts=E // W, hidden=H,
+                            dtype=torch.bfloat16)
+    p.timeout_us, p.ll, p.masks, p.profile = 1000, ll, masks, 0
+    p.dispatch_kernel, p.combine_kernel = dispatch_kernel(ll), kernels.combine_kernel
+    p._rows = [ll_row_consts(p.layout, f) for f in range(3)]
+    p.tab = torch.zeros(W, dtype=torch.int64)
+    ctrl = torch.zeros(2, NB, dtype=torch.int64)
+    p._ctrl, p.err = (ctrl[0], ctrl[1]), torch.zeros(16, dtype=torch.int64)
+    p._slot_words = (W * T * MAX_TOPK, (E // W) * W * T, E // W, W)
+    p.slots = [torch.zeros(sum(p._slot_words), dtype=torch.int32) for _ in range(HANDLE_SLOTS)]
+    p._call_consts, p._slot_views, p._tags = {}, {}, {}
+    p.launches = []
+    p._launch = lambda fn, grid, args, warps, **consts: p.launches.append((fn, args, consts))
+    return p, W, T, H
+
+
+@pytest.mark.parametrize("ll,masks", [(1, 0), (0, 0), (0, 1)])
+def test_peer_launch_arguments_bind_to_the_kernels(ll, masks):
+    """Every launch ``PeerEP`` makes (dispatch, split halves, combine, with and without wait
+    statistics) binds to its kernel's parameters: no argument missing or extra, ``stats`` the
+    tensor with STATS=1 and None (a constexpr: no code) without. A mistake here would only show
+    on the GPU otherwise."""
+    import inspect
+    p, W, T, H = _stub_peer(ll, masks)
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    idx = torch.zeros(T, 2, dtype=torch.int64)
+    w = torch.zeros(T, 2)
+    recv = torch.zeros(4, W * T, H, dtype=torch.bfloat16)
+    for stats in (None, torch.zeros(W, dtype=torch.int64)):
+        p.launches.clear()
+        _, _, state, recv_half = p.dispatch(x, idx, recv, 0, stats=stats)
+        p.dispatch(x, idx, recv, 1, split=True, weights=w, stats=stats)[3]()
+        p.combine(recv, idx, w, state, torch.zeros(T, H, dtype=torch.bfloat16), stats=stats)
+        p.combine_send(recv, idx, w, state, torch.zeros(T, H, dtype=torch.bfloat16),
+                       stats=stats)()
+        assert recv_half is None and len(p.launches) == 6
+        for fn, args, consts in p.launches:
+            params = inspect.signature(fn.fn).parameters
+            bound = inspect.signature(fn.fn).bind(
+                *args, **{k: v for k, v in consts.items() if k in params})
+            assert bound.arguments["stats"] is stats, fn.fn.__name__
+            assert consts.get("STATS", 0) == int(stats is not None), fn.fn.__name__

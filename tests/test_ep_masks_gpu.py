@@ -42,16 +42,21 @@ def _oracle(W, seed, absent):
     return xs, topks, ws, disp, oracle_combine(outs, cut, ws, W, E, DTYPE)
 
 
-def _round(buf, rank, W, seed, absent=(), check=True):
+def _round(buf, rank, W, seed, absent=(), check=True, stats=(None, None), delay=(0.0, 0.0)):
     """One dispatch + combine on this rank; with ``check``, compared with the oracle. Returns
-    the seconds the two calls and ``check()`` took."""
+    the seconds the two calls and ``check()`` took. ``stats``: the ``wait_stats`` tensors of
+    the dispatch and the combine; ``delay``: host seconds slept before each call."""
     xs, topks, ws, disp, comb = _oracle(W, seed, set(absent))
     x, idx, w = xs[rank].cuda(), topks[rank].cuda(), ws[rank].cuda()
     L = E // W
     t0 = time.monotonic()
-    rx, rc, h = buf.dispatch(x, idx, out=torch.full((L, W * T, H), float("nan"), device="cuda"))
+    time.sleep(delay[0])
+    rx, rc, h = buf.dispatch(x, idx, out=torch.full((L, W * T, H), float("nan"), device="cuda"),
+                             wait_stats=stats[0])
     eo = expert_fn(rx.cpu(), rc.cpu(), rank).cuda()     # syncs: the dispatch is done here
-    y = buf.combine(eo, idx, w, h, out=torch.full((x.shape[0], H), float("nan"), device="cuda"))
+    time.sleep(delay[1])
+    y = buf.combine(eo, idx, w, h, out=torch.full((x.shape[0], H), float("nan"), device="cuda"),
+                    wait_stats=stats[1])
     buf.check()
     elapsed = time.monotonic() - t0
     if not check:
@@ -116,3 +121,65 @@ def _no_masks_body(rank, W):
 
 def test_query_mask_needs_enable_masks():
     run_distributed(_no_masks_body, 2, backend="nccl")
+
+
+#: Rounds of the masks-by-hand test (seed % 3 == 0: every rank sends T tokens).
+HAND_SEEDS, HAND_ALONE_SEEDS, HAND_BACK_SEEDS = (21, 24), (27,), (30, 33)
+
+
+def _by_hand_body(rank, W):
+    """``set_mask`` by hand: each rank masks the other, so each serves only itself and its
+    results equal the oracle without the other (both call, nothing is waited for); masking
+    is captured in a CUDA graph too; then rank 1 stays away from a round that rank 0 makes
+    alone with a long timeout (rank 0 does not wait: it finishes before rank 1 starts, which
+    the barrier between them orders, and its wait statistics for rank 1 stay 0), rank 1 makes
+    it up late, both unmask, and full rounds match the full oracle."""
+    import llcomm.ep as ep
+    buf = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T, dtype=DTYPE,
+                      backend="peer", enable_masks=True, timeout_ms=20_000)
+    other = 1 - rank
+    _round(buf, rank, W, WARM_SEEDS[0])                 # the compile, full results
+    with pytest.raises(ValueError, match="rank=2"):
+        buf.set_mask(W, True)
+    with pytest.raises(TypeError, match="masked=1"):
+        buf.set_mask(other, 1)
+    assert buf.query_mask().tolist() == [0] * W, "a refused set_mask changed the mask"
+    buf.set_mask(other, True)                           # stream-ordered, no sync
+    assert buf.query_mask().tolist() == [int(r == other) for r in range(W)]
+    dist.barrier()
+    for seed in HAND_SEEDS:
+        _round(buf, rank, W, seed, absent={other})
+    # in a graph: unmask and mask again, replayed (the mask word must end masked)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        buf.set_mask(other, False)
+        buf.set_mask(other, True)
+    torch.cuda.current_stream().wait_stream(s)
+    buf.set_mask(other, False)
+    g.replay()
+    assert buf.query_mask().tolist() == [int(r == other) for r in range(W)]
+    dist.barrier()
+    if rank == 0:           # alone: rank 1 starts only after this rank has finished
+        ds, cs = (torch.zeros(W, dtype=torch.int64, device="cuda") for _ in range(2))
+        for seed in HAND_ALONE_SEEDS:
+            _round(buf, rank, W, seed, absent={1}, stats=(ds, cs))
+        torch.cuda.synchronize()    # never waited for rank 1: its wait statistics stay 0
+        assert ds[1].item() == 0 and cs[1].item() == 0, (ds.tolist(), cs.tolist())
+    dist.barrier()
+    if rank == 1:           # late, its results unspecified (rank 0 masked it)
+        for seed in HAND_ALONE_SEEDS:
+            _round(buf, rank, W, seed, check=False)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.set_mask(other, False)
+    assert buf.query_mask().tolist() == [0] * W
+    for seed in HAND_BACK_SEEDS:
+        _round(buf, rank, W, seed)
+    assert buf.query_mask().tolist() == [0] * W
+    buf.close()
+
+
+def test_rank_masked_by_hand_is_skipped_then_restored():
+    run_distributed(_by_hand_body, 2, backend="nccl")

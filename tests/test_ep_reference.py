@@ -260,6 +260,25 @@ def _validation_body(rank, W):
            lambda: b8.dispatch(x8, idx, use_fp8=True,
                                out=(torch.empty(L, W * T, 128, dtype=torch.bfloat16),
                                     torch.empty(L, W * T, 2))))
+    # wait_stats: checked as a tensor first, then refused on this backend (peer only)
+    i64 = torch.zeros(W, dtype=torch.int64)
+    for name, call in (("dispatch", lambda s: d(x, idx, wait_stats=s)),
+                       ("combine", lambda s: buf.combine(eo, idx, w, handle, wait_stats=s))):
+        expect(f"{name} wait_stats dtype", TypeError, [f"EPBuffer.{name}",
+                                                       "wait_stats has dtype int32"],
+               lambda call=call: call(i64.int()))
+        expect(f"{name} wait_stats shape", ValueError, ["wait_stats has shape (3,)",
+                                                        f"[num_ranks] = [{W}]"],
+               lambda call=call: call(torch.zeros(3, dtype=torch.int64)))
+        expect(f"{name} wait_stats type", TypeError, ["wait_stats must be a torch.Tensor"],
+               lambda call=call: call([0] * W))
+        expect(f"{name} wait_stats device", ValueError, ["wait_stats is on meta"],
+               lambda call=call: call(torch.zeros(W, dtype=torch.int64, device="meta")))
+        expect(f"{name} wait_stats on reference", NotImplementedError,
+               [f"EPBuffer.{name}", "wait_stats is peer-backend only"],
+               lambda call=call: call(i64))
+    if i64.tolist() != [0] * W:
+        results.append(("wait_stats", f"a refused call changed it: {i64.tolist()}"))
     # after all those refusals the buffer still works (nothing was touched)
     rx, rc, h2 = buf.dispatch(x, idx)
     y = buf.combine(expert_fn(rx, rc, rank), idx, w, h2)
@@ -558,13 +577,29 @@ def _masks_body(rank, W):
     plain = ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
                         backend="reference")
     fails += _check_one(plain, rank, W, E, T, H, K, 21, "random", torch.bfloat16)
-    for fn in (plain.query_mask, plain.clean_mask):
+    for fn in (plain.query_mask, plain.clean_mask, lambda: plain.set_mask(0, True)):
+        name = "set_mask" if fn.__name__ == "<lambda>" else fn.__name__
         try:
             fn()
-            fails.append(f"{fn.__name__}() without enable_masks did not raise")
+            fails.append(f"{name}() without enable_masks did not raise")
         except ValueError as e:
-            if "enable_masks=True" not in str(e) or fn.__name__ not in str(e):
-                fails.append(f"{fn.__name__}(): message lacks the name or enable_masks: {e}")
+            if "enable_masks=True" not in str(e) or name not in str(e):
+                fails.append(f"{name}(): message lacks the name or enable_masks: {e}")
+    # set_mask's arguments are checked first, whatever the buffer, each named
+    for args, exc, words in (((W, True), ValueError, [f"rank={W}", f"[0, {W})"]),
+                             ((-1, False), ValueError, ["rank=-1"]),
+                             (("0", True), TypeError, ["rank='0'"]),
+                             ((True, True), TypeError, ["rank=True"]),
+                             ((0, 1), TypeError, ["masked=1", "True or False"]),
+                             ((W, None), TypeError, [f"rank={W}", "masked=None"])):
+        try:
+            plain.set_mask(*args)
+            fails.append(f"set_mask{args} did not raise")
+        except exc as e:
+            if not all(w in str(e) for w in words) or "set_mask" not in str(e):
+                fails.append(f"set_mask{args}: message lacks {words}: {e}")
+        except Exception as e:  # noqa: BLE001
+            fails.append(f"set_mask{args}: {type(e).__name__} instead of {exc.__name__}: {e}")
     try:
         ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
                     backend="reference", enable_masks=1)

@@ -7,7 +7,8 @@ Compiles the dispatch (bf16 / fp32 rows, and FP8: ``ll_dispatch_kernel`` or
 ``flag_dispatch_kernel``, whichever ``EPBuffer`` runs for ``--tokens``, and the flag one for rank
 masks) and ``combine_kernel`` exactly as ``EPBuffer`` launches them (same constexprs, all
 stages, fp fusion off for combine; and the send and receive halves of
-``return_recv_hook=True``) and prints per kernel: 16-byte vector loads/stores
+``return_recv_hook=True``; ``*_stats``: the wait-statistics variants, STATS=1) and prints per
+kernel: 16-byte vector loads/stores
 (ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope atomics
 (signals and acquire polls), fused multiply-adds (should be none in combine: the documented
 order rounds the product and the sum separately), registers and spills.
@@ -61,6 +62,9 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     ll = ll_dispatch(EPSettings.read(), tokens)
     d_consts, c_consts, warps = kernel_consts(lay, topk, ll=ll)
     m_consts = kernel_consts(lay, topk, ll=0)[0]
+    # without wait statistics the stats argument is None, which Triton makes a constexpr
+    d_consts, c_consts, m_consts = (dict(c, stats=None) for c in (d_consts, c_consts, m_consts))
+    ds_sig = {"stats": "*i64"}       # with them (STATS=1): a pointer
     DK = dispatch_kernel(ll)
     p = "*" + dt
     d_sig = {"x": p, "topk": "*i64", "n_tok": "i32", "recv_x": p, "recv_scales": "*fp32",
@@ -104,6 +108,16 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
                                  None),
         f"combine_{dt}_masks": (K.combine_kernel, c_sig,
                                 dict(c_consts, STAGES=K.COMBINE_ALL, MASKS=1), warps, no_fusion),
+        # wait statistics (dispatch / combine(wait_stats=...)): the STATS variants
+        f"dispatch_{dt}_stats": (DK, dict(d_sig, **ds_sig),
+                                 dict(_no_stats(d_consts), STAGES=K.DISPATCH_ALL, FP8=0, STATS=1),
+                                 warps, None),
+        f"dispatch_{dt}_masks_stats": (K.flag_dispatch_kernel, dict(d_sig, **ds_sig),
+                                       dict(_no_stats(m_consts), STAGES=K.DISPATCH_ALL, FP8=0,
+                                            MASKS=1, STATS=1), warps, None),
+        f"combine_{dt}_stats": (K.combine_kernel, dict(c_sig, **ds_sig),
+                                dict(_no_stats(c_consts), STAGES=K.COMBINE_ALL, STATS=1), warps,
+                                no_fusion),
         # LLCOMM_EP_PROFILE=1 (tools/ep_timeline.py)
         f"dispatch_{dt}_prof": (DK, d_sig, dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=0,
                                                 PROFILE=1), warps, None),
@@ -112,10 +126,15 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     }
 
 
+def _no_stats(consts):
+    return {k: v for k, v in consts.items() if k != "stats"}
+
+
 def same_as(folder, name, ptx):
-    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx`` ("" without it), the
-    code compared as tools/ptx.py compares it, with either dispatch kernel's name read as
-    ``dispatch_kernel`` (the one kernel both came from: dumps made before the split compare)."""
+    """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx`` ("  new" where the
+    folder has no such kernel, "" without a folder), the code compared as tools/ptx.py compares
+    it, with either dispatch kernel's name read as ``dispatch_kernel`` (the one kernel both came
+    from: dumps made before the split compare)."""
     if not folder:
         return ""
 
@@ -123,7 +142,10 @@ def same_as(folder, name, ptx):
         return [re.sub(r"\b(ll_|flag_)dispatch_kernel", "dispatch_kernel", line)
                 for line in code_only(text)]
 
-    with open(os.path.join(folder, name + ".ptx")) as f:
+    path = os.path.join(folder, name + ".ptx")
+    if not os.path.exists(path):
+        return "  new"          # a variant the folder's dump did not have
+    with open(path) as f:
         return "  same" if code(f.read()) == code(ptx) else "  DIFFERENT"
 
 

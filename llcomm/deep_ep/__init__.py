@@ -5,7 +5,7 @@ place of ``import deep_ep`` for the low-latency mode (docs/deep_ep.md).
 with DeepEP's arguments, tuples and layouts; ``convert`` turns ``EPBuffer``'s outputs into
 DeepEP's layouts (source token and per-rank row ranges, column-major and UE8M0 scales);
 ``handle`` is DeepEP's handle tuple carrying llcomm's ``EPHandle``; ``event`` is
-``EventOverlap``. Arguments llcomm cannot honour raise NotImplementedError naming them.
+``EventOverlap``; ``masks`` holds shrink mode's mask calls (a mixin of ``Buffer``). Arguments llcomm cannot honour raise NotImplementedError naming them.
 
 This layer sits above ``llcomm.ep`` and uses its public API only; nothing in llcomm imports it.
 """

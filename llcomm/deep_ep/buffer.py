@@ -8,9 +8,11 @@ from ..ep import EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
 from . import convert
-from .checks import PREFIX, check_bools, check_handle, check_int, check_stats, refuse
+from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
+                     check_stats, refuse, refuse_cost_stats)
 from .event import EventOverlap, after
 from .handle import LowLatencyHandle
+from .masks import ShrinkMasks
 
 #: DeepEP's top-k index dtype; llcomm takes int64 top-k indices.
 topk_idx_t = torch.int64
@@ -27,7 +29,7 @@ class Config:
                                   "low-latency mode only")
 
 
-class Buffer:
+class Buffer(ShrinkMasks):
     """DeepEP's ``Buffer`` in low-latency mode, on an ``llcomm.EPBuffer``.
 
     ``import llcomm.deep_ep as deep_ep`` in place of ``import deep_ep``: the low-latency calls
@@ -63,7 +65,8 @@ class Buffer:
         explicitly_destroy: accepted; ``destroy()`` works either way.
         enable_shrink: rank masks (``EPBuffer(enable_masks=True)``), **peer backend only**: a
             rank that misses a bounded wait is masked, ``low_latency_query_mask_buffer`` reports
-            it, ``low_latency_clean_mask_buffer`` unmasks every rank. On a gloo group (where
+            it, ``low_latency_update_mask_buffer`` masks or unmasks one rank by hand,
+            ``low_latency_clean_mask_buffer`` unmasks every rank. On a gloo group (where
             only the reference backend runs) or with ``backend="reference"`` the constructor
             raises UnsupportedConfigError; where ``"auto"`` picks the reference backend on an
             NCCL group, the EPBuffer's creation raises it.
@@ -116,6 +119,7 @@ class Buffer:
         self._timeout_ms = timeout_ms
         self._ep: EPBuffer | None = None
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
+        self._early_mask = 0        # ranks masked by hand before the EPBuffer exists (bits)
         self._destroyed = False
         if enable_shrink and (backend == "reference" or dist.get_backend(self.group) != "nccl"):
             raise UnsupportedConfigError(
@@ -181,6 +185,9 @@ class Buffer:
                       enable_masks=self.enable_shrink)
         self._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * max_tokens,
                                        max_tokens, ep.num_ranks, ep.device)
+        for r in range(self.group_size):        # masked by hand before it existed
+            if (self._early_mask >> r) & 1:
+                ep.set_mask(r, True)
         self._ep = ep
         return ep
 
@@ -219,8 +226,11 @@ class Buffer:
             cumulative_local_expert_recv_stats: optional int32 ``[num_local_experts]``; the
                 rows each local expert received are added to it on the device, when the
                 receive completes (after ``hook()`` with ``return_recv_hook``).
-            dispatch_wait_recv_cost_stats: not supported (NotImplementedError): llcomm's
-                kernels do not time their waits per source rank.
+            dispatch_wait_recv_cost_stats: optional int64 ``[num_ranks]`` on the device,
+                **peer backend only** (NotImplementedError on the reference one): entry r grows
+                by the nanoseconds the dispatch kernel's blocks waited for rank r's data
+                (``EPBuffer.dispatch(wait_stats=...)``; DeepEP counts SM clock cycles:
+                docs/deep_ep.md).
             use_fp8: quantise on the sender (DeepEP's default); ``hidden`` a multiple of 128.
             round_scale: power-of-two scales.
             use_ue8m0: scales as UE8M0 exponent bytes packed four to an int32 (needs
@@ -247,9 +257,6 @@ class Buffer:
         """
         fn = "low_latency_dispatch"
         self._check_open(fn)
-        refuse(fn, {"dispatch_wait_recv_cost_stats": "llcomm's kernels do not time their "
-                    "waits per source rank; pass None"}
-               if dispatch_wait_recv_cost_stats is not None else {})
         pr = V.Problems(f"deep_ep.Buffer.{fn}")
         check_bools(pr, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                     async_finish=async_finish, return_recv_hook=return_recv_hook)
@@ -269,15 +276,20 @@ class Buffer:
                 pr.add(f"use_ue8m0=True needs hidden to be a multiple of "
                        f"{convert.UE8M0_CHANNELS} (four scales per int32); x has hidden="
                        f"{x.shape[1]}")
+        cost = dispatch_wait_recv_cost_stats
+        check_cost_stats(pr, "dispatch_wait_recv_cost_stats", cost, self.group_size)
         pr.raise_if_any()
+        refuse_cost_stats(self, fn, "dispatch_wait_recv_cost_stats", cost)
         ep = self._ensure(fn, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, x.dtype)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             check_stats(pr, stats, ep)
+        check_cost_stats(pr, "dispatch_wait_recv_cost_stats", cost, ep.num_ranks, ep.device)
         pr.raise_if_any()
+        refuse_cost_stats(self, fn, "dispatch_wait_recv_cost_stats", cost)   # "auto" chose
 
         r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
-                        return_recv_hook=return_recv_hook)
+                        return_recv_hook=return_recv_hook, wait_stats=cost)
         recv_x, recv_count, h = r[:3]
         L, W, T, H = ep.num_local_experts, ep.num_ranks, ep.max_tokens, ep.hidden
         src_info = torch.empty((L, W * T), dtype=torch.int32, device=ep.device)
@@ -308,7 +320,7 @@ class Buffer:
             finish()
         handle = LowLatencyHandle(src_info, layout, T, H, num_experts, h, self)
         event = after(ep.device, async_finish, (x, topk_idx, *(recv_x if use_fp8 else (recv_x,)),
-                                                recv_count, src_info, layout, stats))
+                                                recv_count, src_info, layout, stats, cost))
         return recv_x, recv_count, handle, event, hook
 
     # -- combine --------------------------------------------------------------------------------
@@ -348,7 +360,8 @@ class Buffer:
             return_recv_hook: as in ``low_latency_dispatch``; ``topk_idx`` must stay unchanged
                 until the hook has run.
             out: optional ``[num_tokens, hidden]`` result.
-            combine_wait_recv_cost_stats: not supported (NotImplementedError).
+            combine_wait_recv_cost_stats: as ``dispatch_wait_recv_cost_stats``, for the
+                combine's waits (``EPBuffer.combine(wait_stats=...)``).
 
         Returns:
             combined_x: ``[num_tokens, hidden]`` in the dispatch's dtype (``out`` if given).
@@ -357,81 +370,29 @@ class Buffer:
         """
         fn = "low_latency_combine"
         self._check_open(fn)
-        refuse(fn, {k: why for k, bad, why in (
-            ("use_logfmt=True", use_logfmt is True, "there is no LogFMT combine; the partials "
-             "travel in the buffer dtype"),
-            ("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats is not None,
-             "llcomm's kernels do not time their waits per source rank; pass None"),
-        ) if bad})
+        refuse(fn, {"use_logfmt=True": "there is no LogFMT combine; the partials travel in the "
+                    "buffer dtype"} if use_logfmt is True else {})
+        cost = combine_wait_recv_cost_stats
         pr = V.Problems(f"deep_ep.Buffer.{fn}")
         check_bools(pr, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                     return_recv_hook=return_recv_hook)
         h = check_handle(self, pr, handle)
+        check_cost_stats(pr, "combine_wait_recv_cost_stats", cost, self.group_size,
+                         self._ep.device if self._ep is not None else None)
         if h is not None and zero_copy is True and not h.combine_buffer_taken:
             pr.add("zero_copy=True reads the tensor get_next_low_latency_combine_buffer(handle) "
                    "returns, and it was not called for this handle: call it and write the "
                    "expert outputs into it, or pass zero_copy=False")
         pr.raise_if_any()
+        refuse_cost_stats(self, fn, "combine_wait_recv_cost_stats", cost)
         ep = self._ep
         expert_out = ep.get_combine_input(h.ep_handle) if zero_copy else x
         r = ep.combine(expert_out, topk_idx, topk_weights, h.ep_handle, out=out,
-                       return_recv_hook=return_recv_hook)
+                       return_recv_hook=return_recv_hook, wait_stats=cost)
         combined, hook = r if return_recv_hook else (r, None)
-        event = after(ep.device, async_finish, (expert_out, topk_idx, topk_weights, combined))
+        event = after(ep.device, async_finish, (expert_out, topk_idx, topk_weights, combined,
+                                                cost))
         return combined, event, hook
-
-    # -- rank masks (enable_shrink=True) ---------------------------------------------------------
-    def _masks(self, fn: str) -> EPBuffer | None:
-        self._check_open(fn)
-        if self.enable_shrink:
-            return self._ep
-        if (self._ep.backend if self._ep is not None else self._backend) == "reference" \
-                or dist.get_backend(self.group) != "nccl":
-            raise UnsupportedConfigError(
-                f"{PREFIX}.{fn}: rank masks are peer-backend only and this buffer runs on the "
-                "reference backend: a torch.distributed collective cannot leave a member out")
-        raise ValueError(f"{PREFIX}.{fn}: this Buffer was created without enable_shrink=True "
-                         "(rank masks)")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Not supported (NotImplementedError): llcomm masks a rank when it misses a bounded
-        wait, and there is no call that masks or unmasks one rank by hand;
-        ``low_latency_clean_mask_buffer`` unmasks every rank."""
-        self._masks("low_latency_update_mask_buffer")
-        refuse("low_latency_update_mask_buffer", {
-            "rank_to_mask": "llcomm masks a rank only when it misses a bounded wait (every "
-                            "live rank then goes on without it); no call masks or unmasks one "
-                            "rank by hand. low_latency_clean_mask_buffer() unmasks every rank"})
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Write this rank's view of the masked ranks into ``mask_status`` (``[num_ranks]``
-        int32, 1 = masked): ``EPBuffer.query_mask()``, stream-ordered, no host sync. All zeros
-        before the first call has created the EPBuffer."""
-        ep = self._masks("low_latency_query_mask_buffer")
-        pr = V.Problems("deep_ep.Buffer.low_latency_query_mask_buffer")
-        if not isinstance(mask_status, torch.Tensor):
-            pr.add(f"mask_status must be a torch.Tensor, got {type(mask_status).__name__}",
-                   type_error=True)
-        elif mask_status.dtype != torch.int32:
-            pr.add(f"mask_status has dtype {mask_status.dtype}; expected torch.int32",
-                   type_error=True)
-        elif tuple(mask_status.shape) != (self.group_size,):
-            pr.add(f"mask_status has shape {tuple(mask_status.shape)}; expected "
-                   f"[num_ranks] = [{self.group_size}]")
-        elif ep is not None and mask_status.device != ep.device:
-            pr.add(f"mask_status is on {mask_status.device}; expected {ep.device}")
-        pr.raise_if_any()
-        if ep is None:
-            mask_status.zero_()
-        else:
-            mask_status.copy_(ep.query_mask())
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank (``EPBuffer.clean_mask()``): stream-ordered, not a collective.
-        Call it once the masked ranks are back in step (docs/ep.md, "Rank masks")."""
-        ep = self._masks("low_latency_clean_mask_buffer")
-        if ep is not None:
-            ep.clean_mask()
 
     # -- the rest of DeepEP's surface ------------------------------------------------------------
     @staticmethod

@@ -4,6 +4,7 @@ cannot honour (named, never ignored)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..runtime import validate as V
 from .handle import LowLatencyHandle
@@ -63,3 +64,35 @@ def check_handle(buf, pr: V.Problems, handle) -> LowLatencyHandle | None:
     else:
         return handle
     return None
+
+
+def check_cost_stats(pr: V.Problems, name: str, stats, num_ranks: int, device=None) -> None:
+    """DeepEP's wait-cost statistics (``dispatch_wait_recv_cost_stats`` /
+    ``combine_wait_recv_cost_stats``): None, or int64 ``[num_ranks]``, contiguous, on
+    ``device`` (not checked while None: before the EPBuffer exists)."""
+    if stats is None:
+        return
+    if not isinstance(stats, torch.Tensor):
+        pr.add(f"{name} must be a torch.Tensor or None, got {type(stats).__name__}",
+               type_error=True)
+    elif stats.dtype != torch.int64:
+        pr.add(f"{name} has dtype {stats.dtype}; expected torch.int64", type_error=True)
+    elif tuple(stats.shape) != (num_ranks,):
+        pr.add(f"{name} has shape {tuple(stats.shape)}; expected [num_ranks] = [{num_ranks}]")
+    elif device is not None and stats.device != device:
+        pr.add(f"{name} is on {stats.device}; expected {device}")
+    elif not stats.is_contiguous():
+        pr.add(f"{name} is not contiguous")
+
+
+def refuse_cost_stats(buf, fn: str, name: str, stats) -> None:
+    """NotImplementedError naming ``name`` when wait-cost statistics are asked of a Buffer that
+    runs (or will run) on the reference backend."""
+    if stats is None:
+        return
+    ep = buf.ep_buffer
+    if (ep.backend == "reference" if ep is not None else
+            buf._backend == "reference" or dist.get_backend(buf.group) != "nccl"):
+        refuse(fn, {name: "it is peer-backend only (the kernels time their waits per source "
+                    "rank), and this buffer runs on the reference backend, whose one "
+                    "all_to_all_single has no receive from one rank to time; pass None"})

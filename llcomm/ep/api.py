@@ -25,8 +25,10 @@ from ..runtime.registry import register
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .layout import HANDLE_SLOTS, check_shape_args, default_num_blocks, ep_layout
-from .checks import check_fp8, check_handle, check_out, check_topk, check_weights
+from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
+                     check_weights)
 from .handle import EPHandle
+from .masks import RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
 
@@ -41,7 +43,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 
-class EPBuffer:
+class EPBuffer(RankMasks):
     """Buffers and kernels for MoE dispatch / combine over one process group.
 
     Creating an EPBuffer is a **collective** and **host-blocking**: every rank of ``group`` calls
@@ -73,7 +75,8 @@ class EPBuffer:
             ``recv_count`` excludes them; combine: its partials count as zero, a token routed
             only to masked ranks gets zeros) and later calls do not wait for it, so a dead peer
             costs one timeout. ``query_mask()`` says who is masked, ``clean_mask()`` forgets
-            it. Mismatches still raise. Where the buffer would run on the reference backend
+            it, ``set_mask(rank, masked)`` masks or unmasks one rank by hand (llcomm/ep/masks.py).
+            Mismatches still raise. Where the buffer would run on the reference backend
             (requested, or chosen by ``"auto"``) the constructor raises
             ``UnsupportedConfigError``: a collective cannot leave a member out. docs/ep.md has
             the exact semantics and limits.
@@ -197,7 +200,8 @@ class EPBuffer:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *,
                  out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
                  use_fp8: bool = False, round_scale: bool = False,
-                 return_recv_hook: bool = False, topk_weights: torch.Tensor | None = None):
+                 return_recv_hook: bool = False, topk_weights: torch.Tensor | None = None,
+                 wait_stats: torch.Tensor | None = None):
         """Send every token to the experts ``topk_idx`` names; return ``(recv_x, recv_count,
         handle)``.
 
@@ -228,6 +232,11 @@ class EPBuffer:
                 so that combine skips its own weights exchange and the wait for it; pass
                 ``topk_weights=None`` to that combine. The values at the time of the dispatch
                 are used (on the stream, as for ``x``). The same choice on every rank.
+            wait_stats: optional ``[num_ranks]`` int64 tensor on the device, **peer backend
+                only** (NotImplementedError on the reference one): the kernel adds to entry r
+                the nanoseconds its blocks spent waiting for rank r's data (summed over the
+                blocks; docs/ep.md, "Wait statistics"). Per rank: others may pass None, but
+                start on every rank at the same call (the first one compiles a variant).
         Returns:
             recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
                 e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
@@ -255,6 +264,7 @@ class EPBuffer:
         fp8 = check_fp8(self, pr, use_fp8, round_scale, out)
         if topk_weights is not None:
             check_weights(self, pr, topk_weights, topk_idx)
+        check_wait_stats(self, "dispatch", pr, wait_stats)
         pr.raise_if_any()
         self._precheck("dispatch")
         scales = None
@@ -274,7 +284,7 @@ class EPBuffer:
         if self.backend == "peer":
             recv_count, src_info, state, recv = self._impl.dispatch(
                 x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
-                topk_weights)
+                topk_weights, wait_stats)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
                                                               topk_weights is not None)
@@ -326,7 +336,8 @@ class EPBuffer:
 
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor | None, handle: EPHandle, *,
-                out: torch.Tensor | None = None, return_recv_hook: bool = False):
+                out: torch.Tensor | None = None, return_recv_hook: bool = False,
+                wait_stats: torch.Tensor | None = None):
         """Weighted sum of the experts' outputs back at each token's rank.
 
         Args:
@@ -345,6 +356,7 @@ class EPBuffer:
                 is unspecified until then. ``topk_idx`` must stay unchanged until the hook has
                 run (the receive half reads it); ``expert_out`` and ``topk_weights`` may be
                 reused after the send half.
+            wait_stats: as in ``dispatch``: both of combine's waits (weights, partials).
         Returns:
             ``out[t] = sum_k topk_weights[t, k] * expert_out[expert k of t, its row]`` over the
             entries that are not -1 (zeros for a token with none), accumulated in fp32 in one
@@ -376,13 +388,15 @@ class EPBuffer:
             check_weights(self, pr, topk_weights, topk_idx)
         if n is not None:
             check_out(self, pr, "out", out, (n, self.hidden))
+        check_wait_stats(self, "combine", pr, wait_stats)
         pr.raise_if_any()
         self._precheck("combine")
         if out is None:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
         if carried:         # peer: the kernel reads the handle slot's; reference: the copy
             topk_weights = handle._weights
-        more = () if self.backend == "peer" else (carried,)   # reference: for its call check
+        # reference: carried, for its call check; peer: the wait statistics
+        more = (wait_stats,) if self.backend == "peer" else (carried,)
         if not return_recv_hook:
             return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out,
                                       *more)
@@ -425,35 +439,6 @@ class EPBuffer:
                              f"entries outside [-1, {self.num_experts}); they were treated as -1 "
                              "(no expert). Fix the router output.")
         self._impl.precheck()
-
-    # -- rank masks (enable_masks=True) ----------------------------------------------------------
-    def query_mask(self) -> torch.Tensor:
-        """The ranks this rank treats as absent: a new ``[num_ranks]`` int32 tensor on the
-        buffer's device, 1 for a masked rank, else 0 (this rank's view; peers may differ).
-
-        Stream-ordered, no host synchronisation: it reflects every call queued before it on the
-        current stream (``.tolist()`` waits for them). Not a collective. Raises ValueError unless
-        the buffer has ``enable_masks=True`` (peer backend only).
-        """
-        self._check_masks("query_mask")
-        return self._impl.query_mask()
-
-    def clean_mask(self) -> None:
-        """Unmask every rank: later calls wait for all ranks again. Stream-ordered (takes effect
-        for the calls issued after it on the current stream); not a collective, no sync.
-
-        Call it once the masked ranks are back **in step**: they have made the same calls as
-        this rank (the flags carry a call count, so a rank that skipped calls is not seen as
-        arrived). A rank that is still missing is simply masked again by the next call, after
-        one more timeout. Raises ValueError unless the buffer has ``enable_masks=True`` (peer
-        backend only)."""
-        self._check_masks("clean_mask")
-        self._impl.clean_mask()
-
-    def _check_masks(self, fn: str) -> None:
-        if not self.enable_masks:
-            raise ValueError(f"llcomm.EPBuffer.{fn}: this buffer was created without rank masks; "
-                             "pass enable_masks=True to EPBuffer(...)")
 
     def check(self) -> None:
         """Wait for this rank's queued work, then raise what the device reported: a timeout or

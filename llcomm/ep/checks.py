@@ -100,3 +100,20 @@ def check_handle(buf, pr: V.Problems, handle) -> bool:
     else:
         return True
     return False
+
+
+def check_wait_stats(buf, fn: str, pr: V.Problems, t) -> None:
+    """``wait_stats``: None, or an int64 ``[num_ranks]`` contiguous tensor on the buffer's
+    device; peer backend only (NotImplementedError on the reference one, for a tensor that
+    passes the other checks)."""
+    if t is None:
+        return
+    if not V.check_tensor(pr, "wait_stats", t, buf.device, dtypes=(torch.int64,)):
+        return
+    if tuple(t.shape) != (buf.num_ranks,):
+        pr.add(f"wait_stats has shape {tuple(t.shape)}; expected [num_ranks] = [{buf.num_ranks}]")
+    elif buf.backend != "peer":
+        raise NotImplementedError(
+            f"llcomm.EPBuffer.{fn}: wait_stats is peer-backend only: the reference backend moves "
+            "the data in one all_to_all_single collective, with no receive from one rank to time "
+            "apart from the others; pass wait_stats=None")

@@ -71,6 +71,9 @@ HANDLE_SLOTS = NUM_SETS
 META_SHIFT = 16
 MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
 MAX_LOCAL_EXPERTS_LIMIT = 1 << 15           # local expert index must keep the word positive
+#: Rank masks (kernels/common.py ERR_MASK, llcomm/ep/masks.py): the word of the buffer's private
+#: ``err`` tensor that holds the mask, bit s for rank s.
+ERR_MASK = 3
 #: Profiling stamps (kernels/common.py, PROFILE): words of the buffer's private ``err`` tensor from
 #: ERR_PROF on, PROF_WORDS per block (six SM-cycle stamps, then global-timer start and end), the
 #: dispatch's blocks first, then the combine's.

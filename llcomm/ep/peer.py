@@ -9,6 +9,7 @@ from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK
+from .masks import update_mask_word
 from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS, PROF_WORDS,
                      default_num_blocks, ep_layout)
 
@@ -68,7 +69,8 @@ def ll_row_consts(lay, fp8: int) -> dict:
 def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int | None = None,
                   tile_tokens: int | None = None, small_tile_tokens: int | None = None):
     """Constexprs of the dispatch kernel and of ``combine_kernel`` for a layout and a top-k (all
-    but STAGES, and FP8 of the dispatch; MASKS is 0: set it to 1 for rank masks), and num_warps.
+    but STAGES, and FP8 of the dispatch; MASKS and STATS are 0: set them to 1 for rank masks
+    and wait statistics, whose kernels then take a ``stats`` pointer), and num_warps.
     ``settings``: the buffer's (None: read now). The dispatch is ``ll_dispatch_kernel`` when
     ``ll`` (by default ``ll_dispatch`` of the buffer's tokens), else ``flag_dispatch_kernel``;
     ``dispatch_kernel`` names it. Shared with tools/ptx_ep.py and the interpreter tests (which
@@ -86,7 +88,7 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int
     if ll is None:
         ll = ll_dispatch(settings, T)
     common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
-                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, PROFILE=0)
+                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, PROFILE=0, STATS=0)
     jp = _pow2(-(-T // nb))
     if tile_tokens is None:
         tile_tokens = settings.scan_tile
@@ -226,10 +228,11 @@ class PeerEP:
         return self._tags[key]
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
-                 split: bool = False, weights=None):
+                 split: bool = False, weights=None, stats=None):
         """Launch the dispatch (``split``: its send half only, and return the launch of its
         receive half as the fourth value; otherwise that is None). ``weights``: push them too,
-        into handle slot ``slot``'s weights region (set ``slot``; kernels/__init__.py)."""
+        into handle slot ``slot``'s weights region (set ``slot``; kernels/__init__.py).
+        ``stats``: a ``[W]`` int64 tensor the kernel adds its wait times to (STATS)."""
         K = topk_idx.shape[1]
         row_of, src_info, recv_count, ntok = self._views(slot, K)
         if fp8:
@@ -241,8 +244,10 @@ class PeerEP:
         args = (x, topk_idx, x.shape[0], recv_x, recv_scales if fp8 else recv_x, row_of,
                 src_info, recv_count, ntok, self.tab, self._ctrl[0], self.err, self.rank,
                 self._tag(P.OP_DISPATCH, K, fp8, carry), self.timeout_us,
-                weights if carry else topk_idx, w_off)
+                weights if carry else topk_idx, w_off, stats)
         consts = self._consts("dispatch", K, fp8, carry)
+        if stats is not None:       # the kernels' STATS variant (None: a constexpr, no code)
+            consts = dict(consts, STATS=1)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.dispatch_kernel, self.nb, args, self.num_warps, **consts)
@@ -253,25 +258,29 @@ class PeerEP:
         return recv_count, src_info, state, lambda: self._launch(
             self.dispatch_kernel, self.nb, args, self.num_warps, **recv)
 
-    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
+    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out, stats=None):
         """Kernel arguments and constexprs; with weights carried by the dispatch (``state``'s
-        weights offset set) ``topk_weights`` is None and the kernel reads the handle slot's."""
+        weights offset set) ``topk_weights`` is None and the kernel reads the handle slot's.
+        ``stats``: as in ``dispatch``."""
         row_of, ntok, w_off = state
         K = topk_idx.shape[1]
         carried = int(w_off is not None)
-        return (expert_out, topk_idx, topk_idx if carried else topk_weights, topk_idx.shape[0],
+        args = (expert_out, topk_idx, topk_idx if carried else topk_weights, topk_idx.shape[0],
                 out, row_of, ntok, self.tab, self._ctrl[1], self.err, self.rank,
                 self._tag(P.OP_COMBINE, K, 0, carried), self.timeout_us,
-                w_off if carried else 0), self._consts("combine", K, 0, carried)
+                w_off if carried else 0, stats)
+        consts = self._consts("combine", K, 0, carried)
+        return args, (consts if stats is None else dict(consts, STATS=1))
 
-    def combine(self, expert_out, topk_idx, topk_weights, state, out):
-        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+    def combine(self, expert_out, topk_idx, topk_weights, state, out, stats=None):
+        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out, stats)
         self._launch(self.combine_kernel, self.nb, args, self.num_warps, **consts)
         return out
 
-    def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
+    def combine_send(self, expert_out, topk_idx, topk_weights, state, out, stats=None):
         """Launch the combine's send half; return the launch of its receive half."""
-        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        args, consts = self._combine_args(expert_out, topk_idx, topk_weights, state, out,
+                                          stats)
         self._launch(self.combine_kernel, self.nb, args, self.num_warps,
                      **dict(consts, STAGES=self.k.COMBINE_SEND_HALF))
         recv = dict(consts, STAGES=self.k.COMBINE_RECV_HALF)
@@ -284,6 +293,9 @@ class PeerEP:
 
     def clean_mask(self) -> None:
         self.err[self.k.ERR_MASK.value].zero_()
+
+    def set_mask(self, rank: int, masked: bool) -> None:
+        update_mask_word(self.err, rank, masked)
 
     def take_bad_count(self, sync: bool) -> int:
         bad = int(self._host_np[1])

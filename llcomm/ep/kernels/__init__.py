@@ -29,6 +29,11 @@ reads them at ``w_off``. Slot k is written again by dispatch k + 2, which a rank
 after its combine k, which waited for every rank's partials of k, each pushed after that rank
 read its weights.
 
+Wait statistics (``STATS`` = 1, ``dispatch / combine(wait_stats=...)``): the kernels take a
+``stats`` pointer (``[W]`` int64) and add the nanoseconds each block waited per source rank
+(``common._wait_flags``, ``dispatch_ll._take_ll_timed``); without them ``stats`` is None, which
+Triton makes a constexpr, and the kernels compile exactly as before.
+
 The CPU tests run the data stages alone (``D_SEND``, then ``D_RECV``; ``C_WEIGHTS``,
 ``C_REDUCE``, ``C_SUM``) for every virtual rank in turn under ``TRITON_INTERPRET=1``, since the
 waits read the GPU clock.

@@ -110,6 +110,7 @@ def combine_kernel(
         err,            # int64: as the dispatch's (common.py)
         rank, tag, timeout_us,
         w_off,          # CARRIED: byte offset of the handle slot's weights region (this rank)
+        stats,          # STATS: [W] int64 wait statistics (ns waited per source; common.py)
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
         KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
@@ -120,6 +121,7 @@ def combine_kernel(
         LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRIED: tl.constexpr = 0,      # 1: the dispatch carried the weights
+        STATS: tl.constexpr = 0,        # 1: wait statistics into stats (both waits)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
@@ -144,7 +146,8 @@ def combine_kernel(
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok, late = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err,
-                               OP_COMBINE, PHASE_ENTRY, 1, W, WP, W, msk, MASKS, LANES)
+                               OP_COMBINE, PHASE_ENTRY, 1, W, WP, W, msk, MASKS, LANES,
+                               stats, STATS)
         if MASKS:       # per block: block b's tokens depend on block b's wait only
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
@@ -164,7 +167,8 @@ def combine_kernel(
     if STAGES & 32:     # C_WAIT_P (in a recv-half launch ok is 1: the send half's failure, if
         #                 any, is already in the error word and this wait then times out too)
         ok, late = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
-                               OP_COMBINE, PHASE_EXIT, ok, W, WP, W, msk, MASKS, LANES)
+                               OP_COMBINE, PHASE_EXIT, ok, W, WP, W, msk, MASKS, LANES,
+                               stats, STATS)
         if MASKS:
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")

@@ -70,8 +70,8 @@ ELAPSED_MASK = tl.constexpr((1 << 60) - 1)
 # Rank masks (EPBuffer(enable_masks=True), MASKS = 1): words of the buffer's private ``err``
 # tensor. Every wait skips the masked ranks' flags, and a wait that runs out adds the late
 # ranks to the mask instead of writing the error word. Data stages skip masked sources.
-ERR_MASK = tl.constexpr(3)              # bit s: rank s is masked (set by the waits, cleared by
-#                                         the host's clean_mask)
+ERR_MASK = tl.constexpr(EL.ERR_MASK)    # bit s: rank s is masked (set by the waits; set and
+#                                         cleared by the host: llcomm/ep/masks.py)
 ERR_VERDICT = tl.constexpr(4)           # dispatch: (epoch << 32) | the mask its blocks agreed on
 VERDICT_SHIFT = tl.constexpr(32)
 VERDICT_EPOCH = tl.constexpr(0x7FFFFFFF)    # epoch bits kept: consecutive calls differ
@@ -126,7 +126,8 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
 @triton.jit
 def _wait_flags(flags, word, timeout_us, err, op, phase, go,
                 N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr,
-                skip, MASKS: tl.constexpr, LANES: tl.constexpr):
+                skip, MASKS: tl.constexpr, LANES: tl.constexpr, stats=None,
+                STATS: tl.constexpr = 0):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
     fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads, then one
     acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
@@ -141,7 +142,13 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     Rank masks: flags of the source ranks in the bit mask ``skip`` are not waited for (they
     count as arrived and are never a mismatch). With ``MASKS`` a timeout writes no error word:
     the wait returns ``(1, late)``, ``late`` the bit mask of the ranks that had not arrived, for
-    the caller to mask. Otherwise it returns ``(ok, 0)``."""
+    the caller to mask. Otherwise it returns ``(ok, 0)``.
+
+    Wait statistics (``STATS``, ``dispatch(wait_stats=...)``): adds to ``stats[s]`` (int64,
+    one per source rank) the nanoseconds this block waited for source s's flags: from the
+    wait's start to the poll that first saw the last of them (one read's latency when they were
+    all there at once; 0 for ranks in ``skip``, never waited for, and when ``go == 0``). A wait
+    that runs out counts the time until then. ``_add_wait_stats`` adds them."""
     # LANES lanes, each polling flag ``lane % NP``. LANES = BLOCK_WIDE: every lane's view goes
     # straight into the block-wide maximum. LANES = NP (the default, faster on 2xH200:
     # docs/performance.md; LLCOMM_EP_WAIT_LANES picks): fewer words per poll, replicated across
@@ -159,6 +166,10 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
     bad = tl.zeros([LANES], tl.int64)
     skipped = ((skip >> src) & 1) != 0         # masks: ranks not waited for
+    if STATS:   # per lane: elapsed ns of the poll that first saw its flag; not seen yet
+        seen_at = tl.zeros([LANES], tl.int64)
+        was_waiting = live & (skipped == 0)
+        last_ns = tl.full([], 0, tl.int64)     # elapsed ns of the latest poll
     while status == 0:
         got = tl.load(ptrs, mask=live, other=0, volatile=True)
         waiting = live & (got != word) & (skipped == 0)
@@ -173,6 +184,10 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         else:
             both = tl.max((tl.max(seen, axis=0) << SEEN_SHIFT) | elapsed, axis=0)
         verdict = both >> SEEN_SHIFT
+        if STATS:
+            last_ns = both & ELAPSED_MASK
+            seen_at = tl.where(was_waiting, last_ns, seen_at)
+            was_waiting = waiting
         if verdict == SEEN_WRONG:
             status = STATUS_MISMATCH
             bad = wrong.to(tl.int64)
@@ -181,6 +196,8 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         elif (both & ELAPSED_MASK) > limit_ns:
             status = STATUS_TIMEOUT
             bad = waiting.to(tl.int64)
+    if STATS:   # a lane still waiting when the wait ended (timeout) waited until then
+        _add_wait_stats(stats, tl.where(was_waiting & (status > 0), last_ns, seen_at), src, W)
     # the source ranks that were late or disagreed, by any lane of any warp (shared memory:
     # uniform); only on failure, so success costs no extra round
     bad_ranks = tl.full([], 0, tl.int64)
@@ -202,6 +219,26 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         report_error(err, status, op, phase, bad_ranks)
     tl.debug_barrier()
     return ok, late
+
+
+@triton.jit
+def _add_wait_stats(stats, ns, src, W: tl.constexpr):
+    """Wait statistics: ``stats[s] += max(ns[i] for lanes i of source s)`` for each source s of
+    the W ranks (one relaxed atomic per source and block; the block's lanes agree through the
+    maxima, so one thread adds for the block)."""
+    for s in tl.static_range(W):
+        t = tl.max(tl.where(src == s, ns, 0), axis=0)
+        tl.atomic_add(stats + s, t, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _add_stats_by_rank(stats, acc, WP: tl.constexpr, W: tl.constexpr):
+    """Wait statistics: ``stats[s] += acc[s]`` for each of the W ranks (``acc``: ``[WP]``, one
+    block's totals; one relaxed atomic per rank and block)."""
+    ps = tl.arange(0, WP)
+    for s in tl.static_range(W):
+        tl.atomic_add(stats + s, tl.sum(tl.where(ps == s, acc, 0), axis=0), sem="relaxed",
+                      scope="gpu")
 
 
 @triton.jit

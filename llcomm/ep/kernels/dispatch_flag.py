@@ -152,6 +152,7 @@ def flag_dispatch_kernel(
         rank, tag, timeout_us,
         wts,            # [n_tok, K] fp32 top-k weights (CARRY only; any pointer otherwise)
         w_off,          # CARRY: byte offset of the handle slot's weights region, every rank
+        stats,          # STATS: [W] int64 wait statistics (ns waited per source; common.py)
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
         K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
         E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
@@ -173,6 +174,7 @@ def flag_dispatch_kernel(
         ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
+        STATS: tl.constexpr = 0,        # 1: wait statistics into stats (_wait_flags)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
@@ -209,14 +211,14 @@ def flag_dispatch_kernel(
     if STAGES & 8:      # D_WAIT
         flags = _at(tab, rank, set_off + OFF_SIG, tl.int64) + SIG_DISPATCH * NB * W
         ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
-                               FP, W, msk, MASKS, LANES)
+                               FP, W, msk, MASKS, LANES, stats, STATS)
         if MASKS:
             agreed = _agree_mask(err, seq + 1, msk | late)
             # a rank late here but seen by the deciding block has arrived: wait for it again
             # (uniform condition; an error if it does not come)
             need = (late & ~agreed) != 0
             ok2, _ = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, need,
-                                 NB * W, FP, W, agreed, 0, LANES)
+                                 NB * W, FP, W, agreed, 0, LANES, stats, STATS)
             ok = ok & (ok2 | (need == 0))
             if agreed != msk:
                 tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")

@@ -16,12 +16,12 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.lamport import _pending, _poll, limit_ticks
+from ...runtime.kernels.lamport import _clock, _pending, _poll, limit_ticks
 from ...runtime.kernels.sync import after_previous_kernel, report_error, wait_bound_us
 from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK_BITS, NTOK_MASK,
                      NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL,
-                     STATUS_MISMATCH, Region, Sizes, _at, _bit_or, _first_entries, _first_token,
-                     _push_weights, _rank_bits, _row_words, _stamp)
+                     STATUS_MISMATCH, Region, Sizes, _add_stats_by_rank, _at, _bit_or,
+                     _first_entries, _first_token, _push_weights, _rank_bits, _row_words, _stamp)
 from .dispatch_common import Out, Recv, Tiles, _send_routing
 from .fp8 import FP8_BLOCK, _pack_row_fp8
 
@@ -97,6 +97,21 @@ def _take_ll(ptrs, m, srcs, epoch, failed, limit, err, POLL: tl.constexpr, LLW: 
 
 
 @triton.jit
+def _take_ll_timed(ptrs, m, srcs, epoch, failed, limit, err, POLL: tl.constexpr,
+                   LLW: tl.constexpr, acc, s, WP: tl.constexpr, STATS: tl.constexpr):
+    """``_take_ll`` of words from source rank ``s``; with STATS (wait statistics) the global
+    timer's nanoseconds from before the first read until they had all arrived are added to
+    ``acc[s]`` (``[WP]`` int64: this block's totals per source; nothing is timed where the
+    kernel does not poll: ``lamport._clock``). Returns (words, failed, acc)."""
+    if STATS:
+        t0 = _clock(POLL)
+    v, failed = _take_ll(ptrs, m, srcs, epoch, failed, limit, err, POLL, LLW)
+    if STATS:
+        acc += tl.where(tl.arange(0, WP) == s, _clock(POLL) - t0, 0)
+    return v, failed, acc
+
+
+@triton.jit
 def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexpr,
                KP: tl.constexpr):
     """Row ``v`` (lanes ``lanes``, mask ``lm``) into row ``flat[k]`` of ``dst`` (ROW elements
@@ -118,7 +133,7 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
 @triton.jit
 def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.constexpr,
                FP8: tl.constexpr, CARRY: tl.constexpr, POLL: tl.constexpr,
-               PROFILE: tl.constexpr, OWN_X: tl.constexpr):
+               PROFILE: tl.constexpr, OWN_X: tl.constexpr, stats, STATS: tl.constexpr):
     """The receive: what the flag dispatch's expand does, each word waited for where it is
     read: the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights, copied to
@@ -126,7 +141,9 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
     from this rank on: its own pairs first, whose rows are local while the peers' still cross.
     PROFILE: stamp 3 when this rank's own pairs are expanded, stamp 4 when the last row of a
     later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x``
-    (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm."""
+    (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm.
+    STATS: every wait timed per source (``_take_ll_timed``; the token counts one source at a
+    time) and the block's totals added to ``stats`` at the end."""
     b = tl.program_id(0)
     T: tl.constexpr = S.T
     K: tl.constexpr = S.K
@@ -157,7 +174,16 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
     ns = tl.arange(0, NSP)
     nsm = ns < NS
     ps = tl.arange(0, WP)
-    nw, failed = _take_ll(ntp + ps, ps < W, ps.to(tl.int64), epoch, failed, limit, err, POLL, 1)
+    acc = tl.zeros([WP], tl.int64)              # STATS: ns waited per source, this block
+    if STATS:       # one source at a time, so that each one's wait is its own
+        nw = tl.zeros([WP], tl.int64)
+        for q in tl.static_range(W):
+            nq, failed, acc = _take_ll_timed(ntp + ps, ps == q, ps.to(tl.int64), epoch, failed,
+                                             limit, err, POLL, 1, acc, q, WP, STATS)
+            nw = tl.where(ps == q, nq, nw)
+    else:
+        nw, failed = _take_ll(ntp + ps, ps < W, ps.to(tl.int64), epoch, failed, limit, err,
+                              POLL, 1)
     nts = tl.where(ps < W, (nw & NTOK_MASK).to(tl.int32), 0)
     # a source whose tag differs runs another kind of call (use_fp8, round_scale, carried
     # weights, top-k): a mismatch, as the flag dispatch reports it
@@ -174,8 +200,9 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
             lm = ls < L
             tot = tl.zeros([LB], tl.int32)
             for s in range(W):
-                c, failed = _take_ll(cntp + s * L + ls, lm, tl.full([LB], s, tl.int64), epoch,
-                                     failed, limit, err, POLL, 1)
+                c, failed, acc = _take_ll_timed(cntp + s * L + ls, lm,
+                                                tl.full([LB], s, tl.int64), epoch, failed,
+                                                limit, err, POLL, 1, acc, s, WP, STATS)
                 tot += c.to(tl.int32)
             tl.store(out.recv_count + ls, tot, mask=lm)
         tl.store(out.ntok + ps, nts, mask=ps < W)
@@ -188,16 +215,17 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
         for t in range(_first_token(b, s, NB, W), n_s, NB):
             slot = s * T + t
             srcs = tl.full([KP], s, tl.int64)
-            mw, failed = _take_ll(metap + slot * MAX_TOPK + ks, kmask, srcs, epoch, failed,
-                                  limit, err, POLL, 1)
+            mw, failed, acc = _take_ll_timed(metap + slot * MAX_TOPK + ks, kmask, srcs, epoch,
+                                             failed, limit, err, POLL, 1, acc, s, WP, STATS)
             m = tl.where(kmask & (failed == 0), mw.to(tl.int32), -1)
             valid = m >= 0
             first = _first_entries(m, valid, earlier)
             le = tl.maximum(m, 0) >> META_SHIFT
             row = m & META_MASK
             for s2 in range(s):
-                c, failed = _take_ll(cntp + s2 * L + le, valid, tl.full([KP], s2, tl.int64),
-                                     epoch, failed, limit, err, POLL, 1)
+                c, failed, acc = _take_ll_timed(cntp + s2 * L + le, valid,
+                                                tl.full([KP], s2, tl.int64), epoch, failed,
+                                                limit, err, POLL, 1, acc, s2, WP, STATS)
                 row += c.to(tl.int32)
             if failed == 0:
                 flat = le * (W * T) + row
@@ -208,16 +236,19 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                     if own_x:
                         v = tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm)
                     else:
-                        v, failed = _take_ll(xp + slot * RW + ws, wm,
-                                             tl.full([HPW], s, tl.int64), epoch, failed, limit,
-                                             err, POLL, 0)
+                        v, failed, acc = _take_ll_timed(xp + slot * RW + ws, wm,
+                                                        tl.full([HPW], s, tl.int64), epoch,
+                                                        failed, limit, err, POLL, 0, acc, s, WP,
+                                                        STATS)
                     if FP8:
-                        sv, failed = _take_ll(scp + slot * NS + ns, nsm,
-                                              tl.full([NSP], s, tl.int64), epoch, failed, limit,
-                                              err, POLL, 0)
+                        sv, failed, acc = _take_ll_timed(scp + slot * NS + ns, nsm,
+                                                         tl.full([NSP], s, tl.int64), epoch,
+                                                         failed, limit, err, POLL, 0, acc, s,
+                                                         WP, STATS)
                     if CARRY:
-                        wv, failed = _take_ll(wll + slot * MAX_TOPK + ks, kmask, srcs, epoch,
-                                              failed, limit, err, POLL, 1)
+                        wv, failed, acc = _take_ll_timed(wll + slot * MAX_TOPK + ks, kmask, srcs,
+                                                         epoch, failed, limit, err, POLL, 1, acc,
+                                                         s, WP, STATS)
                     if i > 0:
                         _stamp(err, 4, PROFILE, 0, NB)      # a later source's row arrived
                     if failed == 0:
@@ -235,6 +266,8 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
         if i == 0:
             _stamp(err, 3, PROFILE, 0, NB)      # this rank's own pairs expanded
             _stamp(err, 4, PROFILE, 0, NB)
+    if STATS:
+        _add_stats_by_rank(stats, acc, WP, W)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -255,6 +288,7 @@ def ll_dispatch_kernel(
         rank, tag, timeout_us,
         wts,            # [n_tok, K] fp32 top-k weights (CARRY only; any pointer otherwise)
         w_off,          # CARRY: byte offset of the handle slot's weights region (this rank)
+        stats,          # STATS: [W] int64 wait statistics (ns waited per source; _expand_ll)
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
         K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
         E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
@@ -277,6 +311,7 @@ def ll_dispatch_kernel(
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
         OWN_X: tl.constexpr = 0,        # not FP8: own rows expanded from x (_expand_ll)
+        STATS: tl.constexpr = 0,        # 1: wait statistics into stats (_expand_ll)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
@@ -306,6 +341,7 @@ def ll_dispatch_kernel(
     if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
         _expand_ll(x, Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg,
                    seq, tag, timeout_us, err, w_off, S, RV, LR, LB, FP8=FP8, CARRY=CARRY,
-                   POLL=(STAGES & 8) != 0, PROFILE=PROFILE, OWN_X=OWN_X_ON)
+                   POLL=(STAGES & 8) != 0, PROFILE=PROFILE, OWN_X=OWN_X_ON, stats=stats,
+                   STATS=STATS)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
