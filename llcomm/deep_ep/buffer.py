@@ -7,6 +7,7 @@ import torch.distributed as dist
 from ..ep import EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
+from ..runtime.backend import choose_backend
 from . import convert
 from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
                      check_stats, refuse, refuse_cost_stats)
@@ -121,12 +122,18 @@ class Buffer(ShrinkMasks):
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
         self._early_mask = 0        # ranks masked by hand before the EPBuffer exists (bits)
         self._destroyed = False
-        if enable_shrink and (backend == "reference" or dist.get_backend(self.group) != "nccl"):
-            raise UnsupportedConfigError(
-                f"{PREFIX}: enable_shrink=True needs rank masks, which are peer-backend only, "
-                f"and this buffer would run on the reference backend (group backend "
-                f"{dist.get_backend(self.group)!r}, backend={backend!r}): a torch.distributed "
-                "collective cannot leave a member out. Create it without enable_shrink.")
+        if enable_shrink:
+            # Decided as EPBuffer will decide it (a collective, as DeepEP's constructor is), so
+            # that a buffer which would run on the reference backend is refused here, not at
+            # its first call.
+            resolved, why = ((backend, "requested") if backend == "reference" else
+                             choose_backend(self.group, backend, "deep_ep.Buffer"))
+            if resolved != "peer":
+                raise UnsupportedConfigError(
+                    f"{PREFIX}: enable_shrink=True needs rank masks, which are peer-backend "
+                    f"only, and this buffer would run on the reference backend ({why}; "
+                    f"backend={backend!r}): a torch.distributed collective cannot leave a "
+                    "member out. Create it without enable_shrink.")
 
     # -- sizes and the EPBuffer -----------------------------------------------------------------
     @staticmethod
