@@ -293,7 +293,7 @@ class Buffer(ShrinkMasks):
             check_stats(pr, stats, ep)
         check_cost_stats(pr, "dispatch_wait_recv_cost_stats", cost, ep.num_ranks, ep.device)
         pr.raise_if_any()
-        refuse_cost_stats(self, fn, "dispatch_wait_recv_cost_stats", cost)   # "auto" chose
+        refuse_cost_stats(self, fn, "dispatch_wait_recv_cost_stats", cost)
 
         r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
                         return_recv_hook=return_recv_hook, wait_stats=cost)

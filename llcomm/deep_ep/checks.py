@@ -4,7 +4,6 @@ cannot honour (named, never ignored)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..runtime import validate as V
 from .handle import LowLatencyHandle
@@ -87,12 +86,16 @@ def check_cost_stats(pr: V.Problems, name: str, stats, num_ranks: int, device=No
 
 def refuse_cost_stats(buf, fn: str, name: str, stats) -> None:
     """NotImplementedError naming ``name`` when wait-cost statistics are asked of a Buffer that
-    runs (or will run) on the reference backend."""
+    runs on the reference backend."""
     if stats is None:
         return
     ep = buf.ep_buffer
+    # Before the EPBuffer exists (it is made by the first call), refuse what is sure to run on
+    # the reference backend without making it: asked for, or "auto" where this rank has no
+    # GPU. What only the group can tell (ranks on two hosts, ...) is refused once it exists.
     if (ep.backend == "reference" if ep is not None else
-            buf._backend == "reference" or dist.get_backend(buf.group) != "nccl"):
+            buf._backend == "reference" or (buf._backend == "auto"
+                                            and not torch.cuda.is_available())):
         refuse(fn, {name: "it is peer-backend only (the kernels time their waits per source "
                     "rank), and this buffer runs on the reference backend, whose one "
                     "all_to_all_single has no receive from one rank to time; pass None"})
