@@ -7,6 +7,7 @@ import torch.distributed as dist
 from ..ep import EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
+from ..runtime.launch import Launcher
 from . import convert
 from .checks import PREFIX, check_bools, check_handle, check_int, check_stats, refuse
 from .event import EventOverlap, after
@@ -116,6 +117,7 @@ class Buffer:
         self._timeout_ms = timeout_ms
         self._ep: EPBuffer | None = None
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
+        self._launch = None         # on a GPU: the conversion kernel's launcher
         self._destroyed = False
         if enable_shrink and (backend == "reference" or dist.get_backend(self.group) != "nccl"):
             raise UnsupportedConfigError(
@@ -181,6 +183,8 @@ class Buffer:
                       enable_masks=self.enable_shrink)
         self._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * max_tokens,
                                        max_tokens, ep.num_ranks, ep.device)
+        if ep.device.type == "cuda":
+            self._launch = Launcher(ep.device, pdl=False)
         self._ep = ep
         return ep
 
@@ -289,6 +293,10 @@ class Buffer:
             recv_x = (q, scales)
 
         def finish():
+            if self._launch is not None:        # a GPU: one kernel; the CPU: the torch ops
+                return convert.to_deep_ep(self._launch, h.src_info, recv_count, T, src_info,
+                                          layout, ep_scales if use_fp8 else None, scales,
+                                          use_ue8m0, stats)
             convert.source_token(h.src_info, T, src_info)
             convert.layout_range(h.src_info, recv_count, self._aux, layout)
             if scales is not None:

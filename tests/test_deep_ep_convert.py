@@ -9,6 +9,8 @@ count). Scales: random fp32 bits (NaN and infinities among them) for the fp32 la
 two from 2^-40 to 2^40 for UE8M0 (exponent bytes above and below 128). Outputs are poisoned
 first: the filled rows must equal the oracle's, the rows past the count must keep the poison
 (the kernel writes only filled rows), ``layout_range`` and ``stats`` must be equal everywhere.
+The GPU test runs the same cases compiled, through llcomm's launcher; one more test compiles
+every variant for sm_90 without a GPU.
 """
 from __future__ import annotations
 
@@ -57,11 +59,16 @@ def _launch(fn, grid, args, num_warps, **consts):
     fn[(grid,)](*args, num_warps=num_warps, **consts)
 
 
-def compare(seed: int) -> list[str]:
-    """Every case of CASES in every scale mode; the mismatches, described."""
+def compare(seed: int, device: str = "cpu") -> list[str]:
+    """Every case of CASES in every scale mode; the mismatches, described. On a GPU the kernel
+    goes through llcomm's launcher, as ``deep_ep.Buffer`` launches it."""
     import torch
 
     from llcomm.deep_ep import convert as C
+    launch = _launch
+    if device != "cpu":
+        from llcomm.runtime.launch import Launcher
+        launch = Launcher(torch.device(device), pdl=False)
     gen = torch.Generator().manual_seed(seed)
     bad = []
     for W, T, L, G in CASES:
@@ -71,20 +78,23 @@ def compare(seed: int) -> list[str]:
                 for with_stats in (False, True):
                     name = f"W={W} T={T} L={L} G={G} {mode} masked={masked_rank} " \
                            f"stats={with_stats}"
-                    bad += _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats)
+                    bad += _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats,
+                                device, launch)
     return bad
 
 
-def _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats):
+def _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats, device, launch):
     import torch
     R = W * T
     counts, src, scales = _case(gen, W, T, L, G, mode, masked_rank)
     ue8m0 = mode == "ue8m0"
     stats0 = torch.randint(0, 1000, (L,), generator=gen, dtype=torch.int32)
+    counts, src, stats0 = counts.to(device), src.to(device), stats0.to(device)
+    scales = scales.to(device) if scales is not None else None
     # the oracle
-    want_src = torch.empty(L, R, dtype=torch.int32)
+    want_src = torch.empty(L, R, dtype=torch.int32, device=device)
     C.source_token(src, T, want_src)
-    want_lay = torch.empty(L, W, dtype=torch.int64)
+    want_lay = torch.empty(L, W, dtype=torch.int64, device=device)
     C.layout_range(src, counts, C.layout_aux(L, R, T, W, src.device), want_lay)
     want_sc = None
     if scales is not None:
@@ -93,15 +103,14 @@ def _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats):
     want_stats = stats0 + counts
     # the kernel, on poisoned outputs
     src_in, counts_in = src.clone(), counts.clone()
-    got_src = torch.full((L, R), POISON, dtype=torch.int32)
-    got_lay = torch.full((L, W), POISON, dtype=torch.int64)
+    got_src = torch.full((L, R), POISON, dtype=torch.int32, device=device)
+    got_lay = torch.full((L, W), POISON, dtype=torch.int64, device=device)
     got_sc = None
     if scales is not None:
         got_sc = C.scales_storage(L, R, G * C.FP8_BLOCK, ue8m0, src.device)
         got_sc.view(torch.int32).fill_(POISON)
     stats = stats0.clone() if with_stats else None
-    C.to_deep_ep(_launch, src, counts, T, got_src, got_lay,
-                 scales, got_sc, ue8m0, stats)
+    C.to_deep_ep(launch, src, counts, T, got_src, got_lay, scales, got_sc, ue8m0, stats)
     out = []
     if not (torch.equal(src, src_in) and torch.equal(counts, counts_in)):
         out.append(f"{name}: the inputs changed")
@@ -128,7 +137,16 @@ def _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats):
 
 def test_kernel_matches_torch_conversions():
     seed = int.from_bytes(os.urandom(4), "little")
-    bad = run_in_interpreter("test_deep_ep_convert_cpu", "compare", seed)
+    bad = run_in_interpreter("test_deep_ep_convert", "compare", seed)
+    assert bad == [], f"seed {seed}:\n" + "\n".join(bad[:20])
+
+
+@pytest.mark.gpu(gpus=1)
+def test_kernel_matches_torch_conversions_gpu():
+    """The same cases on a GPU: the compiled kernel through llcomm's launcher against the torch
+    ops on the same device."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    bad = compare(seed, "cuda:0")
     assert bad == [], f"seed {seed}:\n" + "\n".join(bad[:20])
 
 
