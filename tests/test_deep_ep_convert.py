@@ -24,6 +24,9 @@ from _interp import run_in_interpreter
 CASES = ((1, 5, 1, 0), (2, 7, 3, 4), (3, 13, 2, 3), (8, 6, 4, 56), (2, 128, 1, 56),
          (3, 50, 5, 8), (1, 300, 2, 4))
 POISON = -0x5A5A5A5B
+#: Cases ``compare`` runs: per CASES entry, its scale modes x masked rank or not x stats or not.
+EXPECTED_CASES = sum((1 + (G > 0) + (G > 0 and G % 4 == 0)) * (2 if W > 1 else 1) * 2
+                     for W, T, L, G in CASES)
 
 
 def _case(gen, W, T, L, G, mode, masked_rank):
@@ -59,9 +62,10 @@ def _launch(fn, grid, args, num_warps, **consts):
     fn[(grid,)](*args, num_warps=num_warps, **consts)
 
 
-def compare(seed: int, device: str = "cpu") -> list[str]:
-    """Every case of CASES in every scale mode; the mismatches, described. On a GPU the kernel
-    goes through llcomm's launcher, as ``deep_ep.Buffer`` launches it."""
+def compare(seed: int, device: str = "cpu") -> tuple[list[str], int]:
+    """Every case of CASES in every scale mode: the mismatches, described, and the number of
+    cases run. On a GPU the kernel goes through llcomm's launcher, as ``deep_ep.Buffer``
+    launches it."""
     import torch
 
     from llcomm.deep_ep import convert as C
@@ -70,7 +74,7 @@ def compare(seed: int, device: str = "cpu") -> list[str]:
         from llcomm.runtime.launch import Launcher
         launch = Launcher(torch.device(device), pdl=False)
     gen = torch.Generator().manual_seed(seed)
-    bad = []
+    bad, ran = [], 0
     for W, T, L, G in CASES:
         modes = ["none"] + (["fp32"] if G else []) + (["ue8m0"] if G and G % 4 == 0 else [])
         for mode in modes:
@@ -80,7 +84,8 @@ def compare(seed: int, device: str = "cpu") -> list[str]:
                            f"stats={with_stats}"
                     bad += _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats,
                                 device, launch)
-    return bad
+                    ran += 1
+    return bad, ran
 
 
 def _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats, device, launch):
@@ -137,8 +142,8 @@ def _one(C, gen, name, W, T, L, G, mode, masked_rank, with_stats, device, launch
 
 def test_kernel_matches_torch_conversions():
     seed = int.from_bytes(os.urandom(4), "little")
-    bad = run_in_interpreter("test_deep_ep_convert", "compare", seed)
-    assert bad == [], f"seed {seed}:\n" + "\n".join(bad[:20])
+    bad, ran = run_in_interpreter("test_deep_ep_convert", "compare", seed)
+    assert ran == EXPECTED_CASES and bad == [], f"seed {seed}:\n" + "\n".join(bad[:20])
 
 
 @pytest.mark.gpu(gpus=1)
@@ -146,8 +151,8 @@ def test_kernel_matches_torch_conversions_gpu():
     """The same cases on a GPU: the compiled kernel through llcomm's launcher against the torch
     ops on the same device."""
     seed = int.from_bytes(os.urandom(4), "little")
-    bad = compare(seed, "cuda:0")
-    assert bad == [], f"seed {seed}:\n" + "\n".join(bad[:20])
+    bad, ran = compare(seed, "cuda:0")
+    assert ran == EXPECTED_CASES and bad == [], f"seed {seed}:\n" + "\n".join(bad[:20])
 
 
 @pytest.mark.parametrize("W,G", [(1, 0), (8, 56), (64, 56), (3, 3)])
