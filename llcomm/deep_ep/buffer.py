@@ -117,7 +117,7 @@ class Buffer:
         self._timeout_ms = timeout_ms
         self._ep: EPBuffer | None = None
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
-        self._launch = None         # on a GPU: the conversion kernel's launcher
+        self._launch = None         # peer backend: the conversion kernel's launcher
         self._destroyed = False
         if enable_shrink and (backend == "reference" or dist.get_backend(self.group) != "nccl"):
             raise UnsupportedConfigError(
@@ -183,7 +183,7 @@ class Buffer:
                       enable_masks=self.enable_shrink)
         self._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * max_tokens,
                                        max_tokens, ep.num_ranks, ep.device)
-        if ep.device.type == "cuda":
+        if ep.backend == "peer":            # a GPU: the conversions in one kernel
             self._launch = Launcher(ep.device, pdl=False)
         self._ep = ep
         return ep
@@ -293,7 +293,7 @@ class Buffer:
             recv_x = (q, scales)
 
         def finish():
-            if self._launch is not None:        # a GPU: one kernel; the CPU: the torch ops
+            if self._launch is not None:        # peer: one kernel; reference: the torch ops
                 return convert.to_deep_ep(self._launch, h.src_info, recv_count, T, src_info,
                                           layout, ep_scales if use_fp8 else None, scales,
                                           use_ue8m0, stats)

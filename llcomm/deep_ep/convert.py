@@ -18,9 +18,9 @@ column-major), or, with UE8M0, an int32 ``[L, W * T, H / 512]`` view of an ``[L,
 storage in which each word packs the exponent bytes of four consecutive scales, scale ``4 i + b``
 in byte ``b`` (bits ``8 b .. 8 b + 7``).
 
-On a GPU, ``to_deep_ep`` makes all of it in one Triton launch (``llcomm/deep_ep/kernels.py``);
-the torch functions below do the same as separate ops (the CPU path, and the tests' oracle of
-the kernel).
+On the peer backend ``to_deep_ep`` makes all of it in one Triton launch
+(``llcomm/deep_ep/kernels.py``); the torch functions below do the same as separate ops (the
+reference backend's path, on the CPU among others, and the tests' oracle of the kernel).
 """
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def to_deep_ep(launch, ep_src_info: torch.Tensor, recv_count: torch.Tensor, max_
     """``source_token``, ``layout_range``, ``fill_scales`` (when ``scales`` is given) and
     ``stats += recv_count`` (when ``stats`` is given) in one launch of ``to_deep_ep_kernel``,
     through ``launch`` (a ``llcomm.runtime.launch.Launcher``, or any callable taking
-    ``(fn, grid, args, num_warps, **constexprs)``). Only the filled rows of ``src_info`` and
+    ``(fn, grid, args, num_warps, **constexprs)``). ``ep_src_info`` and ``ep_scales`` are
+    ``EPBuffer``'s, contiguous; ``scales`` is from ``scales_storage``. Only the filled rows of ``src_info`` and
     ``scales`` are written: rows past ``recv_count[e]`` keep what they held (unspecified, as
     DeepEP's). No host synchronisation, nothing allocated: a CUDA graph can capture it."""
     L, R = ep_src_info.shape
