@@ -7,8 +7,9 @@ Compiles the dispatch (bf16 / fp32 rows, and FP8: ``ll_dispatch_kernel`` or
 ``flag_dispatch_kernel``, whichever ``EPBuffer`` runs for ``--tokens``, and the flag one for rank
 masks) and ``combine_kernel`` exactly as ``EPBuffer`` launches them (same constexprs, all
 stages, fp fusion off for combine; and the send and receive halves of
-``return_recv_hook=True``; ``*_stats``: the wait-statistics variants, STATS=1) and prints per
-kernel: 16-byte vector loads/stores
+``return_recv_hook=True``; ``*_stats``: the wait-statistics variants, STATS=1), and
+``llcomm.deep_ep``'s conversion kernel (bf16 / FP8 / UE8M0 scales), and prints per kernel:
+16-byte vector loads/stores
 (ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope atomics
 (signals and acquire polls), fused multiply-adds (should be none in combine: the documented
 order rounds the product and the sum separately), registers and spills.
@@ -25,6 +26,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llcomm.deep_ep import kernels as DK  # noqa: E402
 from llcomm.ep import kernels as K  # noqa: E402
 from llcomm.ep.layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_dispatch, ll_row_consts  # noqa: E402
@@ -38,7 +40,8 @@ ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 def compile_one(fn, sig, consts, num_warps, options=None, pdl=False):
     """``pdl``: as launched with LLCOMM_PDL=1 (llcomm/runtime/launch.py sets PDL, not the caller)."""
-    consts = {**consts, "PDL": int(pdl)}
+    if "PDL" in fn.arg_names:
+        consts = {**consts, "PDL": int(pdl)}
     names = list(fn.arg_names)          # the kernel's parameter order
     full = {k: sig.get(k, "constexpr") for k in names}
     missing = [k for k in names if k not in sig and k not in consts]
@@ -130,6 +133,22 @@ def _no_stats(consts):
     return {k: v for k, v in consts.items() if k != "stats"}
 
 
+def deep_ep_kernels(hidden, experts, ranks, tokens):
+    """``llcomm.deep_ep``'s conversion after a dispatch (``to_deep_ep_kernel``), as
+    ``convert.to_deep_ep`` launches it: bf16 rows with stats, FP8 scales, UE8M0 scales."""
+    sig = {"ep_src": "*i32", "recv_count": "*i32", "src_out": "*i32", "layout_out": "*i64",
+           "stats": "*i32", "ep_scales": "*i32", "scales_out": "*i32"}
+    out = {}
+    for name, mode, g in (("bf16", DK.SCALES_NONE, 0), ("fp8", DK.SCALES_FP32, hidden // 128),
+                          ("ue8m0", DK.SCALES_UE8M0, hidden // 128)):
+        if mode != DK.SCALES_NONE and (hidden % 128 or (mode == DK.SCALES_UE8M0 and g % 4)):
+            continue
+        consts = dict(T=tokens, W=ranks, WP=DK.pow2(ranks), G=g, GP=DK.pow2(g), SCALES=mode,
+                      STATS=int(mode == DK.SCALES_NONE), BLOCK=DK.block_rows(ranks, g))
+        out[f"deep_ep_convert_{name}"] = (DK.to_deep_ep_kernel, sig, consts, DK.NUM_WARPS, None)
+    return out
+
+
 def same_as(folder, name, ptx):
     """``--same-as``: "  same" / "  DIFFERENT" against ``folder/name.ptx`` ("  new" where the
     folder has no such kernel, "" without a folder), the code compared as tools/ptx.py compares
@@ -164,15 +183,17 @@ def main():
     ap.add_argument("--same-as", default=None, help="a --dump folder to compare the code with "
                     "(tools/ptx.py --same-as)")
     args = ap.parse_args()
+    every = {}
     for dt in args.dtypes.split(","):
-        for name, (fn, sig, consts, warps, opts) in kernels(
-                args.hidden, args.experts, args.ranks, args.tokens, args.topk, dt,
-                args.blocks).items():
-            warps = args.warps or warps
-            ptx = compile_one(fn, sig, consts, warps, opts, args.pdl).asm["ptx"]
-            fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
-            print(f"{name:18s} warps {warps:2d}  {ptx_summary(name, ptx, args.dump)}  "
-                  f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}{same_as(args.same_as, name, ptx)}")
+        every.update(kernels(args.hidden, args.experts, args.ranks, args.tokens, args.topk, dt,
+                             args.blocks))
+    every.update(deep_ep_kernels(args.hidden, args.experts, args.ranks, args.tokens))
+    for name, (fn, sig, consts, warps, opts) in every.items():
+        warps = args.warps or warps
+        ptx = compile_one(fn, sig, consts, warps, opts, args.pdl).asm["ptx"]
+        fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
+        print(f"{name:18s} warps {warps:2d}  {ptx_summary(name, ptx, args.dump)}  "
+              f"fma.f32 {fma:3d}  {ptxas_usage(ptx)}{same_as(args.same_as, name, ptx)}")
 
 
 if __name__ == "__main__":

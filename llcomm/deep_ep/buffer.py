@@ -8,6 +8,7 @@ from ..ep import EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
 from ..runtime.backend import choose_backend
+from ..runtime.launch import Launcher
 from . import convert
 from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
                      check_stats, refuse, refuse_cost_stats)
@@ -121,6 +122,7 @@ class Buffer(ShrinkMasks):
         self._ep: EPBuffer | None = None
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
         self._early_mask = 0        # ranks masked by hand before the EPBuffer exists (bits)
+        self._launch = None         # peer backend: the conversion kernel's launcher
         self._destroyed = False
         if enable_shrink:
             # Decided as EPBuffer will decide it (a collective, as DeepEP's constructor is), so
@@ -195,6 +197,8 @@ class Buffer(ShrinkMasks):
         for r in range(self.group_size):        # masked by hand before it existed
             if (self._early_mask >> r) & 1:
                 ep.set_mask(r, True)
+        if ep.backend == "peer":            # a GPU: the conversions in one kernel
+            self._launch = Launcher(ep.device, pdl=False)
         self._ep = ep
         return ep
 
@@ -308,6 +312,10 @@ class Buffer(ShrinkMasks):
             recv_x = (q, scales)
 
         def finish():
+            if self._launch is not None:        # peer: one kernel; reference: the torch ops
+                return convert.to_deep_ep(self._launch, h.src_info, recv_count, T, src_info,
+                                          layout, ep_scales if use_fp8 else None, scales,
+                                          use_ue8m0, stats)
             convert.source_token(h.src_info, T, src_info)
             convert.layout_range(h.src_info, recv_count, self._aux, layout)
             if scales is not None:

@@ -1,0 +1,167 @@
+"""What ``llcomm.deep_ep`` adds to ``EPBuffer``, in CUDA-graph replay on one GPU.
+
+    python tools/deep_ep_cost.py [--tokens 128] [--hidden 7168] [--experts 256] [--topk 8]
+                                 [--ops 20] [--replays 200] [--stats] [--json PATH]
+                                 [--llcomm DIR]
+
+A group of one rank on cuda:0 (as ``tools/ep_timeline.py --one-rank``: every expert is local,
+no link), DeepSeek-V3's shape by default. Times, per call, the median over graph replays of
+``--ops`` back-to-back calls (``llcomm.bench.timing``):
+
+- ``EPBuffer.dispatch`` (bf16, FP8, FP8 with power-of-two scales) against
+  ``deep_ep.Buffer.low_latency_dispatch`` (bf16, FP8, FP8 + UE8M0), whose difference is the
+  conversion to DeepEP's layouts; the deep_ep call twice: with the conversion kernel
+  (``convert.to_deep_ep``, what the library runs on a GPU) and with the torch ops it replaced
+  (``convert.py``'s functions, the CPU path), so before and after come from one run;
+- ``EPBuffer.combine`` against ``low_latency_combine`` (no conversion: the difference is the
+  wrapper's own work, none of it on the device).
+
+Before timing, the two conversion paths' outputs are compared on the filled rows (they must be
+equal). ``--stats`` passes ``cumulative_local_expert_recv_stats`` to the deep_ep dispatches.
+Not part of the test suite.
+"""
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+
+use_llcomm_dir()
+
+import llcomm.deep_ep as deep_ep  # noqa: E402
+from llcomm.bench import spawn  # noqa: E402
+from llcomm.bench.timing import Timing, capture, time_graph  # noqa: E402
+from llcomm.runtime.launch import Launcher  # noqa: E402
+
+#: The dispatch variants: (name, EPBuffer.dispatch kwargs, low_latency_dispatch kwargs).
+VARIANTS = (
+    ("bf16", {}, dict(use_fp8=False)),
+    ("fp8", dict(use_fp8=True), dict(use_fp8=True)),
+    ("fp8+ue8m0", dict(use_fp8=True, round_scale=True),
+     dict(use_fp8=True, round_scale=True, use_ue8m0=True)),
+)
+
+
+def torch_conversions(buf: "deep_ep.Buffer", on: bool) -> None:
+    """Make ``buf``'s dispatches convert with convert.py's torch ops (``on``) or with the kernel
+    (a launcher of its own, as the buffer makes on a GPU). The tool's own switch: the library
+    runs the kernel on every GPU."""
+    buf._launch = None if on else Launcher(buf.ep_buffer.device, pdl=False)
+
+
+def agree(buf, x, idx, kw, stats) -> list[str]:
+    """The kernel's and the torch ops' conversions of the same dispatch, filled rows only."""
+    outs = []
+    for use_torch in (False, True):
+        torch_conversions(buf, use_torch)
+        s0 = stats.clone() if stats is not None else None
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(
+            x, idx, x.shape[0], buf.ep_buffer.num_experts,
+            cumulative_local_expert_recv_stats=s0, **kw)
+        torch.cuda.synchronize()
+        sc = recv_x[1].clone() if isinstance(recv_x, tuple) else None
+        outs.append((count.clone(), handle[0].clone(), handle[1].clone(), sc, s0))
+    torch_conversions(buf, False)
+    (c, s, lay, sc, st), (c2, s2, lay2, sc2, st2) = outs
+    bad = []
+    if not torch.equal(c, c2):
+        bad.append("recv_count")
+    if not torch.equal(lay, lay2):
+        bad.append("layout_range")
+    if st is not None and not torch.equal(st, st2):
+        bad.append("stats")
+    for e, n in enumerate(c.tolist()):
+        if not torch.equal(s[e, :n], s2[e, :n]):
+            bad.append(f"src_info of expert {e}")
+        if sc is not None and not torch.equal(sc[e, :n].contiguous().view(torch.int32),
+                                              sc2[e, :n].contiguous().view(torch.int32)):
+            bad.append(f"scales of expert {e}")
+    return bad
+
+
+def main():
+    ap = argument_parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--ops", type=int, default=20, help="calls per graph")
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--stats", action="store_true",
+                    help="pass cumulative_local_expert_recv_stats to the deep_ep dispatches")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{spawn.free_port()}", rank=0,
+                            world_size=1, device_id=device)
+    T, H, E = a.tokens, a.hidden, a.experts
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, H, generator=gen, device=device).to(torch.bfloat16)
+    idx = torch.rand(T, E, generator=gen, device=device).topk(a.topk, dim=1).indices
+    w = torch.rand(T, a.topk, generator=gen, device=device)
+    buf = deep_ep.Buffer(backend="peer")
+    buf.clean_low_latency_buffer(T, H, E)
+    ep = buf.ep_buffer
+    stats = torch.zeros(ep.num_local_experts, dtype=torch.int32, device=device) \
+        if a.stats else None
+    timing = Timing(device, a.replays, a.warmup, a.ops)
+
+    def us(fn):
+        return time_graph(capture(fn, a.ops), timing).median_us
+
+    rows = []
+    for name, ep_kw, deep_kw in VARIANTS:
+        bad = agree(buf, x, idx, deep_kw, stats)
+        if bad:
+            raise SystemExit(f"{name}: the kernel's and the torch ops' conversions differ: "
+                             f"{', '.join(bad[:8])}")
+        t_ep = us(lambda: ep.dispatch(x, idx, **ep_kw))
+
+        def deep():
+            buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
+                                     **deep_kw)
+        t_kernel = us(deep)
+        torch_conversions(buf, True)
+        t_torch = us(deep)
+        torch_conversions(buf, False)
+        rows.append(dict(op="dispatch", variant=name, ep_us=t_ep, deep_ep_us=t_kernel,
+                         deep_ep_torch_us=t_torch))
+    # combine: a handle of a dispatch of its own, made just before each graph
+    rx, _, h = ep.dispatch(x, idx)
+    y = rx.clone()
+    t_ep = us(lambda: ep.combine(y, idx, w, h))
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    t_deep = us(lambda: buf.low_latency_combine(y, idx, w, handle))
+    rows.append(dict(op="combine", variant="bf16", ep_us=t_ep, deep_ep_us=t_deep,
+                     deep_ep_torch_us=None))
+    ep.check()
+
+    print(f"# {T} tokens, hidden {H}, {E} experts, top-{a.topk}, one rank on "
+          f"{torch.cuda.get_device_name(device)}; median µs per call over {a.replays} replays of "
+          f"{a.ops} calls{' (with stats)' if a.stats else ''}")
+    print(f"{'op':9s} {'variant':10s} {'EPBuffer':>9s} {'deep_ep':>9s} {'diff':>7s} "
+          f"{'torch path':>11s} {'diff':>7s}")
+    for r in rows:
+        tt = r["deep_ep_torch_us"]
+        torch_cols = f"{tt:11.2f} {tt - r['ep_us']:7.2f}" if tt is not None else \
+            f"{'-':>11s} {'-':>7s}"
+        print(f"{r['op']:9s} {r['variant']:10s} {r['ep_us']:9.2f} {r['deep_ep_us']:9.2f} "
+              f"{r['deep_ep_us'] - r['ep_us']:7.2f} {torch_cols}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": dict(tokens=T, hidden=H, experts=E, topk=a.topk, ops=a.ops,
+                                      replays=a.replays, stats=a.stats),
+                       "device": torch.cuda.get_device_name(device),
+                       "commit": os.environ.get("LLCOMM_COMMIT"), "llcomm": a.llcomm,
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {a.json}")
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
