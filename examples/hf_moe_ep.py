@@ -4,11 +4,13 @@
 ``ExpertParallelMoE(block, transport)`` (``llcomm.hf.moe_ep``, which says what one call does)
 stands in for a ``Qwen3MoeSparseMoeBlock``: the block's own router on every rank, this rank's
 slice of the block's own experts, and the tokens moved to their experts and back by the
-transport (``EPBufferTransport``: ``EPBuffer.dispatch`` / ``combine``).
+transport: ``EPBufferTransport`` (``EPBuffer.dispatch`` / ``combine``), or ``DeepEPTransport``
+(``llcomm.deep_ep.Buffer``'s ``low_latency_dispatch`` / ``low_latency_combine``, the calls an
+engine written for DeepEP makes).
 
 The check below builds a tiny Qwen3-MoE with random weights (nothing is downloaded). The block:
 each rank routes tokens of its own (three of them sent only to experts of other ranks) and
-compares the result with the block's own forward on those tokens. The whole
+compares the result with the block's own forward on those tokens, through each transport. The whole
 model: each rank generates from prompts of its own with every MoE block expert-parallel (the
 attention and the rest replicated, as data parallelism) and must pick the tokens the unsharded
 model picks.
@@ -24,8 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 import llcomm
+import llcomm.deep_ep as deep_ep
 from _launch import device, launch
-from llcomm.hf.moe_ep import EPBufferTransport, ExpertParallelMoE, expert_parallel
+from llcomm.hf.moe_ep import DeepEPTransport, EPBufferTransport, ExpertParallelMoE, expert_parallel
 
 
 # --- the check ------------------------------------------------------------------------------
@@ -109,7 +112,13 @@ def main():
                        routed_tokens(block.gate, elsewhere, 3, g)])[None]
         want = block(x)
         got = ExpertParallelMoE(block, transport)(x)
-    torch.testing.assert_close(got, want, **tolerance(want))
+        torch.testing.assert_close(got, want, **tolerance(want))
+        # the same block through DeepEP's API
+        deep = deep_ep.Buffer(None, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            max_tokens, cfg.hidden_size, ws, cfg.num_experts))
+        got = ExpertParallelMoE(block, DeepEPTransport(deep, cfg.num_experts, max_tokens))(x)
+        torch.testing.assert_close(got, want, **tolerance(want))
+        deep.destroy()
 
     # the whole model: every MoE block expert-parallel, each rank generating its own prompts
     ep = expert_parallel(copy.deepcopy(ref), transport)

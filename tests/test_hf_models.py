@@ -134,17 +134,38 @@ def test_llama_tensor_parallel(world_size):
           f" (tolerance {atol:.3g})")
 
 
-def _transport(name: str, buf):
-    """The transport called ``name``, over ``buf`` (``TRANSPORTS``)."""
-    from llcomm.hf.moe_ep import EPBufferTransport
+def _transport(name: str, num_experts: int, hidden: int, max_tokens: int, dtype):
+    """(the transport called ``name``, its close) over a new buffer, with the combine input the
+    experts write to poisoned (NaN) on every call, so a row the experts did not write and
+    combine reads shows."""
+    import torch.distributed as dist
 
+    import llcomm
+    from llcomm.hf.moe_ep import DeepEPTransport, EPBufferTransport
+
+    nan = float("nan")
     if name == "EPBuffer":
-        return EPBufferTransport(buf)
+        buf = llcomm.EPBuffer(num_experts=num_experts, hidden=hidden,
+                              num_max_dispatch_tokens_per_rank=max_tokens, dtype=dtype)
+        combine_input = buf.get_combine_input
+        buf.get_combine_input = lambda handle: combine_input(handle).fill_(nan)
+
+        def close():
+            buf.check()
+            buf.close()
+        return EPBufferTransport(buf), close
+    if name == "deep_ep":
+        import llcomm.deep_ep as deep_ep
+        buf = deep_ep.Buffer(None, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            max_tokens, hidden, dist.get_world_size(), num_experts))
+        next_buffer = buf.get_next_low_latency_combine_buffer
+        buf.get_next_low_latency_combine_buffer = lambda handle: next_buffer(handle).fill_(nan)
+        return DeepEPTransport(buf, num_experts, max_tokens), buf.destroy
     raise ValueError(f"no transport {name!r}")
 
 
 #: The transports the expert-parallel block is checked through (llcomm/hf/moe_ep.py).
-TRANSPORTS = ["EPBuffer"]
+TRANSPORTS = ["EPBuffer", "deep_ep"]
 
 
 def _ep_body(rank, ws, seed, transport_name):
@@ -152,19 +173,13 @@ def _ep_body(rank, ws, seed, transport_name):
     import torch
 
     import hf_moe_ep as M
-    import llcomm
     from llcomm.hf import moe_ep as E
 
     ref = M.tiny_qwen3_moe(seed, ranks=ws)
     cfg = ref.config
     block = ref.model.layers[1].mlp
-    buf = llcomm.EPBuffer(num_experts=cfg.num_experts, hidden=cfg.hidden_size,
-                          num_max_dispatch_tokens_per_rank=16, dtype=torch.float32)
-    # poison: the combine input the experts write to starts as NaN on every call, so a row the
-    # experts did not write and combine reads shows
-    combine_input = buf.get_combine_input
-    buf.get_combine_input = lambda handle: combine_input(handle).fill_(float("nan"))
-    transport = _transport(transport_name, buf)
+    transport, close = _transport(transport_name, cfg.num_experts, cfg.hidden_size, 16,
+                                  torch.float32)
     ep = E.ExpertParallelMoE(block, transport)
 
     per = cfg.num_experts // ws
@@ -206,8 +221,7 @@ def _ep_body(rank, ws, seed, transport_name):
     n = ids.shape[1]
     _same_greedy(got.sequences[:, n:], got_logits, want.sequences[:, n:], want_logits,
                  M.tolerance(want_logits)["atol"])
-    buf.check()
-    buf.close()
+    close()
     return err, tol["atol"]
 
 

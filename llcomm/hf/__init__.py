@@ -7,7 +7,8 @@ and nothing in the library imports it; ``import llcomm`` never loads it.
   row-parallel layers joined by any all-reduce (``join=``), and the decoder layer's forward with
   its two joins fused;
 - ``llcomm.hf.moe_ep``: expert parallelism of a Qwen3-MoE sparse block (``ExpertParallelMoE``)
-  with its tokens moved by an ``EPBuffer`` (``EPBufferTransport``), and a capturable variant of
+  with its tokens moved by an ``EPBuffer`` (``EPBufferTransport``) or by ``llcomm.deep_ep``
+  (``DeepEPTransport``), and a capturable variant of
   the local experts (a fixed number of rows per expert).
 
 The sharding itself is plain torch on the modules transformers built; transformers is

@@ -24,8 +24,9 @@ runs them in one module), and per call:
 4. ``combine``: every token gets back the sum of its experts' outputs weighted by the router's
    top-k weights, in the order it was given.
 
-The transport is the one place that speaks to llcomm (``EPBufferTransport``); a transport with
-the same three calls over ``llcomm.deep_ep`` (DeepEP's ``Buffer`` API) slots in beside it.
+The transport is the one place that speaks to llcomm: ``EPBufferTransport`` (``EPBuffer``) or
+``DeepEPTransport`` (``llcomm.deep_ep.Buffer``, DeepEP's low-latency API, as an engine written
+for DeepEP calls it).
 Plain torch on the modules transformers built: this module imports no transformers code.
 """
 from __future__ import annotations
@@ -66,13 +67,34 @@ class EPBufferTransport:
                                 None if self.carry_weights else topk_weights, handle)
 
 
+class DeepEPTransport:
+    """dispatch / combine over ``llcomm.deep_ep.Buffer`` (DeepEP's low-latency calls, bf16 /
+    fp32 rows, no FP8): ``low_latency_dispatch``, the experts writing straight into
+    ``get_next_low_latency_combine_buffer(handle)``, and ``low_latency_combine`` with
+    ``zero_copy=True``. ``max_tokens``: the ``num_max_dispatch_tokens_per_rank`` every call
+    passes (the same on every rank and every call, as DeepEP requires)."""
+
+    def __init__(self, buf, num_experts: int, max_tokens: int):
+        self.buf, self.num_experts, self.max_tokens = buf, num_experts, max_tokens
+        self.rank, self.world_size = buf.rank, buf.group_size
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor | None = None):
+        """As ``EPBufferTransport.dispatch``; the handle is DeepEP's."""
+        recv_x, recv_count, handle, _, _ = self.buf.low_latency_dispatch(
+            x, topk_idx, self.max_tokens, self.num_experts, use_fp8=False)
+        return recv_x, recv_count, handle, self.buf.get_next_low_latency_combine_buffer(handle)
+
+    def combine(self, expert_out, topk_idx, topk_weights, handle) -> torch.Tensor:
+        combined, _, _ = self.buf.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
+                                                      zero_copy=True)
+        return combined
+
+
 # What ExpertParallelMoE asks of a transport: ``num_experts``, ``rank``, ``world_size``;
 # ``dispatch(x, topk_idx, topk_weights) -> (recv_x [L, W * T, hidden], recv_count [L], handle,
 # expert_out)``; ``combine(expert_out, topk_idx, topk_weights (float32), handle) ->
-# [num_tokens, hidden]``. A transport over llcomm.deep_ep (DeepEP's Buffer API) goes here:
-# dispatch through its low_latency_dispatch(..., use_fp8=False) and
-# get_next_low_latency_combine_buffer(handle), combine through low_latency_combine(...)[0];
-# tests/test_hf_models.py runs its checks once per transport it lists.
+# [num_tokens, hidden]``. tests/test_hf_models.py runs its checks once per transport.
 
 
 def local_experts(experts: nn.Module, rank: int, world_size: int) -> nn.Module:
