@@ -85,13 +85,15 @@ CASES = [
      ValueError, r"llcomm\.all_reduce: out is on meta"),
     # contiguity
     ("all_reduce-strided", lambda c, ws: c.all_reduce(f32(4, 8)[:, ::2]),
-     ValueError, r"llcomm\.all_reduce: x is not contiguous"),
+     ValueError, r"llcomm\.all_reduce: x is not contiguous; pass x\.contiguous\(\)$"),
     ("all_gather_2d-transposed", lambda c, ws: c.all_gather_2d(f32(4, 8).t()),
      ValueError, r"llcomm\.all_gather_2d: x is not contiguous"),
     ("broadcast-strided", lambda c, ws: c.broadcast(f32(16)[::2], 0),
      ValueError, r"llcomm\.broadcast: x is not contiguous"),
     ("all_reduce-out-strided", lambda c, ws: c.all_reduce(f32(4, 4), out=f32(4, 8)[:, ::2]),
-     ValueError, r"llcomm\.all_reduce: out is not contiguous"),
+     ValueError, r"llcomm\.all_reduce: out is not contiguous; the result is written into it, "
+                 r"so pass a contiguous tensor \(a copy made by \.contiguous\(\) would not be "
+                 r"the one you hold\)$"),
     # out: shape, dtype, type
     ("all_reduce-out-shape", lambda c, ws: c.all_reduce(f32(8), out=f32(9)),
      ValueError, r"llcomm\.all_reduce: out has shape \(9,\); expected \(8,\)"),
@@ -158,7 +160,14 @@ CASES = [
            TypeError, r"residual has dtype torch\.bfloat16; expected torch\.float32"),
           ("residual-strided", lambda c, ws: c.all_reduce_residual_rmsnorm(
               f32(2, 8), f32(2, 16)[:, ::2], f32(8)),
-           ValueError, r"residual is not contiguous"),
+           ValueError, r"residual is not contiguous; pass residual\.contiguous\(\)$"),
+          ("weight-strided", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(16)[::2]),
+           ValueError, r"weight is not contiguous; pass weight\.contiguous\(\)$"),
+          ("residual_out-strided", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), residual_out=f32(2, 16)[:, ::2]),
+           ValueError, r"residual_out is not contiguous; the result is written into it, so pass "
+                       r"a contiguous tensor"),
           ("weight-length", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(7)),
            ValueError, r"weight has shape \(7,\); expected \(8,\)"),
           ("weight-2d", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(1, 8)),
@@ -441,6 +450,26 @@ def test_rejected_call_touches_no_buffer(world1):
     with pytest.raises(ValueError):
         comm.broadcast(big, src=1)
     assert torch.equal(big, torch.full((5,), 7.0))
+
+
+@pytest.mark.parametrize("name", ["x", "residual", "weight", "scale", "topk_idx",
+                                  "topk_weights", "expert_out"])
+def test_strided_hint_names_the_argument(name):
+    """The hint for a strided input names that input (``pass topk_idx.contiguous()``, never
+    another argument's name); for a tensor the op writes into (``written``) it asks for a
+    contiguous tensor instead, since a copy would not be the one the caller holds."""
+    from llcomm.runtime import validate as V
+    strided = torch.randn(4, 6)[:, ::2]
+    pr = V.Problems("op")
+    assert not V.check_tensor(pr, name, strided, strided.device, dtypes=None)
+    assert pr.items == [f"{name} is not contiguous; pass {name}.contiguous()"]
+    pr = V.Problems("op")
+    assert not V.check_tensor(pr, name, strided, strided.device, dtypes=None, written=True)
+    assert len(pr.items) == 1 and pr.items[0].startswith(
+        f"{name} is not contiguous; the result is written into it, so pass a contiguous tensor")
+    pr = V.Problems("op")
+    assert V.check_tensor(pr, name, strided.contiguous(), strided.device, dtypes=None)
+    assert pr.items == []
 
 
 def test_movement_accepts_every_dtype(world1):

@@ -376,7 +376,7 @@ class EPBuffer(RankMasks):
                    "called: call it before combining")
         else:
             n = handle.num_tokens
-        check_out(self, pr, "expert_out", expert_out, self._recv_shape())
+        check_out(self, pr, "expert_out", expert_out, self._recv_shape(), written=False)
         if check_topk(self, pr, topk_idx, n) and n is not None \
                 and topk_idx.shape[1] != handle.topk:
             pr.add(f"topk_idx has topk={topk_idx.shape[1]}; the dispatch had {handle.topk}")

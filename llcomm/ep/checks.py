@@ -32,10 +32,12 @@ def check_topk(buf, pr: V.Problems, topk_idx, num_tokens: int | None) -> bool:
     return True
 
 
-def check_out(buf, pr: V.Problems, name: str, t, shape) -> None:
+def check_out(buf, pr: V.Problems, name: str, t, shape, *, written: bool = True) -> None:
+    """A tensor of the buffer's dtype and ``shape`` (None: nothing to check); ``written``:
+    the call writes into it (an ``out=``), not reads it (``expert_out``)."""
     if t is None:
         return
-    if not V.check_tensor(pr, name, t, buf.device, dtypes=(buf.dtype,)):
+    if not V.check_tensor(pr, name, t, buf.device, dtypes=(buf.dtype,), written=written):
         return
     if tuple(t.shape) != tuple(shape):
         pr.add(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
@@ -71,7 +73,7 @@ def check_fp8(buf, pr: V.Problems, use_fp8, round_scale, out) -> bool:
         return True
     for name, t, shape, dt in (("out[0]", out[0], buf._recv_shape(), FP8_DTYPE),
                                ("out[1]", out[1], buf._scales_shape(), SCALE_DTYPE)):
-        if V.check_tensor(pr, name, t, buf.device, dtypes=(dt,)) \
+        if V.check_tensor(pr, name, t, buf.device, dtypes=(dt,), written=True) \
                 and tuple(t.shape) != shape:
             pr.add(f"{name} has shape {tuple(t.shape)}; expected {shape}")
     return True

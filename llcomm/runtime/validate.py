@@ -40,9 +40,12 @@ class Problems:
 
 
 def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=REDUCE_DTYPES,
-                 max_bytes: int | None = None, why: str | None = None) -> bool:
+                 max_bytes: int | None = None, why: str | None = None,
+                 written: bool = False) -> bool:
     """Check that ``t`` is a contiguous tensor of one of ``dtypes`` (None: any) on ``device``.
-    ``why`` follows the list of dtypes in the message of a dtype that is not among them."""
+    ``why`` follows the list of dtypes in the message of a dtype that is not among them.
+    ``name`` is the argument as the caller wrote it; ``written``: the op writes into ``t`` (an
+    ``out=``), so the hint for a strided one is a contiguous tensor, not a copy of it."""
     if not isinstance(t, torch.Tensor):
         pr.add(f"{name} must be a torch.Tensor, got {type(t).__name__}", type_error=True)
         return False
@@ -56,7 +59,10 @@ def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=RED
         pr.add(f"{name} is on {t.device}; expected {device} (this communicator's device)")
         ok = False
     if not t.is_contiguous():
-        pr.add(f"{name} is not contiguous; pass x.contiguous()")
+        pr.add(f"{name} is not contiguous; " + (
+            "the result is written into it, so pass a contiguous tensor (a copy made by "
+            ".contiguous() would not be the one you hold)" if written else
+            f"pass {name}.contiguous()"))
         ok = False
     if max_bytes is not None and t.numel() * t.element_size() > max_bytes:
         pr.add(f"{name} holds {t.numel() * t.element_size()} bytes, more than max_bytes="
@@ -72,7 +78,7 @@ def check_out(pr: Problems, out, x: torch.Tensor, shape: tuple, device: torch.de
     ``name`` is the argument's name in messages."""
     if out is None:
         return
-    if not check_tensor(pr, name, out, device, dtypes=None):
+    if not check_tensor(pr, name, out, device, dtypes=None, written=True):
         return
     if tuple(out.shape) != tuple(shape):
         pr.add(f"{name} has shape {tuple(out.shape)}; expected {tuple(shape)}")

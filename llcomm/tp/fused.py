@@ -48,7 +48,7 @@ def _check_result(pr: V.Problems, name: str, t, shape: tuple, dtype: torch.dtype
                   device: torch.device, what: str) -> None:
     """An optional output ``t`` (None: allocated) has ``shape`` and ``dtype`` (``what``
     says why that dtype)."""
-    if t is None or not V.check_tensor(pr, name, t, device, dtypes=None):
+    if t is None or not V.check_tensor(pr, name, t, device, dtypes=None, written=True):
         return
     if tuple(t.shape) != tuple(shape):
         pr.add(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")

@@ -37,7 +37,9 @@ def e4m3_bits(q):
     normal = ((a + E4M3_HALF + ((a >> E4M3_DROP) & 1)) >> E4M3_DROP) - E4M3_REBIAS_BITS
     sig = (a & F32_MANT_MASK) | tl.where(e > 0, F32_IMPLICIT, 0)
     # in units of 2**-9 the value is sig * 2**(e - 141); shifts past 25 give 0 anyway
-    sh = tl.minimum(E4M3_SUB_SHIFT - e, 25)
+    # tensor first: the interpreter of Triton 3.7 and 3.8 makes ``constexpr - tensor`` a
+    # constexpr holding a tensor, which tl.minimum refuses (the compiled code is the same)
+    sh = tl.minimum(-e + E4M3_SUB_SHIFT, 25)
     one = tl.full(sh.shape, 1, tl.int32)
     sub = (sig + (one << (sh - 1)) - 1 + ((sig >> sh) & 1)) >> sh
     return tl.where(e > E4M3_REBIAS, normal, sub) | sign
