@@ -15,6 +15,7 @@ import sys
 import torch
 
 from ..runtime import launch
+from ..runtime.backend import MIN_TRITON, triton_problem
 from ..runtime import settings
 from . import result_files
 
@@ -42,17 +43,20 @@ def predict_backend(n_gpus: int, peers: list[list[bool]], triton_ok: bool) -> tu
                 return "reference", (f"GPU {i} cannot access GPU {j} as a peer (no P2P/NVLink "
                                      "path): torch.distributed on NCCL")
     if not triton_ok:
-        return "peer", ("every GPU reaches every other as a peer, BUT Triton cannot be imported, "
-                        "so creating the Communicator would fail: install triton")
+        return "reference", ("every GPU reaches every other as a peer, but this Triton cannot "
+                             "run the peer kernels (the triton line above says why): "
+                             "torch.distributed on NCCL; install triton "
+                             f">={'.'.join(map(str, MIN_TRITON))} for the peer backend")
     return "peer", "every rank gets its own GPU on this host and peer access works both ways"
 
 
 def _triton() -> tuple[bool, str]:
-    try:
-        import triton
-        return True, triton.__version__
-    except Exception as e:  # noqa: BLE001 - absent or broken install: reported, not fatal
-        return False, f"not importable ({type(e).__name__}: {e})"
+    """(usable by the peer kernels, version or why not), as the backend choice decides it."""
+    problem = triton_problem()
+    if problem is not None:
+        return False, problem
+    import triton
+    return True, triton.__version__
 
 
 def pdl_line(n_gpus: int, triton_ok: bool) -> str:

@@ -8,6 +8,7 @@ the reference one."""
 from __future__ import annotations
 
 import logging
+import re
 import socket
 
 import torch
@@ -20,6 +21,9 @@ log = logging.getLogger("llcomm")
 
 #: A rank's place: (host name, GPU uuid, device index), or None without a CUDA device.
 Place = tuple[str, str, int] | None
+#: The oldest Triton that compiles the peer kernels for sm_90 (pyproject.toml's floor;
+#: docs/development.md, "Triton versions").
+MIN_TRITON = (3, 6)
 
 
 def this_place() -> Place:
@@ -29,6 +33,27 @@ def this_place() -> Place:
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     return (socket.gethostname(), str(getattr(props, "uuid", dev)), dev)
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "3.6.0" or "3.10.0+git1a2b"; (0, 0) if it
+    does not start with them."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def triton_problem() -> str | None:
+    """Why this process's Triton cannot run the peer kernels (not importable, or older than
+    MIN_TRITON), or None. An old Triton would otherwise fail in ptxas at the first launch."""
+    try:
+        import triton
+    except Exception as e:  # noqa: BLE001 - absent or broken install: a reason, not a crash
+        return f"Triton cannot be imported ({type(e).__name__}: {e})"
+    version = str(getattr(triton, "__version__", "0"))
+    if _release(version) < MIN_TRITON:
+        return (f"Triton {version} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest "
+                "that compiles llcomm's peer kernels")
+    return None
 
 
 def peer_support(places: list[Place]) -> tuple[bool, str]:
@@ -66,13 +91,18 @@ def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
     differ between ranks raise UnsupportedConfigError naming them, on every rank and whatever
     the backend; so does "peer" on a group that cannot run it, with the reason."""
     want_peer = backend in ("auto", "peer")
+    place = this_place() if want_peer else None
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (this_place() if want_peer else None, tuple(agreed)),
+    dist.all_gather_object(everyone, (place, tuple(agreed),
+                                      triton_problem() if place is not None else None),
                            group=group)
-    check_agreement(what, [a for _, a in everyone])
+    check_agreement(what, [a for _, a, _ in everyone])
     if not want_peer:
         return backend, "requested"
-    ok, why = peer_support([p for p, _ in everyone])
+    ok, why = peer_support([p for p, _, _ in everyone])
+    old_triton = [(r, t) for r, (_, _, t) in enumerate(everyone) if t]
+    if ok and old_triton:       # every rank sees every rank's verdict: they choose alike
+        ok, why = False, f"rank {old_triton[0][0]}: {old_triton[0][1]}"
     if backend == "peer" and not ok:
         raise UnsupportedConfigError(
             f"llcomm.{what}(backend='peer'): {why}. Use backend='reference' "
