@@ -94,6 +94,8 @@ def main():
                     help="pass cumulative_local_expert_recv_stats to the deep_ep dispatches")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tools/deep_ep_cost.py times kernels: it needs a CUDA GPU")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{spawn.free_port()}", rank=0,
