@@ -366,7 +366,9 @@ def test_launcher_switches_to_its_device(monkeypatch):
 def test_launcher_sets_pdl_where_the_kernel_takes_it(monkeypatch, pdl):
     """A kernel with a PDL constexpr is compiled with it set to the launcher's choice (and with
     Triton's launch_pdl option where PDL is on, only there: an older Triton has no such
-    option), and the cached launch passes the same value; a kernel without one gets neither."""
+    option), and the cached launch passes the same value; a kernel without one gets neither.
+    Every compile states Triton's fp fusion (the launcher's FP_FUSION unless the launch says
+    otherwise)."""
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     lau = launch.Launcher(torch.device("cpu"))
@@ -376,12 +378,16 @@ def test_launcher_sets_pdl_where_the_kernel_takes_it(monkeypatch, pdl):
     fn = _StandIn(["x", "out", "BLOCK", "PDL"])
     for _ in range(2):
         lau(fn, 8, (a, a), 4, BLOCK=64)
-    assert fn.consts == ({"BLOCK": 64, "PDL": 1, "launch_pdl": True} if pdl
-                         else {"BLOCK": 64, "PDL": 0})
+    fusion = {"enable_fp_fusion": launch.FP_FUSION}
+    assert fn.consts == ({"BLOCK": 64, "PDL": 1, "launch_pdl": True, **fusion} if pdl
+                         else {"BLOCK": 64, "PDL": 0, **fusion})
     assert fn.runs[-1][2:] == (64, pdl)
     plain = _StandIn(["x", "out", "BLOCK"])
     lau(plain, 8, (a, a), 4, BLOCK=64)
-    assert plain.consts == {"BLOCK": 64}
+    assert plain.consts == {"BLOCK": 64, **fusion}
+    exact = _StandIn(["x", "out", "BLOCK"])        # a kernel that must not contract says so
+    lau(exact, 8, (a, a), 4, BLOCK=64, enable_fp_fusion=False)
+    assert exact.consts == {"BLOCK": 64, "enable_fp_fusion": False}
 
 
 def test_pdl_setting_is_validated(monkeypatch):
