@@ -86,8 +86,9 @@ def peer_support(places: list[Place]) -> tuple[bool, str]:
 def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
                    agreed: tuple = ()) -> tuple[str, str]:
     """Resolve ``backend`` ("auto", "peer" or "reference") for ``what`` (the class asking):
-    returns (backend, reason). A collective: one ``all_gather_object`` of every rank's place
-    (for "auto" and "peer") and its ``agreed`` settings ((variable, value) pairs). Settings that
+    returns (backend, reason). A collective: one ``all_gather_object`` of every rank's place and
+    Triton verdict (for "auto" and "peer") and its ``agreed`` settings ((variable, value)
+    pairs). Settings that
     differ between ranks raise UnsupportedConfigError naming them, on every rank and whatever
     the backend; so does "peer" on a group that cannot run it, with the reason."""
     want_peer = backend in ("auto", "peer")
@@ -100,9 +101,9 @@ def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
     if not want_peer:
         return backend, "requested"
     ok, why = peer_support([p for p, _, _ in everyone])
-    old_triton = [(r, t) for r, (_, _, t) in enumerate(everyone) if t]
-    if ok and old_triton:       # every rank sees every rank's verdict: they choose alike
-        ok, why = False, f"rank {old_triton[0][0]}: {old_triton[0][1]}"
+    unusable = [(r, t) for r, (_, _, t) in enumerate(everyone) if t]   # Triton, by rank
+    if ok and unusable:         # every rank sees every rank's verdict: they choose alike
+        ok, why = False, f"rank {unusable[0][0]}: {unusable[0][1]}"
     if backend == "peer" and not ok:
         raise UnsupportedConfigError(
             f"llcomm.{what}(backend='peer'): {why}. Use backend='reference' "
