@@ -44,6 +44,34 @@ def _escaped(x):
     return w.view(x.dtype)
 
 
+def _poisoned_index_outputs(W, L, T, topk):
+    """Every rank's dispatch index outputs, poisoned with -7: (row_of, src_info, recv_count,
+    ntok)."""
+    return ([torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)],
+            [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)],
+            [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)],
+            [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)])
+
+
+def _rows_fails(tag, r, exp_r, cnt, recv, src, L, ntok=None, want_ntok=None):
+    """What rank r's dispatch got wrong against the oracle's ``exp_r`` (rows, counts,
+    src_info) and, given ``want_ntok``, the token counts ``ntok``: a list of messages, empty
+    when right. The rest is not compared after a wrong count."""
+    ex, ec, es = exp_r
+    if not torch.equal(cnt[r], ec):
+        return [f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}"]
+    fails = []
+    if want_ntok is not None and ntok[r].tolist() != want_ntok:
+        fails.append(f"{tag} rank {r} ntok {ntok[r].tolist()} != {want_ntok}")
+    for e in range(L):
+        c = int(ec[e])
+        if not torch.equal(recv[r][e, :c].view(torch.uint8), ex[e, :c].view(torch.uint8)):
+            fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
+        if not torch.equal(src[r][e, :c], es[e, :c]):
+            fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+    return fails
+
+
 def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=False,
              carry=False, ll=0, plant=False, stats=False):
     """Run dispatch + combine for each (seed, kind) in turn on W virtual ranks; return failures.
@@ -109,10 +137,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             else:
                 recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
             scales = [torch.full((L, W * T, max(H // 128, 1)), float("nan")) for _ in range(W)]
-            row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
-            src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
-            cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
-            ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+            row_of, src, cnt, ntok = _poisoned_index_outputs(W, L, T, topk)
             d_stages = (K.DISPATCH_SEND_HALF, K.D_RECV) if signals else (K.D_SEND, K.D_RECV)
             for stage in d_stages:
                 if stage == K.D_RECV and signals and not ll:
@@ -155,19 +180,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                 exp = [(dequantize(a.view(torch.float8_e4m3fn), b, dtype), c, d)
                        for a, b, c, d in exp8]
             for r in range(W):
-                ex, ec, es = exp[r]
-                if not torch.equal(cnt[r], ec):
-                    fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}")
-                    continue
-                if ntok[r].tolist() != [x.shape[0] for x in xs]:
-                    fails.append(f"{tag} rank {r} ntok {ntok[r].tolist()}")
-                for e in range(L):
-                    c = int(ec[e])
-                    if not torch.equal(recv[r][e, :c].view(torch.uint8),
-                                       ex[e, :c].view(torch.uint8)):
-                        fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
-                    if not torch.equal(src[r][e, :c], es[e, :c]):
-                        fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+                fails += _rows_fails(tag, r, exp[r], cnt, recv, src, L, ntok,
+                                     [x.shape[0] for x in xs])
             if plant:
                 continue
             outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
@@ -369,10 +383,7 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     tag = f"[W={W} E={E} T={T} H={H} topk={topk} {dtype_name} seed={seed} {kind} masked={masked}]"
     xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
     recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
-    row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
-    src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
-    cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
-    ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+    row_of, src, cnt, ntok = _poisoned_index_outputs(W, L, T, topk)
     for stage, ranks in ((K.D_SEND, range(W)), (K.D_RECV, live)):
         for r in ranks:
             K.flag_dispatch_kernel[(NB,)](
@@ -385,19 +396,8 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
     exp = oracle_dispatch(xs_live, topks_live, W, E, T)
     fails = []
     for r in live:
-        ex, ec, es = exp[r]
-        if not torch.equal(cnt[r], ec):
-            fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}")
-            continue
-        want_ntok = [x.shape[0] for x in xs_live]
-        if ntok[r].tolist() != want_ntok:
-            fails.append(f"{tag} rank {r} ntok {ntok[r].tolist()} != {want_ntok}")
-        for e in range(L):
-            c = int(ec[e])
-            if not torch.equal(recv[r][e, :c].view(torch.uint8), ex[e, :c].view(torch.uint8)):
-                fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
-            if not torch.equal(src[r][e, :c], es[e, :c]):
-                fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+        fails += _rows_fails(tag, r, exp[r], cnt, recv, src, L, ntok,
+                             [x.shape[0] for x in xs_live])
     # combine among the live ranks only; a masked rank's partial slots are poisoned
     outs_e = [expert_fn(recv[r], cnt[r], r) if r in live else None for r in range(W)]
     outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
@@ -491,10 +491,7 @@ def simulate_masked_by_hand(W, E, T, H, topk, NB, dtype_name, seeds, kind, hand)
               f"masked by hand={absent}]"
         xs, topks, weights = make_case(W, E, T, H, topk, seed, kind, dtype)
         recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
-        row_of = [torch.full((W, T, topk), -7, dtype=torch.int32) for _ in range(W)]
-        src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
-        cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
-        ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+        row_of, src, cnt, ntok = _poisoned_index_outputs(W, L, T, topk)
         for stage in (K.D_SEND, K.D_RECV):
             for r in range(W):
                 K.flag_dispatch_kernel[(NB,)](
@@ -506,17 +503,7 @@ def simulate_masked_by_hand(W, E, T, H, topk, NB, dtype_name, seeds, kind, hand)
         exp = oracle_dispatch(xs_l, tk_l, W, E, T)
         checked = live if absent else range(W)
         for r in checked:
-            ex, ec, es = exp[r]
-            if not torch.equal(cnt[r], ec):
-                fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != {ec.tolist()}")
-                continue
-            for e in range(L):
-                c = int(ec[e])
-                if not torch.equal(recv[r][e, :c].view(torch.uint8),
-                                   ex[e, :c].view(torch.uint8)):
-                    fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
-                if not torch.equal(src[r][e, :c], es[e, :c]):
-                    fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+            fails += _rows_fails(tag, r, exp[r], cnt, recv, src, L)
         outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
         outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
         cx = lay.offsets()["combine_x"]
