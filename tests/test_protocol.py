@@ -176,7 +176,7 @@ def _timeout_setting():
 
 def test_timeout_default(monkeypatch):
     monkeypatch.delenv("LLCOMM_TIMEOUT_MS", raising=False)
-    assert P.resolve_timeout_ms(None, _timeout_setting()) == P.DEFAULT_TIMEOUT_MS == 1000
+    assert P.resolve_timeout_ms(None, _timeout_setting()) == P.DEFAULT_TIMEOUT_MS == 10_000
     assert P.resolve_timeout_ms(None, _timeout_setting(), P.REFERENCE_DEFAULT_TIMEOUT_MS) == \
         P.REFERENCE_DEFAULT_TIMEOUT_MS
 

@@ -61,7 +61,7 @@ class EPBuffer(RankMasks):
             worst-case decode micro-batch), at most 65536.
         dtype: token dtype, bfloat16 (default), float16 or float32.
         backend: ``"auto"``, ``"peer"`` or ``"reference"``.
-        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
+        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 10 000);
             on the reference backend over gloo, of every host-side wait (default
             ``LLCOMM_TIMEOUT_MS`` or 30000; docs/failures.md).
         fp8: size the dispatch receive region for FP8 dispatches only (``dispatch(...,

@@ -34,11 +34,14 @@ from __future__ import annotations
 
 from ..errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError
 
-#: Default bound of every device-side wait, milliseconds (``LLCOMM_TIMEOUT_MS`` overrides).
-DEFAULT_TIMEOUT_MS = 1000
+#: Default bound of every device-side wait, milliseconds (``LLCOMM_TIMEOUT_MS`` overrides): an
+#: order of magnitude above the longest stall of a healthy rank (docs/failures.md, "The default
+#: bound"), since a timeout breaks the object for good while a late report of a dead peer costs
+#: only seconds.
+DEFAULT_TIMEOUT_MS = 10_000
 #: Default bound of the reference backend's host-side waits on gloo (ms) when neither
 #: ``timeout_ms`` nor ``LLCOMM_TIMEOUT_MS`` is given: CPU processes are scheduled by the OS and
-#: do their own work between calls, so a loaded host can hold a healthy rank back well past 1 s.
+#: do their own work between calls, so a loaded host can hold a healthy rank back for seconds.
 REFERENCE_DEFAULT_TIMEOUT_MS = 30_000
 NS_PER_MS = 1_000_000
 US_PER_MS = 1_000
@@ -101,7 +104,7 @@ DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int32": 5
 def resolve_timeout_ms(timeout_ms: int | None, setting: int | None,
                        default: int = DEFAULT_TIMEOUT_MS) -> int:
     """The wait bound in ms: the argument if given, else ``setting`` (``LLCOMM_TIMEOUT_MS`` as
-    ``runtime/settings.py`` parsed it; None when unset), else ``default`` (1000;
+    ``runtime/settings.py`` parsed it; None when unset), else ``default`` (10 000;
     ``REFERENCE_DEFAULT_TIMEOUT_MS`` for the reference backend).
 
     Raises ValueError naming ``timeout_ms`` when the argument is not a positive integer (a bool

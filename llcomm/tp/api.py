@@ -73,7 +73,7 @@ class Communicator(FusedJoins):
             Larger inputs are refused with ValueError. The reference backend enforces the
             same bound.
         backend: ``"auto"``, ``"peer"`` or ``"reference"``.
-        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 1000);
+        timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 10 000);
             on the reference backend over gloo, of every host-side wait (default
             ``LLCOMM_TIMEOUT_MS`` or 30000). docs/failures.md has what happens when it runs out.
         deterministic: make all_reduce's bits independent of the algorithm ``"auto"`` picks
