@@ -12,6 +12,9 @@
   the rank catches up, everyone cleans, full results; then it stops for good, and after
   ``low_latency_clean_mask_buffer`` the survivor is masked again after one timeout and keeps
   returning the results without it.
+- A peer that compiles slowly: rank 1 takes longer than the default wait bound to compile a new
+  conversion variant; with the library's rule (compile before the call's waits, which then get
+  the long bound) rank 0 waits it out, and without the rule its combine times out.
 - Masks by hand (``low_latency_update_mask_buffer``): set before the first call (kept until the
   EPBuffer exists), each rank masks the other and gets the results without it; unmasked, full
   results again.
@@ -27,8 +30,10 @@ import torch.distributed as dist
 from _deep_ep_case import (VARIANTS, Quant, case, check_combine, check_dispatch, combine_oracle,
                            expert_outputs)
 from _dist import run_distributed
+import llcomm
 from llcomm.bench.timing import capture
-from test_deep_ep import H, K, L, T, _rounds_body
+from llcomm.runtime.protocol import DEFAULT_TIMEOUT_MS
+from test_deep_ep import H, K, L, T, _round, _rounds_body
 
 pytestmark = pytest.mark.gpu
 
@@ -273,3 +278,56 @@ def test_update_mask_buffer_masks_and_unmasks_by_hand():
     fails = [f for r in run_distributed(_update_mask_body, 2, backend="nccl", timeout=600)
              for f in r]
     assert not fails, "\n".join(fails)
+
+
+# -- a peer that compiles slowly ------------------------------------------------------------------
+#: How long rank 1 takes for each compile of a kernel that waits for nobody: longer than the
+#: default wait bound, far below the 60 s a wait gets while a peer may be compiling.
+SLOW_COMPILE_S = DEFAULT_TIMEOUT_MS / 1000 + 5
+
+
+def _slow_compile_body(rank, W, rule):
+    """Round 1 (bf16) compiles the dispatch, the combine and a conversion; then rank 1's
+    compiles of kernels that wait for nobody take SLOW_COMPILE_S, and round 2 (FP8) needs a new
+    conversion variant. With the rule (``rule``) the conversion is compiled before the call's
+    dispatch, which then waits as long as a compile may take, and both rounds are right under
+    the default bound. Without it (``Launcher.prepare`` compiling nothing, as before the rule)
+    the conversion compiles after the dispatch, and rank 0's combine, already compiled, gives
+    up on rank 1 after the default bound: the round fails on rank 0."""
+    import time
+
+    import llcomm.deep_ep as deep_ep
+    from llcomm.runtime import launch
+    if not rule:
+        launch.Launcher.prepare = lambda self, *args, **consts: False
+    slow = [False]
+    compile_now = launch.Launcher._compile
+
+    def slow_compile(self, key, fn, *args, **kw):
+        if slow[0] and rank == 1 and launch.TIMEOUT_ARG not in fn.arg_names:
+            time.sleep(SLOW_COMPILE_S)
+        return compile_now(self, key, fn, *args, **kw)
+    launch.Launcher._compile = slow_compile
+    buf = deep_ep.Buffer(None, backend="peer", timeout_ms=DEFAULT_TIMEOUT_MS)   # whatever
+    #                                                                the environment says
+    stats = torch.zeros(L, dtype=torch.int32, device="cuda")
+    fails, _ = _round(buf, rank, W, 500, VARIANTS[0], False, stats, Quant(), "cuda")
+    slow[0] = True
+    try:
+        more, _ = _round(buf, rank, W, 501, VARIANTS[1], False, stats, Quant(), "cuda")
+        buf.ep_buffer.check()
+    except llcomm.CommTimeoutError as e:
+        more = [f"rank {rank}: {e}"]
+    fails += more
+    torch.cuda.synchronize()
+    dist.barrier()
+    return fails
+
+
+@pytest.mark.parametrize("rule", [True, False], ids=["rule", "no_rule"])
+def test_slow_compile_on_one_rank(rule):
+    fails = run_distributed(_slow_compile_body, 2, rule, backend="nccl", timeout=600)
+    if rule:
+        assert not fails[0] and not fails[1], "\n".join(fails[0] + fails[1])
+    else:       # what the rule prevents (so the test above is not passing by luck)
+        assert fails[0], "rank 0's combine waited out rank 1's slow compile without the rule"
