@@ -12,9 +12,9 @@
   the rank catches up, everyone cleans, full results; then it stops for good, and after
   ``low_latency_clean_mask_buffer`` the survivor is masked again after one timeout and keeps
   returning the results without it.
-- A peer that compiles slowly: rank 1 takes longer than the default wait bound to compile a new
-  conversion variant; with the library's rule (compile before the call's waits, which then get
-  the long bound) rank 0 waits it out, and without the rule its combine times out.
+- A peer that compiles slowly: rank 1 takes longer than the default wait bound to compile the
+  FP8 round's kernels; every wait that overlaps that compile is a first launch with the long
+  bound, so rank 0 waits it out (and without that bound it times out).
 - Masks by hand (``low_latency_update_mask_buffer``): set before the first call (kept until the
   EPBuffer exists), each rank masks the other and gets the results without it; unmasked, full
   results again.
@@ -281,33 +281,35 @@ def test_update_mask_buffer_masks_and_unmasks_by_hand():
 
 
 # -- a peer that compiles slowly ------------------------------------------------------------------
-#: How long rank 1 takes for each compile of a kernel that waits for nobody: longer than the
-#: default wait bound, far below the 60 s a wait gets while a peer may be compiling.
+#: How long rank 1 takes for each compile of the FP8 round: longer than the default wait bound,
+#: far below the bound of a kernel's first launch.
 SLOW_COMPILE_S = DEFAULT_TIMEOUT_MS / 1000 + 5
 
 
 def _slow_compile_body(rank, W, rule):
-    """Round 1 (bf16) compiles the dispatch, the combine and a conversion; then rank 1's
-    compiles of kernels that wait for nobody take SLOW_COMPILE_S, and round 2 (FP8) needs a new
-    conversion variant. With the rule (``rule``) the conversion is compiled before the call's
-    dispatch, which then waits as long as a compile may take, and both rounds are right under
-    the default bound. Without it (``Launcher.prepare`` compiling nothing, as before the rule)
-    the conversion compiles after the dispatch, and rank 0's combine, already compiled, gives
-    up on rank 1 after the default bound: the round fails on rank 0."""
+    """A bf16 round compiles the dispatch and the combine; then every compile of rank 1 takes
+    SLOW_COMPILE_S more, and a round with the FP8 dispatch, new to both ranks, runs: dispatch,
+    check, combine (plain, then zero-copy), check, under the default bound. Every compile of
+    that round is a waiting kernel's first launch, which waits up to FIRST_LAUNCH_TIMEOUT_US
+    on every rank, so the round is right (``rule``). Without that bound (``rule`` False) rank
+    0's FP8 dispatch gives up on rank 1 after the default bound: the test sees the failure the
+    rule prevents. (A kernel that waited for nobody compiled after the dispatch, as the layout
+    conversion once was, failed this test with the rule on: rank 0's combine, compiled in the
+    bf16 round, timed out.)"""
     import time
 
     import llcomm.deep_ep as deep_ep
     from llcomm.runtime import launch
     if not rule:
-        launch.Launcher.prepare = lambda self, *args, **consts: False
+        launch.FIRST_LAUNCH_TIMEOUT_US = 0
     slow = [False]
-    compile_now = launch.Launcher._compile
+    go = launch.Launcher._go
 
-    def slow_compile(self, key, fn, *args, **kw):
-        if slow[0] and rank == 1 and launch.TIMEOUT_ARG not in fn.arg_names:
+    def slow_go(self, key, *args):
+        if slow[0] and rank == 1 and key not in self._cache:       # about to compile
             time.sleep(SLOW_COMPILE_S)
-        return compile_now(self, key, fn, *args, **kw)
-    launch.Launcher._compile = slow_compile
+        return go(self, key, *args)
+    launch.Launcher._go = slow_go
     buf = deep_ep.Buffer(None, backend="peer", timeout_ms=DEFAULT_TIMEOUT_MS)   # whatever
     #                                                                the environment says
     stats = torch.zeros(L, dtype=torch.int32, device="cuda")
@@ -316,8 +318,8 @@ def _slow_compile_body(rank, W, rule):
     try:
         more, _ = _round(buf, rank, W, 501, VARIANTS[1], False, stats, Quant(), "cuda")
         buf.ep_buffer.check()
-    except llcomm.CommTimeoutError as e:
-        more = [f"rank {rank}: {e}"]
+    except llcomm.LLCommError as e:
+        more = [f"rank {rank}: {type(e).__name__}: {e}"]
     fails += more
     torch.cuda.synchronize()
     dist.barrier()
@@ -330,4 +332,4 @@ def test_slow_compile_on_one_rank(rule):
     if rule:
         assert not fails[0] and not fails[1], "\n".join(fails[0] + fails[1])
     else:       # what the rule prevents (so the test above is not passing by luck)
-        assert fails[0], "rank 0's combine waited out rank 1's slow compile without the rule"
+        assert fails[0], "rank 0 waited out rank 1's slow compile without the first-launch bound"

@@ -256,7 +256,7 @@ class _StandIn:
 
     def __init__(self, arg_names):
         self.arg_names = arg_names
-        self.compiles, self.runs, self.fail, self.warmups = 0, [], False, 0
+        self.compiles, self.runs, self.fail = 0, [], False
         self.on_launch = lambda: None
 
     def __getitem__(self, grid):
@@ -276,14 +276,6 @@ class _StandIn:
                     outer.runs.append(a[9:])        # after grid, stream, function, metadata, hooks
             return Kernel()
         return compile_and_launch
-
-    def warmup(self, *args, grid, num_warps, **consts):
-        """Triton's compile without a launch."""
-        self.warmups += 1
-        launched = self.runs[:]
-        kernel = self[grid](*args, num_warps=num_warps, **consts)
-        self.runs[:] = launched
-        return kernel
 
 
 def test_launcher_planned_path_compiles_once_per_key(monkeypatch):
@@ -406,53 +398,6 @@ def test_pdl_setting_is_validated(monkeypatch):
             read()
 
 
-def _timeouts(fn, i):
-    """The wait bound of each direct launch so far (argument ``i``)."""
-    return [r[i] for r in fn.runs]
-
-
-def test_prepare_compiles_without_launching_and_the_call_then_launches_directly(monkeypatch):
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    fn = _StandIn(["x", "n", "BLOCK"])
-    lau = launch.Launcher(torch.device("cpu"))
-    a = torch.zeros(16, dtype=torch.int16)
-    assert lau.prepare(fn, 4, (a, 3), 4, BLOCK=8) is True
-    assert fn.warmups == 1 and fn.runs == []            # compiled, nothing launched
-    assert lau.prepare(fn, 4, (a, 3), 4, BLOCK=8) is False
-    lau(fn, 4, (a, 3), 4, BLOCK=8)
-    assert fn.compiles == 1 and fn.runs == [(a, 3, 8)]  # the prepared kernel, launched directly
-    assert lau.prepare(fn, 4, (a, 3), 4, BLOCK=16) is True      # another constexpr: another key
-
-
-@pytest.mark.parametrize("capturing", [False, True])
-def test_compile_grace_raises_the_bound_of_cached_launches(monkeypatch, capturing):
-    """Inside ``compile_grace`` a waiting kernel's launch, planned or not and already compiled,
-    waits up to FIRST_LAUNCH_TIMEOUT_US (a peer may still be compiling what this rank just
-    compiled); outside, and inside a graph capture, its own bound."""
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    long = TIMEOUT_US if capturing else launch.FIRST_LAUNCH_TIMEOUT_US
-    fn = _StandIn(["x", "out", "n", "timeout_us", "BLOCK"])
-    lau = launch.Launcher(torch.device("cpu"))
-    a = torch.zeros(16, dtype=torch.int16)
-    plan = launch.Plan(fn, 8, (10, TIMEOUT_US), 4, {"BLOCK": 64}, (None, None))
-    lau.run(plan, a, a)                                  # compiles
-    lau(fn, 8, (a, a, 10, TIMEOUT_US), 4, BLOCK=64)     # compiles (the unplanned key)
-    lau.run(plan, a, a)
-    lau(fn, 8, (a, a, 10, TIMEOUT_US), 4, BLOCK=64)
-    with launch.compile_grace():
-        lau.run(plan, a, a)
-        lau(fn, 8, (a, a, 10, TIMEOUT_US), 4, BLOCK=64)
-        with launch.compile_grace(False):               # nested: still inside the outer one
-            lau.run(plan, a, a)
-    lau.run(plan, a, a)
-    with launch.compile_grace(False):
-        lau(fn, 8, (a, a, 10, TIMEOUT_US), 4, BLOCK=64)
-    assert fn.compiles == 2
-    assert _timeouts(fn, 3) == [TIMEOUT_US] * 2 + [long] * 3 + [TIMEOUT_US] * 2
-
-
 def test_only_a_first_launch_gets_the_long_bound_through_tritons_launcher(monkeypatch):
     """After a fall back to Triton's own launcher every launch goes through ``fn[grid]``; only a
     key's first gets FIRST_LAUNCH_TIMEOUT_US, later ones their own bound."""
@@ -468,3 +413,28 @@ def test_only_a_first_launch_gets_the_long_bound_through_tritons_launcher(monkey
         bounds.append(fn.args[1])                       # what Triton's launch was given
     assert fn.compiles == 3
     assert bounds == [launch.FIRST_LAUNCH_TIMEOUT_US, TIMEOUT_US, TIMEOUT_US]
+
+
+def test_every_kernel_the_library_launches_waits_for_its_peers():
+    """Only a waiting kernel's first launch, the one that compiles, gets the long bound. A
+    kernel that waited for nobody (a layout conversion after a dispatch, say) would compile
+    between two calls' waits: a peer still compiling it would keep this rank's next call,
+    already compiled, waiting under the short bound (docs/failures.md, "Compiles and the wait
+    bound"). So every kernel of the library's op families takes ``timeout_us``."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import llcomm
+    kernels = []
+    for m in pkgutil.walk_packages(llcomm.__path__, "llcomm."):
+        if not any(m.name.startswith(f"llcomm.{p}.") for p in ("tp", "ep", "deep_ep", "runtime")):
+            continue
+        mod = importlib.import_module(m.name)
+        kernels += [(m.name, k, v) for k, v in vars(mod).items()
+                    if isinstance(v, JITFunction) and k.endswith("_kernel")
+                    and v.__module__ == m.name and k != "after_previous_kernel"]
+    assert len(kernels) >= 10, kernels
+    no_wait = [f"{mod}.{name}" for mod, name, fn in kernels if launch.TIMEOUT_ARG not in fn.arg_names]
+    assert not no_wait, f"kernels that wait for nobody: {no_wait}"

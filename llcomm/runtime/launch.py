@@ -10,18 +10,13 @@ if the direct call ever fails (another Triton version), the normal path is used 
 The first launch of a key compiles, which takes seconds, while the peers' kernels may already
 be spinning in a bounded wait. Keys are made equal on every rank (kernels do not specialise on
 arguments that differ between ranks, such as ``rank`` and EP's token count), so every rank
-compiles at the same call. Two rules keep a peer's compile from being taken for a missing peer:
-
-- a kernel that waits for its peers runs its first (compiling) launch with ``timeout_us``
-  raised to ``FIRST_LAUNCH_TIMEOUT_US`` (60 s): a peer missing at a kernel's very first call is
-  reported after 60 s, not ``timeout_ms``;
-- a kernel that waits for nobody (``llcomm.deep_ep``'s conversion) is compiled with
-  ``prepare`` at the start of its call, before the call's first waiting launch, and the call
-  launches its waiting kernels inside ``compile_grace`` when that compiled anything, so they
-  too wait up to ``FIRST_LAUNCH_TIMEOUT_US``. No kernel compiles between two waiting launches
-  of different calls, where a peer already past its compile would wait with the short bound.
-
-Inside a CUDA graph capture the timeout is left alone (the graph would keep the long one).
+compiles at the same call; that one launch runs with its ``timeout_us`` raised to
+``FIRST_LAUNCH_TIMEOUT_US`` (60 s) so a peer's compile is not mistaken for a missing peer:
+a peer missing at a kernel's very first call is reported after 60 s, not ``timeout_ms``.
+Every kernel launched here waits for its peers (``tests/test_launch_plans.py`` checks it): a
+kernel that waited for nobody would compile between two calls' waits, where a peer already
+past its own compile waits with the short bound. Inside a CUDA graph capture the timeout is
+left alone (the graph would keep the long one).
 
 Programmatic dependent launch (PDL, sm90+, ``LLCOMM_PDL``): kernels with a ``PDL`` constexpr
 are compiled with it set and launched with the PDL attribute, so their blocks become resident
@@ -30,7 +25,6 @@ while the kernel before them still runs and start the moment it ends
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -78,31 +72,9 @@ def pdl_enabled(device: torch.device, wanted: bool) -> bool:
     return bool(wanted) and pdl_available(device)
 
 
-#: Depth of nested ``compile_grace`` blocks of this process (0: none). A module-level int, so
-#: the hot path pays one global read for it.
-_grace_depth = 0
-
-
-@contextlib.contextmanager
-def compile_grace(on: bool = True):
-    """Launches of waiting kernels inside this block (``on``), by any launcher of this process,
-    wait up to ``FIRST_LAUNCH_TIMEOUT_US``: for a call that compiled a kernel of its own
-    (``Launcher.prepare``) while its peers may still be compiling theirs. Not inside a CUDA
-    graph capture (the graph would keep the long bound)."""
-    global _grace_depth
-    if not on:
-        yield
-        return
-    _grace_depth += 1
-    try:
-        yield
-    finally:
-        _grace_depth -= 1
-
-
 def _long_bound(seq: tuple, i: int) -> tuple:
     """``seq`` with the wait bound at index ``i`` raised to ``FIRST_LAUNCH_TIMEOUT_US`` (as it
-    is, inside a graph capture)."""
+    is inside a graph capture)."""
     if torch.cuda.is_current_stream_capturing():
         return seq
     return (*seq[:i], max(seq[i], FIRST_LAUNCH_TIMEOUT_US), *seq[i + 1:])
@@ -161,7 +133,7 @@ class Plan:
     lookup before the launch."""
 
     __slots__ = ("fn", "grid", "tail", "num_warps", "consts", "views", "key", "raw_tail",
-                 "kernels", "timeout_at")
+                 "kernels")
 
     def __init__(self, fn, grid: int, tail: tuple, num_warps: int, consts: dict, views: tuple):
         self.fn, self.grid, self.tail, self.num_warps = fn, grid, tail, num_warps
@@ -169,8 +141,6 @@ class Plan:
         self.key = static_key(fn, num_warps, tail, consts)
         self.raw_tail = tuple(map(_raw, tail))
         self.kernels: dict = {}
-        i = _timeout_index(fn)      # the wait bound's index in raw_tail (None: no waits)
-        self.timeout_at = None if i is None or i < len(views) else i - len(views)
 
 
 class Launcher:
@@ -212,8 +182,6 @@ class Launcher:
         hit = plan.kernels.get(align) if self.direct else None
         if hit is not None:
             kernel, rest = hit
-            if _grace_depth and plan.timeout_at is not None:
-                rest = _long_bound(rest, plan.timeout_at)
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             try:
                 kernel.run(plan.grid, 1, 1, stream, kernel.function, kernel.packed_metadata,
@@ -232,33 +200,15 @@ class Launcher:
         log.warning("llcomm: direct kernel launch failed (%s); using Triton's launcher", e)
         self.direct = False
 
-    def prepare(self, fn, grid: int, args: tuple, num_warps: int, **consts) -> bool:
-        """Compile (or load from Triton's cache) the kernel ``self(fn, grid, args, num_warps,
-        **consts)`` would launch, without launching it; True if it was not compiled yet. For
-        kernels that wait for nobody, ahead of their call's first waiting launch (module
-        docstring)."""
-        if self._elsewhere():
-            with torch.cuda.device(self.device_index):
-                return self.prepare(fn, grid, args, num_warps, **consts)
-        key = (fn, num_warps, tuple(consts.items()), tuple(map(_spec, args)))
-        if key in self._seen:
-            return False
-        self._compile(key, fn, grid, args, num_warps, consts, warmup=True)
-        return True
-
-    def _compile(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict,
-                 warmup: bool = False):
+    def _compile(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict):
         """Triton's own path: compile ``fn`` for these arguments (a cache hit after the first
-        time) and launch it unless ``warmup``; keep the compiled kernel for direct launches."""
+        time) and launch it; keep the compiled kernel for direct launches."""
         if PDL_ARG in fn.arg_names:
             consts = {**consts, PDL_ARG: int(self.pdl)}
             if self.pdl:    # Triton's option: passed only where pdl_available found it
                 consts["launch_pdl"] = True
-        opts = {"enable_fp_fusion": FP_FUSION, **consts}
-        if warmup:
-            kernel = fn.warmup(*args, grid=(grid,), num_warps=num_warps, **opts)
-        else:
-            kernel = fn[(grid,)](*args, num_warps=num_warps, **opts)
+        kernel = fn[(grid,)](*args, num_warps=num_warps,
+                             **{"enable_fp_fusion": FP_FUSION, **consts})
         self._seen.add(key)
         if self.direct:
             names = fn.arg_names[len(args):]
@@ -266,15 +216,8 @@ class Launcher:
 
     def _go(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict):
         hit = self._cache.get(key) if self.direct else None
-        # the long bound: a key's first launch (it compiles), or inside compile_grace
-        first = hit is None and key not in self._seen
-        i = _timeout_index(fn) if first or _grace_depth else None
-        if i is not None and i >= len(args):
-            i = None
         if hit is not None:
             kernel, tail = hit
-            if i is not None:
-                args = _long_bound(args, i)
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             try:
                 kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None,
@@ -282,6 +225,7 @@ class Launcher:
                 return
             except Exception as e:  # noqa: BLE001
                 self._fall_back(e)
-        if i is not None:
+        i = _timeout_index(fn)
+        if key not in self._seen and i is not None and i < len(args):   # a first launch
             args = _long_bound(args, i)
         self._compile(key, fn, grid, args, num_warps, consts)
