@@ -288,8 +288,12 @@ def test_check_passes_on_cpu(tmp_path):
     p = llcomm("check", "--cpu", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "PASS" in p.stdout and "FAIL" not in p.stdout
-    for op in ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter"):
+    for op in ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter",
+               "ep fp8 carry hook", "ep round_scale", "ep random sequence",
+               "deep_ep ue8m0 hook +zero-copy", "deep_ep random sequence"):
         assert op in p.stdout
+    # 54 TP checks, 12 EPBuffer variants and 8 deep_ep ones, a random sequence per API
+    assert "# 76 of 76 checks passed" in p.stdout, p.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

@@ -1,5 +1,5 @@
 """``llcomm bench soak`` on CPU (two gloo processes, reference backend) with tiny counts: every
-kind of op runs, nothing is wrong, the result file has the documented keys; and the soak's
+kind of op runs, random EP sequences of both APIs run, nothing is wrong, the result file has the documented keys; and the soak's
 device-side checker does count a wrong element (so "0 wrong" means something)."""
 import json
 
@@ -15,7 +15,8 @@ ROW_KEYS = {"op", "impl", "algo", "mode", "dtype", "world_size", "bytes", "media
 def test_soak_cpu_tiny(tmp_path, capsys):
     path = tmp_path / "soak.json"
     rc = cli.main(["bench", "soak", "--cpu", "--ops", "120", "--ep-every", "8",
-                   "--check-every", "40", "--no-progress", "--json", str(path)])
+                   "--check-every", "40", "--ep-sequences", "2", "--no-progress", "--json",
+                   str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     result = json.loads(path.read_text())
@@ -28,6 +29,10 @@ def test_soak_cpu_tiny(tmp_path, capsys):
     assert counts[("dispatch", None)] == counts[("combine", None)] == 15
     assert sum(counts.values()) == 120 + 15  # an EP round is one dispatch and one combine
     assert "wrong 0, timeouts 0" in out
+    q = s["ep_sequences"]          # 2 per API, on rank 0
+    assert q["run"] == 4 and q["failed"] == s["ep_sequences_failed"] == 0, s
+    assert q["dispatches"] >= 4 * 2 and q["combines"] >= q["dispatches"], q
+    assert "ep sequences: 4 run on rank 0" in out
 
 
 def test_checker_counts_wrong_elements():

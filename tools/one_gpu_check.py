@@ -1,6 +1,6 @@
 """A functional check of the peer kernels with two ranks sharing ONE GPU (a development aid).
 
-    python tools/one_gpu_check.py [--json PATH]
+    python tools/one_gpu_check.py [--json PATH] [--sequences N]
     python tools/one_gpu_check.py --pytest tests/test_deep_ep_gpu.py [more pytest arguments]
 
 For a host with one GPU (a multi-GPU host runs the GPU suite instead). Two processes (a gloo group) both use
@@ -22,7 +22,13 @@ on the CPU:
 - EP at two shapes (DeepSeek-V3's included), ten rounds in one buffer over alternating
   buffer sets with fresh routings, top-k 8 and 2, FP8, carried weights and receive hooks:
   dispatch byte for byte against ``test_ep_oracle``, combine bit for bit against its ordered
-  fp32 oracle; then a captured dispatch + combine replayed with four routings.
+  fp32 oracle; then a captured dispatch + combine replayed with four routings;
+- the combine after every dispatch format, through ``EPBuffer`` (bf16, FP8, FP8 round_scale)
+  and ``llcomm.deep_ep`` (the same and UE8M0; each handle combined twice, the second time
+  zero-copy), checked by ``llcomm.bench.ep_seqrun`` against its oracle;
+- with ``--sequences N``: N random legal call sequences (``llcomm.bench.ep_sequences``) per API
+  (EPBuffer and deep_ep), with random sleeps on one rank, every dispatch and combine checked.
+  It prints ``sequences: <api> N run, D dispatches, C combines, F failed`` per API.
 
 Prints one line per check and a summary; exits 1 if any check failed.
 """
@@ -236,7 +242,81 @@ def _ep_graph_check(buf, rank, s, name, record):
     record(f"EP {name} graph replay, 4 routings", bad == 0, f"{bad} mismatches")
 
 
-def _body(rank, world_size):
+#: Shape of the format and sequence checks (hidden a multiple of 512: UE8M0).
+SEQ_SHAPE = dict(E=16, H=512, T=24)
+#: Largest sleep injected into the slow rank of a random sequence (s).
+SEQ_MAX_DELAY_S = 0.05
+#: Largest top-k of a random sequence: each top-k is a kernel variant to compile.
+SEQ_MAX_TOPK = 4
+
+
+def _seq_buffers(api):
+    import llcomm.deep_ep as deep_ep
+    import llcomm.ep as ep
+    s = SEQ_SHAPE
+    if api == "ep":
+        return ep.EPBuffer(num_experts=s["E"], hidden=s["H"],
+                           num_max_dispatch_tokens_per_rank=s["T"], backend="peer",
+                           timeout_ms=TIMEOUT_MS)
+    return deep_ep.Buffer(None, backend="peer", timeout_ms=TIMEOUT_MS)
+
+
+def _close(buf):
+    (buf.close if hasattr(buf, "close") else buf.destroy)()
+
+
+def _format_checks(rank, record):
+    """Dispatch then combine in every format of each API (deep_ep: combined twice, the second
+    time zero-copy), with and without hooks."""
+    from llcomm.bench import ep_sequences as S
+    from llcomm.bench.ep_seqrun import SequenceRunner
+    s = SEQ_SHAPE
+    for api in S.APIS:
+        buf = _seq_buffers(api)
+        run = SequenceRunner(buf, rank, WORLD, num_experts=s["E"], dtype=torch.bfloat16,
+                             device="cuda")
+        for i, fmt in enumerate(S.formats(api, s["H"])):
+            for hook in (False, True):
+                h = 2 * i + hook
+                d = S.Dispatch(handle=0, seed=4000 + h, tokens=(s["T"], s["T"] // 3), topk=4,
+                               fmt=fmt, carry=False, hook=hook, defer_hook=False)
+                steps = [d, S.Combine(0, 5000 + h, zero_copy=False, hook=hook)]
+                if api == "deep_ep":
+                    steps.append(S.Combine(0, 6000 + h, zero_copy=True, hook=not hook))
+                seq = S.Sequence(h, api, WORLD, s["T"], s["H"], slow_rank=1, steps=steps)
+                fails = run.run(seq)
+                record(f"EP formats {api} {fmt}{' hook' if hook else ''}: dispatch + "
+                       f"{len(steps) - 1} combine(s)", not fails, "; ".join(fails[:3]))
+        _close(buf)
+
+
+def _sequence_checks(rank, record, count):
+    """``count`` random sequences per API on one buffer each."""
+    from llcomm.bench import ep_sequences as S
+    from llcomm.bench.ep_seqrun import SequenceRunner
+    s = SEQ_SHAPE
+    for api in S.APIS:
+        buf = _seq_buffers(api)
+        run = SequenceRunner(buf, rank, WORLD, num_experts=s["E"], dtype=torch.bfloat16,
+                             device="cuda")
+        failed = 0
+        first = ""
+        for seed in range(count):
+            seq = S.generate(seed, api=api, world=WORLD, max_tokens=s["T"], hidden=s["H"],
+                             num_experts=s["E"], max_topk=SEQ_MAX_TOPK,
+                             max_delay_s=SEQ_MAX_DELAY_S)
+            fails = run.run(seq)
+            failed += bool(fails)
+            first = first or "; ".join(fails[:2])
+        print(f"rank {rank} sequences: {api} {count} run, {run.dispatches} dispatches, "
+              f"{run.combines} combines, {failed} failed", flush=True)
+        record(f"EP random sequences {api} x{count}", failed == 0,
+               f"{failed} failed; first: {first}" if failed else
+               f"{run.dispatches} dispatches, {run.combines} combines")
+        _close(buf)
+
+
+def _body(rank, world_size, sequences=0):
     import llcomm.tp.api as tp
     from _one_gpu import patch_process
     patch_process()
@@ -253,10 +333,14 @@ def _body(rank, world_size):
         except Exception as e:  # noqa: BLE001  (report and go on to the next part)
             record(part.__name__, False, f"{type(e).__name__}: {e}")
     comm.close()
-    try:
-        _ep_checks(rank, record)
-    except Exception as e:  # noqa: BLE001
-        record("_ep_checks", False, f"{type(e).__name__}: {e}")
+    parts = [(_ep_checks, ()), (_format_checks, ())]
+    if sequences:
+        parts.append((_sequence_checks, (sequences,)))
+    for part, args in parts:
+        try:
+            part(rank, record, *args)
+        except Exception as e:  # noqa: BLE001  (report; a broken buffer ends its part)
+            record(part.__name__, False, f"{type(e).__name__}: {e}")
     return results, time.time() - t0
 
 
@@ -264,6 +348,8 @@ def main():
     from _dist import run_distributed
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sequences", type=int, default=0, metavar="N",
+                    help="also run N random EP call sequences per API (EPBuffer, deep_ep)")
     ap.add_argument("--pytest", nargs=argparse.REMAINDER, default=None,
                     help="run these pytest arguments' gpu tests with two ranks on cuda:0")
     a = ap.parse_args()
@@ -273,13 +359,17 @@ def main():
         from _one_gpu import PytestPlugin
         sys.exit(pytest.main(["-m", "gpu", "-p", "no:cacheprovider", *a.pytest],
                              plugins=[PytestPlugin()]))
-    per_rank = run_distributed(_body, WORLD, backend="gloo", timeout=900)
+    per_rank = run_distributed(_body, WORLD, a.sequences, backend="gloo",
+                               timeout=900 + 10 * a.sequences)
     failed = 0
     for rank, (results, secs) in enumerate(per_rank):
         for name, ok, detail in results:
             failed += not ok
             print(f"rank {rank} {'ok  ' if ok else 'FAIL'} {name}  {detail}")
         print(f"rank {rank}: {sum(ok for _, ok, _ in results)}/{len(results)} ok in {secs:.0f} s")
+    total = sum(len(results) for results, _ in per_rank)
+    print(f"# one_gpu_check: {total - failed} of {total} checks ok"
+          + (f"; {failed} FAILED" if failed else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"commit": os.environ.get("LLCOMM_COMMIT"), "torch": torch.__version__,

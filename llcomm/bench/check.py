@@ -1,4 +1,6 @@
-"""``llcomm check``: a correctness self-test of every TP op on this host, with the auto backend.
+"""``llcomm check``: a correctness self-test of every TP op and of EP dispatch / combine
+(``EPBuffer`` and ``llcomm.deep_ep``, every variant and a random call sequence: ``check_ep``) on
+this host, with the auto backend.
 
 Spawned like the benchmarks (one process per GPU, else two gloo processes). The oracle is
 independent of torch.distributed: every rank regenerates every rank's input from a seed and
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import options, result_files, spawn, timing, verify
+from . import check_ep, options, result_files, spawn, timing, verify
 
 #: Elements per rank: a single element, an odd small count, an odd count of about 0.5 MiB (bf16).
 COUNTS = (1, 4099, 262147)
@@ -136,6 +138,7 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
                                     "exact": bound is None})
     backend, why = comm.backend, comm.backend_reason
     comm.close()
+    results += check_ep.ep_results(rank, world, cfg.backend, device, cfg.seed)
     return {"backend": backend, "reason": why, "world_size": world, "results": results,
             "machine": result_files.machine_string(world, device)} if rank == 0 else None
 
@@ -151,10 +154,13 @@ def summarize(res: dict) -> tuple[list[str], int]:
         failures += len(bad)
         dtypes = "/".join(dict.fromkeys(r["dtype"] for r in rs))
         modes = "+".join(dict.fromkeys(r["mode"] for r in rs))
-        lines.append(f"{'FAIL' if bad else 'PASS'}  {op:<22} {count:>8} elems/rank  "
+        unit = "tokens/rank" if op.startswith(("ep ", "deep_ep ")) else "elems/rank"
+        lines.append(f"{'FAIL' if bad else 'PASS'}  {op:<32} {count:>8} {unit}  "
                      f"{dtypes}, {modes}")
         for r in bad:
             what = r["error"] or f"{r['wrong']} wrong elements (summed over ranks)"
+            if r["error"] and r["wrong"]:
+                what += f" ({r['wrong']} failed checks summed over ranks)"
             lines.append(f"      {r['dtype']} {r['mode']}: {what}")
     return lines, failures
 

@@ -5,6 +5,10 @@ backend, small counts) run the same random sequence of ``--ops`` ops: every all_
 broadcast, all_gather, all_gather_2d and reduce_scatter at a random size and dtype, and an EP
 dispatch + combine every ``--ep-every`` ops. Then (GPU only) ``--graph-ops`` mixed ops are
 captured in one CUDA graph, checks included, and replayed ``--replays`` times on fresh inputs.
+Then ``--ep-sequences`` random legal EP call sequences per API (``EPBuffer`` and
+``llcomm.deep_ep``; ``ep_sequences``: one or two dispatches before a combine, handles combined
+twice, zero copy, hooks, FP8 / round_scale / UE8M0, carried weights, sleeps on one rank), every
+dispatch and combine checked by ``ep_seqrun`` against its oracle.
 
 The oracle needs no communication: every rank's input is a slice of a random pool that every
 rank generates identically, so each rank computes every expected result locally (sums in fp32
@@ -45,6 +49,10 @@ EP_EXPERTS_PER_RANK, EP_HIDDEN, EP_TOKENS, EP_TOPK = 4, 128, 16, 4
 MAX_ROWS = 64
 #: Wait bound of the soak's objects (ms): generous, the soak measures correctness.
 SOAK_TIMEOUT_MS = 5000
+#: Random EP sequences per API by default (GPU / CPU), their shape (hidden a multiple of 512:
+#: UE8M0), largest top-k, and largest sleep of the slow rank (s, far below the wait bound).
+GPU_SEQUENCES, CPU_SEQUENCES = 200, 4
+SEQ_EXPERTS_PER_RANK, SEQ_HIDDEN, SEQ_TOKENS, SEQ_TOPK, SEQ_MAX_DELAY_S = 4, 512, 8, 4, 0.05
 
 
 @dataclass
@@ -57,6 +65,7 @@ class SoakConfig:
     seed: int
     backend: str
     max_elems: int
+    ep_sequences: int = 0
     progress: bool = True
     counts: dict = field(default_factory=dict)
 
@@ -243,16 +252,61 @@ def rank_main(rank: int, world: int, cfg: SoakConfig) -> dict:
     eager_s = time.perf_counter() - t0
     wrong_eager = chk.read()
 
+    seqs = {"run": 0, "dispatches": 0, "combines": 0, "failed": 0}
+    if cfg.ep_sequences and not failures:
+        seqs = _sequence_phase(rank, world, cfg, device, failures)
     graph = {"ops": 0, "replays": 0, "wrong": 0, "seconds": 0.0}
     if on_gpu and peer and cfg.graph_ops and cfg.replays and not failures:
         graph = _graph_phase(comm, rank, world, cfg, device, lamport_ok, failures)
     result = {"rank": rank, "eager_ops": done, "eager_seconds": eager_s, "counts": counts,
-              "wrong": wrong_eager, "failures": failures, "graph": graph,
+              "wrong": wrong_eager, "failures": failures, "graph": graph, "sequences": seqs,
               "backend": comm.backend, "device": str(device)}
     if not failures:
         comm.close()
         buf.close()
     return _gather_reports(result, world, device)
+
+
+def _sequence_phase(rank, world, cfg, device, failures) -> dict:
+    """``cfg.ep_sequences`` random EP sequences per API, each on its own buffer; a failed
+    sequence is reported in ``failures`` (an error ends its API's run: the buffer is broken)."""
+    import llcomm
+    import llcomm.deep_ep as deep_ep
+    from llcomm.ep import EPBuffer
+
+    from . import ep_sequences as S
+    from .ep_seqrun import SequenceRunner
+    E = SEQ_EXPERTS_PER_RANK * world
+    got = {"run": 0, "dispatches": 0, "combines": 0, "failed": 0}
+    for api in S.APIS:
+        if api == "ep":
+            buf = EPBuffer(num_experts=E, hidden=SEQ_HIDDEN,
+                           num_max_dispatch_tokens_per_rank=SEQ_TOKENS, backend=cfg.backend,
+                           timeout_ms=SOAK_TIMEOUT_MS)
+        else:
+            buf = deep_ep.Buffer(None, backend=cfg.backend, timeout_ms=SOAK_TIMEOUT_MS)
+        run = SequenceRunner(buf, rank, world, num_experts=E, dtype=torch.bfloat16,
+                             device=device)
+        try:
+            for i in range(cfg.ep_sequences):
+                seed = cfg.seed * 1_000_003 + i
+                fails = run.run(S.generate(seed, api=api, world=world, max_tokens=SEQ_TOKENS,
+                                           hidden=SEQ_HIDDEN, num_experts=E, max_topk=SEQ_TOPK,
+                                           max_delay_s=SEQ_MAX_DELAY_S))
+                got["run"] += 1
+                if fails:
+                    got["failed"] += 1
+                    failures.append(f"{api} sequence {seed}: {fails[0]}"
+                                    + (f" (and {len(fails) - 1} more)" if len(fails) > 1 else ""))
+        except llcomm.LLCommError as e:
+            got["failed"] += 1
+            failures.append(f"{api} sequences: {type(e).__name__}: {e}")
+            continue
+        finally:
+            got["dispatches"] += run.dispatches
+            got["combines"] += run.combines
+        (buf.close if api == "ep" else buf.destroy)()
+    return got
 
 
 def _graph_phase(comm, rank, world, cfg, device, lamport_ok, failures) -> dict:
@@ -329,7 +383,9 @@ def _result_file(got: dict, cfg: SoakConfig) -> dict:
                    "mismatches": sum("CommMismatchError" in f for f in failures),
                    "failures": failures, "seed": cfg.seed,
                    "eager_seconds": round(max(r["eager_seconds"] for r in ranks), 2),
-                   "graph_seconds": round(max(r["graph"]["seconds"] for r in ranks), 2)}
+                   "graph_seconds": round(max(r["graph"]["seconds"] for r in ranks), 2),
+                   "ep_sequences": {k: v for k, v in ranks[0]["sequences"].items()},
+                   "ep_sequences_failed": sum(r["sequences"]["failed"] for r in ranks)}
     out["rows"] = rows
     return out
 
@@ -342,6 +398,9 @@ def add_arguments(p) -> None:
     p.add_argument("--replays", type=int, default=100, help="replays of that graph (default 100)")
     p.add_argument("--ep-every", type=int, default=50,
                    help="an EP dispatch + combine every this many ops (default 50, 0 = none)")
+    p.add_argument("--ep-sequences", type=int, default=None, metavar="N",
+                   help=f"random EP call sequences per API after the eager phase (default "
+                        f"{GPU_SEQUENCES} on GPUs, {CPU_SEQUENCES} on CPU, 0 = none)")
     p.add_argument("--check-every", type=int, default=1000,
                    help="ops between host reads of the device counters (default 1000)")
     p.add_argument("--max-elems", type=int, default=None,
@@ -364,10 +423,13 @@ def run(a) -> int:
                      graph_ops=a.graph_ops, replays=a.replays, ep_every=a.ep_every,
                      check_every=a.check_every, seed=a.seed, backend=a.backend,
                      max_elems=a.max_elems or (GPU_MAX_ELEMS if gpu else CPU_MAX_ELEMS),
+                     ep_sequences=a.ep_sequences if a.ep_sequences is not None else (
+                         GPU_SEQUENCES if gpu else CPU_SEQUENCES),
                      progress=not a.no_progress)
     problems = [f"--{k.replace('_', '-')}={v}: expected >= {lo}" for k, v, lo in (
         ("ops", cfg.ops, 0), ("graph_ops", cfg.graph_ops, 0), ("replays", cfg.replays, 0),
-        ("ep_every", cfg.ep_every, 0), ("check_every", cfg.check_every, 1))
+        ("ep_every", cfg.ep_every, 0), ("check_every", cfg.check_every, 1),
+        ("ep_sequences", cfg.ep_sequences, 0))
         if v < lo]
     if not EP_TOKENS * EP_HIDDEN * 2 <= cfg.max_elems <= GPU_MAX_ELEMS:
         problems.append(f"--max-elems={cfg.max_elems}: expected {EP_TOKENS * EP_HIDDEN * 2} "
@@ -385,6 +447,9 @@ def run(a) -> int:
                    for r in result["rows"]])
     print(f"wrong {s['wrong']}, timeouts {s['timeouts']}, mismatches {s['mismatches']}, "
           f"eager {s['eager_seconds']} s, graph {s['graph_seconds']} s")
+    q = s["ep_sequences"]
+    print(f"ep sequences: {q['run']} run on rank 0 ({q['dispatches']} dispatches, "
+          f"{q['combines']} combines), {s['ep_sequences_failed']} failed over the ranks")
     for f in s["failures"]:
         print(f"FAILED {f}")
     if a.json:
