@@ -117,7 +117,7 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     largest = max(world * c for c in cfg.counts) * max(
-        torch.empty(0, dtype=options.parse_dtype(d)).element_size() for d in cfg.dtypes)
+        options.parse_dtype(d).itemsize for d in cfg.dtypes)
     comm = Communicator(max_bytes=largest, backend=cfg.backend)
     exact = comm.backend == "peer"
     results = []
