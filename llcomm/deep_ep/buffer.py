@@ -4,9 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ep import EPBuffer
-from ..ep.deep_layouts import DeepEPOutputs
-from ..ep.layout import HANDLE_SLOTS
+from ..ep import HANDLE_SLOTS, DeepEPOutputs, EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
 from ..runtime.backend import choose_backend
