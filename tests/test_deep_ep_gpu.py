@@ -4,7 +4,8 @@
   variant (bf16, FP8, power-of-two scales, UE8M0) with and without receive hooks, rows checked
   through ``src_info`` and ``layout_range``, combine against the fp64 sum, stats, zero_copy,
   two outstanding handles.
-- The conversions to DeepEP's layouts inside a captured CUDA graph, replayed with fresh inputs.
+- The dispatch writing DeepEP's layouts inside a captured CUDA graph, replayed with fresh
+  inputs.
 - ``async_finish``: a consumer on another stream that waits for the event sees the result (the
   producing stream is held back by a sleep kernel, so a missing wait reads the NaN poison).
 - Shrink mode (``enable_shrink=True``): a rank stops calling, the survivor goes on with it

@@ -21,6 +21,11 @@ from _interp import run_in_interpreter
 
 
 
+#: The dispatch kernels' DeepEP outputs (deep_src, deep_layout, deep_stats): none here
+#: (tests/test_deep_ep_convert.py runs them).
+NO_DEEP_EP = (None, None, None)
+
+
 def _pow2(n):
     return 1 << max(n - 1, 0).bit_length()
 
@@ -146,7 +151,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                     dispatch[(NB,)](
                         xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                         cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, weights[r], w_off,
-                        st[r], **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
+                        st[r], *NO_DEEP_EP, **dict(dc, STAGES=stage, FP8=fp8, CARRY=int(carry),
                                       STATS=int(stats)))
             if ll:
                 for r in range(W):
@@ -255,7 +260,8 @@ def _bad_topk():
         dc, _, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=2)
         for stage in (K.D_SEND, K.D_RECV):
             dispatch_kernel(ll)[(NB,)](x, idx, 3, recv, recv, row_of, src, cnt, ntok, tab,
-                                       ctrl, err, 0, 0, 0, idx, 0, None, STAGES=stage, FP8=0,
+                                       ctrl, err, 0, 0, 0, idx, 0, None, *NO_DEEP_EP,
+                                       STAGES=stage, FP8=0,
                                        **dc)
         if int(host[1]) != 3:
             fails.append(f"ll={ll}: reported {int(host[1])} bad entries, expected 3")
@@ -388,8 +394,8 @@ def simulate_masked(W, E, T, H, topk, NB, dtype_name, seed, kind, masked):
         for r in ranks:
             K.flag_dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
-                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, None, STAGES=stage,
-                FP8=0, **dc)
+                ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, None, *NO_DEEP_EP,
+                STAGES=stage, FP8=0, **dc)
     # the oracle: masked sources sent nothing
     xs_live = [x if s in live else x[:0] for s, x in enumerate(xs)]
     topks_live = [t if s in live else t[:0] for s, t in enumerate(topks)]
@@ -497,7 +503,7 @@ def simulate_masked_by_hand(W, E, T, H, topk, NB, dtype_name, seeds, kind, hand)
                 K.flag_dispatch_kernel[(NB,)](
                     xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r],
                     cnt[r], ntok[r], tab, ctrl[r][0], err[r], r, 0, 0, topks[r], 0, None,
-                    STAGES=stage, FP8=0, **dc)
+                    *NO_DEEP_EP, STAGES=stage, FP8=0, **dc)
         xs_l = [x[:0] if s in absent else x for s, x in enumerate(xs)]
         tk_l = [t[:0] if s in absent else t for s, t in enumerate(topks)]
         exp = oracle_dispatch(xs_l, tk_l, W, E, T)

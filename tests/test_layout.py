@@ -115,13 +115,12 @@ def test_imports_point_down():
         # transformers' models sharded over tp / ep: above both, like ops; only the tools use it
         (integrations, ("llcomm.ops",) + tools),
     ]
-    # DeepEP's API sits on llcomm.ep's public API (EPBuffer and the FP8 format), the argument
-    # checks and the errors, the runtime's kernel launcher (its conversion kernel) and backend
-    # choice (shrink mode asks it as EPBuffer will); no other module imports it (``import
-    # llcomm`` does not load it)
+    # DeepEP's API sits on llcomm.ep's public API (EPBuffer, DeepEPOutputs, HANDLE_SLOTS and the
+    # FP8 format), the argument checks and the errors, and the runtime's backend choice (shrink
+    # mode asks it as EPBuffer will); no other module imports it (``import llcomm`` does not
+    # load it)
     adapter_may_import = {"llcomm.ep", "llcomm.ep.fp8", "llcomm.runtime",
-                          "llcomm.runtime.validate", "llcomm.runtime.launch",
-                          "llcomm.runtime.backend", "llcomm.errors"}
+                          "llcomm.runtime.validate", "llcomm.runtime.backend", "llcomm.errors"}
     wrong = []
     for src, targets in graph.items():
         for layer, banned in rules:

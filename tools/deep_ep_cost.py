@@ -9,15 +9,16 @@ no link), DeepSeek-V3's shape by default. Times, per call, the median over graph
 ``--ops`` back-to-back calls (``llcomm.bench.timing``):
 
 - ``EPBuffer.dispatch`` (bf16, FP8, FP8 with power-of-two scales) against
-  ``deep_ep.Buffer.low_latency_dispatch`` (bf16, FP8, FP8 + UE8M0), whose difference is the
-  conversion to DeepEP's layouts; the deep_ep call twice: with the conversion kernel
-  (``convert.to_deep_ep``, what the library runs on a GPU) and with the torch ops it replaced
-  (``convert.py``'s functions, the CPU path), so before and after come from one run;
+  ``deep_ep.Buffer.low_latency_dispatch`` (bf16, FP8, FP8 + UE8M0), whose dispatch kernel also
+  writes DeepEP's layouts (``EPBuffer.dispatch(deep_ep=...)``): the difference is what that
+  and the wrapper cost;
 - ``EPBuffer.combine`` against ``low_latency_combine`` (no conversion: the difference is the
   wrapper's own work, none of it on the device).
 
-Before timing, the two conversion paths' outputs are compared on the filled rows (they must be
-equal). ``--stats`` passes ``cumulative_local_expert_recv_stats`` to the deep_ep dispatches.
+Before timing, the deep_ep outputs of each variant are compared with convert.py's torch ops
+applied to ``EPBuffer.dispatch``'s outputs of the same inputs (filled rows, ``layout_range``
+and the statistics must be equal). ``--stats`` passes ``cumulative_local_expert_recv_stats``
+to the deep_ep dispatches.
 Not part of the test suite.
 """
 import json
@@ -31,9 +32,9 @@ from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, be
 use_llcomm_dir()
 
 import llcomm.deep_ep as deep_ep  # noqa: E402
+from llcomm.deep_ep import convert  # noqa: E402
 from llcomm.bench import spawn  # noqa: E402
 from llcomm.bench.timing import Timing, capture, time_graph  # noqa: E402
-from llcomm.runtime.launch import Launcher  # noqa: E402
 
 #: The dispatch variants: (name, EPBuffer.dispatch kwargs, low_latency_dispatch kwargs).
 VARIANTS = (
@@ -44,40 +45,41 @@ VARIANTS = (
 )
 
 
-def torch_conversions(buf: "deep_ep.Buffer", on: bool) -> None:
-    """Make ``buf``'s dispatches convert with convert.py's torch ops (``on``) or with the kernel
-    (a launcher of its own, as the buffer makes on a GPU). The tool's own switch: the library
-    runs the kernel on every GPU."""
-    buf._launch = None if on else Launcher(buf.ep_buffer.device, pdl=False)
-
-
-def agree(buf, x, idx, kw, stats) -> list[str]:
-    """The kernel's and the torch ops' conversions of the same dispatch, filled rows only."""
-    outs = []
-    for use_torch in (False, True):
-        torch_conversions(buf, use_torch)
-        s0 = stats.clone() if stats is not None else None
-        recv_x, count, handle, _, _ = buf.low_latency_dispatch(
-            x, idx, x.shape[0], buf.ep_buffer.num_experts,
-            cumulative_local_expert_recv_stats=s0, **kw)
-        torch.cuda.synchronize()
-        sc = recv_x[1].clone() if isinstance(recv_x, tuple) else None
-        outs.append((count.clone(), handle[0].clone(), handle[1].clone(), sc, s0))
-    torch_conversions(buf, False)
-    (c, s, lay, sc, st), (c2, s2, lay2, sc2, st2) = outs
+def agree(buf, x, idx, ep_kw, kw, stats) -> list[str]:
+    """deep_ep's outputs of one dispatch against convert.py's torch ops applied to
+    ``EPBuffer.dispatch``'s outputs of the same inputs: what differs (filled rows only)."""
+    ep = buf.ep_buffer
+    L, R, W, T = ep.num_local_experts, ep.num_ranks * ep.max_tokens, ep.num_ranks, ep.max_tokens
+    s0 = stats.clone() if stats is not None else None
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(
+        x, idx, T, ep.num_experts, cumulative_local_expert_recv_stats=s0, **kw)
+    ep_x, ep_count, h = ep.dispatch(x, idx, **ep_kw)
+    dev = ep.device
+    src = torch.empty((L, R), dtype=torch.int32, device=dev)
+    convert.source_token(h.src_info, T, src)
+    lay = torch.empty((L, W), dtype=torch.int64, device=dev)
+    convert.layout_range(h.src_info, ep_count, convert.layout_aux(L, R, T, W, dev), lay)
+    sc = None
+    if isinstance(ep_x, tuple):
+        sc = convert.scales_storage(L, R, ep.hidden, kw.get("use_ue8m0", False), dev)
+        convert.fill_scales(sc, ep_x[1], kw.get("use_ue8m0", False))
+    torch.cuda.synchronize()
     bad = []
-    if not torch.equal(c, c2):
+    if not torch.equal(count, ep_count):
         bad.append("recv_count")
-    if not torch.equal(lay, lay2):
+    if not torch.equal(handle[1], lay):
         bad.append("layout_range")
-    if st is not None and not torch.equal(st, st2):
+    if stats is not None and not torch.equal(s0, stats + ep_count):
         bad.append("stats")
-    for e, n in enumerate(c.tolist()):
-        if not torch.equal(s[e, :n], s2[e, :n]):
+    for e, n in enumerate(ep_count.tolist()):
+        if not torch.equal(handle[0][e, :n], src[e, :n]):
             bad.append(f"src_info of expert {e}")
-        if sc is not None and not torch.equal(sc[e, :n].contiguous().view(torch.int32),
-                                              sc2[e, :n].contiguous().view(torch.int32)):
+        if sc is not None and not torch.equal(recv_x[1][e, :n].contiguous().view(torch.int32),
+                                              sc[e, :n].contiguous().view(torch.int32)):
             bad.append(f"scales of expert {e}")
+        if not torch.equal((recv_x[0] if sc is not None else recv_x)[e, :n].view(torch.uint8),
+                           (ep_x[0] if sc is not None else ep_x)[e, :n].view(torch.uint8)):
+            bad.append(f"rows of expert {e}")
     return bad
 
 
@@ -117,42 +119,32 @@ def main():
 
     rows = []
     for name, ep_kw, deep_kw in VARIANTS:
-        bad = agree(buf, x, idx, deep_kw, stats)
+        bad = agree(buf, x, idx, ep_kw, deep_kw, stats)
         if bad:
-            raise SystemExit(f"{name}: the kernel's and the torch ops' conversions differ: "
-                             f"{', '.join(bad[:8])}")
+            raise SystemExit(f"{name}: deep_ep's outputs differ from the torch ops' conversion "
+                             f"of EPBuffer's: {', '.join(bad[:8])}")
         t_ep = us(lambda: ep.dispatch(x, idx, **ep_kw))
 
         def deep():
             buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
                                      **deep_kw)
-        t_kernel = us(deep)
-        torch_conversions(buf, True)
-        t_torch = us(deep)
-        torch_conversions(buf, False)
-        rows.append(dict(op="dispatch", variant=name, ep_us=t_ep, deep_ep_us=t_kernel,
-                         deep_ep_torch_us=t_torch))
+        rows.append(dict(op="dispatch", variant=name, ep_us=t_ep, deep_ep_us=us(deep)))
     # combine: a handle of a dispatch of its own, made just before each graph
     rx, _, h = ep.dispatch(x, idx)
     y = rx.clone()
     t_ep = us(lambda: ep.combine(y, idx, w, h))
     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
     t_deep = us(lambda: buf.low_latency_combine(y, idx, w, handle))
-    rows.append(dict(op="combine", variant="bf16", ep_us=t_ep, deep_ep_us=t_deep,
-                     deep_ep_torch_us=None))
+    rows.append(dict(op="combine", variant="bf16", ep_us=t_ep, deep_ep_us=t_deep))
     ep.check()
 
     print(f"# {T} tokens, hidden {H}, {E} experts, top-{a.topk}, one rank on "
           f"{torch.cuda.get_device_name(device)}; median µs per call over {a.replays} replays of "
           f"{a.ops} calls{' (with stats)' if a.stats else ''}")
-    print(f"{'op':9s} {'variant':10s} {'EPBuffer':>9s} {'deep_ep':>9s} {'diff':>7s} "
-          f"{'torch path':>11s} {'diff':>7s}")
+    print(f"{'op':9s} {'variant':10s} {'EPBuffer':>9s} {'deep_ep':>9s} {'diff':>7s}")
     for r in rows:
-        tt = r["deep_ep_torch_us"]
-        torch_cols = f"{tt:11.2f} {tt - r['ep_us']:7.2f}" if tt is not None else \
-            f"{'-':>11s} {'-':>7s}"
         print(f"{r['op']:9s} {r['variant']:10s} {r['ep_us']:9.2f} {r['deep_ep_us']:9.2f} "
-              f"{r['deep_ep_us'] - r['ep_us']:7.2f} {torch_cols}")
+              f"{r['deep_ep_us'] - r['ep_us']:7.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": dict(tokens=T, hidden=H, experts=E, topk=a.topk, ops=a.ops,

@@ -7,8 +7,9 @@ Compiles the dispatch (bf16 / fp32 rows, and FP8: ``ll_dispatch_kernel`` or
 ``flag_dispatch_kernel``, whichever ``EPBuffer`` runs for ``--tokens``, and the flag one for rank
 masks) and ``combine_kernel`` exactly as ``EPBuffer`` launches them (same constexprs, all
 stages, fp fusion off for combine; and the send and receive halves of
-``return_recv_hook=True``; ``*_stats``: the wait-statistics variants, STATS=1), and
-``llcomm.deep_ep``'s conversion kernel (bf16 / FP8 / UE8M0 scales), and prints per kernel:
+``return_recv_hook=True``; ``*_stats``: the wait-statistics variants, STATS=1; ``*_deep_ep``: the
+dispatch writing DeepEP's layouts too, DEEP_EP=1 or 2, as ``llcomm.deep_ep`` launches it: bf16,
+FP8 and UE8M0 scales, its receive half, and the flag dispatch's), and prints per kernel:
 16-byte vector loads/stores
 (ld/st.global.v4), narrow 16-bit ones (should be none on token rows), system-scope atomics
 (signals and acquire polls), fused multiply-adds (should be none in combine: the documented
@@ -26,7 +27,6 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llcomm.deep_ep import kernels as DK  # noqa: E402
 from llcomm.ep import kernels as K  # noqa: E402
 from llcomm.ep.layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_dispatch, ll_row_consts  # noqa: E402
@@ -65,8 +65,10 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
     ll = ll_dispatch(EPSettings.read(), tokens)
     d_consts, c_consts, warps = kernel_consts(lay, topk, ll=ll)
     m_consts = kernel_consts(lay, topk, ll=0)[0]
-    # without wait statistics the stats argument is None, which Triton makes a constexpr
-    d_consts, c_consts, m_consts = (dict(c, stats=None) for c in (d_consts, c_consts, m_consts))
+    # without wait statistics the stats argument is None, which Triton makes a constexpr; so
+    # are DeepEP's outputs of the dispatch without DEEP_EP
+    c_consts = dict(c_consts, stats=None)
+    d_consts, m_consts = (dict(c, stats=None, **NO_DEEP_EP) for c in (d_consts, m_consts))
     ds_sig = {"stats": "*i64"}       # with them (STATS=1): a pointer
     DK = dispatch_kernel(ll)
     p = "*" + dt
@@ -126,27 +128,45 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
                                                 PROFILE=1), warps, None),
         f"combine_{dt}_prof": (K.combine_kernel, c_sig,
                                dict(c_consts, STAGES=K.COMBINE_ALL, PROFILE=1), warps, no_fusion),
+        **deep_ep_kernels(DK, d_sig, d_consts, m_consts, lay, ll, dt, warps),
     }
+
+
+#: The dispatch's DeepEP outputs when it writes none (DEEP_EP = 0).
+NO_DEEP_EP = dict(deep_src=None, deep_layout=None, deep_stats=None, DEEP_EP=K.DEEP_EP_OFF)
+#: Their types when it writes them; the scales go through recv_scales.
+DEEP_EP_SIG = {"deep_src": "*i32", "deep_layout": "*i64", "deep_stats": "*i32"}
+
+
+def deep_ep_kernels(DK, d_sig, d_consts, m_consts, lay, ll, dt, warps):
+    """``dispatch(deep_ep=...)`` (``llcomm.deep_ep``): the dispatch writing DeepEP's layouts,
+    with the statistics: bf16 rows, FP8 scales, UE8M0 scale words, the receive half of
+    ``return_recv_hook=True``; and the flag dispatch (rank masks) with bf16 and UE8M0."""
+    sig = dict(d_sig, **DEEP_EP_SIG)
+    d_consts, m_consts = ({k: v for k, v in c.items() if k not in NO_DEEP_EP}
+                          for c in (d_consts, m_consts))
+    rows = {fp8: ll_row_consts(lay, fp8) if ll else {} for fp8 in range(3)}
+    out = {}
+    for name, fp8, mode in (("", 0, K.DEEP_EP_FP32), ("_fp8", 1, K.DEEP_EP_FP32),
+                            ("_ue8m0", 2, K.DEEP_EP_UE8M0)):
+        if fp8 and lay.hidden % (128 * (4 if mode == K.DEEP_EP_UE8M0 else 1)):
+            continue
+        s = dict(sig, recv_x="*u8", recv_scales="*i32" if mode == K.DEEP_EP_UE8M0 else "*fp32") \
+            if fp8 else sig
+        c = dict(d_consts, STAGES=K.DISPATCH_ALL, FP8=fp8, DEEP_EP=mode, **rows[fp8])
+        out[f"dispatch_{dt}{name}_deep_ep"] = (DK, s, c, warps, None)
+        if not fp8:
+            out[f"dispatch_{dt}_deep_ep_recv"] = (DK, s, dict(c, STAGES=K.DISPATCH_RECV_HALF),
+                                                  warps, None)
+        if fp8 != 1:
+            out[f"dispatch_{dt}_masks{name}_deep_ep"] = (
+                K.flag_dispatch_kernel, s, dict(m_consts, STAGES=K.DISPATCH_ALL, FP8=fp8,
+                                                MASKS=1, DEEP_EP=mode), warps, None)
+    return out
 
 
 def _no_stats(consts):
     return {k: v for k, v in consts.items() if k != "stats"}
-
-
-def deep_ep_kernels(hidden, experts, ranks, tokens):
-    """``llcomm.deep_ep``'s conversion after a dispatch (``to_deep_ep_kernel``), as
-    ``convert.to_deep_ep`` launches it: bf16 rows with stats, FP8 scales, UE8M0 scales."""
-    sig = {"ep_src": "*i32", "recv_count": "*i32", "src_out": "*i32", "layout_out": "*i64",
-           "stats": "*i32", "ep_scales": "*i32", "scales_out": "*i32"}
-    out = {}
-    for name, mode, g in (("bf16", DK.SCALES_NONE, 0), ("fp8", DK.SCALES_FP32, hidden // 128),
-                          ("ue8m0", DK.SCALES_UE8M0, hidden // 128)):
-        if mode != DK.SCALES_NONE and (hidden % 128 or (mode == DK.SCALES_UE8M0 and g % 4)):
-            continue
-        consts = dict(T=tokens, W=ranks, WP=DK.pow2(ranks), G=g, GP=DK.pow2(g), SCALES=mode,
-                      STATS=int(mode == DK.SCALES_NONE), BLOCK=DK.block_rows(ranks, g))
-        out[f"deep_ep_convert_{name}"] = (DK.to_deep_ep_kernel, sig, consts, DK.NUM_WARPS, None)
-    return out
 
 
 def same_as(folder, name, ptx):
@@ -187,7 +207,6 @@ def main():
     for dt in args.dtypes.split(","):
         every.update(kernels(args.hidden, args.experts, args.ranks, args.tokens, args.topk, dt,
                              args.blocks))
-    every.update(deep_ep_kernels(args.hidden, args.experts, args.ranks, args.tokens))
     for name, (fn, sig, consts, warps, opts) in every.items():
         warps = args.warps or warps
         ptx = compile_one(fn, sig, consts, warps, opts, args.pdl).asm["ptx"]

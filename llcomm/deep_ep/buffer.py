@@ -4,11 +4,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ep import EPBuffer
+from ..ep import HANDLE_SLOTS, DeepEPOutputs, EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
 from ..runtime.backend import choose_backend
-from ..runtime.launch import Launcher
 from . import convert
 from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
                      check_stats, refuse, refuse_cost_stats)
@@ -122,7 +121,9 @@ class Buffer(ShrinkMasks):
         self._ep: EPBuffer | None = None
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
         self._early_mask = 0        # ranks masked by hand before the EPBuffer exists (bits)
-        self._launch = None         # peer backend: the conversion kernel's launcher
+        self._dispatches = 0        # low_latency_dispatch calls (handle slot: this % 2)
+        self._handle_outputs: dict = {}     # handle slot -> (src_info, layout_range)
+        self._scales: dict = {}             # (handle slot, UE8M0) -> (storage, view)
         self._destroyed = False
         if enable_shrink:
             # Decided as EPBuffer will decide it (a collective, as DeepEP's constructor is), so
@@ -197,8 +198,6 @@ class Buffer(ShrinkMasks):
         for r in range(self.group_size):        # masked by hand before it existed
             if (self._early_mask >> r) & 1:
                 ep.set_mask(r, True)
-        if ep.backend == "peer":            # a GPU: the conversions in one kernel
-            self._launch = Launcher(ep.device, pdl=False)
         self._ep = ep
         return ep
 
@@ -249,15 +248,15 @@ class Buffer(ShrinkMasks):
             async_finish: the returned event is recorded after the call (a CUDA event);
                 without it the event is empty. The call runs on the current stream either way.
             return_recv_hook: issue the send half only; ``hook()`` (on the same stream) issues
-                the receive half and the conversions to DeepEP's layouts. Outputs are
-                unspecified until then. Without it the hook is None (as DeepEP's).
+                the receive half, which writes DeepEP's layouts too. Outputs are unspecified
+                until then. Without it the hook is None (as DeepEP's).
 
         Returns:
             recv_x: ``[L, W * T, hidden]`` in x's dtype; rows ``0 .. recv_count[e] - 1`` of
                 expert e filled, by source rank, then source token. With ``use_fp8`` the pair
                 of float8_e4m3fn ``[L, W * T, hidden]`` and scales ``[L, W * T, hidden / 128]``
                 float32 (``hidden / 512`` int32 with UE8M0) whose last two dimensions are
-                column-major, as DeepEP's.
+                column-major, as DeepEP's; the scales live in the handle's slot.
             recv_count: ``[L]`` int32.
             handle: DeepEP's tuple ``(src_info, layout_range, T, hidden, num_experts)``:
                 ``src_info`` ``[L, W * T]`` int32, the source token of each row;
@@ -299,44 +298,66 @@ class Buffer(ShrinkMasks):
         pr.raise_if_any()
         refuse_cost_stats(self, fn, "dispatch_wait_recv_cost_stats", cost)
 
-        r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
-                        return_recv_hook=return_recv_hook, wait_stats=cost)
-        recv_x, recv_count, h = r[:3]
-        L, W, T, H = ep.num_local_experts, ep.num_ranks, ep.max_tokens, ep.hidden
-        src_info = torch.empty((L, W * T), dtype=torch.int32, device=ep.device)
-        layout = torch.empty((L, W), dtype=torch.int64, device=ep.device)
-        scales = None
+        src_info, layout, scales = self._outputs(ep, use_ue8m0 if use_fp8 else None)
+        T, H = ep.max_tokens, ep.hidden
+        if ep.backend == "peer":    # the dispatch's receive stage writes DeepEP's layouts
+            r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+                            return_recv_hook=return_recv_hook, wait_stats=cost,
+                            deep_ep=DeepEPOutputs(src_info, layout,
+                                                  scales[0] if use_fp8 else None, stats))
+            recv_x, recv_count, h = r[:3]
+            finish = None
+        else:                       # the reference backend: convert.py's torch ops after it
+            r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+                            return_recv_hook=return_recv_hook, wait_stats=cost)
+            recv_x, recv_count, h = r[:3]
+            ep_scales = recv_x[1] if use_fp8 else None      # EPBuffer's, contiguous
+
+            def finish():
+                convert.source_token(h.src_info, T, src_info)
+                convert.layout_range(h.src_info, recv_count, self._aux, layout)
+                if scales is not None:
+                    convert.fill_scales(scales[1], ep_scales, use_ue8m0)
+                if stats is not None:
+                    stats.add_(recv_count)
         if use_fp8:
-            q, ep_scales = recv_x
-            scales = convert.scales_storage(L, W * T, H, use_ue8m0, ep.device)
-            recv_x = (q, scales)
-
-        def finish():
-            if self._launch is not None:        # peer: one kernel; reference: the torch ops
-                return convert.to_deep_ep(self._launch, h.src_info, recv_count, T, src_info,
-                                          layout, ep_scales if use_fp8 else None, scales,
-                                          use_ue8m0, stats)
-            convert.source_token(h.src_info, T, src_info)
-            convert.layout_range(h.src_info, recv_count, self._aux, layout)
-            if scales is not None:
-                convert.fill_scales(scales, ep_scales, use_ue8m0)
-            if stats is not None:
-                stats.add_(recv_count)
-
+            recv_x = (recv_x[0], scales[1])
+        self._dispatches += 1
         hook = None
         if return_recv_hook:
             receive = r[3]
-
-            def hook():
-                receive()
-                finish()
+            if finish is None:
+                hook = receive
+            else:
+                def hook():
+                    receive()
+                    finish()
             hook.__doc__ = f"Receive half of {fn} #{h.index} (llcomm.deep_ep)."
-        else:
+        elif finish is not None:
             finish()
         handle = LowLatencyHandle(src_info, layout, T, H, num_experts, h, self)
         event = after(ep.device, async_finish, (x, topk_idx, *(recv_x if use_fp8 else (recv_x,)),
                                                 recv_count, src_info, layout, stats, cost))
         return recv_x, recv_count, handle, event, hook
+
+    def _outputs(self, ep: EPBuffer, ue8m0: bool | None):
+        """This dispatch's DeepEP tensors: ``src_info``, ``layout_range`` and, for FP8
+        (``ue8m0`` not None), the scales as (contiguous storage, DeepEP's transposed view of
+        it); made once per handle slot (and kind of scales), as a handle, like DeepEP's results,
+        lives for ``HANDLE_SLOTS`` dispatches."""
+        slot = self._dispatches % HANDLE_SLOTS
+        L, R = ep.num_local_experts, ep.num_ranks * ep.max_tokens
+        if slot not in self._handle_outputs:
+            self._handle_outputs[slot] = (
+                torch.empty((L, R), dtype=torch.int32, device=ep.device),
+                torch.empty((L, ep.num_ranks), dtype=torch.int64, device=ep.device))
+        scales = None
+        if ue8m0 is not None:
+            scales = self._scales.get((slot, ue8m0))
+            if scales is None:
+                view = convert.scales_storage(L, R, ep.hidden, ue8m0, ep.device)
+                scales = self._scales[(slot, ue8m0)] = (view.transpose(1, 2), view)
+        return (*self._handle_outputs[slot], scales)
 
     # -- combine --------------------------------------------------------------------------------
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

@@ -37,7 +37,8 @@ def check_int(pr: V.Problems, name: str, v, lo: int = 0) -> bool:
 
 
 def check_stats(pr: V.Problems, stats, ep) -> None:
-    """``cumulative_local_expert_recv_stats``: int32 ``[num_local_experts]`` on the device."""
+    """``cumulative_local_expert_recv_stats``: int32 ``[num_local_experts]`` on the device,
+    contiguous."""
     name = "cumulative_local_expert_recv_stats"
     if not isinstance(stats, torch.Tensor):
         pr.add(f"{name} must be a torch.Tensor or None, got {type(stats).__name__}",
@@ -49,6 +50,9 @@ def check_stats(pr: V.Problems, stats, ep) -> None:
                f"[{ep.num_local_experts}]")
     elif stats.device != ep.device:
         pr.add(f"{name} is on {stats.device}; expected {ep.device}")
+    elif not stats.is_contiguous():
+        pr.add(f"{name} is not contiguous; the counts are added into it in place, so pass a "
+               "contiguous tensor")
 
 
 def check_handle(buf, pr: V.Problems, handle) -> LowLatencyHandle | None:

@@ -18,16 +18,16 @@ column-major), or, with UE8M0, an int32 ``[L, W * T, H / 512]`` view of an ``[L,
 storage in which each word packs the exponent bytes of four consecutive scales, scale ``4 i + b``
 in byte ``b`` (bits ``8 b .. 8 b + 7``).
 
-On the peer backend ``to_deep_ep`` makes all of it in one Triton launch
-(``llcomm/deep_ep/kernels.py``); the torch functions below do the same as separate ops (the
-reference backend's path, on the CPU among others, and the tests' oracle of the kernel).
+On the peer backend the dispatch's own receive stage writes all of it
+(``EPBuffer.dispatch(deep_ep=...)``, ``llcomm/ep/kernels/deep_ep_layout.py``); the torch
+functions below do the same as separate ops after the dispatch (the reference backend's path,
+on the CPU among others, and the tests' oracle of the kernels).
 """
 from __future__ import annotations
 
 import torch
 
 from ..ep.fp8 import FP8_BLOCK
-from . import kernels as K
 
 #: Scales per UE8M0 word.
 UE8M0_PER_WORD = 4
@@ -92,30 +92,3 @@ def fill_scales(out: torch.Tensor, scales: torch.Tensor, ue8m0: bool) -> None:
     """Copy ``EPBuffer``'s contiguous scales into ``out`` (from ``scales_storage``), packed to
     UE8M0 words when ``ue8m0``."""
     out.copy_(pack_ue8m0(scales) if ue8m0 else scales)
-
-
-def to_deep_ep(launch, ep_src_info: torch.Tensor, recv_count: torch.Tensor, max_tokens: int,
-               src_info: torch.Tensor, layout: torch.Tensor, ep_scales: torch.Tensor | None = None,
-               scales: torch.Tensor | None = None, ue8m0: bool = False,
-               stats: torch.Tensor | None = None) -> None:
-    """``source_token``, ``layout_range``, ``fill_scales`` (when ``scales`` is given) and
-    ``stats += recv_count`` (when ``stats`` is given) in one launch of ``to_deep_ep_kernel``,
-    through ``launch`` (a ``llcomm.runtime.launch.Launcher``, or any callable taking
-    ``(fn, grid, args, num_warps, **constexprs)``). ``ep_src_info`` and ``ep_scales`` are
-    ``EPBuffer``'s, contiguous; ``scales`` is from ``scales_storage``. Only the filled rows of ``src_info`` and
-    ``scales`` are written: rows past ``recv_count[e]`` keep what they held (unspecified, as
-    DeepEP's). No host synchronisation, nothing allocated: a CUDA graph can capture it."""
-    L, R = ep_src_info.shape
-    W = layout.shape[1]
-    G, mode = 0, K.SCALES_NONE
-    if scales is not None:
-        G = ep_scales.shape[2]
-        mode = K.SCALES_UE8M0 if ue8m0 else K.SCALES_FP32
-        ep_scales, scales = ep_scales.view(torch.int32), scales.view(torch.int32)
-    else:
-        ep_scales = scales = src_info                 # not read
-    launch(K.to_deep_ep_kernel, L,
-           (ep_src_info, recv_count, src_info, layout,
-            stats if stats is not None else recv_count, ep_scales, scales),
-           K.NUM_WARPS, T=max_tokens, W=W, WP=K.pow2(W), G=G, GP=K.pow2(G),
-           SCALES=mode, STATS=int(stats is not None), BLOCK=K.block_rows(W, G))

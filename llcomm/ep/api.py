@@ -25,6 +25,7 @@ from ..runtime.registry import register
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .layout import HANDLE_SLOTS, check_shape_args, default_num_blocks, ep_layout
+from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
                      check_weights)
 from .handle import EPHandle
@@ -201,7 +202,7 @@ class EPBuffer(RankMasks):
                  out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
                  use_fp8: bool = False, round_scale: bool = False,
                  return_recv_hook: bool = False, topk_weights: torch.Tensor | None = None,
-                 wait_stats: torch.Tensor | None = None):
+                 wait_stats: torch.Tensor | None = None, deep_ep: DeepEPOutputs | None = None):
         """Send every token to the experts ``topk_idx`` names; return ``(recv_x, recv_count,
         handle)``.
 
@@ -237,6 +238,10 @@ class EPBuffer(RankMasks):
                 the nanoseconds its blocks spent waiting for rank r's data (summed over the
                 blocks; docs/ep.md, "Wait statistics"). Per rank: others may pass None, but
                 start on every rank at the same call (the first one compiles a variant).
+            deep_ep: optional ``DeepEPOutputs`` (``llcomm.ep.deep_layouts``), **peer backend
+                only** (NotImplementedError on the reference one): the receive stage also writes
+                DeepEP's ``src_info``, ``layout_range``, scales (in place of the contiguous ones)
+                and statistics there, in the same kernel (``llcomm.deep_ep`` uses it).
         Returns:
             recv_x: ``[num_local_experts, num_ranks * max_tokens, hidden]``. For local expert
                 e, rows ``0 .. recv_count[e] - 1`` hold its tokens ordered by source rank,
@@ -265,10 +270,14 @@ class EPBuffer(RankMasks):
         if topk_weights is not None:
             check_weights(self, pr, topk_weights, topk_idx)
         check_wait_stats(self, "dispatch", pr, wait_stats)
+        check_deep_ep(self, pr, deep_ep, fp8, round_scale, out)
         pr.raise_if_any()
         self._precheck("dispatch")
         scales = None
-        if fp8:
+        if fp8 and deep_ep is not None:         # the scales in DeepEP's storage only
+            recv_x = torch.empty(self._recv_shape(), dtype=FP8_DTYPE, device=self.device)
+            scales = deep_ep.scales
+        elif fp8:
             recv_x, scales = out if out is not None else (
                 torch.empty(self._recv_shape(), dtype=FP8_DTYPE, device=self.device),
                 torch.empty(self._scales_shape(), dtype=SCALE_DTYPE, device=self.device))
@@ -284,7 +293,7 @@ class EPBuffer(RankMasks):
         if self.backend == "peer":
             recv_count, src_info, state, recv = self._impl.dispatch(
                 x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
-                topk_weights, wait_stats)
+                topk_weights, wait_stats, deep_ep)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
                                                               topk_weights is not None)

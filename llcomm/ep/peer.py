@@ -229,11 +229,13 @@ class PeerEP:
         return self._tags[key]
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
-                 split: bool = False, weights=None, stats=None):
+                 split: bool = False, weights=None, stats=None, deep=None):
         """Launch the dispatch (``split``: its send half only, and return the launch of its
         receive half as the fourth value; otherwise that is None). ``weights``: push them too,
         into handle slot ``slot``'s weights region (set ``slot``; kernels/__init__.py).
-        ``stats``: a ``[W]`` int64 tensor the kernel adds its wait times to (STATS)."""
+        ``stats``: a ``[W]`` int64 tensor the kernel adds its wait times to (STATS). ``deep``:
+        a ``DeepEPOutputs`` the receive stage writes DeepEP's layouts into (DEEP_EP), its
+        scales being ``recv_scales``."""
         K = topk_idx.shape[1]
         row_of, src_info, recv_count, ntok = self._views(slot, K)
         if fp8:
@@ -249,6 +251,12 @@ class PeerEP:
         consts = self._consts("dispatch", K, fp8, carry)
         if stats is not None:       # the kernels' STATS variant (None: a constexpr, no code)
             consts = dict(consts, STATS=1)
+        if deep is None:
+            args += (None, None, None)
+        else:
+            args += (deep.src_info, deep.layout_range, deep.stats)
+            consts = dict(consts, DEEP_EP=self.k.DEEP_EP_UE8M0 if deep.ue8m0 else
+                          self.k.DEEP_EP_FP32)
         state = (row_of, ntok, w_off if carry else None)
         if not split:
             self._launch(self.dispatch_kernel, self.nb, args, self.num_warps, **consts)

@@ -34,6 +34,10 @@ Wait statistics (``STATS`` = 1, ``dispatch / combine(wait_stats=...)``): the ker
 (``common._wait_flags``, ``dispatch_ll._take_ll_timed``); without them ``stats`` is None, which
 Triton makes a constexpr, and the kernels compile exactly as before.
 
+DeepEP's layouts (``DEEP_EP`` != 0, ``dispatch(deep_ep=...)``): the dispatch kernels' receive
+stages also write DeepEP's ``src_info``, ``layout_range``, column-major scales and statistics
+(``deep_ep_layout``); their pointers are None otherwise, and the kernels compile as before.
+
 The CPU tests run the data stages alone (``D_SEND``, then ``D_RECV``; ``C_WEIGHTS``,
 ``C_REDUCE``, ``C_SUM``) for every virtual rank in turn under ``TRITON_INTERPRET=1``, since the
 waits read the GPU clock.
@@ -42,10 +46,12 @@ from .combine import combine_kernel
 from .common import (C_REDUCE, C_SIGNAL_P, C_SUM, C_SYNC_W, C_WAIT_P, C_WEIGHTS, COMBINE_ALL,
                      COMBINE_RECV_HALF, COMBINE_SEND_HALF, D_RECV, D_SEND, D_SIGNAL, D_WAIT,
                      DISPATCH_ALL, DISPATCH_RECV_HALF, DISPATCH_SEND_HALF, ERR_MASK)
+from .deep_ep_layout import DEEP_EP_FP32, DEEP_EP_OFF, DEEP_EP_UE8M0
 from .dispatch_flag import flag_dispatch_kernel
 from .dispatch_ll import ll_dispatch_kernel
 
 __all__ = ["flag_dispatch_kernel", "ll_dispatch_kernel", "combine_kernel", "D_SEND", "D_RECV",
            "D_SIGNAL", "D_WAIT", "DISPATCH_ALL", "DISPATCH_SEND_HALF", "DISPATCH_RECV_HALF",
            "C_WEIGHTS", "C_REDUCE", "C_SUM", "C_SYNC_W", "C_SIGNAL_P", "C_WAIT_P", "COMBINE_ALL",
-           "COMBINE_SEND_HALF", "COMBINE_RECV_HALF", "ERR_MASK"]
+           "COMBINE_SEND_HALF", "COMBINE_RECV_HALF", "ERR_MASK", "DEEP_EP_OFF", "DEEP_EP_FP32",
+           "DEEP_EP_UE8M0"]

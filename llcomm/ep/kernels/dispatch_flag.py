@@ -29,6 +29,8 @@ from .common import (EP_RANK_VARYING, ERR_MASK, META_MASK, META_SHIFT, OP_DISPAT
                      PROF_LAST, SIG_DISPATCH, Region, Sizes, _agree_mask, _at, _first_entries,
                      _first_token, _masked, _poison_received, _push_weights, _rank_bits, _signal,
                      _stamp, _wait_flags)
+from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
+                             _poison_layout, _scales_to_column)
 from .dispatch_common import Out, Recv, Tiles, _send_routing
 from .fp8 import FP8_BLOCK, _quantize_row
 
@@ -66,10 +68,13 @@ def _push_rows(x, topk, n_tok, reg, S, RV, JP: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _expand(out, reg, msk, S, RV, LB: tl.constexpr, FP8: tl.constexpr):
+def _expand(out, reg, msk, S, RV, LB: tl.constexpr, FP8: tl.constexpr, deep,
+            DEEP_EP: tl.constexpr):
     """Stage 4: this rank's receive slots into the per-expert layout ``out`` (FP8: recv_x is
     the uint8 view of the e4m3 output, and the scales are copied alongside). Sources in the bit
-    mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts."""
+    mask ``msk`` (masked ranks) count as having sent nothing: no rows, no counts. DEEP_EP: DeepEP's
+    layouts too, into ``deep`` (a ``DeepOut``) and the scales into ``out.recv_scales`` in
+    DeepEP's storage (deep_ep_layout.py)."""
     b = tl.program_id(0)
     T: tl.constexpr = S.T
     H: tl.constexpr = S.H
@@ -97,8 +102,13 @@ def _expand(out, reg, msk, S, RV, LB: tl.constexpr, FP8: tl.constexpr):
             lm = ls < L
             tot = tl.zeros([LB], tl.int32)
             for s in range(W):
-                tot += tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
+                c = tl.where(_masked(msk, s), 0, tl.load(cntp + s * L + ls, mask=lm, other=0))
+                if DEEP_EP:
+                    _layout_entry(deep.layout, ls, lm, s, tot, c, W)
+                tot += c
             tl.store(out.recv_count + ls, tot, mask=lm)
+            if DEEP_EP:
+                _deep_ep_totals(deep.layout, deep.stats, ls, lm, tot, 0, W, S.WP)
         tl.store(out.ntok + ps, nts, mask=ps < W)
     ks = tl.arange(0, S.KP)
     kmask = ks < K
@@ -125,13 +135,20 @@ def _expand(out, reg, msk, S, RV, LB: tl.constexpr, FP8: tl.constexpr):
             flat = le * (W * T) + row
             tl.store(out.row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
             tl.store(out.src_info + flat, tl.full([S.KP], 0, tl.int32) + slot, mask=first)
+            if DEEP_EP:     # DeepEP's src_info: the source token alone
+                tl.store(deep.src + flat, tl.full([S.KP], 0, tl.int32) + t, mask=first)
             for k in tl.static_range(K):
                 pick = ks == k
                 if tl.sum((pick & first).to(tl.int32), axis=0) > 0:
                     flat_k = tl.sum(tl.where(pick, flat, 0), axis=0).to(tl.int64)
                     tl.store(out.recv_x + flat_k * H + hs, v, mask=hm)
                     if FP8:
-                        tl.store(out.recv_scales + flat_k * NS + ns, sv, mask=nsm)
+                        if DEEP_EP:
+                            _scales_to_column(out.recv_scales, flat_k + 1,
+                                              sv.to(tl.int32, bitcast=True), W * T, NS, RV.NSP,
+                                              DEEP_EP == UE8M0_LAYOUT)
+                        else:
+                            tl.store(out.recv_scales + flat_k * NS + ns, sv, mask=nsm)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -140,7 +157,8 @@ def flag_dispatch_kernel(
         topk,           # [n_tok, K] int64 global expert ids, -1 = none
         n_tok,          # tokens of this rank (<= T)
         recv_x,         # [L, W * T, H] output (FP8: its uint8 view)
-        recv_scales,    # [L, W * T, NS] fp32 output (FP8 only; any pointer otherwise)
+        recv_scales,    # [L, W * T, NS] fp32 output (FP8 only; any pointer otherwise); with
+        #                 DEEP_EP DeepEP's storage, [L, NS, W * T] fp32 or [L, NS / 4, W * T] int32
         row_of,         # [W, T, K] int32 handle: flat row e * W * T + row of (s, t, k), or -1
         src_info,       # [L, W * T] int32 handle: s * T + t of each row
         recv_count,     # [L] int32 output
@@ -153,6 +171,9 @@ def flag_dispatch_kernel(
         wts,            # [n_tok, K] fp32 top-k weights (CARRY only; any pointer otherwise)
         w_off,          # CARRY: byte offset of the handle slot's weights region, every rank
         stats,          # STATS: [W] int64 wait statistics (ns waited per source; common.py)
+        deep_src,       # DEEP_EP: [L, W * T] int32, DeepEP's src_info (None otherwise)
+        deep_layout,    # DEEP_EP: [L, W] int64, DeepEP's layout_range (None otherwise)
+        deep_stats,     # DEEP_EP: [L] int32 cumulative received rows, or None
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
         K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
         E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
@@ -175,6 +196,7 @@ def flag_dispatch_kernel(
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
         STATS: tl.constexpr = 0,        # 1: wait statistics into stats (_wait_flags)
+        DEEP_EP: tl.constexpr = 0,      # DeepEP's layouts too (deep_ep_layout.py)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
@@ -225,11 +247,15 @@ def flag_dispatch_kernel(
             msk = agreed
         _stamp(err, 4, PROFILE, 0, NB)
     if STAGES & 2:      # D_RECV
+        deep = DeepOut(deep_src, deep_layout, deep_stats)
         if ok:
             _expand(Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg, msk,
-                    S, RV, LB, FP8)
+                    S, RV, LB, FP8, deep, DEEP_EP)
         if broken | (ok == 0):
+            # DeepEP's UE8M0 scales: one int32 word per four groups
             _poison_received(Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out),
-                             S, NS, FP8)
+                             S, NS // 4 if DEEP_EP == UE8M0_LAYOUT else NS, FP8)
+            if DEEP_EP:     # and layout_range says so, as recv_count does
+                _poison_layout(deep_layout, S, LB)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)

@@ -23,6 +23,8 @@ from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK
                      STATUS_MISMATCH, Region, Sizes, _add_stats_by_rank, _at, _bit_or,
                      _first_entries, _first_token, _poison_received, _push_weights, _rank_bits,
                      _row_words, _stamp)
+from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
+                             _poison_layout, _scales_to_column)
 from .dispatch_common import Out, Recv, Tiles, _send_routing
 from .fp8 import FP8_BLOCK, _pack_row_fp8
 
@@ -132,9 +134,22 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
 
 
 @triton.jit
+def _copy_scales_deep_ep(dst, flat, first, sv, RV, R: tl.constexpr, K: tl.constexpr,
+                         KP: tl.constexpr, UE8M0: tl.constexpr):
+    """A row's scales ``sv`` into DeepEP's storage ``dst`` (``_scales_to_column``) at flat row
+    ``flat[k]`` for every entry k in ``first``, the flat rows picked as ``_copy_rows`` picks
+    them."""
+    ks = tl.arange(0, KP)
+    for k in tl.static_range(K):
+        row1 = tl.sum(tl.where((ks == k) & first, flat + 1, 0), axis=0)
+        _scales_to_column(dst, row1, sv, R, RV.NS, RV.NSP, UE8M0)
+
+
+@triton.jit
 def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.constexpr,
                FP8: tl.constexpr, CARRY: tl.constexpr, POLL: tl.constexpr,
-               PROFILE: tl.constexpr, OWN_X: tl.constexpr, stats, STATS: tl.constexpr):
+               PROFILE: tl.constexpr, OWN_X: tl.constexpr, stats, STATS: tl.constexpr, deep,
+               DEEP_EP: tl.constexpr):
     """The receive: what the flag dispatch's expand does, each word waited for where it is
     read: the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights, copied to
@@ -144,8 +159,9 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
     later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x``
     (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm.
     STATS: every wait timed per source (``_take_ll_timed``; the token counts one source at a
-    time) and the block's totals added to ``stats`` at the end. Returns whether a wait of the
-    block failed."""
+    time) and the block's totals added to ``stats`` at the end. DEEP_EP: DeepEP's layouts too,
+    into ``deep`` (a ``DeepOut``) and the scales into ``out.recv_scales`` in DeepEP's storage
+    (deep_ep_layout.py). Returns whether a wait of the block failed."""
     b = tl.program_id(0)
     T: tl.constexpr = S.T
     K: tl.constexpr = S.K
@@ -205,8 +221,12 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                 c, failed, acc = _take_ll_timed(cntp + s * L + ls, lm,
                                                 tl.full([LB], s, tl.int64), epoch, failed,
                                                 limit, err, POLL, 1, acc, s, WP, STATS)
+                if DEEP_EP:
+                    _layout_entry(deep.layout, ls, lm, s, tot, c.to(tl.int32), W)
                 tot += c.to(tl.int32)
             tl.store(out.recv_count + ls, tot, mask=lm)
+            if DEEP_EP:
+                _deep_ep_totals(deep.layout, deep.stats, ls, lm, tot, failed, W, WP)
         tl.store(out.ntok + ps, nts, mask=ps < W)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -233,6 +253,8 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                 flat = le * (W * T) + row
                 tl.store(out.row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
                 tl.store(out.src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
+                if DEEP_EP:     # DeepEP's src_info: the source token alone
+                    tl.store(deep.src + flat, tl.full([KP], 0, tl.int32) + t, mask=first)
                 own_x = (s == reg.rank) & (OWN_X == 1)
                 if tl.max(valid.to(tl.int32), axis=0) > 0:      # the row was sent here
                     if own_x:
@@ -259,7 +281,11 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                             tl.store(xp + slot * RW + ws, tl.full([HPW], ROW_SENTINEL, tl.int32),
                                      mask=wm)   # armed again
                         if FP8:
-                            _copy_rows(rs, flat, first, sv, NS, ns, nsm, K, KP)
+                            if DEEP_EP:
+                                _copy_scales_deep_ep(rs, flat, first, sv, RV, W * T, K, KP,
+                                                     DEEP_EP == UE8M0_LAYOUT)
+                            else:
+                                _copy_rows(rs, flat, first, sv, NS, ns, nsm, K, KP)
                             tl.store(scp + slot * NS + ns, tl.full([NSP], ROW_SENTINEL,
                                                                    tl.int32), mask=nsm)
                         if CARRY:
@@ -279,7 +305,8 @@ def ll_dispatch_kernel(
         topk,           # [n_tok, K] int64 global expert ids, -1 = none
         n_tok,          # tokens of this rank (<= T)
         recv_x,         # [L, W * T, H] output (FP8: its uint8 view)
-        recv_scales,    # [L, W * T, NS] fp32 output (FP8 only; any pointer otherwise)
+        recv_scales,    # [L, W * T, NS] fp32 output (FP8 only; any pointer otherwise); with
+        #                 DEEP_EP DeepEP's storage, [L, NS, W * T] fp32 or [L, NS / 4, W * T] int32
         row_of,         # [W, T, K] int32 handle: flat row e * W * T + row of (s, t, k), or -1
         src_info,       # [L, W * T] int32 handle: s * T + t of each row
         recv_count,     # [L] int32 output
@@ -292,6 +319,9 @@ def ll_dispatch_kernel(
         wts,            # [n_tok, K] fp32 top-k weights (CARRY only; any pointer otherwise)
         w_off,          # CARRY: byte offset of the handle slot's weights region (this rank)
         stats,          # STATS: [W] int64 wait statistics (ns waited per source; _expand_ll)
+        deep_src,       # DEEP_EP: [L, W * T] int32, DeepEP's src_info (None otherwise)
+        deep_layout,    # DEEP_EP: [L, W] int64, DeepEP's layout_range (None otherwise)
+        deep_stats,     # DEEP_EP: [L] int32 cumulative received rows, or None
         T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
         K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
         E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
@@ -315,6 +345,7 @@ def ll_dispatch_kernel(
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
         OWN_X: tl.constexpr = 0,        # not FP8: own rows expanded from x (_expand_ll)
         STATS: tl.constexpr = 0,        # 1: wait statistics into stats (_expand_ll)
+        DEEP_EP: tl.constexpr = 0,      # DeepEP's layouts too (deep_ep_layout.py)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
@@ -345,8 +376,12 @@ def ll_dispatch_kernel(
         out = Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out)
         failed = _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB,
                             FP8=FP8, CARRY=CARRY, POLL=(STAGES & 8) != 0, PROFILE=PROFILE,
-                            OWN_X=OWN_X_ON, stats=stats, STATS=STATS)
+                            OWN_X=OWN_X_ON, stats=stats, STATS=STATS,
+                            deep=DeepOut(deep_src, deep_layout, deep_stats), DEEP_EP=DEEP_EP)
         if broken | (failed != 0):
-            _poison_received(out, S, NS, FP8)
+            # DeepEP's UE8M0 scales: one int32 word per four groups
+            _poison_received(out, S, NS // 4 if DEEP_EP == UE8M0_LAYOUT else NS, FP8)
+            if DEEP_EP:     # and layout_range says so, as recv_count does
+                _poison_layout(deep_layout, S, LB)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
