@@ -35,16 +35,6 @@ class CheckConfig:
     dtypes: tuple = DTYPES
 
 
-def all_inputs(world: int, n: int, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
-    """``[world, n]``: rank r's input is drawn from seed (seed, r), so any rank can rebuild all."""
-    g = torch.Generator(device=device)
-    rows = []
-    for r in range(world):
-        g.manual_seed(seed * 64 + r)
-        rows.append(torch.randn(n, dtype=dtype, device=device, generator=g))
-    return torch.stack(rows)
-
-
 def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, exact: bool):
     """(label, fn, out, expected, bound, reset) for every op at ``count`` elements per rank."""
     def reduced(stack):
@@ -52,7 +42,7 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
             return verify.rank_order_sum(stack, dtype), None
         return stack.double().sum(0), verify.sum_bound(stack, dtype)
 
-    stack = all_inputs(world, count, dtype, device, seed)
+    stack = verify.all_inputs(world, count, dtype, device, seed)
     x = stack[rank].clone()
     nbytes = count * x.element_size()
     algos = ["auto"]
@@ -81,7 +71,7 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
     exp2 = stack[:, :tokens * part].reshape(world, tokens, part).transpose(0, 1).reshape(
         tokens, world * part)
     yield ("all_gather_2d", lambda: comm.all_gather_2d(x2, out=out2), out2, exp2, None, None)
-    stack_rs = all_inputs(world, world * count, dtype, device, seed + 1)
+    stack_rs = verify.all_inputs(world, world * count, dtype, device, seed + 1)
     xrs = stack_rs[rank].clone()
     outrs = torch.empty(count, dtype=dtype, device=device)
     exp_rs, bound_rs = reduced(stack_rs[:, rank * count:(rank + 1) * count])
@@ -89,24 +79,37 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
            bound_rs, None)
 
 
-def _run_case(comm, device, mode: str, fn, out, expected, bound, reset) -> tuple[int, str | None]:
-    """(wrong elements on this rank, error or None)."""
-    poison = reset or (lambda: verify.poison_(out))
+def _run_case(comm, mode: str, fn, reset, wrong, same=()) -> tuple[int, str | None]:
+    """(wrong elements on this rank, error or None). ``reset`` poisons the outputs, ``wrong()``
+    counts wrong elements; bytes of ``same`` that differ from rank 0's count too (a collective,
+    so it runs whatever happened before)."""
+    n, err = 0, None
     try:
-        poison()
+        reset()
         if mode == "graph":
             graph = timing.capture(fn, 1)
-            poison()
+            reset()
             for _ in range(REPLAYS):
                 graph.replay()
         else:
             fn()
-            poison()
+            reset()
             fn()  # a repeat call: what the first call leaves behind must not break the next
         comm.check()
-        return verify.count_wrong(out, expected, bound), None
+        n = wrong()
     except Exception as e:  # noqa: BLE001 - reported as FAIL
-        return 0, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    if same:
+        n += verify.rank_differences(same)
+    return n, err
+
+
+def _result(comm, device, mode: str, fn, reset, wrong, same=(), **row) -> dict:
+    """One check run on every rank, as a result row (``row``: op, count, dtype, ...)."""
+    n, err = _run_case(comm, mode, fn, reset, wrong, same)
+    if spawn.any_rank(err is not None, device) and err is None:
+        err = "failed on another rank"
+    return {**row, "mode": mode, "wrong": spawn.sum_over_ranks(n, device), "error": err}
 
 
 def rank_main(rank: int, world: int, cfg: CheckConfig):
@@ -116,26 +119,23 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtypes = [options.parse_dtype(d) for d in cfg.dtypes]
     largest = max(world * c for c in cfg.counts) * max(
-        torch.empty(0, dtype=options.parse_dtype(d)).element_size() for d in cfg.dtypes)
+        torch.empty(0, dtype=d).element_size() for d in dtypes)
     comm = Communicator(max_bytes=largest, backend=cfg.backend)
     exact = comm.backend == "peer"
     results = []
     modes = ("eager", "graph") if cuda else ("eager",)
-    for di, dname in enumerate(cfg.dtypes):
-        dtype = options.parse_dtype(dname)
+    for di, (dname, dtype) in enumerate(zip(cfg.dtypes, dtypes)):
         for ci, count in enumerate(cfg.counts):
             seed = cfg.seed + 100 * di + 10 * ci
             for label, fn, out, exp, bound, reset in _cases(comm, rank, world, dtype, count,
                                                              device, seed, exact):
                 for mode in modes:
-                    wrong, err = _run_case(comm, device, mode, fn, out, exp, bound, reset)
-                    failed_somewhere = spawn.any_rank(err is not None, device)
-                    if failed_somewhere and err is None:
-                        err = "failed on another rank"
-                    results.append({"op": label, "count": count, "dtype": dname, "mode": mode,
-                                    "wrong": spawn.sum_over_ranks(wrong, device), "error": err,
-                                    "exact": bound is None})
+                    results.append(_result(
+                        comm, device, mode, fn, reset or (lambda out=out: verify.poison_(out)),
+                        lambda out=out, exp=exp, bound=bound: verify.count_wrong(out, exp, bound),
+                        op=label, count=count, dtype=dname, exact=bound is None))
     backend, why = comm.backend, comm.backend_reason
     comm.close()
     results += check_ep.ep_results(rank, world, cfg.backend, device, cfg.seed)
