@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import check_ep, options, result_files, spawn, timing, verify
+from . import check_ep, check_fused, options, result_files, spawn, timing, verify
 
 #: Elements per rank: a single element, an odd small count, an odd count of about 0.5 MiB (bf16).
 COUNTS = (1, 4099, 262147)
@@ -25,6 +25,8 @@ EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
 PART_2D = 131
 #: Replays of each captured graph before its output is checked.
 REPLAYS = 3
+#: Offset of the fused joins' seeds from the other ops'.
+FUSED_SEED = 5000
 
 
 @dataclass
@@ -120,8 +122,8 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtypes = [options.parse_dtype(d) for d in cfg.dtypes]
-    largest = max(world * c for c in cfg.counts) * max(
-        torch.empty(0, dtype=d).element_size() for d in dtypes)
+    largest = max(max(world * c for c in cfg.counts) * max(
+        torch.empty(0, dtype=d).element_size() for d in dtypes), check_fused.max_bytes(dtypes))
     comm = Communicator(max_bytes=largest, backend=cfg.backend)
     exact = comm.backend == "peer"
     results = []
@@ -136,6 +138,13 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
                         comm, device, mode, fn, reset or (lambda out=out: verify.poison_(out)),
                         lambda out=out, exp=exp, bound=bound: verify.count_wrong(out, exp, bound),
                         op=label, count=count, dtype=dname, exact=bound is None))
+    for di, (dname, dtype) in enumerate(zip(cfg.dtypes, dtypes)):
+        seed = cfg.seed + FUSED_SEED + 100 * di
+        for c in check_fused.cases(comm, rank, world, dtype, device, seed, exact):
+            for mode in modes:
+                results.append(_result(comm, device, mode, c.fn, c.reset, c.wrong, c.same,
+                                       op=c.label, count=c.shape, unit="tokens x hidden",
+                                       dtype=dname, exact=exact))
     backend, why = comm.backend, comm.backend_reason
     comm.close()
     results += check_ep.ep_results(rank, world, cfg.backend, device, cfg.seed)
@@ -149,13 +158,15 @@ def summarize(res: dict) -> tuple[list[str], int]:
     groups: dict = {}
     for r in res["results"]:
         groups.setdefault((r["op"], r["count"]), []).append(r)
+    width = max((len(op) for op, _ in groups), default=0)
     for (op, count), rs in groups.items():
         bad = [r for r in rs if r["error"] or r["wrong"]]
         failures += len(bad)
         dtypes = "/".join(dict.fromkeys(r["dtype"] for r in rs))
         modes = "+".join(dict.fromkeys(r["mode"] for r in rs))
-        unit = "tokens/rank" if op.startswith(("ep ", "deep_ep ")) else "elems/rank"
-        lines.append(f"{'FAIL' if bad else 'PASS'}  {op:<32} {count:>8} {unit}  "
+        unit = rs[0].get("unit") or (
+            "tokens/rank" if op.startswith(("ep ", "deep_ep ")) else "elems/rank")
+        lines.append(f"{'FAIL' if bad else 'PASS'}  {op:<{width}} {count:>8} {unit}  "
                      f"{dtypes}, {modes}")
         for r in bad:
             what = r["error"] or f"{r['wrong']} wrong elements (summed over ranks)"
