@@ -1,12 +1,13 @@
-"""``llcomm check``: a correctness self-test of every TP op and of EP dispatch / combine
-(``EPBuffer`` and ``llcomm.deep_ep``, every variant and a random call sequence: ``check_ep``) on
-this host, with the auto backend.
+"""``llcomm check``: a correctness self-test of every TP op, the fused all-reduce + RMSNorm joins
+(``check_fused``) and EP dispatch / combine (``EPBuffer`` and ``llcomm.deep_ep``, every variant
+and a random call sequence: ``check_ep``) on this host, with the auto backend.
 
 Spawned like the benchmarks (one process per GPU, else two gloo processes). The oracle is
 independent of torch.distributed: every rank regenerates every rank's input from a seed and
 computes the expected result locally (sums in fp32 in rank order, rounded once). The peer
 backend must match bit for bit; the reference backend (NCCL's or gloo's own summation order)
-within a summation-error bound; movement ops byte for byte. On GPUs every op is also captured in a
+within a summation-error bound; movement ops byte for byte (the fused joins: ``check_fused``,
+which also compares the ranks' bytes). On GPUs every op is also captured in a
 CUDA graph and replayed several times. Outputs are poisoned with NaN before every run.
 """
 from __future__ import annotations
