@@ -122,8 +122,8 @@ def telling_scale(y: torch.Tensor) -> torch.Tensor:
 
 def pow2_up(s: torch.Tensor) -> torch.Tensor:
     """fp32 ``s`` > 0 up to a power of two (at least the smallest normal), by frexp."""
-    m, e = torch.frexp(s)                               # s = m * 2**e, m in [0.5, 1)
-    p = torch.where(m == 0.5, s, torch.ldexp(torch.ones_like(s), e))
+    m, _ = torch.frexp(s)                       # s = m * 2**e, m in [0.5, 1)
+    p = torch.where(m == 0.5, s, s / m)         # s / m = 2**e exactly (an IEEE division)
     return p.clamp(min=SMALLEST_NORMAL_SCALE)
 
 
