@@ -198,7 +198,7 @@ def _keep(buf: int, handle) -> torch.Tensor:
     kept[handle.index] = handle
     for old in [i for i in kept if i <= handle.index - KEPT_HANDLES]:
         del kept[old]
-    return torch.tensor(handle.index, dtype=torch.int64)
+    return torch.tensor(handle.index, dtype=torch.int64, device="cpu")
 
 
 @_ep_dispatch.register_fake

@@ -23,24 +23,27 @@ which also gives the interpreter the GPU clock the bounded waits read). Checked:
   kernels);
 - ranks that disagree about the call (size, dtype, op, row shape; dtypes of the same bytes;
   as many words of another width): every rank's error word is
-  a mismatch of its own op at the entry barrier naming the ranks that disagree, and nothing is
-  written to its output;
+  a mismatch of its own op at the entry barrier naming the ranks that disagree, and its output
+  (pre-filled with POISON_BYTE, a valid-looking value) is all POISON_BITS bytes (0xFF);
 - a rank that never launches: its peers' error words are a timeout naming it (at the entry
   barrier, after a round whose same-tag words of an older epoch are still in the flags), the
-  wait ended after the bound and not long after; a peer that stops between two_shot's barriers
-  is a timeout at the exit barrier; a peer's word of a later epoch counts as arrived.
+  wait ended after the bound and not long after, its output all 0xFF bytes; a peer that stops
+  between two_shot's barriers is a timeout at the exit barrier, and the waiting rank's output is
+  0xFF bytes (its own shard too); a peer's word of a later epoch counts as arrived.
 """
 from __future__ import annotations
 
 import pytest
 
 from _interp import run_in_interpreter, run_ranks
-from _payloads import POISON_BYTE, payload  # noqa: F401  (the poison of every output)
+from _payloads import POISON_BYTE, payload  # noqa: F401  (the pre-fill of every output)
 from llcomm.tp import peer                                  # PeerBackend and its region layout
 from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
 from llcomm.tp.kernels import all_reduce, ll, lamport, movement, reduce_scatter  # its kernels
 
 BF, F32 = "bfloat16", "float32"
+#: Every byte of a failed call's output (protocol.POISON_BITS, all bits set).
+FAILED_BYTE = P.POISON_BITS & 0xFF
 #: Bound of the device waits in matched rounds and mismatches: long enough for any peer thread
 #: of a loaded CPU to arrive (a mismatch is seen as soon as the peer's word arrives).
 LONG_US = 10_000_000
@@ -170,13 +173,14 @@ class Call:
     def result(self):
         return self.x if self.kind == "broadcast" else self.out
 
-    def untouched(self) -> bool:
-        """Nothing written to the output (the poison is whole)."""
+    def poisoned(self) -> bool:
+        """A failed call's output: every byte 0xFF (protocol.POISON_BITS), none of the
+        pre-fill left; broadcast's root keeps its operand."""
         import torch
-        if self.kind == "broadcast":
-            return self.rank == self.spec[3] or bool((self.x.view(-1).view(torch.uint8)
-                                                      == POISON_BYTE).all())
-        return bool((self.out.view(-1).view(torch.uint8) == POISON_BYTE).all())
+        if self.kind == "broadcast" and self.rank == self.spec[3]:
+            return _same_bits(self.x, self.x0)
+        got = self.result().reshape(-1).view(torch.uint8)
+        return bool((got == FAILED_BYTE).all())
 
 
 def _same_bits(a, b) -> bool:
@@ -274,21 +278,22 @@ def simulate_matched(W, NB, rounds, ll_bytes=0):
 def simulate_faulty(W, NB, warmup, specs, timeout_us):
     """``warmup`` matched rounds, then one round where rank r calls specs[r] (None: it never
     launches) with waits bounded by ``timeout_us``. Returns per launching rank [its error word
-    decoded, seconds in its call, whether its output is untouched]; None for the others."""
+    decoded, seconds in its call, whether its output is poisoned]; None for the others."""
     V = VirtualPeers(W, NB, max(_nbytes(s) for s in [*warmup, *specs] if s), timeout_us)
     for i, spec in enumerate(warmup):   # its results are test_matched_rounds' business
         _launch_round(V, [spec] * W, seed=i)
         assert not any(map(V.error, range(W))), "an error in the warm-up"
     calls, secs = _launch_round(V, specs, seed=len(warmup))
     secs = iter(secs)
-    return [None if c is None else [V.error(r), next(secs), c.untouched()]
+    return [None if c is None else [V.error(r), next(secs), c.poisoned()]
             for r, c in enumerate(calls)]
 
 
 def two_shot_exit_timeout(n, timeout_us):
     """Rank 0 of 2 runs two_shot (fp32, TIMEOUT_NB blocks); rank 1 is a peer that arrived at
     the entry barrier (its flag words; its shard in rank 0's staging is left zero) and then
-    stopped. Returns rank 0's error word decoded and the seconds of its call."""
+    stopped. Returns rank 0's error word decoded, the seconds of its call and whether its
+    output is poisoned."""
     import time
     V = VirtualPeers(2, TIMEOUT_NB, n * 4, timeout_us)
     tag = P.size_tag(P.OP_TWO_SHOT, n, "float32")
@@ -296,7 +301,7 @@ def two_shot_exit_timeout(n, timeout_us):
     c = Call(("two_shot", n, F32), 0, 0, 2)
     t0 = time.monotonic()
     run_ranks([lambda: c.run(V.ranks[0])])
-    return [V.error(0), time.monotonic() - t0]
+    return [V.error(0), time.monotonic() - t0, c.poisoned()]
 
 
 def later_epoch_arrives(n):
@@ -309,6 +314,17 @@ def later_epoch_arrives(n):
     c = Call(("one_shot", n, F32), 0, 0, 2)
     run_ranks([lambda: c.run(V.ranks[0])])
     return [V.error(0), V.ranks[0].ctrl.tolist()]
+
+
+def started_after_failure(n):
+    """Two ranks run a matched one_shot (fp32) whose waits all succeed, but rank 0's device
+    error word is already set (an earlier op failed; its host copy not yet read). Returns per
+    rank [whether its output is poisoned, whether it holds the sum]."""
+    V = VirtualPeers(2, 2, n * 4, LONG_US)
+    V.ranks[0].err[0] = P.STATUS_TIMEOUT << 48
+    calls, _ = _launch_round(V, [("one_shot", n, F32)] * 2, seed=0)
+    want = calls[0].x0.float() + calls[1].x0.float()
+    return [[c.poisoned(), _same_bits(c.out, want)] for c in calls]
 
 
 # -- the tests -------------------------------------------------------------------------------------
@@ -438,6 +454,7 @@ def simulate_faults(mismatches, timeouts):
         got[name] = simulate_faulty(W, TIMEOUT_NB, [next(s for s in specs if s)], specs, bound)
     got["exit"] = two_shot_exit_timeout(16384, 500_000)
     got["later-epoch"] = later_epoch_arrives(4099)
+    got["after-failure"] = started_after_failure(4099)
     return got
 
 
@@ -451,43 +468,50 @@ def faults():
 def test_mismatch_is_reported_on_every_rank(faults, name):
     """Each rank names its own op at the entry barrier and ranks whose call differs from its
     own: all of them where there is one (a rank reports the first disagreeing words it sees,
-    so with several it may name some before the others arrive); no output is written."""
+    so with several it may name some before the others arrive); the output is poisoned."""
     W, specs, ops = MISMATCHES[name]
     seen = faults[name]
     for r in range(W):
         differ = [p for p in range(W) if specs[p] != specs[r]]
         assert seen[r][0], (r, seen)
-        (kind, op, phase, ranks), _, untouched = seen[r]
+        (kind, op, phase, ranks), _, poisoned = seen[r]
         assert [kind, op, phase] == ["CommMismatchError", P.OPS[_OP[ops[r]]],
                                      P.PHASES[P.PHASE_ENTRY]], (r, seen)
         assert ranks and set(ranks) <= set(differ) and (len(differ) > 1 or ranks == differ), \
             (r, seen)
-        assert untouched, f"rank {r} wrote its output after a mismatch"
+        assert poisoned, f"rank {r}: its output after a mismatch is not poisoned"
 
 
 @pytest.mark.parametrize("name", list(TIMEOUTS))
 def test_rank_that_never_launches_is_a_timeout(faults, name):
     """The waiting ranks name the missing one at the entry barrier, within the bound
-    (``_within_bound``), and write nothing."""
+    (``_within_bound``), and poison their outputs."""
     W, specs, bound = TIMEOUTS[name]
     missing = [r for r, s in enumerate(specs) if s is None]
     seen = faults[name]
     for r in range(W):
         if specs[r] is None:
             continue
-        err, secs, untouched = seen[r]
+        err, secs, poisoned = seen[r]
         assert err == ["CommTimeoutError", P.OPS[_OP[specs[r][0]]], P.PHASES[P.PHASE_ENTRY],
                        missing], (r, seen)
         assert _within_bound(secs, bound, TIMEOUT_NB), (r, secs)
-        assert untouched, f"rank {r} wrote its output without its peers"
+        assert poisoned, f"rank {r}: its output without its peers is not poisoned"
 
 
 def test_peer_stopped_between_two_shot_barriers_is_an_exit_timeout(faults):
-    err, secs = faults["exit"]
+    err, secs, poisoned = faults["exit"]
     assert err == ["CommTimeoutError", P.OPS[P.OP_TWO_SHOT], P.PHASES[P.PHASE_EXIT], [1]], err
     assert _within_bound(secs, 500_000, TIMEOUT_NB), secs
+    assert poisoned, "two_shot's output after an exit timeout is not poisoned"
 
 
 def test_peer_word_of_a_later_epoch_counts_as_arrived(faults):
     err, ctrl = faults["later-epoch"]
     assert err is None and ctrl == [1] * 2, (err, ctrl)
+
+
+def test_kernel_started_after_a_failure_poisons_its_output(faults):
+    """A rank whose error word was set before the kernel began poisons what it computes, even
+    though every wait succeeded (its round is not trusted); its peer's sum is unaffected."""
+    assert faults["after-failure"] == [[True, False], [False, True]], faults["after-failure"]

@@ -84,6 +84,16 @@ class Call:
         self.out = torch.full_like(self.x[:self.n] if self.kind == "reduce_scatter" else self.x,
                                    float("nan"))
 
+    def outputs(self):
+        """What the call writes: out (fused: and residual_out)."""
+        return [self.out, self.h] if self.kind == "fused" else [self.out]
+
+    def poisoned(self) -> bool:
+        """Every output element is protocol.POISON_BITS (all bits set: a NaN)."""
+        from llcomm.runtime import protocol as P
+        return all(bool((o.view(_int_view(self.dtype)[0]) == P.POISON_BITS).all())
+                   for o in self.outputs())
+
     def op(self) -> int:
         from llcomm.runtime import protocol as P
         return {"all_reduce": P.OP_LAMPORT, "reduce_scatter": P.OP_LAMPORT_REDUCE_SCATTER,
@@ -135,11 +145,21 @@ class Call:
         return None if ok else f"{self.kind} {tuple(self.x.shape)} {self.dname}: not the sum"
 
 
-def _round(R: Regions, specs, seed: int, pushers=None):
+#: What every output holds before a round that fails (``simulate_failed_outputs``): a
+#: valid-looking value, never the poison.
+PREFILL = 1.5
+
+
+def _round(R: Regions, specs, seed: int, pushers=None, prefill=None):
     """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push, then every
-    rank reduces. Returns the calls."""
+    rank reduces. ``prefill``: the value every output holds before (default NaN). Returns the
+    calls."""
     from llcomm.tp.kernels import lamport
     calls = [Call(s, seed, r, R.W) for r, s in enumerate(specs)]
+    for c in calls:
+        if prefill is not None:
+            for o in c.outputs():
+                o.fill_(prefill)
     for r, c in enumerate(calls):
         if pushers is None or r in pushers:
             c.launch(R, r, lamport.PUSH)
@@ -182,6 +202,22 @@ def simulate_mismatch(W, NB, warmup, specs, pushers=None, lag=1):
     for r in range(W):
         e = P.decode_error(int(R.host[r][0]), r)
         seen.append(None if e is None else [type(e).__name__, e.op, e.phase, list(e.ranks)])
+    return seen
+
+
+def simulate_failed_outputs(W, NB, warmup, specs, pushers=None):
+    """``simulate_mismatch``'s rounds, the failing one with every output pre-filled with
+    PREFILL. Returns per rank [its error's type name or None, whether its outputs are
+    poisoned]."""
+    from llcomm.runtime import protocol as P
+    R = Regions(W, NB, slot_bytes=max(_nbytes(s) for s in [warmup, *specs]))
+    _round(R, [warmup] * W, seed=0)
+    calls = _round(R, specs, seed=1, pushers=None if pushers is None else set(pushers),
+                   prefill=PREFILL)
+    seen = []
+    for r, c in enumerate(calls):
+        e = P.decode_error(int(R.host[r][0]), r)
+        seen.append([None if e is None else type(e).__name__, c.poisoned()])
     return seen
 
 
@@ -274,6 +310,22 @@ def test_rank_that_never_pushed_is_a_timeout(spec):
     seen = _run_in_interpreter("simulate_mismatch", 2, 4, A, [spec, spec], [0])
     op = P.OP_LAMPORT_REDUCE_SCATTER if spec[0] == "reduce_scatter" else P.OP_LAMPORT
     assert seen[0] == ["CommTimeoutError", P.OPS[op], P.PHASES[P.PHASE_DATA], [1]]
+
+
+@pytest.mark.parametrize("spec", [A, ("all_reduce", 70000, BF), ("reduce_scatter", 4096, F32),
+                                  ("fused", 16, 64, BF)],
+                         ids=["one-chunk", "pipelined", "reduce-scatter", "fused"])
+def test_failed_wait_poisons_the_outputs(spec):
+    """Rank 1 never pushed: rank 0 times out and every element of its outputs (fused: out and
+    residual_out) is POISON_BITS, a NaN, where it held PREFILL; rank 1, which got rank 0's
+    data, has its result."""
+    seen = _run_in_interpreter("simulate_failed_outputs", 2, 4, spec, [spec, spec], [0])
+    assert seen == [["CommTimeoutError", True], [None, False]], seen
+
+
+def test_mismatch_poisons_the_outputs_on_every_rank():
+    seen = _run_in_interpreter("simulate_failed_outputs", 2, 4, A, [A, ("fused", 64, 64, BF)])
+    assert seen == [["CommMismatchError", True]] * 2, seen
 
 
 def test_lamport_slot_setting(monkeypatch):

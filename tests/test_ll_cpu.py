@@ -132,7 +132,9 @@ def simulate_matched(W, NB, cap, rounds):
 def simulate_faulty(W, NB, cap, warmup, specs, pushers=None, tags_only=()):
     """Matched ``warmup`` rounds, then one round where rank r calls specs[r] (see ``_round``
     for ``pushers`` and ``tags_only``). Returns per rank [the decoded error (type, op, phase,
-    ranks) or None, the number of output words that are neither poison nor its own data]."""
+    ranks) or None, the number of output words that are neither POISON, protocol.POISON_BITS
+    nor its own data, whether the output is poisoned: every word POISON_BITS (broadcast's root:
+    its x unchanged)]."""
     from llcomm.runtime import protocol as P
     R = Regions(W, NB, cap)
     for i, spec in enumerate(warmup):
@@ -144,9 +146,11 @@ def simulate_faulty(W, NB, cap, warmup, specs, pushers=None, tags_only=()):
     for r, c in enumerate(calls):
         e = P.decode_error(int(R.host[r][0]), r)
         got = c.out if c.kind == "gather" else c.x
-        foreign = int(((got != POISON) & ~torch_isin(got, c.x0)).sum())
+        foreign = int(((got != POISON) & (got != P.POISON_BITS) & ~torch_isin(got, c.x0)).sum())
+        root = c.kind == "bcast" and r == c.src
+        poisoned = bool((c.x == c.x0).all()) if root else bool((got == P.POISON_BITS).all())
         seen.append([None if e is None else [type(e).__name__, e.op, e.phase, list(e.ranks)],
-                     foreign])
+                     foreign, poisoned])
     return seen
 
 
@@ -172,12 +176,12 @@ def test_matched_rounds_are_byte_exact_and_leave_tags_idle(W, NB):
 def test_stale_words_are_never_taken_for_data():
     """Round 2 uses the half round 0 used, with the same call. Rank 1's tag has arrived but its
     words have not: rank 0 finds round 0's words there (same size, same tag, older epoch) and
-    must time out naming rank 1, with none of them in its output."""
+    must time out naming rank 1, with none of them in its output: it is poisoned."""
     from llcomm.runtime import protocol as P
     seen = run_in_interpreter("test_ll_cpu", "simulate_faulty", 2, 2, 256, [G64, G64],
                               [G64, G64], None, [1])
     assert seen[0] == [["CommTimeoutError", P.OPS[P.OP_ALL_GATHER], P.PHASES[P.PHASE_DATA], [1]],
-                       0], seen
+                       0, True], seen
 
 
 def test_rank_that_never_pushed_is_a_timeout():
@@ -185,7 +189,7 @@ def test_rank_that_never_pushed_is_a_timeout():
     seen = run_in_interpreter("test_ll_cpu", "simulate_faulty", 2, 4, 256, [G64], [G64, G64],
                               [0])
     assert seen[0] == [["CommTimeoutError", P.OPS[P.OP_ALL_GATHER], P.PHASES[P.PHASE_DATA], [1]],
-                       0], seen
+                       0, True], seen
 
 
 MISMATCHES = {  # name: (rank 0's call, rank 1's call, the op each reports)
@@ -202,8 +206,8 @@ def test_mismatch_is_reported_on_every_rank(name):
     a, b, ops = MISMATCHES[name]
     seen = run_in_interpreter("test_ll_cpu", "simulate_faulty", 2, 4, 256, [G64], [a, b])
     for r in range(2):
-        assert seen[r] == [["CommMismatchError", ops[r], P.PHASES[P.PHASE_DATA], [1 - r]], 0], \
-            (r, seen)
+        assert seen[r] == [["CommMismatchError", ops[r], P.PHASES[P.PHASE_DATA], [1 - r]], 0,
+                           True], (r, seen)
 
 
 def test_ll_bytes_setting(monkeypatch):

@@ -123,8 +123,8 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtypes = [options.parse_dtype(d) for d in cfg.dtypes]
-    largest = max(max(world * c for c in cfg.counts) * max(
-        torch.empty(0, dtype=d).element_size() for d in dtypes), check_fused.max_bytes(dtypes))
+    largest = max(max(world * c for c in cfg.counts) * max(d.itemsize for d in dtypes),
+                  check_fused.max_bytes(dtypes))
     comm = Communicator(max_bytes=largest, backend=cfg.backend)
     exact = comm.backend == "peer"
     results = []

@@ -79,7 +79,8 @@ class Rank:
         self.modes = ("graph",) if self.cuda else ("eager",)
 
     def rand(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen, device=self.device).to(DTYPE)
+        return torch.randn(*shape, generator=self.gen, device=self.device,
+                           dtype=torch.float32).to(DTYPE)
 
 
 def _cross_rank_wrong(out: torch.Tensor) -> int:
@@ -141,7 +142,7 @@ def tp_impls(R: Rank, model: M.DenseTP, comm, symm, batch: int) -> list[Impl]:
     # The same starting state on every rank (TP: every rank holds the whole batch).
     g = torch.Generator(device=R.device)
     g.manual_seed(R.cfg.seed + batch)
-    x = torch.randn(batch, 1, H, generator=g, device=R.device).to(DTYPE)
+    x = torch.randn(batch, 1, H, generator=g, device=R.device, dtype=torch.float32).to(DTYPE)
     out = torch.empty_like(x)
     cache = model.cache(batch)
     impls = []

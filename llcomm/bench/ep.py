@@ -235,7 +235,8 @@ class Rank:
 
 def run_tokens(R: Rank, n: int) -> list[dict]:
     cfg = R.cfg
-    x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device).to(DTYPE)
+    x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device,
+                    dtype=torch.float32).to(DTYPE)
     idx, w = uniform_routing(n, cfg.experts, cfg.topk, R.gen, R.device)
     exp = Expected(x, idx, w, R.rank, R.world, cfg.buffer_tokens, R.scale, R.bias)
     L = cfg.experts // R.world
@@ -281,11 +282,12 @@ def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
     rank each; ``bytes`` is what one rank sends in the whole step (mean over ranks)."""
     cfg = R.cfg
     mbs, expected, nbytes = [], [], 0
-    ones = torch.ones(cfg.experts, device=R.device)
-    zeros = torch.zeros(cfg.experts, device=R.device)
+    ones = torch.ones(cfg.experts, device=R.device, dtype=torch.float32)
+    zeros = torch.zeros(cfg.experts, device=R.device, dtype=torch.float32)
     L = cfg.experts // R.world
     for _ in range(MICRO_BATCHES):
-        x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device).to(DTYPE)
+        x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device,
+                        dtype=torch.float32).to(DTYPE)
         idx, w = uniform_routing(n, cfg.experts, cfg.topk, R.gen, R.device)
         mbs.append((x, idx, w))
         expected.append(Expected(x, idx, w, R.rank, R.world, cfg.buffer_tokens, ones,
@@ -293,7 +295,8 @@ def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
         dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
         dests.scatter_(1, idx // L, True)
         nbytes += 2 * spawn.sum_over_ranks(int(dests.sum()), R.device) * cfg.hidden * 2 // R.world
-    weight = (torch.randn(cfg.hidden, cfg.hidden, generator=R.gen, device=R.device)
+    weight = (torch.randn(cfg.hidden, cfg.hidden, generator=R.gen, device=R.device,
+                          dtype=torch.float32)
               / cfg.hidden ** 0.5).to(DTYPE)
     row = {**base, "op": OVERLAP_OP, "bytes": nbytes}
     rows = []

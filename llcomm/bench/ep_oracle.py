@@ -16,8 +16,9 @@ FP8_BLOCK = 128
 def uniform_routing(n: int, experts: int, topk: int, gen: torch.Generator, device):
     """``(topk_idx [n, topk] int64, topk_weights [n, topk] fp32)``: distinct uniform experts per
     token, uniform weights summing to 1."""
-    idx = torch.rand(n, experts, generator=gen, device=device).topk(topk, dim=1).indices
-    w = torch.rand(n, topk, generator=gen, device=device) + 0.01
+    idx = torch.rand(n, experts, generator=gen, device=device,
+                     dtype=torch.float32).topk(topk, dim=1).indices
+    w = torch.rand(n, topk, generator=gen, device=device, dtype=torch.float32) + 0.01
     return idx.contiguous(), (w / w.sum(1, keepdim=True)).contiguous()
 
 
@@ -55,7 +56,7 @@ def _e4m3_magnitudes() -> torch.Tensor:
     for code in range(127):
         exp, man = code >> 3, code & 7
         vals.append(man * 2.0 ** -9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7))
-    return torch.tensor(vals, dtype=torch.float64)
+    return torch.tensor(vals, dtype=torch.float64, device="cpu")
 
 
 def fp8_oracle(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +93,7 @@ class Expected:
         n, K = idx.shape
         xs = verify.gather_bytes(x).reshape(world * n, -1)            # pair p = s * n + t
         ids = verify.gather_inputs(idx).reshape(world * n, K)
-        mine = torch.arange(rank * L, (rank + 1) * L, device=idx.device)
+        mine = torch.arange(rank * L, (rank + 1) * L, device=idx.device, dtype=torch.int64)
         hit = (ids.unsqueeze(-1) == mine).any(1).T                   # [L, W * n]
         self.count = hit.sum(1).to(torch.int32)
         self.e, self.p = hit.nonzero(as_tuple=True)                  # expert-major, then pair

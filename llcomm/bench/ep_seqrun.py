@@ -46,16 +46,18 @@ def step_inputs(step: Dispatch, rank: int, world: int, num_experts: int, hidden:
     for s in range(world):
         g = torch.Generator().manual_seed(step.seed * 131 + s)
         n = step.tokens[s]
-        xs.append(torch.randn(n, hidden, generator=g).to(dtype))
-        idx = torch.rand(n, num_experts, generator=g).topk(step.topk, dim=1).indices
-        drop = torch.rand(n, step.topk, generator=g) < DROP_CHANCE
+        xs.append(torch.randn(n, hidden, generator=g, dtype=torch.float32, device="cpu").to(dtype))
+        scores = torch.rand(n, num_experts, generator=g, dtype=torch.float32, device="cpu")
+        idx = scores.topk(step.topk, dim=1).indices
+        drop = torch.rand(n, step.topk, generator=g, dtype=torch.float32,
+                          device="cpu") < DROP_CHANCE
         idxs.append(torch.where(drop, -1, idx).to(torch.int64).contiguous())
     return xs, idxs
 
 
 def weights(seed: int, rank: int, n: int, topk: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 131 + 17 + rank)
-    return (torch.rand(n, topk, generator=g) + 0.1).contiguous()
+    return (torch.rand(n, topk, generator=g, dtype=torch.float32, device="cpu") + 0.1).contiguous()
 
 
 def expert_input(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -93,12 +95,13 @@ class _Expected:
                 for t in (idx == g).any(1).nonzero().flatten().tolist():
                     e_ix.append(e), j_ix.append(j), src.append(s), tok.append(t)
                     j += 1
-        self.e, self.j = torch.tensor(e_ix, dtype=torch.long), torch.tensor(j_ix, dtype=torch.long)
+        self.e = torch.tensor(e_ix, dtype=torch.long, device="cpu")
+        self.j = torch.tensor(j_ix, dtype=torch.long, device="cpu")
         self.src, self.tok = src, tok
         self.count = torch.bincount(self.e, minlength=L).to(torch.int32)
         H = xs[0].shape[1]
         self.rows = torch.stack([xs[s][t] for s, t in zip(src, tok)]) if src else \
-            torch.empty(0, H, dtype=xs[0].dtype)
+            torch.empty(0, H, dtype=xs[0].dtype, device="cpu")
 
 
 class SequenceRunner:
@@ -160,9 +163,10 @@ class SequenceRunner:
         if self.api == "ep":
             shape = (self.L, self.world * self.T, self.H)
             if fp8:
-                out = (torch.full(shape, FP8_NAN_BYTE, dtype=torch.uint8, device=dev).view(
-                    torch.float8_e4m3fn), torch.full((*shape[:2], self.H // ep_oracle.FP8_BLOCK),
-                                                      float("nan"), device=dev))
+                codes = torch.full(shape, FP8_NAN_BYTE, dtype=torch.uint8, device=dev)
+                scales = torch.full((*shape[:2], self.H // ep_oracle.FP8_BLOCK), float("nan"),
+                                    dtype=torch.float32, device=dev)
+                out = (codes.view(torch.float8_e4m3fn), scales)
             else:
                 out = torch.full(shape, float("nan"), dtype=self.dtype, device=dev)
             got = self.buf.dispatch(x, idx, out=out, use_fp8=fp8,
@@ -181,7 +185,7 @@ class SequenceRunner:
         g = want.e + self.rank * self.L
         y = (xin.float() * self.scale[g].unsqueeze(1) + self.bias[g].unsqueeze(1)).to(self.dtype)
         expert_out = torch.full((self.L, self.world * self.T, self.H), float("nan"),
-                                dtype=self.dtype)
+                                dtype=self.dtype, device="cpu")
         expert_out[want.e, want.j] = y
         self.handles[step.handle] = dict(step=step, handle=handle, idx=idx, w=w,
                                          x=expert_input(xs[self.rank], step.fmt),
@@ -213,15 +217,15 @@ class SequenceRunner:
             want_s = ue8m0_words(scales) if step.fmt == "ue8m0" else scales
             if not torch.equal(_bits(got_s), _bits(want_s)):
                 fails.append(f"{'UE8M0 words' if step.fmt == 'ue8m0' else 'scales'} differ")
-        tok = torch.tensor(want.tok, dtype=torch.int32)
+        tok = torch.tensor(want.tok, dtype=torch.int32, device="cpu")
         if self.api == "ep":
-            src = torch.tensor(want.src, dtype=torch.int32) * self.T + tok
+            src = torch.tensor(want.src, dtype=torch.int32, device="cpu") * self.T + tok
             if not torch.equal(handle.src_info[e, j].cpu(), src):
                 fails.append("src_info differs")
             return fails
         if not torch.equal(handle[0][e, j].cpu(), tok):
             fails.append("src_info (source token) differs")
-        per = torch.zeros(self.L, self.world, dtype=torch.int64)
+        per = torch.zeros(self.L, self.world, dtype=torch.int64, device="cpu")
         for ee, s in zip(want.e.tolist(), want.src):
             per[ee, s] += 1
         begin = per.cumsum(1) - per

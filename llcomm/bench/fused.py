@@ -48,7 +48,7 @@ class Config:
 
 def rank_main(rank: int, world: int, cfg: Config):
     """One rank of ``llcomm bench fused``: rank 0 returns the result (header, rows, notes)."""
-    itemsize = torch.empty(0, dtype=options.parse_dtype(cfg.dtype)).element_size()
+    itemsize = options.parse_dtype(cfg.dtype).itemsize
     tp_cfg = TP.Config(sizes=[max(cfg.tokens) * max(cfg.hidden) * itemsize], dtype=cfg.dtype,
                        iters=cfg.iters, warmup=cfg.warmup, graph_ops=cfg.graph_ops, ops=(),
                        backend=cfg.backend, seed=cfg.seed, progress=False)

@@ -113,7 +113,8 @@ def impls(R: TP.Rank, op: str, tokens: int, hidden: int) -> list[timing.Impl]:
         y = torch.empty_like(x) if op in OPS[:2] else \
             torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=R.device)
         h = torch.empty_like(x)
-        sc = torch.empty(tokens, hidden // GROUP, device=R.device) if needs_groups(op) else None
+        sc = (torch.empty(tokens, hidden // GROUP, device=R.device, dtype=torch.float32) if
+              needs_groups(op) else None)
         if name == "fused":
             fn = _fused_fn(comm, op, x, res, w, scale, y, h, sc)
             impl, algo = R.llcomm_name, comm.choose_fused_algo(x.numel() * R.itemsize)

@@ -127,7 +127,7 @@ def _spec(rng: random.Random, world: int, max_elems: int, lamport_ok) -> tuple:
     elif kind == "all_gather_2d":
         rows = rng.randint(1, min(MAX_ROWS, n))
         n = rows * max(1, n // rows)
-    if kind == "lamport" and not lamport_ok(n * torch.tensor([], dtype=dtype).element_size()):
+    if kind == "lamport" and not lamport_ok(n * dtype.itemsize):
         kind = "one_shot"
     offset = rng.randrange(0, max_elems - n + 1)
     return kind, dtype, n, rows, offset
@@ -171,10 +171,12 @@ def _run_ep(buf, i: int, seed: int, pool: _Pool, rank: int, world: int, chk: _Ch
     """One dispatch + combine (experts = identity) against a local oracle of every rank."""
     E, H, T, K = buf.num_experts, buf.hidden, buf.max_tokens, EP_TOPK
     L, dev, dt = buf.num_local_experts, buf.device, buf.dtype
-    g = torch.Generator().manual_seed(seed * 7919 + i)
-    ns = torch.randint(0, T + 1, (world,), generator=g).tolist()
-    idx = [torch.randint(-1, E, (ns[s], K), generator=g) for s in range(world)]
-    w = torch.rand(ns[rank], K, generator=g)
+    # drawn on the host: the same numbers whatever the device
+    g = torch.Generator(device="cpu").manual_seed(seed * 7919 + i)
+    ns = torch.randint(0, T + 1, (world,), generator=g, device="cpu", dtype=torch.int64).tolist()
+    idx = [torch.randint(-1, E, (ns[s], K), generator=g, device="cpu", dtype=torch.int64)
+           for s in range(world)]
+    w = torch.rand(ns[rank], K, generator=g, device="cpu", dtype=torch.float32)
     off = (i * 31) % (pool.size // H - T)
     xs = pool.by_dtype[dt][:, off * H:(off + T) * H].reshape(world, T, H)
     # expected rows of each local expert: pairs (s, t) routed to it, by s then t
@@ -188,10 +190,12 @@ def _run_ep(buf, i: int, seed: int, pool: _Pool, rank: int, world: int, chk: _Ch
                 st_ix.append(s * T + t)
                 counts[e] += 1
     recv_x, recv_count, handle = buf.dispatch(xs[rank, :ns[rank]], idx[rank].to(dev))
-    chk.bits("dispatch", recv_count, torch.tensor(counts, dtype=torch.int32).to(dev))
+    chk.bits("dispatch", recv_count, torch.tensor(counts, dtype=torch.int32, device=dev))
     if e_ix:
-        got = recv_x[torch.tensor(e_ix, device=dev), torch.tensor(j_ix, device=dev)]
-        chk.bits("dispatch", got, xs.reshape(world * T, H)[torch.tensor(st_ix, device=dev)])
+        got = recv_x[torch.tensor(e_ix, dtype=torch.int64, device=dev),
+                     torch.tensor(j_ix, dtype=torch.int64, device=dev)]
+        src = torch.tensor(st_ix, dtype=torch.int64, device=dev)
+        chk.bits("dispatch", got, xs.reshape(world * T, H)[src])
     out = torch.full((ns[rank], H), float("nan"), dtype=dt, device=dev)
     mine, wd = idx[rank].to(dev), w.to(dev)
     buf.combine(recv_x, mine, wd, handle, out=out)

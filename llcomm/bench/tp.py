@@ -72,7 +72,7 @@ class Rank:
         self.cuda = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.dtype = options.parse_dtype(cfg.dtype)
-        self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self.itemsize = self.dtype.itemsize
         self.comm = Communicator(max_bytes=max(cfg.sizes), backend=cfg.backend)
         self.llcomm_name = "llcomm" if self.comm.backend == "peer" else "reference"
         self.exact = self.comm.backend == "peer"

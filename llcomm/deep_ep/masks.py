@@ -70,7 +70,8 @@ class ShrinkMasks:
         pr.raise_if_any()
         if ep is None:      # the masks set before the EPBuffer exists
             mask_status.copy_(torch.tensor([(self._early_mask >> r) & 1
-                                            for r in range(self.group_size)], dtype=torch.int32))
+                                            for r in range(self.group_size)], dtype=torch.int32,
+                                           device="cpu"))
         else:
             mask_status.copy_(ep.query_mask())
 

@@ -119,7 +119,7 @@ class EPBuffer(RankMasks):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = W = dist.get_world_size(self.group)
-        itemsize = torch.tensor([], dtype=dtype).element_size() if dtype in EP_DTYPES else 2
+        itemsize = dtype.itemsize if dtype in EP_DTYPES else 2
         for msg in check_shape_args(num_max_dispatch_tokens_per_rank, hidden, W, num_experts,
                                     itemsize, fp8):
             pr.add(msg)
@@ -187,7 +187,7 @@ class EPBuffer(RankMasks):
                             f"{', '.join(map(_name, EP_DTYPES))}")
         if not isinstance(fp8, bool):
             raise TypeError(f"llcomm.EPBuffer.size_hint: fp8={fp8!r}; expected True or False")
-        itemsize = torch.tensor([], dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
                          itemsize, fp8=fp8,
                          num_blocks=default_num_blocks(EPSettings.read().num_blocks)).total_bytes

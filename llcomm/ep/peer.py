@@ -138,7 +138,7 @@ class PeerEP:
             raise UnsupportedConfigError(
                 f"llcomm.EPBuffer: LLCOMM_EP_NUM_BLOCKS={nb} exceeds this GPU's {sms} SMs; every "
                 "block of a dispatch waits for the others, so all must be resident")
-        itemsize = torch.tensor([], dtype=buf.dtype).element_size()
+        itemsize = buf.dtype.itemsize
         self.layout = lay = ep_layout(buf.max_tokens, buf.hidden, self.W, buf.num_experts,
                                       itemsize, num_blocks=nb, fp8=buf.fp8)
         self.buf = buf
@@ -159,7 +159,7 @@ class PeerEP:
         # err[0]: device error word; err[1]: host address of the error word; err[2]: host
         # address of the out-of-range top-k count. Pinned host memory is mapped into the GPU's
         # address space, so kernels store to it and the host reads it without a sync.
-        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        self._host = torch.zeros(2, dtype=torch.int64, device="cpu", pin_memory=True)
         self._host_np = self._host.numpy()
         # err[3]: rank mask (bit s: rank s masked); err[4]: the mask the blocks of the latest
         # dispatch agreed on, with its epoch (kernels/common.py: ERR_MASK, ERR_VERDICT).
@@ -168,7 +168,8 @@ class PeerEP:
         self.profile = settings.profile
         self.err = torch.zeros(ERR_PROF + 2 * nb * PROF_WORDS, dtype=torch.int64,
                                device=self.device)
-        self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8])
+        self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8],
+                                    dtype=torch.int64, device="cpu")
         L, T = buf.num_local_experts, buf.max_tokens
         # handle slot (int32 words): row_of [W, T, K <= MAX_TOPK] | src_info [L, W T] |
         # recv_count [L] | ntok [W]

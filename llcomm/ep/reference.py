@@ -112,7 +112,7 @@ class ReferenceEP:
         dest = torch.where(valid, topk_idx // L, -1)
         local = torch.where(valid, topk_idx - dest * L, -1)
         send_m = torch.full((W, T, K), -1, dtype=torch.int64, device=dev)
-        ranks = torch.arange(W, device=dev).view(W, 1, 1)
+        ranks = torch.arange(W, dtype=torch.int64, device=dev).view(W, 1, 1)
         send_m[:, :n] = torch.where(dest.unsqueeze(0) == ranks, local.unsqueeze(0), -1)
         meta = torch.empty_like(send_m)
         wait_m = self._a2a_start("dispatch", meta, send_m)
@@ -129,7 +129,8 @@ class ReferenceEP:
         meta = meta.view(P, K)                      # pair p = s * T + t
         ok = meta >= 0
         # Pair p uses local expert e (once, however often e repeats in its top-k).
-        onehot = ((meta.unsqueeze(-1) == torch.arange(L, device=dev)) & ok.unsqueeze(-1)).any(1)
+        onehot = ((meta.unsqueeze(-1) == torch.arange(L, dtype=torch.int64, device=dev))
+                   & ok.unsqueeze(-1)).any(1)
         hits = onehot.to(torch.int64)
         rows = torch.cumsum(hits, 0) - hits          # [P, L]: row of pair p for expert e
         count = hits.sum(0)                          # [L]

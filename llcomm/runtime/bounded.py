@@ -99,7 +99,7 @@ class BoundedCalls:
         about twice the host time to issue (cProfile of one-rank calls on a CPU host)."""
         bufs = self._bufs.get(n)
         if bufs is None:
-            host = torch.zeros(self.world_size * n, dtype=torch.int64)
+            host = torch.zeros(self.world_size * n, dtype=torch.int64, device="cpu")
             dev = host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
             bufs = self._bufs[n] = (host, host.numpy(), dev)
         host, slots, dev = bufs

@@ -90,6 +90,15 @@ PHASE_ENTRY, PHASE_EXIT, PHASE_DATA = 1, 2, 3
 
 STATUS_TIMEOUT, STATUS_MISMATCH = 1, 2
 
+#: What a failed op leaves in the outputs it did not compute (docs/failures.md): every bit set.
+#: That is a NaN in every float dtype (fp32 0xFFFFFFFF, 16-bit 0xFFFF, e4m3/e5m2 0xFF) and -1 in
+#: every signed integer, so a reader tells a failed op's output from a result on the device,
+#: without a sync: ``isnan`` for floats, ``recv_count < 0`` for the EP dispatch's counts (a real
+#: count is never negative), -1 words for the movement ops' integer payloads.
+POISON_BITS = -1
+#: The EP dispatch's ``recv_count`` of every local expert after a failed dispatch.
+POISON_COUNT = POISON_BITS
+
 #: Every dtype an op takes, by name (``str(dtype)`` without ``torch.``): its code in size tags and
 #: in the reference backend's call headers. Each has its own code, so ranks that pass different
 #: dtypes are a mismatch even where the bytes would move alike (float32 and int32 of one numel).

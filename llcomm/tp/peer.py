@@ -178,7 +178,7 @@ class PeerBackend:
         # Host-visible error word: pinned host memory is mapped into the GPU's address space
         # (UVA), so kernels store to it directly and the host reads it without a sync.
         self._launch = Launcher(self.device, settings.pdl)
-        self._err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._err = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=True)
         self._err_np = self._err.numpy()
         self.err[1].fill_(self._err.data_ptr())
         self._failure = P.FailureLatch(self.rank, "communicator")

@@ -11,7 +11,9 @@ B. reduce (``C_REDUCE``): for each pair (s, t) of its tokens with a local expert
    pushed into slot ``(this rank, t)`` of rank s; signal (``C_SIGNAL_P``); wait for block b of
    every rank (``C_WAIT_P``).
 C. sum (``C_SUM``): for each token t of its own, the partials of the ranks t was routed to,
-   summed **in rank order in fp32** from +0.0 and rounded once into ``out[t]``.
+   summed **in rank order in fp32** from +0.0 and rounded once into ``out[t]``. A block whose
+   wait failed, or that started after this rank had failed, fills those rows with NaN
+   (``common._poison_sum``) instead.
 
 With the weights carried by the dispatch (``CARRIED``) stage A and its wait are skipped (the
 dispatch's wait covered them) and the weights are read at ``w_off``. The combine reads nothing
@@ -22,10 +24,10 @@ rank's pairs are not reduced and its partials are left out of the sum.
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound_us
+from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_ENTRY, PHASE_EXIT, PROF_LAST,
                      SIG_PARTIALS, SIG_WEIGHTS, Region, Sizes, _at, _first_token, _masked,
-                     _push_weights, _rank_bits, _signal, _stamp, _wait_flags)
+                     _poison_sum, _push_weights, _rank_bits, _signal, _stamp, _wait_flags)
 
 
 @triton.jit
@@ -127,7 +129,7 @@ def combine_kernel(
     S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 1, NB)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -177,5 +179,7 @@ def combine_kernel(
     if STAGES & 4:      # C_SUM
         if ok:
             _sum_partials(topk, n_tok, out, reg, msk, S, OFF_CX)
+        if broken | (ok == 0):
+            _poison_sum(out, n_tok, rank, S)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 1, NB)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ...runtime import protocol as P
 from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lanes, global_time_ns,
-                                     report_error, sm_cycles)
+                                     poison, report_error, sm_cycles)
 from .. import layout as EL
 
 #: The sizes a kernel is compiled for, bundled once at its start (``S: tl.constexpr =
@@ -99,6 +99,11 @@ NTOK_MASK = tl.constexpr((1 << 17) - 1)     # (at most MAX_TOKENS_LIMIT = 2**16 
 NTOK_TAG_MASK = tl.constexpr((1 << 15) - 1)
 
 
+#: A failed call's outputs (``_poison_received``, ``_poison_sum``) are filled in flat chunks of
+#: this many elements per block and step (failure paths only).
+POISON_CHUNK = tl.constexpr(1024)
+
+
 @triton.jit
 def _bit_or(a, b):
     return a | b
@@ -154,7 +159,8 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     # docs/performance.md; LLCOMM_EP_WAIT_LANES picks): fewer words per poll, replicated across
     # warps (each warp has its own view), reduced first, then the block-wide maximum with the
     # clock's BLOCK_WIDE lanes.
-    tl.static_assert((NP <= LANES) & (LANES <= BLOCK_WIDE))
+    tl.static_assert(NP <= LANES)         # two asserts: the interpreter's bools take no ``&``
+    tl.static_assert(LANES <= BLOCK_WIDE)
     lane = tl.arange(0, LANES)
     i = lane % NP
     live = i < N
@@ -335,3 +341,41 @@ def _push_weights(wts, n_tok, reg, S, OFF_CW: tl.constexpr, ehi=0, LL: tl.conste
                 wp = (_at(reg.tab, d, reg.set_off + OFF_CW, tl.float32)
                       + (reg.rank * S.T + t) * S.MAX_TOPK)
                 tl.store(wp + ks, w, mask=kmask)
+
+
+@triton.jit
+def _poison_flat(ptr, total, b, NB: tl.constexpr):
+    """``poison`` block b's share of ``total`` elements at ``ptr``: chunks of POISON_CHUNK in
+    turn over the blocks, so the blocks of a failed call fill a large output together."""
+    lanes = tl.arange(0, POISON_CHUNK)
+    for start in range(b * POISON_CHUNK, total, NB * POISON_CHUNK):
+        offs = lanes.to(tl.int64) + start      # large outputs pass 2**31 elements
+        poison(ptr, offs, offs < total)
+
+
+@triton.jit
+def _poison_received(out, S, NS: tl.constexpr, FP8: tl.constexpr):
+    """A dispatch block whose wait failed (or that started after this rank had failed) poisons
+    instead of expanding: its share of ``recv_x`` (NaN rows; FP8: e4m3 0xFF bytes) and FP8
+    ``recv_scales`` (NaN), and, in the block that writes ``recv_count`` (the last), a count of
+    protocol.POISON_COUNT (-1) for every local expert, which no real count is. The handle's
+    ``row_of`` / ``src_info`` / token counts are left as they are: a failed dispatch's handle
+    serves no combine (that combine starts on a failed rank, so it poisons its own output)."""
+    b = tl.program_id(0)
+    _poison_flat(out.recv_x, S.L * S.W * S.T * S.H, b, S.NB)
+    if FP8:
+        _poison_flat(out.recv_scales, S.L * S.W * S.T * NS, b, S.NB)
+    if b == S.NB - 1:
+        ls = tl.arange(0, POISON_CHUNK)
+        for l0 in range(0, S.L, POISON_CHUNK):
+            poison(out.recv_count, l0 + ls, l0 + ls < S.L)
+
+
+@triton.jit
+def _poison_sum(out, n_tok, rank, S):
+    """A combine block whose wait failed (or that started after this rank had failed) poisons
+    the rows of ``out`` it would have summed (its own tokens, ``_first_token``) with NaN."""
+    b = tl.program_id(0)
+    hs = tl.arange(0, S.HP)
+    for t in range(_first_token(b, rank, S.NB, S.W), n_tok, S.NB):
+        poison(out, t * S.H + hs, hs < S.H)

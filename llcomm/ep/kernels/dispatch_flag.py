@@ -24,11 +24,11 @@ depend on every earlier source's counts); masked sources count as having sent no
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound_us
+from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound
 from .common import (EP_RANK_VARYING, ERR_MASK, META_MASK, META_SHIFT, OP_DISPATCH, PHASE_ENTRY,
                      PROF_LAST, SIG_DISPATCH, Region, Sizes, _agree_mask, _at, _first_entries,
-                     _first_token, _masked, _push_weights, _rank_bits, _signal, _stamp,
-                     _wait_flags)
+                     _first_token, _masked, _poison_received, _push_weights, _rank_bits, _signal,
+                     _stamp, _wait_flags)
 from .dispatch_common import Out, Recv, Tiles, _send_routing
 from .fp8 import FP8_BLOCK, _quantize_row
 
@@ -182,7 +182,7 @@ def flag_dispatch_kernel(
     TI: tl.constexpr = Tiles(EB, TT, TS, JP, LB)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -228,5 +228,8 @@ def flag_dispatch_kernel(
         if ok:
             _expand(Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg, msk,
                     S, RV, LB, FP8)
+        if broken | (ok == 0):
+            _poison_received(Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out),
+                             S, NS, FP8)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)

@@ -17,11 +17,12 @@ import triton
 import triton.language as tl
 
 from ...runtime.kernels.lamport import _clock, _pending, _poll, limit_ticks
-from ...runtime.kernels.sync import after_previous_kernel, report_error, wait_bound_us
+from ...runtime.kernels.sync import after_previous_kernel, report_error, wait_bound
 from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK_BITS, NTOK_MASK,
                      NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL,
                      STATUS_MISMATCH, Region, Sizes, _add_stats_by_rank, _at, _bit_or,
-                     _first_entries, _first_token, _push_weights, _rank_bits, _row_words, _stamp)
+                     _first_entries, _first_token, _poison_received, _push_weights, _rank_bits,
+                     _row_words, _stamp)
 from .dispatch_common import Out, Recv, Tiles, _send_routing
 from .fp8 import FP8_BLOCK, _pack_row_fp8
 
@@ -143,7 +144,8 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
     later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x``
     (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm.
     STATS: every wait timed per source (``_take_ll_timed``; the token counts one source at a
-    time) and the block's totals added to ``stats`` at the end."""
+    time) and the block's totals added to ``stats`` at the end. Returns whether a wait of the
+    block failed."""
     b = tl.program_id(0)
     T: tl.constexpr = S.T
     K: tl.constexpr = S.K
@@ -268,6 +270,7 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
             _stamp(err, 4, PROFILE, 0, NB)
     if STATS:
         _add_stats_by_rank(stats, acc, WP, W)
+    return failed
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING)
@@ -322,7 +325,7 @@ def ll_dispatch_kernel(
     OWN_X_ON: tl.constexpr = OWN_X & (FP8 == 0) & ((STAGES & 3) == 3)
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
+    timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
     seq = tl.load(ctrl + b)
     set_off = (seq % 2) * SET_BYTES
     ehi = (seq + 1) << LL_HI                        # this call's epoch bits
@@ -339,9 +342,11 @@ def ll_dispatch_kernel(
             _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, OWN_X_ON)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
-        _expand_ll(x, Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out), reg,
-                   seq, tag, timeout_us, err, w_off, S, RV, LR, LB, FP8=FP8, CARRY=CARRY,
-                   POLL=(STAGES & 8) != 0, PROFILE=PROFILE, OWN_X=OWN_X_ON, stats=stats,
-                   STATS=STATS)
+        out = Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out)
+        failed = _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB,
+                            FP8=FP8, CARRY=CARRY, POLL=(STAGES & 8) != 0, PROFILE=PROFILE,
+                            OWN_X=OWN_X_ON, stats=stats, STATS=STATS)
+        if broken | (failed != 0):
+            _poison_received(out, S, NS, FP8)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)

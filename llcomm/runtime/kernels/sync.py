@@ -18,6 +18,7 @@ EPOCH_SHIFT = tl.constexpr(P.EPOCH_SHIFT)
 TAG_MASK = tl.constexpr(P.TAG_MASK)
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)
 STATUS_MISMATCH = tl.constexpr(P.STATUS_MISMATCH)
+POISON_BITS = tl.constexpr(P.POISON_BITS)
 #: Arguments the kernels must not be specialised on: their values differ between ranks (or
 #: between a first launch and the rest), and a specialisation would make one rank compile at
 #: a call where its peers do not, while they wait on it (llcomm/runtime/launch.py).
@@ -78,13 +79,13 @@ def after_previous_kernel(PDL: tl.constexpr):
 @triton.jit
 def op_start(ctrl, err, timeout_us, PDL: tl.constexpr):
     """The prologue of every TP kernel: wait for the kernel ahead under PDL
-    (``after_previous_kernel``), then this block's index ``b``, the bound of its waits
-    (``wait_bound_us``) and its op counter ``seq = ctrl[b]`` (round parity ``seq % 2``, epoch
-    ``seq + 1``). Returns (b, timeout_us, seq)."""
+    (``after_previous_kernel``), then this block's index ``b``, the bound of its waits and
+    whether this rank had already failed (``wait_bound``), and its op counter ``seq = ctrl[b]``
+    (round parity ``seq % 2``, epoch ``seq + 1``). Returns (b, timeout_us, seq, broken)."""
     after_previous_kernel(PDL)
     b = tl.program_id(0)
-    timeout_us = wait_bound_us(timeout_us, err)     # short once this rank has failed
-    return b, timeout_us, tl.load(ctrl + b)
+    timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
+    return b, timeout_us, tl.load(ctrl + b), broken
 
 
 #: Bound, in microseconds, of every wait of a kernel that starts after this rank already failed
@@ -94,13 +95,38 @@ AFTER_FAILURE_US = tl.constexpr(100)
 
 
 @triton.jit
-def wait_bound_us(timeout_us, err_ptr):
+def wait_bound(timeout_us, err_ptr):
     """The bound of this kernel's waits: ``timeout_us``, or AFTER_FAILURE_US once this rank's
     device error word (``err_ptr[0]``) is set. Read once, at kernel start: the word is written by
     a wait that ran out, so an earlier kernel of the stream or, at the earliest, a bound after
-    this kernel began: every thread reads the same value and the waits stay block-uniform."""
-    failed = tl.load(err_ptr) != 0
-    return tl.where(failed, tl.minimum(timeout_us, AFTER_FAILURE_US), timeout_us)
+    this kernel began: every thread reads the same value and the waits stay block-uniform.
+    Returns (bound, broken): ``broken`` says the word was set, so whatever this kernel
+    computes is poisoned like a failed wait's outputs (the rounds after a failure are not
+    trusted: a peer's flags and Lamport words may be a failed round's)."""
+    broken = tl.load(err_ptr) != 0
+    return tl.where(broken, tl.minimum(timeout_us, AFTER_FAILURE_US), timeout_us), broken
+
+
+@triton.jit
+def poison(ptr, offs, m):
+    """Store POISON_BITS (every bit set: NaN in each float dtype, -1 in signed integers) at
+    ``ptr + offs``, lanes ``m``, through an integer view of the element's width. What a
+    failed op leaves in the outputs it did not compute (protocol.POISON_BITS); called only on
+    failure paths."""
+    BITS: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
+    IT: tl.constexpr = tl.core.get_int_dtype(BITS, True)
+    tl.store(ptr.to(tl.pointer_type(IT)) + offs, tl.full(offs.shape, POISON_BITS, IT), mask=m)
+
+
+@triton.jit
+def poison_chunks(out, n, b, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """``poison`` block b's elements of ``out`` (``n``; blocks take BLOCK-element chunks in
+    turn, as ``push_to_slot``): what a flag kernel's block writes, and so what it poisons when
+    its wait failed or the rank had failed before it started."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, n, NB * BLOCK):
+        offs = start + lanes
+        poison(out, offs, offs < n)
 
 
 @triton.jit

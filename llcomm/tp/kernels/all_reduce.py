@@ -23,8 +23,9 @@ which Lamport drops and the others add (Triton keeps fp32 subnormals in adds).
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table,
-                                     push_to_slot, signal_peers, wait_peers)
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison,
+                                     poison_chunks, ptr_from_table, push_to_slot, signal_peers,
+                                     wait_peers)
 from ...runtime import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -39,8 +40,9 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                     W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr = 0):
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
-    then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank."""
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank.
+    A failed wait, or a rank that had failed before: the block's part of ``out`` is poisoned."""
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -49,7 +51,8 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_us, err, OP_ONE_SHOT, PHASE_ENTRY, W, WP):
+        ok = wait_peers(flags, b, word, timeout_us, err, OP_ONE_SHOT, PHASE_ENTRY, W, WP)
+        if ok:
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
@@ -59,6 +62,8 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                     src = tl.where(p == rank, x + offs, local + p * cap + offs)
                     acc += tl.load(src, mask=m).to(tl.float32)
                 tl.store(out + offs, acc.to(DT), mask=m)
+        if (ok == 0) | broken:
+            poison_chunks(out, n, b, NB, BLOCK)
     tl.store(ctrl + b, seq + 1)
 
 
@@ -72,8 +77,10 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     ``[s * shard, (s + 1) * shard)``. Phase 1: push shard s of x to rank s (slot ``rank``);
     barrier; sum own shard in rank order. Phase 2: push the reduced shard to every rank's gather
     region of every other rank (and to ``out``); second barrier; copy the other ranks' shards
-    from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n."""
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n. A failed wait (either),
+    or a rank that had failed before: the block's elements of every shard of ``out`` are
+    poisoned."""
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -118,4 +125,10 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                         offs = s * shard + rel
                         m = (rel < shard) & (offs < n) & (s != rank)
                         tl.store(out + offs, tl.load(gathered + offs, mask=m), mask=m)
+        if (ok == 0) | broken:
+            for start in range(b * BLOCK, shard, NB * BLOCK):
+                rel = start + lanes
+                for s in tl.static_range(W):
+                    offs = s * shard + rel
+                    poison(out, offs, (rel < shard) & (offs < n))
     tl.store(ctrl + b, seq + 1)

@@ -49,8 +49,8 @@ from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import limit_ticks, own_words, push_tag, receive, tag_slots
 from ...runtime.kernels.fp8 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table, signal_peers,
-                    wait_peers)
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison, ptr_from_table,
+                                     signal_peers, wait_peers)
 from ...runtime import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -58,6 +58,7 @@ PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 PLAIN, FP8_STATIC, FP8_GROUP = 0, 1, 2
 _PLAIN = tl.constexpr(PLAIN)
 _FP8_STATIC = tl.constexpr(FP8_STATIC)
+_FP8_GROUP = tl.constexpr(FP8_GROUP)
 
 
 @triton.jit
@@ -108,6 +109,21 @@ def _store_fp8(y, out, qscale, row, cols, m, live, OUT: tl.constexpr, ROUND: tl.
     tl.store(out + row + cols, q.to(tl.uint8), mask=m)
 
 
+@triton.jit
+def _poison_rows(out, res_out, qscale, b, tokens, hidden, NB: tl.constexpr, BLOCK: tl.constexpr,
+                 OUT: tl.constexpr):
+    """Block b's rows of every output poisoned (only on failure): ``out`` (FP8: the e4m3 NaN
+    byte 0xFF), ``residual_out`` and, FP8_GROUP, the rows' scales (NaN)."""
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    for t in range(b, tokens, NB):
+        poison(out, t * hidden + cols, m)
+        poison(res_out, t * hidden + cols, m)
+        if OUT == _FP8_GROUP:
+            g = tl.arange(0, BLOCK // FP8_BLOCK)
+            poison(qscale, t * hidden // FP8_BLOCK + g, g * FP8_BLOCK < hidden)
+
+
 @triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
 def lamport_norm_kernel(x, residual, weight, out, res_out,
                         qscale,                  # FP8_STATIC: the scale; FP8_GROUP: scales out
@@ -130,8 +146,11 @@ def lamport_norm_kernel(x, residual, weight, out, res_out,
     code) and the shape (tokens and hidden, as the one-shot variant's flag): it differs from
     every plain all_reduce's and every other variant's, so ranks that call two different ones in
     one round report a mismatch.
+
+    A block whose wait failed, or that started after this rank had failed, poisons its rows
+    of every output once they are done (``_poison_rows``).
     """
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
     half = seq % 2
     cols = tl.arange(0, BLOCK)
@@ -161,6 +180,8 @@ def lamport_norm_kernel(x, residual, weight, out, res_out,
                                   W, BLOCK, POLL)
             _add_norm_row(acc, residual, weight, out, res_out, qscale, t * hidden, cols, mt,
                           tl.where(t < tokens, hidden, 0), hidden, eps, FT, RESIDUAL, OUT, ROUND)
+        if (failed != 0) | broken:
+            _poison_rows(out, res_out, qscale, b, tokens, hidden, NB, BLOCK, OUT)
         tl.store(ctrl + b, seq + 1)
 
 
@@ -181,9 +202,10 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
     """Push one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
     Staging as ``all_reduce.one_shot_kernel``: rank r's rows go to slot r of half
-    ``seq % 2`` of every other rank; this rank's own term is read from ``x``.
+    ``seq % 2`` of every other rank; this rank's own term is read from ``x``. A failed wait,
+    or a rank that had failed before: the block's rows are poisoned (``_poison_rows``).
     """
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
     parity = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -213,4 +235,6 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
                     acc += tl.load(src, mask=m, other=0).to(FT, bitcast=True).to(tl.float32)
                 _add_norm_row(acc, residual, weight, out, res_out, qscale, t * hidden, cols, m,
                               hidden, hidden, eps, FT, RESIDUAL, OUT, ROUND)
+        if (ok == 0) | broken:
+            _poison_rows(out, res_out, qscale, b, tokens, hidden, NB, BLOCK, OUT)
         tl.store(ctrl + b, seq + 1)

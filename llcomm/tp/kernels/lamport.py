@@ -14,7 +14,7 @@ import triton.language as tl
 from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import own_words, push_tag, receive, receive_context
-from ...runtime.kernels.sync import op_start, ptr_from_table
+from ...runtime.kernels.sync import op_start, poison_chunks, ptr_from_table
 from ...runtime import protocol as P
 
 OP_LAMPORT = tl.constexpr(P.OP_LAMPORT)
@@ -65,8 +65,12 @@ def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     and the other blocks' are still crossing, instead of after the whole push. No flag or fence
     is added: each word is still its own flag. Same words, same order per element: the same
     bits.
+
+    A block whose wait failed (its sums are meaningless), or that started after this rank had
+    failed (its slots may hold a failed round's words), poisons its part of ``out`` once its
+    chunks are done (``poison_chunks``): outside the loops, only on failure.
     """
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     IT = x.dtype.element_ty
     half = seq % 2
     lanes = tl.arange(0, BLOCK)
@@ -108,6 +112,8 @@ def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                                         start == first, failed, limit, err, rank, SENTINEL, FT,
                                         W, BLOCK, POLL, SCATTER, OP)
     if STAGES & 2:
+        if (failed != 0) | broken:
+            poison_chunks(out, n, b, NB, BLOCK)
         tl.store(ctrl + b, seq + 1)
 
 

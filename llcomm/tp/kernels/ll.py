@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ...runtime.kernels.lamport import NO_SPECIALIZE, PHASE_DATA, _poll, push_tag, receive_context
-from ...runtime.kernels.sync import op_start, ptr_from_table, report_error
+from ...runtime.kernels.sync import op_start, poison, ptr_from_table, report_error
 
 
 @triton.jit
@@ -48,8 +48,10 @@ def ll_gather_kernel(x, out, n, part, src, ll_tab, tag_tab, ctrl, err, rank, tag
                      STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     """All-gather (``BCAST`` 0): x is ``[n // part, part]`` int32 words and word ``i`` of rank p
     lands at ``out[(i // part) * W * part + p * part + i % part]``. Broadcast (``BCAST`` 1):
-    ``src``'s ``n`` words of x land in x on every rank. See the module doc for the protocol."""
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    ``src``'s ``n`` words of x land in x on every rank. See the module doc for the protocol.
+    A block whose wait failed, or that started after this rank had failed, fills what it
+    would have stored with POISON_BITS (``_poison_words``; broadcast: not on ``src``)."""
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     half = seq % 2
     epoch = (seq + 1).to(tl.int32)              # low 32 bits
     lanes = tl.arange(0, BLOCK)
@@ -97,4 +99,24 @@ def ll_gather_kernel(x, out, n, part, src, ll_tab, tag_tab, ctrl, err, rank, tag
                     dst = out + row * (W * part) + p * part + col
                     tl.store(dst, data, mask=fine)
                 tl.store(tags + p, 0, mask=first)           # idle again
+        if (failed != 0) | broken:
+            _poison_words(x, out, n, part, src, rank, b, W, NB, BLOCK, BCAST)
         tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
+def _poison_words(x, out, n, part, src, rank, b, W: tl.constexpr, NB: tl.constexpr,
+                  BLOCK: tl.constexpr, BCAST: tl.constexpr):
+    """Block b's words of the receive's output poisoned (only on failure): broadcast, its
+    chunks of x on every rank but ``src``; all-gather, its chunks of every rank's part."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(b * BLOCK, n, NB * BLOCK):
+        offs = start + lanes
+        m = offs < n
+        if BCAST:
+            poison(x, offs, m & ((offs * 0 + rank) != src))
+        else:
+            row = offs // part
+            col = offs - row * part
+            for p in tl.static_range(W):
+                poison(out, row * (W * part) + p * part + col, m)

@@ -4,13 +4,16 @@
 Same scheme as ``all_reduce.py`` (fixed grid of NB blocks, per-block op counter on the device,
 staging half ``seq % 2``, one barrier): data is pushed with remote stores into the staging of the
 ranks that need it, then each rank reads only its own staging. The movement kernels copy raw
-words (int32 or uint8 views), so they are byte-exact by construction.
+words (int32 or uint8 views), so they are byte-exact by construction. A block whose wait
+failed, or that started after this rank had failed, fills what it would have copied with
+POISON_BITS (every byte 0xFF) instead.
 """
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table,
-                                     push_to_slot, signal_peers, wait_peers)
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison,
+                                     poison_chunks, ptr_from_table, push_to_slot, signal_peers,
+                                     wait_peers)
 from ...runtime import protocol as P
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -25,7 +28,7 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag
                      PDL: tl.constexpr = 0):
     """``src`` pushes x into slot 0 of every other rank's staging; one barrier (``src`` also
     waits, so it never runs two ops ahead); the others copy slot 0 into x."""
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -42,6 +45,8 @@ def broadcast_kernel(x, n, src, stage_tab, flag_tab, flags, ctrl, err, rank, tag
                 offs = start + lanes
                 m = offs < n
                 tl.store(x + offs, tl.load(local + offs, mask=m), mask=m)
+        if ((ok == 0) | broken) & (rank != src):   # src's x is its own operand: left alone
+            poison_chunks(x, n, b, NB, BLOCK)
     tl.store(ctrl + b, seq + 1)
 
 
@@ -55,7 +60,7 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
     barrier; each rank copies slot p to ``out``. x is ``[n // part, part]`` and word ``i`` of
     rank p lands at ``(i // part) * W * part + p * part + i % part`` (``part == n`` gives the
     contiguous rank-major all-gather; ``part < n`` the token-major 2-D form)."""
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -64,7 +69,8 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
     if b * BLOCK < n:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_us, err, OP_ALL_GATHER, PHASE_ENTRY, W, WP):
+        ok = wait_peers(flags, b, word, timeout_us, err, OP_ALL_GATHER, PHASE_ENTRY, W, WP)
+        if ok:
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
@@ -74,4 +80,11 @@ def all_gather_kernel(x, out, n, part, stage_tab, flag_tab, flags, ctrl, err, ra
                 for p in tl.static_range(W):
                     v = tl.load(tl.where(p == rank, x + offs, local + p * cap + offs), mask=m)
                     tl.store(out + row * (W * part) + p * part + col, v, mask=m)
+        if (ok == 0) | broken:
+            for start in range(b * BLOCK, n, NB * BLOCK):
+                offs = start + lanes
+                row = offs // part
+                col = offs - row * part
+                for p in tl.static_range(W):
+                    poison(out, row * (W * part) + p * part + col, offs < n)
     tl.store(ctrl + b, seq + 1)

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, ptr_from_table,
-                                     signal_peers, wait_peers)
+from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison_chunks,
+                                     ptr_from_table, signal_peers, wait_peers)
 from ...runtime import protocol as P
 from .lamport import lamport_rounds
 
@@ -51,8 +51,9 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
                           W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
-    Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order."""
-    b, timeout_us, seq = op_start(ctrl, err, timeout_us, PDL)
+    Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order.
+    A failed wait, or a rank that had failed before: the block's part of ``out`` is poisoned."""
+    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
     DT = x.dtype.element_ty
     half = seq % 2
     word = ((seq + 1) << EPOCH_SHIFT) | tag
@@ -68,7 +69,8 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
     if b * BLOCK < m_out:
         tl.debug_barrier()
         signal_peers(flag_tab, b, word, rank, W, WP)
-        if wait_peers(flags, b, word, timeout_us, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP):
+        ok = wait_peers(flags, b, word, timeout_us, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP)
+        if ok:
             local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
             for start in range(b * BLOCK, m_out, NB * BLOCK):
                 offs = start + lanes
@@ -78,4 +80,6 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
                     src = tl.where(p == rank, x + rank * m_out + offs, local + p * cap + offs)
                     acc += tl.load(src, mask=m).to(tl.float32)
                 tl.store(out + offs, acc.to(DT), mask=m)
+        if (ok == 0) | broken:
+            poison_chunks(out, m_out, b, NB, BLOCK)
     tl.store(ctrl + b, seq + 1)
