@@ -290,10 +290,14 @@ def test_check_passes_on_cpu(tmp_path):
     assert "PASS" in p.stdout and "FAIL" not in p.stdout
     for op in ("all_reduce", "broadcast", "all_gather", "all_gather_2d", "reduce_scatter",
                "ep fp8 carry hook", "ep round_scale", "ep random sequence",
-               "deep_ep ue8m0 hook +zero-copy", "deep_ep random sequence"):
+               "deep_ep ue8m0 hook +zero-copy", "deep_ep random sequence",
+               "all_reduce_residual_rmsnorm[auto]", "all_reduce_rmsnorm[auto]",
+               "all_reduce_residual_rmsnorm_fp8[auto]",
+               "all_reduce_residual_rmsnorm_fp8_per_group[auto] round_scale"):
         assert op in p.stdout
-    # 54 TP checks, 12 EPBuffer variants and 8 deep_ep ones, a random sequence per API
-    assert "# 76 of 76 checks passed" in p.stdout, p.stdout
+    # 54 TP checks, 30 fused joins (5 variants x 2 shapes x 3 dtypes), 12 EPBuffer variants and
+    # 8 deep_ep ones, a random sequence per API
+    assert "# 106 of 106 checks passed" in p.stdout, p.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

@@ -1,12 +1,13 @@
-"""``llcomm check``: a correctness self-test of every TP op and of EP dispatch / combine
-(``EPBuffer`` and ``llcomm.deep_ep``, every variant and a random call sequence: ``check_ep``) on
-this host, with the auto backend.
+"""``llcomm check``: a correctness self-test of every TP op, the fused all-reduce + RMSNorm joins
+(``check_fused``) and EP dispatch / combine (``EPBuffer`` and ``llcomm.deep_ep``, every variant
+and a random call sequence: ``check_ep``) on this host, with the auto backend.
 
 Spawned like the benchmarks (one process per GPU, else two gloo processes). The oracle is
 independent of torch.distributed: every rank regenerates every rank's input from a seed and
 computes the expected result locally (sums in fp32 in rank order, rounded once). The peer
 backend must match bit for bit; the reference backend (NCCL's or gloo's own summation order)
-within a summation-error bound; movement ops byte for byte. On GPUs every op is also captured in a
+within a summation-error bound; movement ops byte for byte (the fused joins: ``check_fused``,
+which also compares the ranks' bytes). On GPUs every op is also captured in a
 CUDA graph and replayed several times. Outputs are poisoned with NaN before every run.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import check_ep, options, result_files, spawn, timing, verify
+from . import check_ep, check_fused, options, result_files, spawn, timing, verify
 
 #: Elements per rank: a single element, an odd small count, an odd count of about 0.5 MiB (bf16).
 COUNTS = (1, 4099, 262147)
@@ -25,6 +26,8 @@ EXPLICIT_ALGOS = ("one_shot", "two_shot", "lamport")
 PART_2D = 131
 #: Replays of each captured graph before its output is checked.
 REPLAYS = 3
+#: Offset of the fused joins' seeds from the other ops'.
+FUSED_SEED = 5000
 
 
 @dataclass
@@ -35,16 +38,6 @@ class CheckConfig:
     dtypes: tuple = DTYPES
 
 
-def all_inputs(world: int, n: int, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
-    """``[world, n]``: rank r's input is drawn from seed (seed, r), so any rank can rebuild all."""
-    g = torch.Generator(device=device)
-    rows = []
-    for r in range(world):
-        g.manual_seed(seed * 64 + r)
-        rows.append(torch.randn(n, dtype=dtype, device=device, generator=g))
-    return torch.stack(rows)
-
-
 def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, exact: bool):
     """(label, fn, out, expected, bound, reset) for every op at ``count`` elements per rank."""
     def reduced(stack):
@@ -52,7 +45,7 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
             return verify.rank_order_sum(stack, dtype), None
         return stack.double().sum(0), verify.sum_bound(stack, dtype)
 
-    stack = all_inputs(world, count, dtype, device, seed)
+    stack = verify.all_inputs(world, count, dtype, device, seed)
     x = stack[rank].clone()
     nbytes = count * x.element_size()
     algos = ["auto"]
@@ -81,7 +74,7 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
     exp2 = stack[:, :tokens * part].reshape(world, tokens, part).transpose(0, 1).reshape(
         tokens, world * part)
     yield ("all_gather_2d", lambda: comm.all_gather_2d(x2, out=out2), out2, exp2, None, None)
-    stack_rs = all_inputs(world, world * count, dtype, device, seed + 1)
+    stack_rs = verify.all_inputs(world, world * count, dtype, device, seed + 1)
     xrs = stack_rs[rank].clone()
     outrs = torch.empty(count, dtype=dtype, device=device)
     exp_rs, bound_rs = reduced(stack_rs[:, rank * count:(rank + 1) * count])
@@ -89,24 +82,37 @@ def _cases(comm, rank: int, world: int, dtype, count: int, device, seed: int, ex
            bound_rs, None)
 
 
-def _run_case(comm, device, mode: str, fn, out, expected, bound, reset) -> tuple[int, str | None]:
-    """(wrong elements on this rank, error or None)."""
-    poison = reset or (lambda: verify.poison_(out))
+def _run_case(comm, mode: str, fn, reset, wrong, same=()) -> tuple[int, str | None]:
+    """(wrong elements on this rank, error or None). ``reset`` poisons the outputs, ``wrong()``
+    counts wrong elements; bytes of ``same`` that differ from rank 0's count too (a collective,
+    so it runs whatever happened before)."""
+    n, err = 0, None
     try:
-        poison()
+        reset()
         if mode == "graph":
             graph = timing.capture(fn, 1)
-            poison()
+            reset()
             for _ in range(REPLAYS):
                 graph.replay()
         else:
             fn()
-            poison()
+            reset()
             fn()  # a repeat call: what the first call leaves behind must not break the next
         comm.check()
-        return verify.count_wrong(out, expected, bound), None
+        n = wrong()
     except Exception as e:  # noqa: BLE001 - reported as FAIL
-        return 0, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    if same:
+        n += verify.rank_differences(same)
+    return n, err
+
+
+def _result(comm, device, mode: str, fn, reset, wrong, same=(), **row) -> dict:
+    """One check run on every rank, as a result row (``row``: op, count, dtype, ...)."""
+    n, err = _run_case(comm, mode, fn, reset, wrong, same)
+    if spawn.any_rank(err is not None, device) and err is None:
+        err = "failed on another rank"
+    return {**row, "mode": mode, "wrong": spawn.sum_over_ranks(n, device), "error": err}
 
 
 def rank_main(rank: int, world: int, cfg: CheckConfig):
@@ -116,26 +122,30 @@ def rank_main(rank: int, world: int, cfg: CheckConfig):
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    largest = max(world * c for c in cfg.counts) * max(
-        options.parse_dtype(d).itemsize for d in cfg.dtypes)
+    dtypes = [options.parse_dtype(d) for d in cfg.dtypes]
+    largest = max(max(world * c for c in cfg.counts) * max(d.itemsize for d in dtypes),
+                  check_fused.max_bytes(dtypes))
     comm = Communicator(max_bytes=largest, backend=cfg.backend)
     exact = comm.backend == "peer"
     results = []
     modes = ("eager", "graph") if cuda else ("eager",)
-    for di, dname in enumerate(cfg.dtypes):
-        dtype = options.parse_dtype(dname)
+    for di, (dname, dtype) in enumerate(zip(cfg.dtypes, dtypes)):
         for ci, count in enumerate(cfg.counts):
             seed = cfg.seed + 100 * di + 10 * ci
             for label, fn, out, exp, bound, reset in _cases(comm, rank, world, dtype, count,
                                                              device, seed, exact):
                 for mode in modes:
-                    wrong, err = _run_case(comm, device, mode, fn, out, exp, bound, reset)
-                    failed_somewhere = spawn.any_rank(err is not None, device)
-                    if failed_somewhere and err is None:
-                        err = "failed on another rank"
-                    results.append({"op": label, "count": count, "dtype": dname, "mode": mode,
-                                    "wrong": spawn.sum_over_ranks(wrong, device), "error": err,
-                                    "exact": bound is None})
+                    results.append(_result(
+                        comm, device, mode, fn, reset or (lambda out=out: verify.poison_(out)),
+                        lambda out=out, exp=exp, bound=bound: verify.count_wrong(out, exp, bound),
+                        op=label, count=count, dtype=dname, exact=bound is None))
+    for di, (dname, dtype) in enumerate(zip(cfg.dtypes, dtypes)):
+        seed = cfg.seed + FUSED_SEED + 100 * di
+        for c in check_fused.cases(comm, rank, world, dtype, device, seed, exact):
+            for mode in modes:
+                results.append(_result(comm, device, mode, c.fn, c.reset, c.wrong, c.same,
+                                       op=c.label, count=c.shape, unit="tokens x hidden",
+                                       dtype=dname, exact=exact))
     backend, why = comm.backend, comm.backend_reason
     comm.close()
     results += check_ep.ep_results(rank, world, cfg.backend, device, cfg.seed)
@@ -149,13 +159,15 @@ def summarize(res: dict) -> tuple[list[str], int]:
     groups: dict = {}
     for r in res["results"]:
         groups.setdefault((r["op"], r["count"]), []).append(r)
+    width = max((len(op) for op, _ in groups), default=0)
     for (op, count), rs in groups.items():
         bad = [r for r in rs if r["error"] or r["wrong"]]
         failures += len(bad)
         dtypes = "/".join(dict.fromkeys(r["dtype"] for r in rs))
         modes = "+".join(dict.fromkeys(r["mode"] for r in rs))
-        unit = "tokens/rank" if op.startswith(("ep ", "deep_ep ")) else "elems/rank"
-        lines.append(f"{'FAIL' if bad else 'PASS'}  {op:<32} {count:>8} {unit}  "
+        unit = rs[0].get("unit") or (
+            "tokens/rank" if op.startswith(("ep ", "deep_ep ")) else "elems/rank")
+        lines.append(f"{'FAIL' if bad else 'PASS'}  {op:<{width}} {count:>8} {unit}  "
                      f"{dtypes}, {modes}")
         for r in bad:
             what = r["error"] or f"{r['wrong']} wrong elements (summed over ranks)"

@@ -1,5 +1,6 @@
-"""Correctness counting of the benchmarks: every rank's inputs gathered by torch.distributed,
-sums in rank order, error bounds, wrong elements, NaN poison."""
+"""Correctness counting of the benchmarks and ``llcomm check``: seeded inputs any rank can
+rebuild, or every rank's inputs gathered by torch.distributed; sums in rank order, error bounds,
+wrong elements, bytes that differ between ranks, NaN poison."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,16 @@ def gather_inputs(x: torch.Tensor) -> torch.Tensor:
 def gather_bytes(t: torch.Tensor) -> torch.Tensor:
     """``gather_inputs`` moving raw bytes (gloo moves no 16-bit types). A collective."""
     return gather_inputs(t.contiguous().view(torch.uint8)).view(t.dtype)
+
+
+def all_inputs(world: int, n: int, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
+    """``[world, n]``: rank r's input is drawn from seed (seed, r), so any rank can rebuild all."""
+    g = torch.Generator(device=device)
+    rows = []
+    for r in range(world):
+        g.manual_seed(seed * 64 + r)
+        rows.append(torch.randn(n, dtype=dtype, device=device, generator=g))
+    return torch.stack(rows)
 
 
 def rank_order_sum(stack: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -49,6 +60,13 @@ def count_wrong(out: torch.Tensor, expected: torch.Tensor,
         return int((out.reshape(-1).view(iv) != expected.reshape(-1).view(iv)).sum().item())
     err = (out.double() - expected.double()).abs()
     return int((~(err <= bound)).sum().item())
+
+
+def rank_differences(ts: list[torch.Tensor]) -> int:
+    """Bytes of ``ts`` on this rank that differ from rank 0's. A collective: every rank must
+    call it with tensors of the same shapes, whatever happened before."""
+    mine = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in ts])
+    return int((gather_inputs(mine)[0] != mine).sum().item())
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
