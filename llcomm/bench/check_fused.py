@@ -104,7 +104,7 @@ def telling_scale(y: torch.Tensor) -> torch.Tensor:
     some ``|y[i]|`` on a midpoint between two e4m3 values, where the two roundings part."""
     yf = y.float().cpu().reshape(-1)
     big = float(yf.abs().max())
-    vals = torch.arange(FP8_MAX_CODE + 1, dtype=torch.uint8).view(FP8_DTYPE).float()
+    vals = torch.arange(FP8_MAX_CODE + 1, dtype=torch.uint8, device="cpu").view(FP8_DTYPE).float()
     mids = ((vals[1:] + vals[:-1]) / 2)
     mids = mids[(mids > 1) & (mids < FP8_MAX)]
     sample = yf[yf != 0][:SCALE_SEARCH_ELEMS]
@@ -142,7 +142,8 @@ def codes_group(y: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch
 def _inputs(world: int, tokens: int, hidden: int, dtype, device, seed: int):
     """(every rank's x ``[world, tokens, hidden]``, residual, weight): residual and weight are
     the same on every rank, as in tensor parallelism."""
-    rows = torch.where(torch.arange(tokens, device=device) % 2 == 0, SMALL_ROW, 1.0)
+    rows = torch.ones(tokens, dtype=torch.float32, device=device)
+    rows[::2] = SMALL_ROW
     rows = rows.to(dtype).view(tokens, 1)
     n = tokens * hidden
     xs = verify.all_inputs(world, n, dtype, device, seed).view(world, tokens, hidden) * rows

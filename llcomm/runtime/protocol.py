@@ -35,9 +35,9 @@ from __future__ import annotations
 from ..errors import CommBrokenError, CommMismatchError, CommTimeoutError, LLCommError
 
 #: Default bound of every device-side wait, milliseconds (``LLCOMM_TIMEOUT_MS`` overrides): an
-#: order of magnitude above the longest stall of a healthy rank (docs/failures.md, "The default
-#: bound"), since a timeout breaks the object for good while a late report of a dead peer costs
-#: only seconds.
+#: order of magnitude above the longest stall of a healthy rank, since a timeout breaks the
+#: object for good while a late report of a dead peer costs only seconds
+#: (docs/failures.md, "The default bound: 10 s").
 DEFAULT_TIMEOUT_MS = 10_000
 #: Default bound of the reference backend's host-side waits on gloo (ms) when neither
 #: ``timeout_ms`` nor ``LLCOMM_TIMEOUT_MS`` is given: CPU processes are scheduled by the OS and
