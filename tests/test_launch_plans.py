@@ -438,3 +438,21 @@ def test_every_kernel_the_library_launches_waits_for_its_peers():
     assert len(kernels) >= 10, kernels
     no_wait = [f"{mod}.{name}" for mod, name, fn in kernels if launch.TIMEOUT_ARG not in fn.arg_names]
     assert not no_wait, f"kernels that wait for nobody: {no_wait}"
+
+
+def test_a_constexpr_left_to_its_default_reaches_the_direct_launch(monkeypatch):
+    """A launch may leave out a constexpr that has a default (EPBuffer's dispatch leaves out
+    DEEP_EP): Triton compiles with the default, and the cached kernel's direct launch is handed
+    it too, as every parameter must be."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def kernel(x, BLOCK, MODE=7):
+        pass
+    fn = _StandIn(["x", "BLOCK", "MODE"])
+    fn.fn = kernel
+    lau = launch.Launcher(torch.device("cpu"))
+    a = torch.zeros(16, dtype=torch.int16)
+    lau(fn, 4, (a,), 4, BLOCK=8)
+    lau(fn, 4, (a,), 4, BLOCK=8)
+    assert fn.compiles == 1 and fn.runs == [(a, 8, 7)]

@@ -25,6 +25,7 @@ while the kernel before them still runs and start the moment it ends
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -84,6 +85,15 @@ def _timeout_index(fn) -> int | None:
     """Where ``fn`` takes its wait bound among its arguments, or None (it waits for nobody)."""
     names = getattr(fn, "arg_names", ())
     return names.index(TIMEOUT_ARG) if TIMEOUT_ARG in names else None
+
+
+def _defaults(fn) -> dict:
+    """The default values of ``fn``'s parameters (a constexpr a launch may leave out)."""
+    py = getattr(fn, "fn", None)
+    if py is None:
+        return {}
+    return {n: p.default for n, p in inspect.signature(py).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def _spec(a):
@@ -210,9 +220,11 @@ class Launcher:
         kernel = fn[(grid,)](*args, num_warps=num_warps,
                              **{"enable_fp_fusion": FP_FUSION, **consts})
         self._seen.add(key)
-        if self.direct:
+        if self.direct:     # the C launcher takes every parameter: defaults for those not given
             names = fn.arg_names[len(args):]
-            self._cache[key] = (kernel, tuple(consts[n] for n in names))
+            defaults = _defaults(fn)
+            self._cache[key] = (kernel, tuple(consts[n] if n in consts else defaults[n]
+                                              for n in names))
 
     def _go(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict):
         hit = self._cache.get(key) if self.direct else None

@@ -27,7 +27,7 @@ import triton.language as tl
 from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_ENTRY, PHASE_EXIT, PROF_LAST,
                      SIG_PARTIALS, SIG_WEIGHTS, Region, Sizes, _at, _first_token, _masked,
-                     _poison_sum, _push_weights, _rank_bits, _signal, _stamp, _wait_flags)
+                     _poison_sum, _push_weights, _rank_bits, _signal, _stamp, _wait_flags, symbol)
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def _sum_partials(topk, n_tok, out, reg, msk, S, OFF_CX: tl.constexpr):
         tl.store(out + t * S.H + hs, acc.to(DT), mask=hm)
 
 
-@triton.jit(do_not_specialize=EP_RANK_VARYING)
+@triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("combine"))
 def combine_kernel(
         eo,             # [L, W * T, H] expert outputs (buffer dtype)
         topk,           # [n_tok, K] int64, as given to the dispatch

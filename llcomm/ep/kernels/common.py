@@ -35,6 +35,15 @@ OP_COMBINE = tl.constexpr(P.OP_COMBINE)
 #: Token counts differ between ranks too (see runtime/kernels/sync.RANK_VARYING).
 EP_RANK_VARYING = RANK_VARYING + ["n_tok"]
 
+
+def symbol(name: str):
+    """``triton.jit``'s ``repr`` for an EP kernel: its symbol is the C++ name
+    ``llcomm::ep::<name>()``, mangled (Itanium ABI), so profilers show it demangled under
+    llcomm's namespace and tools written for DeepEP's kernels, which look for ``::dispatch`` and
+    ``::combine`` in kernel names, find llcomm's (docs/deep_ep.md, "What differs")."""
+    mangled = f"_ZN6llcomm2ep{len(name)}{name}Ev"
+    return lambda specialization: mangled
+
 # Stage bits (python ints for the host; the kernels test the same numbers). A launch runs the
 # stages in its STAGES mask: everything, or for ``return_recv_hook=True`` a send half and a
 # receive half in two launches.

@@ -28,7 +28,7 @@ from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bou
 from .common import (EP_RANK_VARYING, ERR_MASK, META_MASK, META_SHIFT, OP_DISPATCH, PHASE_ENTRY,
                      PROF_LAST, SIG_DISPATCH, Region, Sizes, _agree_mask, _at, _first_entries,
                      _first_token, _masked, _poison_received, _push_weights, _rank_bits, _signal,
-                     _stamp, _wait_flags)
+                     _stamp, _wait_flags, symbol)
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
                              _poison_layout, _scales_to_column)
 from .dispatch_common import Out, Recv, Tiles, _send_routing
@@ -151,7 +151,7 @@ def _expand(out, reg, msk, S, RV, LB: tl.constexpr, FP8: tl.constexpr, deep,
                             tl.store(out.recv_scales + flat_k * NS + ns, sv, mask=nsm)
 
 
-@triton.jit(do_not_specialize=EP_RANK_VARYING)
+@triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("dispatch_flag"))
 def flag_dispatch_kernel(
         x,              # [n_tok, H] this rank's tokens (buffer dtype)
         topk,           # [n_tok, K] int64 global expert ids, -1 = none

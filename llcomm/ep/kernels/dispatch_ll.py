@@ -22,7 +22,7 @@ from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK
                      NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL,
                      STATUS_MISMATCH, Region, Sizes, _add_stats_by_rank, _at, _bit_or,
                      _first_entries, _first_token, _poison_received, _push_weights, _rank_bits,
-                     _row_words, _stamp)
+                     _row_words, _stamp, symbol)
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
                              _poison_layout, _scales_to_column)
 from .dispatch_common import Out, Recv, Tiles, _send_routing
@@ -299,7 +299,7 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
     return failed
 
 
-@triton.jit(do_not_specialize=EP_RANK_VARYING)
+@triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("dispatch_ll"))
 def ll_dispatch_kernel(
         x,              # [n_tok, H] this rank's tokens (buffer dtype; 16-byte aligned)
         topk,           # [n_tok, K] int64 global expert ids, -1 = none
