@@ -213,17 +213,16 @@ def _virtual_buffers(W, E, T, H, dtype, NB, ll, masks):
 
 
 def _deep_ep_over(ep):
-    """A ``deep_ep.Buffer`` whose EPBuffer is ``ep``; its layout conversion runs the Triton
-    kernel through the interpreter, as the peer backend launches it."""
+    """A ``deep_ep.Buffer`` whose EPBuffer is ``ep`` (the peer backend's, through the
+    interpreter: its dispatch writes DeepEP's layouts)."""
     from llcomm.deep_ep import convert
     from llcomm.deep_ep.buffer import Buffer
-    from test_flag_kernels_cpu import InterpreterLauncher
     d = Buffer.__new__(Buffer)
     d.group, d.rank, d.group_size = None, ep.rank, ep.num_ranks
     d.num_nvl_bytes = d.num_rdma_bytes = 0
     d.low_latency_mode, d.explicitly_destroy, d.enable_shrink = True, False, False
     d._backend, d._timeout_ms, d._early_mask, d._destroyed = "peer", ep.timeout_ms, 0, False
-    d._ep, d._launch = ep, InterpreterLauncher()
+    d._ep, d._dispatches, d._handle_outputs, d._scales = ep, 0, {}, {}
     d._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * ep.max_tokens,
                                 ep.max_tokens, ep.num_ranks, ep.device)
     return d
