@@ -34,6 +34,8 @@ FACTORIES = frozenset({
     "arange", "as_tensor", "asarray", "empty", "empty_strided", "eye", "full", "linspace",
     "logspace", "normal", "ones", "rand", "randint", "randn", "randperm", "range",
     "scalar_tensor", "sparse_coo_tensor", "tensor", "tril_indices", "triu_indices", "zeros"})
+#: Objects that live on a device and take no dtype: without ``device=`` they take the default.
+DEVICE_ONLY = frozenset({"Generator"})
 #: Legacy constructors: they always take the default device, so they are refused outright.
 LEGACY = frozenset({"Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor",
                     "ByteTensor", "CharTensor", "ShortTensor", "IntTensor", "LongTensor",
@@ -71,10 +73,11 @@ def scan(source: str, where: str) -> tuple[int, list[str]]:
         if name in LEGACY:
             bad.append(f"{where}:{node.lineno}: torch.{name}(...) is a legacy constructor "
                        "(default device)")
-        elif name in FACTORIES:
+        elif name in FACTORIES | DEVICE_ONLY:
             seen += 1
             given = {k.arg for k in node.keywords}
-            missing = [k for k in ("device", "dtype") if k not in given]
+            wanted = ("device",) if name in DEVICE_ONLY else ("device", "dtype")
+            missing = [k for k in wanted if k not in given]
             if None in given:
                 bad.append(f"{where}:{node.lineno}: torch.{name}(**...) may leave device or "
                            "dtype to the defaults: name both")
@@ -112,6 +115,7 @@ def test_the_scan_catches_what_it_is_for():
                                                 "constructor (default device)"],
         "from torch import empty": ["x:1: from torch import empty (call it as torch.empty with "
                                     "device= and dtype=)"],
+        "import torch\ntorch.Generator()": ["x:2: torch.Generator(...) names no device"],
         # inherited from the source tensor: fine
         "import torch\ntorch.zeros_like(x)\nx.new_empty(3)\ntorch.empty_like(x, device='cpu')": [],
     }

@@ -44,7 +44,7 @@ def step_inputs(step: Dispatch, rank: int, world: int, num_experts: int, hidden:
     weights are ``weights(seed, rank, n, topk)``. Distinct experts per token, some dropped."""
     xs, idxs = [], []
     for s in range(world):
-        g = torch.Generator().manual_seed(step.seed * 131 + s)
+        g = torch.Generator(device="cpu").manual_seed(step.seed * 131 + s)
         n = step.tokens[s]
         xs.append(torch.randn(n, hidden, generator=g, dtype=torch.float32, device="cpu").to(dtype))
         scores = torch.rand(n, num_experts, generator=g, dtype=torch.float32, device="cpu")
@@ -56,7 +56,7 @@ def step_inputs(step: Dispatch, rank: int, world: int, num_experts: int, hidden:
 
 
 def weights(seed: int, rank: int, n: int, topk: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 131 + 17 + rank)
+    g = torch.Generator(device="cpu").manual_seed(seed * 131 + 17 + rank)
     return (torch.rand(n, topk, generator=g, dtype=torch.float32, device="cpu") + 0.1).contiguous()
 
 
