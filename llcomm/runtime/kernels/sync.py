@@ -114,7 +114,19 @@ def poison(ptr, offs, m):
     failed op leaves in the outputs it did not compute (protocol.POISON_BITS); called only on
     failure paths."""
     BITS: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
-    IT: tl.constexpr = tl.core.get_int_dtype(BITS, True)
+    if BITS == 8:
+        _poison_as(ptr, offs, m, tl.int8)
+    elif BITS == 16:
+        _poison_as(ptr, offs, m, tl.int16)
+    elif BITS == 32:
+        _poison_as(ptr, offs, m, tl.int32)
+    else:
+        _poison_as(ptr, offs, m, tl.int64)
+
+
+@triton.jit
+def _poison_as(ptr, offs, m, IT: tl.constexpr):
+    """``poison`` through ``ptr`` viewed as the signed integer type ``IT`` of its width."""
     tl.store(ptr.to(tl.pointer_type(IT)) + offs, tl.full(offs.shape, POISON_BITS, IT), mask=m)
 
 
