@@ -2,7 +2,7 @@
 
     python tools/deep_ep_cost.py [--tokens 128] [--hidden 7168] [--experts 256] [--topk 8]
                                  [--ops 20] [--replays 200] [--stats] [--json PATH]
-                                 [--llcomm DIR]
+                                 [--plot PATH] [--llcomm DIR]
 
 A group of one rank on cuda:0 (as ``tools/ep_timeline.py --one-rank``: every expert is local,
 no link), DeepSeek-V3's shape by default. Times, per call, the median over graph replays of
@@ -19,10 +19,11 @@ Before timing, the deep_ep outputs of each variant are compared with convert.py'
 applied to ``EPBuffer.dispatch``'s outputs of the same inputs (filled rows, ``layout_range``
 and the statistics must be equal). ``--stats`` passes ``cumulative_local_expert_recv_stats``
 to the deep_ep dispatches.
-Not part of the test suite.
+``--json`` writes a result file (commit, machine, versions, both columns of every variant),
+``--plot`` a bar chart of it; ``--plot`` with ``--from-json PATH`` redraws a written file
+without a GPU. Not part of the test suite.
 """
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ use_llcomm_dir()
 import llcomm.deep_ep as deep_ep  # noqa: E402
 from llcomm.deep_ep import convert  # noqa: E402
 from llcomm.bench import spawn  # noqa: E402
+from llcomm.ep.layout import FP8_BLOCK  # noqa: E402
+from llcomm.bench.result_files import result_header, write_json  # noqa: E402
 from llcomm.bench.timing import Timing, capture, time_graph  # noqa: E402
 
 #: The dispatch variants: (name, EPBuffer.dispatch kwargs, low_latency_dispatch kwargs).
@@ -43,6 +46,59 @@ VARIANTS = (
     ("fp8+ue8m0", dict(use_fp8=True, round_scale=True),
      dict(use_fp8=True, round_scale=True, use_ue8m0=True)),
 )
+
+
+#: A result file's description of what was timed.
+WHAT = ("EPBuffer.dispatch / combine against llcomm.deep_ep.Buffer.low_latency_dispatch / "
+        "low_latency_combine, one rank, every expert local, CUDA-graph replay: median us per "
+        "call over the replays of back-to-back calls; deep_ep's outputs checked against the "
+        "torch conversion of EPBuffer's before timing")
+
+
+def plot(result: dict, path: str) -> None:
+    """Both columns of every variant as pairs of bars, the difference written above."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    us = {(r["op"], r["variant"], r["impl"]): r["median_us"] for r in result["rows"]}
+    keys = list(dict.fromkeys((op, v) for op, v, _ in us))
+    names = [f"{op} {v}" for op, v in keys]
+    ep = [us[k + ("EPBuffer",)] for k in keys]
+    deep = [us[k + ("deep_ep",)] for k in keys]
+    xs = range(len(keys))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.bar([x - 0.2 for x in xs], ep, 0.4, label="EPBuffer")
+    ax.bar([x + 0.2 for x in xs], deep, 0.4, label="llcomm.deep_ep")
+    for x, a, b in zip(xs, ep, deep):
+        ax.annotate(f"{b - a:+.2f}", (x, max(a, b)), ha="center", xytext=(0, 3),
+                    textcoords="offset points")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("µs per call (median of graph replays)")
+    c = result["config"]
+    ax.set_title(f"llcomm.deep_ep vs EPBuffer, {result.get('machine', '?')}, "
+                 f"commit {str(result.get('commit'))[:7]}\n{c['tokens']} tokens, hidden "
+                 f"{c['hidden']}, {c['experts']} experts, top-{c['topk']}, one rank")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def result_rows(pairs: list[tuple[str, str, float, float]], tokens: int, hidden: int,
+                experts: int, topk: int) -> list[dict]:
+    """(op, variant, EPBuffer µs, deep_ep µs) as the result files' rows, one per implementation;
+    ``bytes``: the rows the dispatch delivers (FP8: codes and fp32 scales)."""
+    rows = []
+    for op, variant, t_ep, t_deep in pairs:
+        fp8 = variant.startswith("fp8")
+        row_bytes = hidden + hidden // FP8_BLOCK * 4 if fp8 else hidden * 2
+        for impl, t in (("EPBuffer", t_ep), ("deep_ep", t_deep)):
+            rows.append(dict(op=op, impl=impl, variant=variant, mode="graph", dtype="bfloat16",
+                             world_size=1, tokens_per_rank=tokens, hidden=hidden,
+                             num_experts=experts, topk=topk, fp8=fp8,
+                             bytes=tokens * topk * row_bytes, median_us=round(t, 3), wrong=0))
+    return rows
 
 
 def agree(buf, x, idx, ep_kw, kw, stats) -> list[str]:
@@ -95,7 +151,14 @@ def main():
     ap.add_argument("--stats", action="store_true",
                     help="pass cumulative_local_expert_recv_stats to the deep_ep dispatches")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="a PNG of the result")
+    ap.add_argument("--from-json", default=None, metavar="PATH",
+                    help="draw --plot from this result file instead of measuring")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            plot(json.load(f), a.plot or a.from_json.removesuffix(".json") + ".png")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("tools/deep_ep_cost.py times kernels: it needs a CUDA GPU")
     device = torch.device("cuda", 0)
@@ -117,7 +180,7 @@ def main():
     def us(fn):
         return time_graph(capture(fn, a.ops), timing).median_us
 
-    rows = []
+    pairs = []
     for name, ep_kw, deep_kw in VARIANTS:
         bad = agree(buf, x, idx, ep_kw, deep_kw, stats)
         if bad:
@@ -128,31 +191,32 @@ def main():
         def deep():
             buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
                                      **deep_kw)
-        rows.append(dict(op="dispatch", variant=name, ep_us=t_ep, deep_ep_us=us(deep)))
+        pairs.append(("dispatch", name, t_ep, us(deep)))
     # combine: a handle of a dispatch of its own, made just before each graph
     rx, _, h = ep.dispatch(x, idx)
     y = rx.clone()
     t_ep = us(lambda: ep.combine(y, idx, w, h))
     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
     t_deep = us(lambda: buf.low_latency_combine(y, idx, w, handle))
-    rows.append(dict(op="combine", variant="bf16", ep_us=t_ep, deep_ep_us=t_deep))
+    pairs.append(("combine", "bf16", t_ep, t_deep))
     ep.check()
 
     print(f"# {T} tokens, hidden {H}, {E} experts, top-{a.topk}, one rank on "
           f"{torch.cuda.get_device_name(device)}; median µs per call over {a.replays} replays of "
           f"{a.ops} calls{' (with stats)' if a.stats else ''}")
     print(f"{'op':9s} {'variant':10s} {'EPBuffer':>9s} {'deep_ep':>9s} {'diff':>7s}")
-    for r in rows:
-        print(f"{r['op']:9s} {r['variant']:10s} {r['ep_us']:9.2f} {r['deep_ep_us']:9.2f} "
-              f"{r['deep_ep_us'] - r['ep_us']:7.2f}")
+    for op, variant, t_ep, t_deep in pairs:
+        print(f"{op:9s} {variant:10s} {t_ep:9.2f} {t_deep:9.2f} {t_deep - t_ep:7.2f}")
+    result = {**result_header(1, device), "command": "python tools/deep_ep_cost.py --json PATH",
+              "what": WHAT, "config": dict(tokens=T, hidden=H, experts=E, topk=a.topk,
+                                           ops=a.ops, replays=a.replays, stats=a.stats),
+              "rows": result_rows(pairs, T, H, E, a.topk)}
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"config": dict(tokens=T, hidden=H, experts=E, topk=a.topk, ops=a.ops,
-                                      replays=a.replays, stats=a.stats),
-                       "device": torch.cuda.get_device_name(device),
-                       "commit": os.environ.get("LLCOMM_COMMIT"), "llcomm": a.llcomm,
-                       "rows": rows}, f, indent=1)
+        write_json(a.json, result)
         print(f"wrote {a.json}")
+    if a.plot:
+        plot(result, a.plot)
+        print(f"wrote {a.plot}")
     buf.destroy()
     dist.destroy_process_group()
 
