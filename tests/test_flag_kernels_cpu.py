@@ -80,7 +80,7 @@ class VirtualPeers:
 
         self.W, self.NB = W, NB
         cap_bytes = (max_bytes + 255) // 256 * 256
-        ll_bytes = peer.ll_bytes(ll_bytes, max_bytes)
+        ll_bytes = min(ll_bytes, peer.ll_bytes(max_bytes)) // 4 * 4
         sizes = {"flags": 8 * peer.FLAG_PHASES * NB * W, "stage": peer.HALVES * W * cap_bytes,
                  "gather": peer.HALVES * cap_bytes,
                  "ll": peer.HALVES * W * ll_bytes // 4 * peer.LL_WORD_BYTES,

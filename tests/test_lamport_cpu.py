@@ -330,17 +330,13 @@ def test_mismatch_poisons_the_outputs_on_every_rank():
 
 def test_lamport_slot_setting(monkeypatch):
     """LLCOMM_LAMPORT_BYTES: 16 MiB at 2 ranks and 1 MiB elsewhere by default; anything but a
-    positive integer refused by name. LLCOMM_RS_LAMPORT_BYTES: unset (None) unless set."""
+    positive integer refused by name."""
     from llcomm.runtime.settings import TPSettings
     monkeypatch.delenv("LLCOMM_LAMPORT_BYTES", raising=False)
-    monkeypatch.delenv("LLCOMM_RS_LAMPORT_BYTES", raising=False)
     assert (TPSettings.read(2).lamport_bytes, TPSettings.read(4).lamport_bytes) == \
         (16 << 20, 1 << 20)
-    assert TPSettings.read(2).rs_lamport_bytes is None      # up to the slot
     monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", "4096")
     assert TPSettings.read(2).lamport_bytes == TPSettings.read(8).lamport_bytes == 4096
-    monkeypatch.setenv("LLCOMM_RS_LAMPORT_BYTES", "0")
-    assert TPSettings.read(2).rs_lamport_bytes == 0
     for bad in ("0", "-1", "1M", ""):
         monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", bad)
         with pytest.raises(ValueError, match="LLCOMM_LAMPORT_BYTES"):

@@ -17,7 +17,6 @@ import torch
 from llcomm.runtime import launch
 from llcomm.tp import peer
 from llcomm.runtime import protocol as P
-from llcomm.runtime.settings import LAMPORT_CHUNK_BYTES
 from llcomm.tp.kernels import all_reduce as K, lamport as LK, reduce_scatter as RS
 from llcomm.tp.kernels import fused_norm as F
 
@@ -46,7 +45,6 @@ def _backend(launcher):
     pb.nb, pb.world_size, pb.WP, pb.rank = NB, W, 2, RANK
     pb.max_bytes = pb.cap_bytes = 16 << 20
     pb.lamport_bytes = pb.rs_lamport_bytes = 32 << 20    # above every size below
-    pb.lamport_chunk = LAMPORT_CHUNK_BYTES
     pb.timeout_us = TIMEOUT_US
     pb.tabs = {k: torch.full((W,), i, dtype=torch.int64) for i, k in enumerate(
         ("flags", "stage", "gather", "lamport", "lamport_tags"))}
@@ -82,7 +80,7 @@ def _expect(pb, algo, n, dtype):
     if algo in ("lamport", "rs_lamport"):
         op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
         fn = LK.lamport_kernel if algo == "lamport" else RS.lamport_reduce_scatter_kernel
-        block, warps = peer._launch_shape(n, isz, NB, pb.lamport_chunk)
+        block, warps = peer._launch_shape(n, isz, NB, peer.LAMPORT_CHUNK_BYTES)
         return fn, warps, dict(
             n=n, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"], ctrl=pb.ctrl,
             err=pb.err, rank=RANK, tag=P.lamport_tag(op, n, name), timeout_us=TIMEOUT_US,
@@ -113,7 +111,7 @@ def _expect(pb, algo, n, dtype):
 def test_every_planned_argument_is_the_right_one(algo):
     """One backend for every dtype and size, twice over (the second pass takes kept plans):
     a plan kept under too coarse a key would show as another size's or dtype's arguments.
-    reduce_scatter: the Lamport kernel up to rs_lamport_bytes, the flag kernel above."""
+    reduce_scatter: the Lamport kernel up to the Lamport slot, the flag kernel above."""
     rec = Recorder()
     pb = _backend(rec)
     if algo == "rs_flag":
@@ -219,7 +217,7 @@ def test_every_fused_planned_argument_is_the_right_one(algo, variant):
 
 
 def test_reduce_scatter_kernel_by_output_bytes():
-    """The Lamport reduce_scatter up to rs_lamport_bytes of output, the flag one above; its
+    """The Lamport reduce_scatter up to the Lamport slot of output, the flag one above; its
     plans are its own, never an all_reduce's."""
     rec = Recorder()
     pb = _backend(rec)

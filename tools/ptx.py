@@ -104,7 +104,7 @@ KERNELS = {
                         "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",
                         "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
                        {"W": 2, "WP": 2, "NB": 64, "BLOCK": 512}),
-    # LL movement (LLCOMM_LL_BYTES): an 8 KiB all_gather / broadcast, 2048 words over 128 blocks
+    # LL movement (up to LL_MAX_BYTES): an 8 KiB all_gather / broadcast, 2048 words over 128 blocks
     "ll_all_gather_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_ALL_GATHER, BCAST=0, **LL_8K), 1),
     "ll_broadcast_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_BROADCAST, BCAST=1, **LL_8K), 1),
     "reduce_scatter_bf16": (reduce_scatter.reduce_scatter_kernel,

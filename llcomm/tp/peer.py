@@ -15,8 +15,8 @@ from ..runtime.launch import Launcher, Plan
 from ..runtime.settings import TPSettings
 from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
 
-# The tuning knobs (blocks, Lamport slot and chunk, the reduce_scatter and LL thresholds) are
-# TPSettings fields (llcomm/runtime/settings.py), read once by Communicator. The grid is fixed
+# The grid size and the Lamport slot are TPSettings fields (llcomm/runtime/settings.py), read
+# once by Communicator; the measured choices are constants below. The grid is fixed
 # per communicator: block b of every op advances counter ctrl[b], so all counters stay equal to
 # the number of ops run.
 
@@ -28,6 +28,8 @@ MAX_WARPS = 8
 #: i (lamport.lamport_kernel, LAG); a lag of 2 was no faster
 #: (bench/results/ab/2026-11-30-lamport-chunk/).
 LAMPORT_LAG = 1
+#: Bytes a Lamport block moves per step (bench/results/ab/2026-11-30-lamport-chunk/).
+LAMPORT_CHUNK_BYTES = 4 << 10
 #: Launch plans kept per communicator (_plan: one per algorithm, size and dtype in use); past
 #: this many the cache starts over, so an endless variety of sizes cannot grow it without bound.
 PLAN_CACHE_MAX = 4096
@@ -40,9 +42,9 @@ SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words s
 #: Bytes of a Lamport tag word (int32, one per half, block and source rank; idle at 0), kept
 #: after the data words in the Lamport region (runtime/kernels/lamport.py).
 LAMPORT_TAG_BYTES = 4
-#: LL broadcast / all-gather (kernels/ll.py: every 4-byte word travels with its epoch, no
-#: barrier) for messages up to the ll_bytes setting, at most LL_MAX_BYTES: the LL region holds
-#: 2 halves x W sources x twice the bytes.
+#: broadcast / all-gather as LL words up to this, flag kernels above (kernels/ll.py; the LL
+#: region holds 2 halves x W sources x twice the bytes).
+#: Provenance: bench/results/ab/2026-11-30-ll-movement/.
 LL_MAX_BYTES = 64 << 10
 #: Bytes of an LL word: a 4-byte data word and its 4-byte epoch.
 LL_WORD_BYTES = 8
@@ -81,10 +83,10 @@ FUSED_MIN_BLOCK = 16
 _TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def ll_bytes(setting: int, max_bytes: int) -> int:
-    """Largest LL broadcast / all-gather: the ll_bytes setting, at most max_bytes and
-    LL_MAX_BYTES, in whole 4-byte words (0: LL off)."""
-    return min(max_bytes, setting, LL_MAX_BYTES) // 4 * 4
+def ll_bytes(max_bytes: int) -> int:
+    """Largest LL broadcast / all-gather: LL_MAX_BYTES, at most max_bytes, in whole 4-byte
+    words."""
+    return min(max_bytes, LL_MAX_BYTES) // 4 * 4
 
 
 def lamport_lag(n: int, block: int, nb: int) -> int:
@@ -144,11 +146,9 @@ class PeerBackend:
         self.max_bytes = max_bytes
         self.timeout_us = timeout_ms * P.US_PER_MS
         self.lamport_bytes = min(max_bytes, settings.lamport_bytes)
-        self.ll_bytes = ll_bytes(settings.ll_bytes, max_bytes)
-        # a chunk is a Triton block: a power of two
-        self.lamport_chunk = min(settings.lamport_chunk_bytes, MAX_BLOCK_BYTES)
-        self.rs_lamport_bytes = self.lamport_bytes if settings.rs_lamport_bytes is None \
-            else min(settings.rs_lamport_bytes, self.lamport_bytes)
+        self.ll_bytes = ll_bytes(max_bytes)
+        # the largest reduce_scatter output of the Lamport kernel (tests set 0: the flag one)
+        self.rs_lamport_bytes = self.lamport_bytes
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         # launch plans: (algo, n, dtype) all_reduce (_plan), ("reduce_scatter", m, dtype)
         # (_rs_plan), ("fused", ...) (fused_call)
@@ -260,7 +260,7 @@ class PeerBackend:
         elements) tagged with ``op``: x and out read as int views, chunks of the Lamport chunk
         size, pipelined (LAG) where a block has several."""
         itemsize = dtype.itemsize
-        block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
+        block, warps = _launch_shape(n, itemsize, self.nb, LAMPORT_CHUNK_BYTES)
         view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
         return Plan(fn, self.nb, (
             n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
@@ -441,9 +441,9 @@ class PeerBackend:
         return self._plans.get(key) or self._keep(key, self._make_rs_plan(m, dtype))
 
     def _make_rs_plan(self, m: int, dtype: torch.dtype) -> Plan:
-        """reduce_scatter's launch bar x and out: the Lamport kernel for outputs up to
-        ``rs_lamport_bytes`` (the Lamport slot unless LLCOMM_RS_LAMPORT_BYTES says less), the
-        flag kernel above."""
+        """reduce_scatter's launch bar x and out: the Lamport kernel for outputs up to the
+        Lamport slot, the flag kernel above (the Lamport one was faster at every size
+        measured: bench/results/ab/2026-11-30-reduce-scatter-lamport/)."""
         if m * dtype.itemsize <= self.rs_lamport_bytes:
             return self._lamport_plan(self._k_rs.lamport_reduce_scatter_kernel,
                                       P.OP_LAMPORT_REDUCE_SCATTER, m, dtype)
