@@ -18,7 +18,6 @@ from ..runtime import validate as V
 from . import algo_table
 from ..runtime import protocol as P
 from ..runtime import settings as S
-from ..errors import UnsupportedConfigError
 from ..runtime.backend import choose_backend, reference_device
 from ..runtime.registry import register
 from ..runtime.bounded import default_check_calls

@@ -1,6 +1,15 @@
 """Flag all-reduce kernels (sum): push one-shot and two-shot (the barrier-free Lamport one-shot is
 in ``lamport.py``).
 
+Both follow the flag kernels' round (``flag_round.py``: start, push, barrier, read, poison on
+failure, finish), stage by stage:
+
+- ``one_shot_kernel``: push the block's part of x into slot ``rank`` of every peer's staging;
+  one barrier; sum the peers' slots and this rank's own x in rank order into ``out``.
+- ``two_shot_kernel``: push shard s of x to rank s; barrier; sum this rank's shard in rank
+  order, store it to ``out`` and push it into every peer's gather region; second barrier;
+  copy the other shards from the gather region to ``out``.
+
 Every kernel runs on a fixed grid of ``NB`` blocks (the communicator's constant), so block ``b``
 of every kernel owns counter ``ctrl[b]`` = number of ops this communicator has run. That counter
 lives on the GPU, which is what lets a captured CUDA graph replay any number of times and mix
@@ -23,10 +32,9 @@ which Lamport drops and the others add (Triton keeps fp32 subnormals in adds).
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison,
-                                     poison_chunks, ptr_from_table, push_to_slot, signal_peers,
-                                     wait_peers)
+from ...runtime.kernels.sync import RANK_VARYING, poison, poison_chunks, push_to_slot
 from ...runtime import protocol as P
+from .flag_round import barrier, half_of, round_end, round_start, slot_of
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
@@ -42,18 +50,15 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
     then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank.
     A failed wait, or a rank that had failed before: the block's part of ``out`` is poisoned."""
-    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken, half, word = round_start(ctrl, err, tag, timeout_us, PDL)
     DT = x.dtype.element_ty
-    parity = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
-    push_to_slot(x, stage_tab, n, b, parity, rank, rank, cap, W, NB, BLOCK)
+    push_to_slot(x, stage_tab, n, b, half, rank, rank, cap, W, NB, BLOCK)
     if b * BLOCK < n:
-        tl.debug_barrier()
-        signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_us, err, OP_ONE_SHOT, PHASE_ENTRY, W, WP)
+        ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP_ONE_SHOT, PHASE_ENTRY,
+                     W, WP)
         if ok:
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
+            local = half_of(stage_tab, rank, half, cap, W, DT)
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
                 m = offs < n
@@ -64,7 +69,7 @@ def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                 tl.store(out + offs, acc.to(DT), mask=m)
         if (ok == 0) | broken:
             poison_chunks(out, n, b, NB, BLOCK)
-    tl.store(ctrl + b, seq + 1)
+    round_end(ctrl, b, seq)
 
 
 @triton.jit(do_not_specialize=RANK_VARYING)
@@ -80,10 +85,8 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
     from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n. A failed wait (either),
     or a rank that had failed before: the block's elements of every shard of ``out`` are
     poisoned."""
-    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken, half, word = round_start(ctrl, err, tag, timeout_us, PDL)
     DT = x.dtype.element_ty
-    parity = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
     for start in range(b * BLOCK, shard, NB * BLOCK):
         rel = start + lanes
@@ -92,14 +95,12 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
             m = (rel < shard) & (offs < n)
             if s != rank:  # this rank's own shard is read from x below
                 v = tl.load(x + offs, mask=m)
-                dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (parity * W + rank) * cap
-                tl.store(dst + rel, v, mask=m)
+                tl.store(slot_of(stage_tab, s, half, rank, cap, W, DT) + rel, v, mask=m)
     if b * BLOCK < shard:
-        tl.debug_barrier()
-        signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_us, err, OP_TWO_SHOT, PHASE_ENTRY, W, WP)
+        ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP_TWO_SHOT, PHASE_ENTRY,
+                     W, WP)
         if ok:
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
+            local = half_of(stage_tab, rank, half, cap, W, DT)
             for start in range(b * BLOCK, shard, NB * BLOCK):
                 rel = start + lanes
                 offs = rank * shard + rel
@@ -112,13 +113,12 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                 tl.store(out + offs, red, mask=m)
                 for p in tl.static_range(W):
                     if p != rank:
-                        dst = tl.multiple_of(ptr_from_table(gather_tab, p, DT), 16) + parity * cap
-                        tl.store(dst + offs, red, mask=m)
-            tl.debug_barrier()
-            signal_peers(flag_tab, NB + b, word, rank, W, WP)
-            ok = wait_peers(flags, NB + b, word, timeout_us, err, OP_TWO_SHOT, PHASE_EXIT, W, WP)
+                        # the gather region: one slot per half
+                        tl.store(half_of(gather_tab, p, half, cap, 1, DT) + offs, red, mask=m)
+            ok = barrier(flag_tab, flags, NB + b, word, rank, timeout_us, err, OP_TWO_SHOT,
+                         PHASE_EXIT, W, WP)
             if ok:
-                gathered = tl.multiple_of(ptr_from_table(gather_tab, rank, DT), 16) + parity * cap
+                gathered = half_of(gather_tab, rank, half, cap, 1, DT)
                 for start in range(b * BLOCK, shard, NB * BLOCK):
                     rel = start + lanes
                     for s in tl.static_range(W):
@@ -131,4 +131,4 @@ def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ct
                 for s in tl.static_range(W):
                     offs = s * shard + rel
                     poison(out, offs, (rel < shard) & (offs < n))
-    tl.store(ctrl + b, seq + 1)
+    round_end(ctrl, b, seq)

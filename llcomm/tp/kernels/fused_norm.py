@@ -49,9 +49,9 @@ from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import limit_ticks, own_words, push_tag, receive, tag_slots
 from ...runtime.kernels.fp8 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison, ptr_from_table,
-                                     signal_peers, wait_peers)
+from ...runtime.kernels.sync import RANK_VARYING, op_start, poison, ptr_from_table
 from ...runtime import protocol as P
+from .flag_round import barrier, half_of, round_end, round_start, slot_of
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 #: What ``out`` receives (the OUT constexpr; python ints for the host).
@@ -205,10 +205,8 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
     ``seq % 2`` of every other rank; this rank's own term is read from ``x``. A failed wait,
     or a rank that had failed before: the block's rows are poisoned (``_poison_rows``).
     """
-    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken, half, word = round_start(ctrl, err, tag, timeout_us, PDL)
     IT = x.dtype.element_ty
-    parity = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
     if STAGES & 1:
@@ -216,18 +214,16 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
             v = tl.load(x + t * hidden + cols, mask=m)
             for p in tl.static_range(W):
                 if p != rank:
-                    dst = tl.multiple_of(ptr_from_table(stage_tab, p, IT), 16) + (parity * W + rank) * cap
+                    dst = slot_of(stage_tab, p, half, rank, cap, W, IT)
                     tl.store(dst + t * hidden + cols, v, mask=m)
     ok = 1
     if STAGES == 3:
         if b < tokens:  # a block without rows has nothing to wait for
-            tl.debug_barrier()
-            signal_peers(flag_tab, b, word, rank, W, WP)
-            ok = wait_peers(flags, b, word, timeout_us, err, OP, PHASE_ENTRY,
-                            W, WP).to(tl.int32)
+            ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP, PHASE_ENTRY,
+                         W, WP).to(tl.int32)
     if STAGES & 2:
         if ok:
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, IT), 16) + parity * W * cap
+            local = half_of(stage_tab, rank, half, cap, W, IT)
             for t in range(b, tokens, NB):
                 acc = tl.zeros([BLOCK], tl.float32)
                 for p in tl.static_range(W):
@@ -237,4 +233,4 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
                               hidden, hidden, eps, FT, RESIDUAL, OUT, ROUND)
         if (ok == 0) | broken:
             _poison_rows(out, res_out, qscale, b, tokens, hidden, NB, BLOCK, OUT)
-        tl.store(ctrl + b, seq + 1)
+        round_end(ctrl, b, seq)

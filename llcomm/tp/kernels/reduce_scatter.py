@@ -6,16 +6,17 @@ Two protocols, as for all-reduce:
 - ``lamport_reduce_scatter_kernel``: barrier-free, the data is its own flag. The Lamport
   all-reduce's rounds (``lamport.lamport_rounds``) with SCATTER: part q of x is pushed to rank
   q only, under its own op code in the tag. Outputs up to a Lamport slot.
-- ``reduce_scatter_kernel``: push part s into slot ``rank`` of rank s's staging, one barrier,
-  sum (``all_reduce.py``'s scheme: fixed grid, per-block op counter, staging half ``seq % 2``).
+- ``reduce_scatter_kernel``: the flag kernels' round (``flag_round.py``): push part s into
+  slot ``rank`` of rank s's staging; one barrier; sum the peers' slots and this rank's own
+  part of x in rank order into ``out``.
 """
 import triton
 import triton.language as tl
 
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison_chunks,
-                                     ptr_from_table, signal_peers, wait_peers)
+from ...runtime.kernels.sync import RANK_VARYING, poison_chunks
 from ...runtime import protocol as P
+from .flag_round import barrier, half_of, round_end, round_start, slot_of
 from .lamport import lamport_rounds
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
@@ -53,10 +54,8 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
     """x is ``[W * m_out]``; rank s gets the sum over ranks of ``x[s * m_out:(s + 1) * m_out]``.
     Each rank pushes part s to rank s (slot ``rank``); one barrier; fp32 sum in rank order.
     A failed wait, or a rank that had failed before: the block's part of ``out`` is poisoned."""
-    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken, half, word = round_start(ctrl, err, tag, timeout_us, PDL)
     DT = x.dtype.element_ty
-    half = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
     for start in range(b * BLOCK, m_out, NB * BLOCK):
         offs = start + lanes
@@ -64,14 +63,12 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
         for s in tl.static_range(W):
             if s != rank:  # this rank's own part is read from x below
                 v = tl.load(x + s * m_out + offs, mask=m)
-                dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (half * W + rank) * cap
-                tl.store(dst + offs, v, mask=m)
+                tl.store(slot_of(stage_tab, s, half, rank, cap, W, DT) + offs, v, mask=m)
     if b * BLOCK < m_out:
-        tl.debug_barrier()
-        signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_us, err, OP_REDUCE_SCATTER, PHASE_ENTRY, W, WP)
+        ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP_REDUCE_SCATTER,
+                     PHASE_ENTRY, W, WP)
         if ok:
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + half * W * cap
+            local = half_of(stage_tab, rank, half, cap, W, DT)
             for start in range(b * BLOCK, m_out, NB * BLOCK):
                 offs = start + lanes
                 m = offs < m_out
@@ -82,4 +79,4 @@ def reduce_scatter_kernel(x, out, m_out, stage_tab, flag_tab, flags, ctrl, err, 
                 tl.store(out + offs, acc.to(DT), mask=m)
         if (ok == 0) | broken:
             poison_chunks(out, m_out, b, NB, BLOCK)
-    tl.store(ctrl + b, seq + 1)
+    round_end(ctrl, b, seq)
