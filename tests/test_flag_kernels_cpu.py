@@ -39,7 +39,8 @@ from _interp import run_in_interpreter, run_ranks
 from _payloads import POISON_BYTE, payload  # noqa: F401  (the pre-fill of every output)
 from llcomm.tp import peer                                  # PeerBackend and its region layout
 from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
-from llcomm.tp.kernels import all_reduce, ll, lamport, movement, reduce_scatter  # its kernels
+from llcomm.tp.kernels import (all_reduce, lamport_all_reduce, ll, movement,  # its kernels
+                               reduce_scatter)
 
 BF, F32 = "bfloat16", "float32"
 #: Every byte of a failed call's output (protocol.POISON_BITS, all bits set).
@@ -98,7 +99,7 @@ class VirtualPeers:
             b.rs_lamport_bytes = b.lamport_bytes = 0
             b.ll_bytes = ll_bytes
             b._k_ar, b._k_mv, b._k_rs, b._k_ll, b._k_lam = (all_reduce, movement, reduce_scatter,
-                                                             ll, lamport)
+                                                             ll, lamport_all_reduce)
             b._plans, b.tabs = {}, tabs
             b.flags = self.regions["flags"][r].view(torch.int64)
             ctrl = torch.zeros(NB + peer.CTRL_ERR_WORDS, dtype=torch.int64)

@@ -97,6 +97,7 @@ def simulate(W, NB, calls, dtype_name, algo):
     import triton.language as tl  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.tp import peer
     from llcomm.runtime import protocol as P
+    from llcomm.runtime.kernels.lamport import PUSH, REDUCE
     from llcomm.tp.kernels import fused_norm as K
 
     dtype = getattr(torch, dtype_name)
@@ -125,7 +126,7 @@ def simulate(W, NB, calls, dtype_name, algo):
         ys = [torch.full_like(res, float("nan")) for _ in range(W)]
         hs = [torch.full_like(res, float("nan")) for _ in range(W)]
         block, _ = peer._row_shape(hidden)
-        for stage in (K.PUSH, K.REDUCE):
+        for stage in (PUSH, REDUCE):
             for r in range(W):
                 xi = xs[r].view(ityp)
                 if algo == "lamport":

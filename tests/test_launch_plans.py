@@ -17,7 +17,8 @@ import torch
 from llcomm.runtime import launch
 from llcomm.tp import peer
 from llcomm.runtime import protocol as P
-from llcomm.tp.kernels import all_reduce as K, lamport as LK, reduce_scatter as RS
+from llcomm.runtime.kernels.lamport import ALL_STAGES
+from llcomm.tp.kernels import all_reduce as K, lamport_all_reduce as LK, reduce_scatter as RS
 from llcomm.tp.kernels import fused_norm as F
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -163,7 +164,7 @@ def _expect_fused(pb, variant, algo, tokens, hidden, dtype, eps, round_scale):
     residual, out_mode, op_lamport, op_one_shot = FUSED[variant]
     common = dict(tokens=tokens, hidden=hidden, eps=eps, ctrl=pb.ctrl, err=pb.err, rank=RANK,
                   timeout_us=TIMEOUT_US, FT=pb._tl_float[dtype], W=W, WP=2, NB=NB, BLOCK=block,
-                  STAGES=F.ALL_STAGES, RESIDUAL=residual, OUT=out_mode, ROUND=int(round_scale))
+                  STAGES=ALL_STAGES, RESIDUAL=residual, OUT=out_mode, ROUND=int(round_scale))
     if algo == "lamport":
         return F.lamport_norm_kernel, warps, dict(
             common, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"],

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import protocol as P
+from ..runtime.kernels.lamport import ALL_STAGES
 from ..runtime.launch import Launcher, Plan
 from ..runtime.settings import TPSettings
 from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
@@ -25,7 +26,7 @@ from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
 MAX_BLOCK_BYTES = 16 << 10
 MAX_WARPS = 8
 #: A block with several Lamport chunks receives chunk i - LAMPORT_LAG right after pushing chunk
-#: i (lamport.lamport_kernel, LAG); a lag of 2 was no faster
+#: i (lamport_all_reduce.lamport_kernel, LAG); a lag of 2 was no faster
 #: (bench/results/ab/2026-11-30-lamport-chunk/).
 LAMPORT_LAG = 1
 #: Bytes a Lamport block moves per step (bench/results/ab/2026-11-30-lamport-chunk/).
@@ -90,8 +91,8 @@ def ll_bytes(max_bytes: int) -> int:
 
 
 def lamport_lag(n: int, block: int, nb: int) -> int:
-    """LAG of ``lamport.lamport_kernel`` for n elements in chunks of ``block`` over ``nb``
-    blocks: 0 (the single-chunk kernel) unless some block has several chunks, else
+    """LAG of ``lamport_all_reduce.lamport_kernel`` for n elements in chunks of ``block`` over
+    ``nb`` blocks: 0 (the single-chunk kernel) unless some block has several chunks, else
     LAMPORT_LAG."""
     return LAMPORT_LAG if n > nb * block else 0
 
@@ -129,11 +130,12 @@ class PeerBackend:
     def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int,
                  settings: TPSettings):
         import triton.language as tl  # kernels need Triton: fail here, not mid-op
-        from .kernels import all_reduce, fused_norm, lamport, ll, movement, reduce_scatter
+        from .kernels import (all_reduce, fused_norm, lamport_all_reduce, ll, movement,
+                              reduce_scatter)
 
         self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
-        self._k_lam = lamport
+        self._k_lam = lamport_all_reduce
         self._k_mv = movement
         self._k_rs = reduce_scatter
         self._k_ll = ll
@@ -267,7 +269,7 @@ class PeerBackend:
             self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
             self.lamport_bytes // itemsize), warps, dict(
             SENTINEL=sent, FT=self._tl_float[dtype], W=self.world_size, WP=self.WP, NB=self.nb,
-            BLOCK=block, STAGES=self._k_lam.ALL_STAGES, LAG=lamport_lag(n, block, self.nb)),
+            BLOCK=block, STAGES=ALL_STAGES, LAG=lamport_lag(n, block, self.nb)),
             (view, view))
 
     def _keep(self, key: tuple, plan: Plan) -> Plan:
@@ -341,12 +343,12 @@ class PeerBackend:
                 self.ctrl, self.err, self.rank, self._lamport_tag(op_lamport, rows, dtype),
                 self.timeout_us, self.lamport_bytes // itemsize), warps, dict(
                 SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
-                STAGES=self._k_fn.ALL_STAGES, OP=op_lamport, **variant_consts), views)
+                STAGES=ALL_STAGES, OP=op_lamport, **variant_consts), views)
         return Plan(self._k_fn.one_shot_norm_kernel, self.nb, (
             *lead, tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags,
             self.ctrl, self.err, self.rank, self._tag(op_one_shot, rows, dtype),
             self.timeout_us, self.cap_bytes // itemsize), warps, dict(
-            FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES,
+            FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=ALL_STAGES,
             OP=op_one_shot, **variant_consts), views)
 
     # -- movement -------------------------------------------------------------------------------
@@ -382,7 +384,7 @@ class PeerBackend:
             self.err, self.rank, self._lamport_tag(op, numel_tag, dtype), self.timeout_us,
             self.ll_bytes // 4), warps,
             op=op, BCAST=int(op == P.OP_BROADCAST), W=self.world_size, WP=self.WP, NB=self.nb,
-            BLOCK=block, STAGES=self._k_lam.ALL_STAGES)
+            BLOCK=block, STAGES=ALL_STAGES)
         return True
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Lamport protocol of ``lamport.lamport_kernel`` and ``fused_norm.lamport_norm_kernel``:
+"""The Lamport protocol of ``lamport_all_reduce.lamport_kernel`` and
+``fused_norm.lamport_norm_kernel``:
 data that is its own flag, plus a tag word that says which call wrote it.
 
 Every rank's Lamport region (``lam_tab[r]``: data, ``tag_tab[r]``: tags, after the data)::

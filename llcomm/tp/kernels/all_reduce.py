@@ -1,5 +1,5 @@
 """Flag all-reduce kernels (sum): push one-shot and two-shot (the barrier-free Lamport one-shot is
-in ``lamport.py``).
+in ``lamport_all_reduce.py``).
 
 Both follow the flag kernels' round (``flag_round.py``: start, push, barrier, read, poison on
 failure, finish), stage by stage:

@@ -29,7 +29,7 @@ two alternating halves suffice is the one given there, and they interleave freel
 other op of the communicator:
 
 - ``lamport_norm_kernel``: barrier-free; the pushed data is its own flag (SENTINEL = idle) and
-  a tag word per (block, source) names the call (``_lamport.py``). Push tag and rows -> poll own
+  a tag word per (block, source) names the call (``runtime/kernels/lamport.py``). Push tag and rows -> poll own
   slots until every tag is written and no SENTINEL is left, compare the tags -> sum -> re-arm the
   slots with SENTINEL and the tags with 0.
 - ``one_shot_norm_kernel``: for rows past the Lamport region; push into staging, one flag
@@ -44,8 +44,6 @@ it finds missing or mismatched): the CPU tests use it to run virtual ranks in tu
 import triton
 import triton.language as tl
 
-# PUSH, REDUCE, ALL_STAGES: the stage bits, for the host and the tests as before
-from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import limit_ticks, own_words, push_tag, receive, tag_slots
 from ...runtime.kernels.fp8 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
@@ -134,13 +132,13 @@ def lamport_norm_kernel(x, residual, weight, out, res_out,
                         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                         BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
                         STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                        PDL: tl.constexpr = 0,   # launched with PDL (_sync.after_previous_kernel)
+                        PDL: tl.constexpr = 0,   # launched with PDL (sync.after_previous_kernel)
                         OP: tl.constexpr = P.OP_FUSED_LAMPORT,  # op code of tags and errors
                         RESIDUAL: tl.constexpr = 1, OUT: tl.constexpr = PLAIN,
                         ROUND: tl.constexpr = 0):  # the variant (module doc)
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
-    Slot and tag layout as ``lamport.lamport_kernel`` (element i of rank r's operand at
+    Slot and tag layout as ``lamport_all_reduce.lamport_kernel`` (element i of rank r's operand at
     ``(half * W + r) * cap + i`` of every rank's Lamport region, tags ``[half][block][r]``), so
     both kernels share halves. ``tag`` is ``protocol.lamport_tag`` of ``OP`` (this variant's
     code) and the shape (tokens and hidden, as the one-shot variant's flag): it differs from
@@ -195,7 +193,7 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
                          W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
                          BLOCK: tl.constexpr,    # pow2 >= hidden: one row per iteration
                          STAGES: tl.constexpr,   # PUSH | REDUCE; only ALL_STAGES signals, waits
-                         PDL: tl.constexpr = 0,  # launched with PDL (_sync.after_previous_kernel)
+                         PDL: tl.constexpr = 0,  # launched with PDL (sync.after_previous_kernel)
                          OP: tl.constexpr = P.OP_FUSED_ONE_SHOT,  # op code of flags and errors
                          RESIDUAL: tl.constexpr = 1, OUT: tl.constexpr = PLAIN,
                          ROUND: tl.constexpr = 0):  # the variant (module doc)

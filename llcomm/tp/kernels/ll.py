@@ -9,16 +9,17 @@ and any bit pattern passes through, NaN payloads included. It costs twice the by
 why it is for small messages.
 
 Layout (``ll_tab[r]``): ``words [2 halves][W sources][cap]`` int64, half ``seq % 2``. Tags: the
-Lamport tag words (``_lamport.py``: ``tags[half][block][source]``, idle 0), written and consumed
-exactly as the Lamport all-reduce does, by every rank for every rank whether it sends data or
+Lamport tag words (``runtime/kernels/lamport.py``: ``tags[half][block][source]``, idle 0),
+written and consumed exactly as the Lamport all-reduce does, by every rank for every rank whether it sends data or
 not; so a rank that calls a different op, size, dtype or broadcast root in the same round (LL,
 Lamport or fused Lamport) is reported as a mismatch on every rank, and every rank waits for
 every other rank's tag in every op. That wait is what makes the two halves enough: a rank
 writes half h again two ops later, after it received every peer's tag of the op in between,
 which each peer pushed only after its kernel for this op had read its words.
 
-``STAGES`` (PUSH | REDUCE from ``_lamport.py``) runs only the push or only the receive half; the
-receive half alone reads each source once (the CPU tests run virtual ranks in turn that way).
+``STAGES`` (PUSH | REDUCE from ``runtime/kernels/lamport.py``) runs only the push or only the
+receive half; the receive half alone reads each source once (the CPU tests run virtual ranks in
+turn that way).
 """
 import triton
 import triton.language as tl

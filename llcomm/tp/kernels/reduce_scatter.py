@@ -4,7 +4,7 @@ ranks of part s, ``x[s * m:(s + 1) * m]``, accumulated in fp32 in rank order.
 Two protocols, as for all-reduce:
 
 - ``lamport_reduce_scatter_kernel``: barrier-free, the data is its own flag. The Lamport
-  all-reduce's rounds (``lamport.lamport_rounds``) with SCATTER: part q of x is pushed to rank
+  all-reduce's rounds (``lamport_all_reduce.lamport_rounds``) with SCATTER: part q of x is pushed to rank
   q only, under its own op code in the tag. Outputs up to a Lamport slot.
 - ``reduce_scatter_kernel``: the flag kernels' round (``flag_round.py``): push part s into
   slot ``rank`` of rank s's staging; one barrier; sum the peers' slots and this rank's own
@@ -17,7 +17,7 @@ from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.sync import RANK_VARYING, poison_chunks
 from ...runtime import protocol as P
 from .flag_round import barrier, half_of, round_end, round_start, slot_of
-from .lamport import lamport_rounds
+from .lamport_all_reduce import lamport_rounds
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 OP_REDUCE_SCATTER = tl.constexpr(P.OP_REDUCE_SCATTER)
@@ -35,7 +35,7 @@ def lamport_reduce_scatter_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, 
                                   STAGES: tl.constexpr,    # PUSH | REDUCE; ALL_STAGES polls
                                   LAG: tl.constexpr = 0,   # > 0: pipelined (lamport_rounds)
                                   PDL: tl.constexpr = 0):  # launched with PDL
-    """x holds W parts of n elements (integer views, as ``lamport.lamport_kernel``); part q
+    """x holds W parts of n elements (integer views, as ``lamport_all_reduce.lamport_kernel``); part q
     goes into slot ``rank`` of rank q's Lamport half ``seq % 2`` (this rank's own part is read
     from x), and this rank sums part ``rank`` of every source into ``out`` (n elements). The
     tag is ``protocol.lamport_tag`` of OP_LAMPORT_REDUCE_SCATTER: a rank that runs the Lamport

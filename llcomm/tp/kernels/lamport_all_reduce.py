@@ -10,8 +10,6 @@ the slots for a later round. The poll, tag and timeout helpers are shared with t
 import triton
 import triton.language as tl
 
-# PUSH, REDUCE, ALL_STAGES: the kernels' stage bits, for the host and the tests
-from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import own_words, push_tag, receive, receive_context
 from ...runtime.kernels.sync import op_start, poison_chunks, ptr_from_table
