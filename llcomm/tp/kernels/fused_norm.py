@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ...runtime.kernels.lamport import limit_ticks, own_words, push_tag, receive, tag_slots
+from ...runtime.kernels.lamport import (STAGE_ALL, STAGE_PUSH, STAGE_REDUCE, limit_ticks,
+                                        own_words, push_tag, receive, tag_slots)
 from ...runtime.kernels.fp8 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
 from ...runtime.kernels.sync import RANK_VARYING, op_start, poison, ptr_from_table
 from ...runtime import protocol as P
@@ -153,7 +154,7 @@ def lamport_norm_kernel(x, residual, weight, out, res_out,
     half = seq % 2
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
-    if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
+    if STAGE_PUSH & STAGES:
         push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
         for t in range(b, tokens, NB):
             v = tl.load(x + t * hidden + cols, mask=m)
@@ -162,8 +163,8 @@ def lamport_norm_kernel(x, residual, weight, out, res_out,
                 dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
                 if p != rank:       # the own term is read from x (receive)
                     tl.store(dst + t * hidden + cols, v, mask=m)
-    if STAGES & 2:      # REDUCE
-        POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
+    if STAGE_REDUCE & STAGES:
+        POLL: tl.constexpr = STAGE_ALL == STAGES
         local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
         tags = tag_slots(tag_tab, rank, half, b, NB, W)
         limit = limit_ticks(timeout_us, POLL)
@@ -207,7 +208,7 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
     IT = x.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
-    if STAGES & 1:
+    if STAGE_PUSH & STAGES:
         for t in range(b, tokens, NB):
             v = tl.load(x + t * hidden + cols, mask=m)
             for p in tl.static_range(W):
@@ -215,11 +216,11 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
                     dst = slot_of(stage_tab, p, half, rank, cap, W, IT)
                     tl.store(dst + t * hidden + cols, v, mask=m)
     ok = 1
-    if STAGES == 3:
+    if STAGE_ALL == STAGES:
         if b < tokens:  # a block without rows has nothing to wait for
             ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP, PHASE_ENTRY,
                          W, WP).to(tl.int32)
-    if STAGES & 2:
+    if STAGE_REDUCE & STAGES:
         if ok:
             local = half_of(stage_tab, rank, half, cap, W, IT)
             for t in range(b, tokens, NB):

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ...runtime.kernels.lamport import own_words, push_tag, receive, receive_context
+from ...runtime.kernels.lamport import (STAGE_ALL, STAGE_PUSH, STAGE_REDUCE, own_words, push_tag,
+                                        receive, receive_context)
 from ...runtime.kernels.sync import op_start, poison_chunks, ptr_from_table
 from ...runtime import protocol as P
 
@@ -75,31 +76,31 @@ def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     STEP: tl.constexpr = NB * BLOCK
     first = b * BLOCK
     if LAG > 0:         # several chunks per block: receive chunk i-LAG right after pushing i
-        POLL_P: tl.constexpr = STAGES == 3  # ALL_STAGES
-        if STAGES & 1:
+        POLL_P: tl.constexpr = STAGE_ALL == STAGES
+        if STAGE_PUSH & STAGES:
             push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
         local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us, cap,
                                              IT, NB, W, POLL_P)
         failed = tl.zeros([], tl.int32)
         for start in range(first, tl.maximum(n, first + 1) + LAG * STEP, STEP):
-            if STAGES & 1:
+            if STAGE_PUSH & STAGES:
                 if start < n:
                     _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
                                 SCATTER)
-            if STAGES & 2:
+            if STAGE_REDUCE & STAGES:
                 back = start - LAG * STEP
                 if back >= first:
                     failed = _receive_chunk(x, out, local, cap, back + lanes, n, tags, tag,
                                             back == first, failed, limit, err, rank, SENTINEL,
                                             FT, W, BLOCK, POLL_P, SCATTER, OP)
     else:
-        if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
+        if STAGE_PUSH & STAGES:
             push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
             for start in range(first, n, STEP):
                 _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
                             SCATTER)
-        if STAGES & 2:      # REDUCE
-            POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
+        if STAGE_REDUCE & STAGES:
+            POLL: tl.constexpr = STAGE_ALL == STAGES
             local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us,
                                                  cap, IT, NB, W, POLL)
             # The first chunk's waits take the tags too: a block without data still runs that
@@ -109,7 +110,7 @@ def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
                 failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
                                         start == first, failed, limit, err, rank, SENTINEL, FT,
                                         W, BLOCK, POLL, SCATTER, OP)
-    if STAGES & 2:
+    if STAGE_REDUCE & STAGES:
         if (failed != 0) | broken:
             poison_chunks(out, n, b, NB, BLOCK)
         tl.store(ctrl + b, seq + 1)

@@ -24,7 +24,8 @@ turn that way).
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.lamport import NO_SPECIALIZE, PHASE_DATA, _poll, push_tag, receive_context
+from ...runtime.kernels.lamport import (NO_SPECIALIZE, PHASE_DATA, STAGE_ALL, STAGE_PUSH,
+                                        STAGE_REDUCE, _poll, push_tag, receive_context)
 from ...runtime.kernels.sync import op_start, poison, ptr_from_table, report_error
 
 
@@ -56,7 +57,7 @@ def ll_gather_kernel(x, out, n, part, src, ll_tab, tag_tab, ctrl, err, rank, tag
     half = seq % 2
     epoch = (seq + 1).to(tl.int32)              # low 32 bits
     lanes = tl.arange(0, BLOCK)
-    if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
+    if STAGE_PUSH & STAGES:
         push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
         sends = rank >= 0                           # all-gather: every rank
         if BCAST:
@@ -66,8 +67,8 @@ def ll_gather_kernel(x, out, n, part, src, ll_tab, tag_tab, ctrl, err, rank, tag
             for start in range(b * BLOCK, n, NB * BLOCK):
                 offs = start + lanes
                 _push_words(x, offs, offs < n, ll_tab, half, rank, word_hi, rank, cap, W)
-    if STAGES & 2:      # REDUCE: receive
-        POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
+    if STAGE_REDUCE & STAGES:     # receive
+        POLL: tl.constexpr = STAGE_ALL == STAGES
         local, tags, limit = receive_context(ll_tab, tag_tab, rank, half, b, timeout_us, cap,
                                              tl.int64, NB, W, POLL)
         failed = tl.zeros([], tl.int32)
