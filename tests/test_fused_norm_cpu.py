@@ -134,13 +134,13 @@ def simulate(W, NB, calls, dtype_name, algo):
                         P.OP_FUSED_LAMPORT, peer.PeerBackend._rows_numel(tokens, hidden), dtype)
                     K.lamport_norm_kernel[(NB,)](
                         xi, res, w, ys[r], hs[r], None, tokens, hidden, EPS, tab, tag_tab,
-                        ctrl[r], err[r], r, lam_tag, 0, cap, SENTINEL=sent, FT=ft, W=W, WP=wp,
-                        NB=NB, BLOCK=block, STAGES=stage)
+                        ctrl[r], err[r], r, lam_tag, 0, cap, SENTINEL=sent, FLOAT=ft, WORLD=W,
+                        WORLD_POW2=wp, NUM_BLOCKS=NB, BLOCK=block, STAGES=stage)
                 else:
                     K.one_shot_norm_kernel[(NB,)](
                         xi, res, w, ys[r], hs[r], None, tokens, hidden, EPS, tab, dummy, dummy,
-                        ctrl[r], err[r], r, 0, 0, cap, FT=ft, W=W, WP=W, NB=NB, BLOCK=block,
-                        STAGES=stage)
+                        ctrl[r], err[r], r, 0, 0, cap, FLOAT=ft, WORLD=W, WORLD_POW2=W,
+                        NUM_BLOCKS=NB, BLOCK=block, STAGES=stage)
         # Expected h: rank-order fp32 sum, rounded, plus residual in fp32, rounded.
         acc = torch.zeros(tokens, hidden)
         for x in xs:

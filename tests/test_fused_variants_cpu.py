@@ -219,19 +219,19 @@ class _Ranks:
               torch.float32: tl.float32}[self.dtype]
         block, _ = peer._row_shape(hidden)
         rows = peer.PeerBackend._rows_numel(tokens, hidden)
-        consts = dict(FT=ft, W=self.W, NB=self.NB, BLOCK=block, OP=op, RESIDUAL=residual_on,
-                      OUT=out_mode, ROUND=int(round_scale), STAGES=stage)
+        consts = dict(FLOAT=ft, WORLD=self.W, NUM_BLOCKS=self.NB, BLOCK=block, OP=op,
+                      RESIDUAL=residual_on, OUT=out_mode, ROUND=int(round_scale), STAGES=stage)
         lead = (x.view(self.ityp), res if residual_on else x, w, out, h, q)
         if algo == "lamport":
             tag = P.lamport_tag(op, rows, dname(self.dtype))
             K.lamport_norm_kernel[(self.NB,)](
                 *lead, tokens, hidden, EPS, self.tab, self.tag_tab, self.ctrl[r], self.err[r],
-                r, tag, 0, self.cap, SENTINEL=self.sent, WP=1 << (self.W - 1).bit_length(),
+                r, tag, 0, self.cap, SENTINEL=self.sent, WORLD_POW2=1 << (self.W - 1).bit_length(),
                 **consts)
         else:
             K.one_shot_norm_kernel[(self.NB,)](
                 *lead, tokens, hidden, EPS, self.tab, self.dummy, self.dummy, self.ctrl[r],
-                self.err[r], r, 0, 0, self.cap, WP=self.W, **consts)
+                self.err[r], r, 0, 0, self.cap, WORLD_POW2=self.W, **consts)
 
     def idle_failures(self, tag, lamport: bool) -> list[str]:
         """Lamport: slots and tags idle again; either: counters at the ops run, no error."""

@@ -105,7 +105,8 @@ class Call:
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize
         wp = 1 << (R.W - 1).bit_length()
-        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage)
+        common = dict(SENTINEL=sent, FLOAT=_tl_float(self.dtype), WORLD=R.W, WORLD_POW2=wp,
+                      NUM_BLOCKS=R.NB, STAGES=stage)
         if self.kind != "fused":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)

@@ -92,20 +92,20 @@ def _expect(pb, algo, n, dtype):
         return RS.reduce_scatter_kernel, warps, dict(
             m_out=n, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
             ctrl=pb.ctrl, err=pb.err, rank=RANK, tag=P.size_tag(P.OP_REDUCE_SCATTER, n, name),
-            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NUM_BLOCKS=NB, WORLD=W)
     if algo == "one_shot":
         block, warps = peer._launch_shape(n, isz, NB)
         return K.one_shot_kernel, warps, dict(
             n=n, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
             ctrl=pb.ctrl, err=pb.err, rank=RANK, tag=P.size_tag(P.OP_ONE_SHOT, n, name),
-            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NUM_BLOCKS=NB, WORLD=W)
     shard = -(-(-(-n // W)) // peer.SHARD_ALIGN) * peer.SHARD_ALIGN
     block, warps = peer._launch_shape(shard, isz, NB)
     return K.two_shot_kernel, warps, dict(
         n=n, shard=shard, stage_tab=pb.tabs["stage"], gather_tab=pb.tabs["gather"],
         flag_tab=pb.tabs["flags"], flags=pb.flags, ctrl=pb.ctrl, err=pb.err, rank=RANK,
         tag=P.size_tag(P.OP_TWO_SHOT, n, name), timeout_us=TIMEOUT_US,
-        cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+        cap=pb.cap_bytes // isz, BLOCK=block, NUM_BLOCKS=NB, WORLD=W)
 
 
 @pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot", "rs_lamport", "rs_flag"])
@@ -163,8 +163,9 @@ def _expect_fused(pb, variant, algo, tokens, hidden, dtype, eps, round_scale):
     block, warps = peer._row_shape(hidden)
     residual, out_mode, op_lamport, op_one_shot = FUSED[variant]
     common = dict(tokens=tokens, hidden=hidden, eps=eps, ctrl=pb.ctrl, err=pb.err, rank=RANK,
-                  timeout_us=TIMEOUT_US, FT=pb._tl_float[dtype], W=W, WP=2, NB=NB, BLOCK=block,
-                  STAGES=ALL_STAGES, RESIDUAL=residual, OUT=out_mode, ROUND=int(round_scale))
+                  timeout_us=TIMEOUT_US, FLOAT=pb._tl_float[dtype], WORLD=W, WORLD_POW2=2,
+                  NUM_BLOCKS=NB, BLOCK=block, STAGES=ALL_STAGES, RESIDUAL=residual, OUT=out_mode,
+                  ROUND=int(round_scale))
     if algo == "lamport":
         return F.lamport_norm_kernel, warps, dict(
             common, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"],

@@ -80,8 +80,8 @@ class Call:
         block, _ = peer._launch_shape(self.n, 4, R.NB)
         ll.ll_gather_kernel[(R.NB,)](
             self.x, self.out, self.n, self.part, self.src, R.ll_tab, R.tag_tab, R.ctrl[rank],
-            R.err[rank], rank, tag, 0, R.cap, op=op, BCAST=int(self.kind == "bcast"), W=R.W,
-            WP=1 << (R.W - 1).bit_length(), NB=R.NB, BLOCK=block, STAGES=stage)
+            R.err[rank], rank, tag, 0, R.cap, op=op, BCAST=int(self.kind == "bcast"), WORLD=R.W,
+            WORLD_POW2=1 << (R.W - 1).bit_length(), NUM_BLOCKS=R.NB, BLOCK=block, STAGES=stage)
 
     def check(self, calls) -> str | None:
         import torch

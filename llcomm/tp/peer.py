@@ -186,6 +186,11 @@ class PeerBackend:
         self._failure = P.FailureLatch(self.rank, "communicator")
         self.WP = 1 << (W - 1).bit_length()
 
+    def _shape(self, block: int) -> dict:
+        """The constexprs every TP kernel takes: ranks, ranks rounded up to a power of two (the
+        flag vectors), the grid, and the elements a block moves per step."""
+        return dict(WORLD=self.world_size, WORLD_POW2=self.WP, NUM_BLOCKS=self.nb, BLOCK=block)
+
     # -- errors ---------------------------------------------------------------------------------
     def _precheck(self) -> None:
         self._failure.check(self._err_np[0])
@@ -247,14 +252,14 @@ class PeerBackend:
             return Plan(self._k_ar.one_shot_kernel, self.nb, (
                 n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
                 self.rank, self._tag(P.OP_ONE_SHOT, n, dtype), self.timeout_us, cap), warps,
-                dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
+                self._shape(block), (None, None))
         shard = -(-n // W)
         shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
         block, warps = _launch_shape(shard, itemsize, self.nb)
         return Plan(self._k_ar.two_shot_kernel, self.nb, (
             n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
             self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
-            self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
+            self.timeout_us, cap), warps, self._shape(block),
             (None, None))
 
     def _lamport_plan(self, fn, op: int, n: int, dtype: torch.dtype) -> Plan:
@@ -268,8 +273,8 @@ class PeerBackend:
             n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
             self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
             self.lamport_bytes // itemsize), warps, dict(
-            SENTINEL=sent, FT=self._tl_float[dtype], W=self.world_size, WP=self.WP, NB=self.nb,
-            BLOCK=block, STAGES=ALL_STAGES, LAG=lamport_lag(n, block, self.nb)),
+            SENTINEL=sent, FLOAT=self._tl_float[dtype], **self._shape(block), STAGES=ALL_STAGES,
+            LAG=lamport_lag(n, block, self.nb)),
             (view, view))
 
     def _keep(self, key: tuple, plan: Plan) -> Plan:
@@ -326,7 +331,7 @@ class PeerBackend:
         tail: Triton takes a None argument as a compile-time constant, so the plain kernels
         have no such parameter at all (their code is the same as without it)."""
         block, warps = _row_shape(hidden)
-        W, itemsize = self.world_size, dtype.itemsize
+        itemsize = dtype.itemsize
         view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
         residual, out_name, op_lamport, op_one_shot = FUSED_VARIANTS[variant]
         out_mode = getattr(self._k_fn, out_name)
@@ -342,13 +347,13 @@ class PeerBackend:
                 *lead, tokens, hidden, eps, self.tabs["lamport"], self.tabs["lamport_tags"],
                 self.ctrl, self.err, self.rank, self._lamport_tag(op_lamport, rows, dtype),
                 self.timeout_us, self.lamport_bytes // itemsize), warps, dict(
-                SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
+                SENTINEL=sent, FLOAT=ft, **self._shape(block),
                 STAGES=ALL_STAGES, OP=op_lamport, **variant_consts), views)
         return Plan(self._k_fn.one_shot_norm_kernel, self.nb, (
             *lead, tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags,
             self.ctrl, self.err, self.rank, self._tag(op_one_shot, rows, dtype),
             self.timeout_us, self.cap_bytes // itemsize), warps, dict(
-            FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=ALL_STAGES,
+            FLOAT=ft, **self._shape(block), STAGES=ALL_STAGES,
             OP=op_one_shot, **variant_consts), views)
 
     # -- movement -------------------------------------------------------------------------------
@@ -383,8 +388,7 @@ class PeerBackend:
             xb, out, n, part, src, self.tabs["ll"], self.tabs["lamport_tags"], self.ctrl,
             self.err, self.rank, self._lamport_tag(op, numel_tag, dtype), self.timeout_us,
             self.ll_bytes // 4), warps,
-            op=op, BCAST=int(op == P.OP_BROADCAST), W=self.world_size, WP=self.WP, NB=self.nb,
-            BLOCK=block, STAGES=ALL_STAGES)
+            op=op, BCAST=int(op == P.OP_BROADCAST), **self._shape(block), STAGES=ALL_STAGES)
         return True
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
@@ -402,7 +406,7 @@ class PeerBackend:
             xb, n, src, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_BROADCAST, numel_tag, x.dtype), self.timeout_us,
             self.cap_bytes // xb.element_size()), warps,
-            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
+            **self._shape(block))
         return x
 
     def _gather(self, x: torch.Tensor, out: torch.Tensor, rows: int) -> torch.Tensor:
@@ -419,7 +423,7 @@ class PeerBackend:
             xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_ALL_GATHER, numel_tag, x.dtype),
             self.timeout_us, self.cap_bytes // xb.element_size()), warps,
-            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
+            **self._shape(block))
         return out
 
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -454,7 +458,7 @@ class PeerBackend:
             m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
             self.rank, self._tag(P.OP_REDUCE_SCATTER, m, dtype), self.timeout_us,
             self.cap_bytes // dtype.itemsize), warps,
-            dict(W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
+            self._shape(block), (None, None))
 
     def close(self) -> None:
         if self.ws is not None:
