@@ -24,7 +24,7 @@ which also gives the interpreter the GPU clock the bounded waits read). Checked:
 - ranks that disagree about the call (size, dtype, op, row shape; dtypes of the same bytes;
   as many words of another width): every rank's error word is
   a mismatch of its own op at the entry barrier naming the ranks that disagree, and its output
-  (pre-filled with POISON_BYTE, a valid-looking value) is all POISON_BITS bytes (0xFF);
+  (pre-filled with ``_payloads.POISON_BYTE``, a valid-looking value) is all POISON_BITS bytes (0xFF);
 - a rank that never launches: its peers' error words are a timeout naming it (at the entry
   barrier, after a round whose same-tag words of an older epoch are still in the flags), the
   wait ended after the bound and not long after, its output all 0xFF bytes; a peer that stops
@@ -36,7 +36,7 @@ from __future__ import annotations
 import pytest
 
 from _interp import run_in_interpreter, run_ranks
-from _payloads import POISON_BYTE, payload  # noqa: F401  (the pre-fill of every output)
+from _payloads import payload
 from llcomm.tp import peer                                  # PeerBackend and its region layout
 from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
 from llcomm.tp.kernels import (all_reduce, lamport_all_reduce, ll, movement,  # its kernels
