@@ -24,7 +24,8 @@ which also gives the interpreter the GPU clock the bounded waits read). Checked:
 - ranks that disagree about the call (size, dtype, op, row shape; dtypes of the same bytes;
   as many words of another width): every rank's error word is
   a mismatch of its own op at the entry barrier naming the ranks that disagree, and its output
-  (pre-filled with ``_payloads.POISON_BYTE``, a valid-looking value) is all POISON_BITS bytes (0xFF);
+  (pre-filled with ``_payloads.POISON_BYTE``, a valid-looking value) is all POISON_BITS bytes
+  (0xFF);
 - a rank that never launches: its peers' error words are a timeout naming it (at the entry
   barrier, after a round whose same-tag words of an older epoch are still in the flags), the
   wait ended after the bound and not long after, its output all 0xFF bytes; a peer that stops
