@@ -13,11 +13,11 @@ failure, finish), stage by stage:
 Every kernel runs on a fixed grid of ``NUM_BLOCKS`` blocks (the communicator's constant), so
 block ``b`` of every kernel owns counter ``ctrl[b]`` = number of ops this communicator has run.
 That counter lives on the GPU, which is what lets a captured CUDA graph replay any number of
-times and mix with eager calls: the round (staging parity, flag epoch) is read on the device,
+times and mix with eager calls: the round (staging half, flag epoch) is read on the device,
 never frozen into the launch. Element ``i`` is handled by block ``(i // BLOCK) % NUM_BLOCKS``
 on every rank, so block ``b`` only ever waits for block ``b`` of its peers.
 
-Why two staging halves suffice (``parity = seq % 2``): every op makes each rank wait for every
+Why two staging halves suffice (``half = seq % 2``): every op makes each rank wait for every
 peer. So when rank r starts op k, it has finished op k-1, which needed every peer to have
 *started* op k-1, i.e. finished op k-2 (kernels on one stream run in order). Op k writes the half
 that op k-2 used, which nobody reads any more. Write-after-write and read-after-write are both
