@@ -9,10 +9,9 @@ Both follow the flag kernels' round (``flag_round.py``), stage by stage:
   barrier; each rank copies slot p (its own x for p = rank) to part p of ``out``.
 
 Data is pushed with remote stores into the staging of the ranks that need it, then each rank
-reads only its own staging. The movement kernels copy raw
-words (int32 or uint8 views), so they are byte-exact by construction. A block whose wait
-failed, or that started after this rank had failed, fills what it would have copied with
-POISON_BITS (every byte 0xFF) instead.
+reads only its own staging. The movement kernels copy raw words (int32 or uint8 views), so they
+are byte-exact by construction. A block whose wait failed, or that started after this rank had
+failed, fills what it would have copied with POISON_BITS (every byte 0xFF) instead.
 """
 import triton
 import triton.language as tl
