@@ -21,7 +21,7 @@ from ..runtime import settings as S
 from ..runtime.backend import choose_backend, reference_device
 from ..runtime.registry import register
 from ..runtime.bounded import default_check_calls
-from .fused import FUSED_ALGOS, FUSED_MAX_HIDDEN, FusedJoins  # noqa: F401  (public names)
+from .fused import FusedJoins
 from .reference import ReferenceBackend
 
 log = logging.getLogger("llcomm")
