@@ -217,14 +217,12 @@ def _mismatch_round(rank, name):
     the others with them off, so the flagged movement kernels meet each other; likewise the
     Lamport reduce_scatter runs only where a spec says ``lamport_reduce_scatter``."""
     import llcomm
-    from llcomm.tp.peer import LL_MAX_BYTES
     specs = MISMATCHES[name]
-    os.environ["LLCOMM_LL_BYTES"] = str(LL_MAX_BYTES) if name.startswith("ll_") else "0"
-    if any(kind == "lamport_reduce_scatter" for kind, _, _ in specs):
-        os.environ.pop("LLCOMM_RS_LAMPORT_BYTES", None)   # the default: Lamport up to its slot
-    else:
-        os.environ["LLCOMM_RS_LAMPORT_BYTES"] = "0"
     comm = _comm(timeout_ms=TIMEOUT_MS)
+    if not name.startswith("ll_"):
+        comm._impl.ll_bytes = 0             # the flagged movement kernels at every size
+    if not any(kind == "lamport_reduce_scatter" for kind, _, _ in specs):
+        comm._impl.rs_lamport_bytes = 0     # the flag reduce_scatter at every size
     # good rounds of both calls first: a kernel's first launch waits up to 60 s for a peer that
     # may still be compiling (llcomm/runtime/launch.py), which would outlast the test's timeout
     for spec in specs:

@@ -24,7 +24,8 @@ which also gives the interpreter the GPU clock the bounded waits read). Checked:
 - ranks that disagree about the call (size, dtype, op, row shape; dtypes of the same bytes;
   as many words of another width): every rank's error word is
   a mismatch of its own op at the entry barrier naming the ranks that disagree, and its output
-  (pre-filled with POISON_BYTE, a valid-looking value) is all POISON_BITS bytes (0xFF);
+  (pre-filled with ``_payloads.POISON_BYTE``, a valid-looking value) is all POISON_BITS bytes
+  (0xFF);
 - a rank that never launches: its peers' error words are a timeout naming it (at the entry
   barrier, after a round whose same-tag words of an older epoch are still in the flags), the
   wait ended after the bound and not long after, its output all 0xFF bytes; a peer that stops
@@ -36,10 +37,11 @@ from __future__ import annotations
 import pytest
 
 from _interp import run_in_interpreter, run_ranks
-from _payloads import POISON_BYTE, payload  # noqa: F401  (the pre-fill of every output)
+from _payloads import payload
 from llcomm.tp import peer                                  # PeerBackend and its region layout
 from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
-from llcomm.tp.kernels import all_reduce, ll, lamport, movement, reduce_scatter  # its kernels
+from llcomm.tp.kernels import (all_reduce, lamport_all_reduce, ll, movement,  # its kernels
+                               reduce_scatter)
 
 BF, F32 = "bfloat16", "float32"
 #: Every byte of a failed call's output (protocol.POISON_BITS, all bits set).
@@ -80,7 +82,7 @@ class VirtualPeers:
 
         self.W, self.NB = W, NB
         cap_bytes = (max_bytes + 255) // 256 * 256
-        ll_bytes = peer.ll_bytes(ll_bytes, max_bytes)
+        ll_bytes = min(ll_bytes, peer.ll_bytes(max_bytes)) // 4 * 4
         sizes = {"flags": 8 * peer.FLAG_PHASES * NB * W, "stage": peer.HALVES * W * cap_bytes,
                  "gather": peer.HALVES * cap_bytes,
                  "ll": peer.HALVES * W * ll_bytes // 4 * peer.LL_WORD_BYTES,
@@ -98,7 +100,7 @@ class VirtualPeers:
             b.rs_lamport_bytes = b.lamport_bytes = 0
             b.ll_bytes = ll_bytes
             b._k_ar, b._k_mv, b._k_rs, b._k_ll, b._k_lam = (all_reduce, movement, reduce_scatter,
-                                                             ll, lamport)
+                                                             ll, lamport_all_reduce)
             b._plans, b.tabs = {}, tabs
             b.flags = self.regions["flags"][r].view(torch.int64)
             ctrl = torch.zeros(NB + peer.CTRL_ERR_WORDS, dtype=torch.int64)

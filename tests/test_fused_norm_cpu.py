@@ -97,6 +97,7 @@ def simulate(W, NB, calls, dtype_name, algo):
     import triton.language as tl  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.tp import peer
     from llcomm.runtime import protocol as P
+    from llcomm.runtime.kernels.lamport import PUSH, REDUCE
     from llcomm.tp.kernels import fused_norm as K
 
     dtype = getattr(torch, dtype_name)
@@ -125,7 +126,7 @@ def simulate(W, NB, calls, dtype_name, algo):
         ys = [torch.full_like(res, float("nan")) for _ in range(W)]
         hs = [torch.full_like(res, float("nan")) for _ in range(W)]
         block, _ = peer._row_shape(hidden)
-        for stage in (K.PUSH, K.REDUCE):
+        for stage in (PUSH, REDUCE):
             for r in range(W):
                 xi = xs[r].view(ityp)
                 if algo == "lamport":
@@ -133,13 +134,13 @@ def simulate(W, NB, calls, dtype_name, algo):
                         P.OP_FUSED_LAMPORT, peer.PeerBackend._rows_numel(tokens, hidden), dtype)
                     K.lamport_norm_kernel[(NB,)](
                         xi, res, w, ys[r], hs[r], None, tokens, hidden, EPS, tab, tag_tab,
-                        ctrl[r], err[r], r, lam_tag, 0, cap, SENTINEL=sent, FT=ft, W=W, WP=wp,
-                        NB=NB, BLOCK=block, STAGES=stage)
+                        ctrl[r], err[r], r, lam_tag, 0, cap, SENTINEL=sent, FLOAT=ft, WORLD=W,
+                        WORLD_POW2=wp, NUM_BLOCKS=NB, BLOCK=block, STAGES=stage)
                 else:
                     K.one_shot_norm_kernel[(NB,)](
                         xi, res, w, ys[r], hs[r], None, tokens, hidden, EPS, tab, dummy, dummy,
-                        ctrl[r], err[r], r, 0, 0, cap, FT=ft, W=W, WP=W, NB=NB, BLOCK=block,
-                        STAGES=stage)
+                        ctrl[r], err[r], r, 0, 0, cap, FLOAT=ft, WORLD=W, WORLD_POW2=W,
+                        NUM_BLOCKS=NB, BLOCK=block, STAGES=stage)
         # Expected h: rank-order fp32 sum, rounded, plus residual in fp32, rounded.
         acc = torch.zeros(tokens, hidden)
         for x in xs:

@@ -200,8 +200,8 @@ class _Ranks:
     def run(self, algo, residual_on, out_mode, op, xs, res, w, outs, hs, qs, round_scale):
         """One fused op on every rank, push stage then reduce stage: rank r writes outs[r],
         hs[r] and (FP8) uses / writes qs[r]."""
-        from llcomm.tp.kernels import fused_norm as K
-        for stage in (K.PUSH, K.REDUCE):
+        from llcomm.runtime.kernels.lamport import PUSH, REDUCE
+        for stage in (PUSH, REDUCE):
             for r in range(self.W):
                 self.launch(r, stage, algo, residual_on, out_mode, op, xs[r], res, w, outs[r],
                             hs[r], qs[r], round_scale)
@@ -219,19 +219,19 @@ class _Ranks:
               torch.float32: tl.float32}[self.dtype]
         block, _ = peer._row_shape(hidden)
         rows = peer.PeerBackend._rows_numel(tokens, hidden)
-        consts = dict(FT=ft, W=self.W, NB=self.NB, BLOCK=block, OP=op, RESIDUAL=residual_on,
-                      OUT=out_mode, ROUND=int(round_scale), STAGES=stage)
+        consts = dict(FLOAT=ft, WORLD=self.W, NUM_BLOCKS=self.NB, BLOCK=block, OP=op,
+                      RESIDUAL=residual_on, OUT=out_mode, ROUND=int(round_scale), STAGES=stage)
         lead = (x.view(self.ityp), res if residual_on else x, w, out, h, q)
         if algo == "lamport":
             tag = P.lamport_tag(op, rows, dname(self.dtype))
             K.lamport_norm_kernel[(self.NB,)](
                 *lead, tokens, hidden, EPS, self.tab, self.tag_tab, self.ctrl[r], self.err[r],
-                r, tag, 0, self.cap, SENTINEL=self.sent, WP=1 << (self.W - 1).bit_length(),
+                r, tag, 0, self.cap, SENTINEL=self.sent, WORLD_POW2=1 << (self.W - 1).bit_length(),
                 **consts)
         else:
             K.one_shot_norm_kernel[(self.NB,)](
                 *lead, tokens, hidden, EPS, self.tab, self.dummy, self.dummy, self.ctrl[r],
-                self.err[r], r, 0, 0, self.cap, WP=self.W, **consts)
+                self.err[r], r, 0, 0, self.cap, WORLD_POW2=self.W, **consts)
 
     def idle_failures(self, tag, lamport: bool) -> list[str]:
         """Lamport: slots and tags idle again; either: counters at the ops run, no error."""
@@ -372,6 +372,7 @@ def simulate_mismatch(variants, dtype_name):
     all_reduce_residual_rmsnorm) on the same [4, 256] rows: per rank, what its error word
     decodes to (exception type name, op, phase, ranks), or None."""
     from llcomm.runtime import protocol as P
+    from llcomm.runtime.kernels.lamport import PUSH, REDUCE
     from llcomm.tp.kernels import fused_norm as K
     dtype = getattr(torch, dtype_name)
     W, shape = len(variants), (4, 256)
@@ -379,7 +380,7 @@ def simulate_mismatch(variants, dtype_name):
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(shape, generator=g).to(dtype) for _ in range(W)]
     res, w = torch.randn(shape, generator=g).to(dtype), torch.ones(shape[1], dtype=dtype)
-    for stage in (K.PUSH, K.REDUCE):
+    for stage in (PUSH, REDUCE):
         for r, variant in enumerate(variants):
             residual_on, out_name, op, _ = VARIANTS.get(variant, (1, "PLAIN", "OP_FUSED_LAMPORT",
                                                                   None))

@@ -1,4 +1,4 @@
-"""The Lamport kernels' tags on the CPU: ``lamport.lamport_kernel``,
+"""The Lamport kernels' tags on the CPU: ``lamport_all_reduce.lamport_kernel``,
 ``reduce_scatter.lamport_reduce_scatter_kernel`` and ``fused_norm.lamport_norm_kernel`` under
 ``TRITON_INTERPRET=1`` on virtual ranks, on Lamport regions laid out as ``peer.PeerBackend``
 lays them out (data slots idle at SENTINEL, tag words idle at 0).
@@ -101,16 +101,17 @@ class Call:
 
     def launch(self, R: Regions, rank: int, stage: int) -> None:
         from llcomm.tp import peer
-        from llcomm.tp.kernels import fused_norm, lamport, reduce_scatter
+        from llcomm.tp.kernels import fused_norm, lamport_all_reduce, reduce_scatter
         ityp, sent = _int_view(self.dtype)
         cap = R.slot_bytes // self.dtype.itemsize
         wp = 1 << (R.W - 1).bit_length()
-        common = dict(SENTINEL=sent, FT=_tl_float(self.dtype), W=R.W, WP=wp, NB=R.NB, STAGES=stage)
+        common = dict(SENTINEL=sent, FLOAT=_tl_float(self.dtype), WORLD=R.W, WORLD_POW2=wp,
+                      NUM_BLOCKS=R.NB, STAGES=stage)
         if self.kind != "fused":
             tag = peer.PeerBackend._lamport_tag(self.op(), self.n, self.dtype)
             block, _ = peer._launch_shape(self.n, self.dtype.itemsize, R.NB)
             kernel = (reduce_scatter.lamport_reduce_scatter_kernel
-                      if self.kind == "reduce_scatter" else lamport.lamport_kernel)
+                      if self.kind == "reduce_scatter" else lamport_all_reduce.lamport_kernel)
             kernel[(R.NB,)](
                 self.x.view(ityp), self.out.view(ityp), self.n, R.data_tab, R.tag_tab,
                 R.ctrl[rank], R.err[rank], rank, tag, 0, cap, BLOCK=block,
@@ -154,7 +155,7 @@ def _round(R: Regions, specs, seed: int, pushers=None, prefill=None):
     """One round: rank r calls specs[r]; ranks in ``pushers`` (default all) push, then every
     rank reduces. ``prefill``: the value every output holds before (default NaN). Returns the
     calls."""
-    from llcomm.tp.kernels import lamport
+    from llcomm.runtime.kernels.lamport import PUSH, REDUCE
     calls = [Call(s, seed, r, R.W) for r, s in enumerate(specs)]
     for c in calls:
         if prefill is not None:
@@ -162,9 +163,9 @@ def _round(R: Regions, specs, seed: int, pushers=None, prefill=None):
                 o.fill_(prefill)
     for r, c in enumerate(calls):
         if pushers is None or r in pushers:
-            c.launch(R, r, lamport.PUSH)
+            c.launch(R, r, PUSH)
     for r, c in enumerate(calls):
-        c.launch(R, r, lamport.REDUCE)
+        c.launch(R, r, REDUCE)
     return calls
 
 
@@ -330,17 +331,13 @@ def test_mismatch_poisons_the_outputs_on_every_rank():
 
 def test_lamport_slot_setting(monkeypatch):
     """LLCOMM_LAMPORT_BYTES: 16 MiB at 2 ranks and 1 MiB elsewhere by default; anything but a
-    positive integer refused by name. LLCOMM_RS_LAMPORT_BYTES: unset (None) unless set."""
+    positive integer refused by name."""
     from llcomm.runtime.settings import TPSettings
     monkeypatch.delenv("LLCOMM_LAMPORT_BYTES", raising=False)
-    monkeypatch.delenv("LLCOMM_RS_LAMPORT_BYTES", raising=False)
     assert (TPSettings.read(2).lamport_bytes, TPSettings.read(4).lamport_bytes) == \
         (16 << 20, 1 << 20)
-    assert TPSettings.read(2).rs_lamport_bytes is None      # up to the slot
     monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", "4096")
     assert TPSettings.read(2).lamport_bytes == TPSettings.read(8).lamport_bytes == 4096
-    monkeypatch.setenv("LLCOMM_RS_LAMPORT_BYTES", "0")
-    assert TPSettings.read(2).rs_lamport_bytes == 0
     for bad in ("0", "-1", "1M", ""):
         monkeypatch.setenv("LLCOMM_LAMPORT_BYTES", bad)
         with pytest.raises(ValueError, match="LLCOMM_LAMPORT_BYTES"):

@@ -17,8 +17,8 @@ import torch
 from llcomm.runtime import launch
 from llcomm.tp import peer
 from llcomm.runtime import protocol as P
-from llcomm.runtime.settings import LAMPORT_CHUNK_BYTES
-from llcomm.tp.kernels import all_reduce as K, lamport as LK, reduce_scatter as RS
+from llcomm.runtime.kernels.lamport import ALL_STAGES
+from llcomm.tp.kernels import all_reduce as K, lamport_all_reduce as LK, reduce_scatter as RS
 from llcomm.tp.kernels import fused_norm as F
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -46,7 +46,6 @@ def _backend(launcher):
     pb.nb, pb.world_size, pb.WP, pb.rank = NB, W, 2, RANK
     pb.max_bytes = pb.cap_bytes = 16 << 20
     pb.lamport_bytes = pb.rs_lamport_bytes = 32 << 20    # above every size below
-    pb.lamport_chunk = LAMPORT_CHUNK_BYTES
     pb.timeout_us = TIMEOUT_US
     pb.tabs = {k: torch.full((W,), i, dtype=torch.int64) for i, k in enumerate(
         ("flags", "stage", "gather", "lamport", "lamport_tags"))}
@@ -82,7 +81,7 @@ def _expect(pb, algo, n, dtype):
     if algo in ("lamport", "rs_lamport"):
         op = P.OP_LAMPORT if algo == "lamport" else P.OP_LAMPORT_REDUCE_SCATTER
         fn = LK.lamport_kernel if algo == "lamport" else RS.lamport_reduce_scatter_kernel
-        block, warps = peer._launch_shape(n, isz, NB, pb.lamport_chunk)
+        block, warps = peer._launch_shape(n, isz, NB, peer.LAMPORT_CHUNK_BYTES)
         return fn, warps, dict(
             n=n, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"], ctrl=pb.ctrl,
             err=pb.err, rank=RANK, tag=P.lamport_tag(op, n, name), timeout_us=TIMEOUT_US,
@@ -93,27 +92,27 @@ def _expect(pb, algo, n, dtype):
         return RS.reduce_scatter_kernel, warps, dict(
             m_out=n, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
             ctrl=pb.ctrl, err=pb.err, rank=RANK, tag=P.size_tag(P.OP_REDUCE_SCATTER, n, name),
-            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NUM_BLOCKS=NB, WORLD=W)
     if algo == "one_shot":
         block, warps = peer._launch_shape(n, isz, NB)
         return K.one_shot_kernel, warps, dict(
             n=n, stage_tab=pb.tabs["stage"], flag_tab=pb.tabs["flags"], flags=pb.flags,
             ctrl=pb.ctrl, err=pb.err, rank=RANK, tag=P.size_tag(P.OP_ONE_SHOT, n, name),
-            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+            timeout_us=TIMEOUT_US, cap=pb.cap_bytes // isz, BLOCK=block, NUM_BLOCKS=NB, WORLD=W)
     shard = -(-(-(-n // W)) // peer.SHARD_ALIGN) * peer.SHARD_ALIGN
     block, warps = peer._launch_shape(shard, isz, NB)
     return K.two_shot_kernel, warps, dict(
         n=n, shard=shard, stage_tab=pb.tabs["stage"], gather_tab=pb.tabs["gather"],
         flag_tab=pb.tabs["flags"], flags=pb.flags, ctrl=pb.ctrl, err=pb.err, rank=RANK,
         tag=P.size_tag(P.OP_TWO_SHOT, n, name), timeout_us=TIMEOUT_US,
-        cap=pb.cap_bytes // isz, BLOCK=block, NB=NB, W=W)
+        cap=pb.cap_bytes // isz, BLOCK=block, NUM_BLOCKS=NB, WORLD=W)
 
 
 @pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot", "rs_lamport", "rs_flag"])
 def test_every_planned_argument_is_the_right_one(algo):
     """One backend for every dtype and size, twice over (the second pass takes kept plans):
     a plan kept under too coarse a key would show as another size's or dtype's arguments.
-    reduce_scatter: the Lamport kernel up to rs_lamport_bytes, the flag kernel above."""
+    reduce_scatter: the Lamport kernel up to the Lamport slot, the flag kernel above."""
     rec = Recorder()
     pb = _backend(rec)
     if algo == "rs_flag":
@@ -164,8 +163,9 @@ def _expect_fused(pb, variant, algo, tokens, hidden, dtype, eps, round_scale):
     block, warps = peer._row_shape(hidden)
     residual, out_mode, op_lamport, op_one_shot = FUSED[variant]
     common = dict(tokens=tokens, hidden=hidden, eps=eps, ctrl=pb.ctrl, err=pb.err, rank=RANK,
-                  timeout_us=TIMEOUT_US, FT=pb._tl_float[dtype], W=W, WP=2, NB=NB, BLOCK=block,
-                  STAGES=F.ALL_STAGES, RESIDUAL=residual, OUT=out_mode, ROUND=int(round_scale))
+                  timeout_us=TIMEOUT_US, FLOAT=pb._tl_float[dtype], WORLD=W, WORLD_POW2=2,
+                  NUM_BLOCKS=NB, BLOCK=block, STAGES=ALL_STAGES, RESIDUAL=residual, OUT=out_mode,
+                  ROUND=int(round_scale))
     if algo == "lamport":
         return F.lamport_norm_kernel, warps, dict(
             common, lam_tab=pb.tabs["lamport"], tag_tab=pb.tabs["lamport_tags"],
@@ -219,7 +219,7 @@ def test_every_fused_planned_argument_is_the_right_one(algo, variant):
 
 
 def test_reduce_scatter_kernel_by_output_bytes():
-    """The Lamport reduce_scatter up to rs_lamport_bytes of output, the flag one above; its
+    """The Lamport reduce_scatter up to the Lamport slot of output, the flag one above; its
     plans are its own, never an all_reduce's."""
     rec = Recorder()
     pb = _backend(rec)

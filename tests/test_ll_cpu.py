@@ -80,8 +80,8 @@ class Call:
         block, _ = peer._launch_shape(self.n, 4, R.NB)
         ll.ll_gather_kernel[(R.NB,)](
             self.x, self.out, self.n, self.part, self.src, R.ll_tab, R.tag_tab, R.ctrl[rank],
-            R.err[rank], rank, tag, 0, R.cap, op=op, BCAST=int(self.kind == "bcast"), W=R.W,
-            WP=1 << (R.W - 1).bit_length(), NB=R.NB, BLOCK=block, STAGES=stage)
+            R.err[rank], rank, tag, 0, R.cap, op=op, BCAST=int(self.kind == "bcast"), WORLD=R.W,
+            WORLD_POW2=1 << (R.W - 1).bit_length(), NUM_BLOCKS=R.NB, BLOCK=block, STAGES=stage)
 
     def check(self, calls) -> str | None:
         import torch
@@ -210,22 +210,9 @@ def test_mismatch_is_reported_on_every_rank(name):
                            True], (r, seen)
 
 
-def test_ll_bytes_setting(monkeypatch):
-    """LL_MAX_BYTES by default; 0 turns it off; at most LL_MAX_BYTES and max_bytes, in whole
-    words; a bad value is refused naming the variable."""
-    from llcomm.runtime.settings import TPSettings
+def test_ll_bytes():
+    """LL up to 64 KiB (the measured winner), at most max_bytes, in whole 4-byte words."""
     from llcomm.tp.peer import LL_MAX_BYTES, ll_bytes
-
-    def effective(max_bytes=16 << 20):
-        return ll_bytes(TPSettings.read(2).ll_bytes, max_bytes)
-    monkeypatch.delenv("LLCOMM_LL_BYTES", raising=False)
-    assert effective() == LL_MAX_BYTES
-    monkeypatch.setenv("LLCOMM_LL_BYTES", "0")
-    assert effective() == 0
-    monkeypatch.setenv("LLCOMM_LL_BYTES", "8192")
-    assert effective() == 8192 and effective(max_bytes=4098) == 4096
-    monkeypatch.setenv("LLCOMM_LL_BYTES", str(10 * LL_MAX_BYTES))
-    assert effective() == LL_MAX_BYTES
-    monkeypatch.setenv("LLCOMM_LL_BYTES", "64K")
-    with pytest.raises(ValueError, match="LLCOMM_LL_BYTES"):
-        TPSettings.read(2)
+    assert LL_MAX_BYTES == 64 << 10
+    assert ll_bytes(16 << 20) == LL_MAX_BYTES
+    assert ll_bytes(8192) == 8192 and ll_bytes(4098) == 4096

@@ -21,7 +21,6 @@ DIFFER = {
     "tp-reference": ("tp", "reference", "LLCOMM_LAMPORT_BYTES", ("16777216", "1048576"),
                      ("16777216", "1048576")),
     "tp-auto-unset": ("tp", "auto", "LLCOMM_NUM_BLOCKS", (None, "64"), ("128", "64")),
-    "tp-ll": ("tp", "reference", "LLCOMM_LL_BYTES", ("0", "65536"), ("0", "65536")),
     "ep-reference": ("ep", "reference", "LLCOMM_EP_NUM_BLOCKS", ("32", "64"), ("32", "64")),
     "ep-auto-unset": ("ep", "auto", "LLCOMM_EP_LL", ("1", None), ("1", "unset")),
 }
@@ -37,8 +36,8 @@ def _build(what: str, backend: str):
 
 def _differ_body(rank, world_size, what, backend, name, values):
     import llcomm
-    for other in ("LLCOMM_LAMPORT_BYTES", "LLCOMM_NUM_BLOCKS", "LLCOMM_LL_BYTES",
-                  "LLCOMM_EP_NUM_BLOCKS", "LLCOMM_EP_LL"):
+    for other in ("LLCOMM_LAMPORT_BYTES", "LLCOMM_NUM_BLOCKS", "LLCOMM_EP_NUM_BLOCKS",
+                  "LLCOMM_EP_LL"):
         os.environ.pop(other, None)
     if values[rank] is not None:
         os.environ[name] = values[rank]

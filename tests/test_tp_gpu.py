@@ -136,14 +136,10 @@ def _random_words(nbytes, seed, rank):
 
 
 def _ll_body(rank, ws):
-    """LLCOMM_LL_BYTES on: broadcast / all_gather / all_gather_2d up to the LL limit take the LL
-    kernels, above it (and messages that are not whole 4-byte words) the flagged ones; interleaved with Lamport (which
+    """broadcast / all_gather / all_gather_2d up to the LL limit take the LL kernels, above it (and messages that are not whole 4-byte words) the flagged ones; interleaved with Lamport (which
     shares the tag words) and one-shot all-reduces; byte-exact against NCCL, eager and in a
     replayed graph on fresh inputs."""
-    import os
-
     import llcomm
-    os.environ["LLCOMM_LL_BYTES"] = str(LL_BYTES)
     comm = _comm()
     assert comm._impl.ll_bytes == LL_BYTES
     ref = llcomm.Communicator(backend="reference")
@@ -298,7 +294,6 @@ def _big_lamport_body(rank, ws):
     import os
 
     os.environ["LLCOMM_LAMPORT_BYTES"] = str(BIG_LAMPORT_BYTES)
-    os.environ.pop("LLCOMM_RS_LAMPORT_BYTES", None)
     comm = _comm(max_bytes=BIG_LAMPORT_BYTES)
     assert comm.lamport_bytes == BIG_LAMPORT_BYTES
     for i, (n, dtype) in enumerate(BIG_SIZES):
@@ -324,8 +319,8 @@ def _big_lamport_body(rank, ws):
             assert torch.equal(_bits(comm.all_reduce(y, algo="lamport")), _bits(_oracle_sum(ys)))
     assert _same_on_all_ranks(outs["y"])
     # reduce_scatter: the Lamport kernel and the flag kernel give the same bits
-    os.environ["LLCOMM_RS_LAMPORT_BYTES"] = "0"
     flag = _comm(max_bytes=BIG_LAMPORT_BYTES)
+    flag._impl.rs_lamport_bytes = 0     # reduce_scatter: the flag kernel at every size
     for i, (n, dtype) in enumerate(BIG_SIZES):
         n = n // ws * ws
         x, xs = _inputs(n, dtype, 400 + i, rank)
@@ -442,14 +437,14 @@ TIMEOUT_MS = 200
 
 
 def _timeout_body(rank, ws, op):
-    import os
-
     import llcomm
     # "ll_broadcast": the LL kernel (kernels/ll.py, the default at this size); "broadcast":
     # the flagged one
-    os.environ["LLCOMM_LL_BYTES"] = str(LL_BYTES) if op.startswith("ll_") else "0"
+    ll = op.startswith("ll_")
     op = op.removeprefix("ll_")
     comm = _comm(timeout_ms=TIMEOUT_MS)
+    if not ll:
+        comm._impl.ll_bytes = 0     # every message above the LL limit: the flagged kernel
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     calls = {"one_shot": lambda: comm.all_reduce(x, algo="one_shot"),
              "two_shot": lambda: comm.all_reduce(x, algo="two_shot"),

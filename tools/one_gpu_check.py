@@ -107,9 +107,9 @@ def _tp_checks(rank, comm, record):
 
 
 def _fused_checks(rank, comm, record):
-    import llcomm.tp.api as tp
+    from llcomm.tp.fused import FUSED_ALGOS
     hidden, eps = 8192, 1e-6
-    for algo in tp.FUSED_ALGOS:
+    for algo in FUSED_ALGOS:
         for tokens in (1, 16, 128):
             g = torch.Generator().manual_seed(7000 + tokens)
             xs = [torch.randn(tokens, hidden, generator=g).to(torch.bfloat16) for _ in range(WORLD)]

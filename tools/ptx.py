@@ -21,7 +21,9 @@ from triton.compiler import ASTSource
 
 from llcomm.runtime import protocol as P
 from llcomm.runtime.launch import FP_FUSION
-from llcomm.tp.kernels import all_reduce, fused_norm, lamport, ll, movement, reduce_scatter
+from llcomm.runtime.kernels.lamport import ALL_STAGES
+from llcomm.tp.kernels import (all_reduce, fused_norm, lamport_all_reduce, ll, movement,
+                               reduce_scatter)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -34,20 +36,20 @@ LL_SIG = {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "src": "i32", "
           "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32",
           "timeout_us": "i32", "cap": "i64"}
 #: (constexprs follow the kernel's parameter order: compile_one indexes them by position)
-LL_8K = {"W": 2, "WP": 2, "NB": 128, "BLOCK": 128, "STAGES": lamport.ALL_STAGES}
+LL_8K = {"WORLD": 2, "WORLD_POW2": 2, "NUM_BLOCKS": 128, "BLOCK": 128, "STAGES": ALL_STAGES}
 
 LAMPORT_SIG = {"x": "*i16", "out": "*i16", "n": "i32", "lam_tab": "*i64", "tag_tab": "*i64",
                "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i32", "timeout_us": "i32",
                "cap": "i64"}
 
 
-def _lamport(nb, block, warps=4, fn=lamport.lamport_kernel, **later):
-    """``lamport.lamport_kernel`` (or ``fn``, the Lamport reduce-scatter) on bf16 (its int16
-    view) at 2 ranks; ``later``: the constexprs after STAGES, in the kernel's parameter order
+def _lamport(nb, block, warps=4, fn=lamport_all_reduce.lamport_kernel, **later):
+    """``lamport_all_reduce.lamport_kernel`` (or ``fn``, the Lamport reduce-scatter) on bf16
+    (its int16 view) at 2 ranks; ``later``: the constexprs after STAGES, in the kernel's parameter order
     (compile_one needs that order)."""
     return (fn, LAMPORT_SIG,
-            {"SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2, "NB": nb, "BLOCK": block,
-             "STAGES": lamport.ALL_STAGES, **later}, warps)
+            {"SENTINEL": -32768, "FLOAT": "bf16", "WORLD": 2, "WORLD_POW2": 2, "NUM_BLOCKS": nb,
+             "BLOCK": block, "STAGES": ALL_STAGES, **later}, warps)
 
 
 def _norm(algo, out_mode, residual=1, hidden=7168, block=8192, warps=16):
@@ -68,8 +70,8 @@ def _norm(algo, out_mode, residual=1, hidden=7168, block=8192, warps=16):
         sig["qscale"] = "*fp32"
     op = {(fused_norm.PLAIN, 0): P.OP_NORM_LAMPORT, (fused_norm.FP8_STATIC, 1): P.OP_FP8_LAMPORT,
           (fused_norm.FP8_GROUP, 1): P.OP_FP8_GROUP_LAMPORT}[out_mode, residual]
-    consts.update(FT="bf16", W=2, WP=2, NB=128, BLOCK=block, STAGES=fused_norm.ALL_STAGES,
-                  OP=op + (0 if lamport else 1), RESIDUAL=residual, OUT=out_mode, ROUND=0)
+    consts.update(FLOAT="bf16", WORLD=2, WORLD_POW2=2, NUM_BLOCKS=128, BLOCK=block,
+                  STAGES=ALL_STAGES, OP=op + (0 if lamport else 1), RESIDUAL=residual, OUT=out_mode, ROUND=0)
     fn = fused_norm.lamport_norm_kernel if lamport else fused_norm.one_shot_norm_kernel
     return fn, sig, consts, warps
 
@@ -79,12 +81,12 @@ KERNELS = {
                       {"x": "*bf16", "out": "*bf16", "n": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
                        "flags": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
                        "timeout_us": "i32", "cap": "i64"},
-                      {"W": 2, "WP": 2, "NB": 32, "BLOCK": 1024}),
+                      {"WORLD": 2, "WORLD_POW2": 2, "NUM_BLOCKS": 32, "BLOCK": 1024}),
     "two_shot_bf16": (all_reduce.two_shot_kernel,
                       {"x": "*bf16", "out": "*bf16", "n": "i32", "shard": "i32", "stage_tab": "*i64",
                        "gather_tab": "*i64", "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64",
                        "err": "*i64", "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
-                      {"W": 2, "WP": 2, "NB": 32, "BLOCK": 1024}),
+                      {"WORLD": 2, "WORLD_POW2": 2, "NUM_BLOCKS": 32, "BLOCK": 1024}),
     "lamport_bf16": _lamport(32, 1024),
     # the launch of an 8 KiB bf16 all_reduce: 4096 elements over 128 blocks, 1 warp each
     "lamport_bf16_8k": _lamport(128, 256, 1),
@@ -98,43 +100,44 @@ KERNELS = {
                       {"x": "*i32", "n": "i32", "src": "i32", "stage_tab": "*i64", "flag_tab": "*i64",
                        "flags": "*i64", "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
                        "timeout_us": "i32", "cap": "i64"},
-                      {"W": 2, "WP": 2, "NB": 64, "BLOCK": 512}),
+                      {"WORLD": 2, "WORLD_POW2": 2, "NUM_BLOCKS": 64, "BLOCK": 512}),
     "all_gather_i32": (movement.all_gather_kernel,
                        {"x": "*i32", "out": "*i32", "n": "i32", "part": "i32", "stage_tab": "*i64",
                         "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",
                         "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
-                       {"W": 2, "WP": 2, "NB": 64, "BLOCK": 512}),
-    # LL movement (LLCOMM_LL_BYTES): an 8 KiB all_gather / broadcast, 2048 words over 128 blocks
+                       {"WORLD": 2, "WORLD_POW2": 2, "NUM_BLOCKS": 64, "BLOCK": 512}),
+    # LL movement (up to LL_MAX_BYTES): an 8 KiB all_gather / broadcast, 2048 words over 128 blocks
     "ll_all_gather_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_ALL_GATHER, BCAST=0, **LL_8K), 1),
     "ll_broadcast_8k": (ll.ll_gather_kernel, LL_SIG, dict(op=P.OP_BROADCAST, BCAST=1, **LL_8K), 1),
     "reduce_scatter_bf16": (reduce_scatter.reduce_scatter_kernel,
                             {"x": "*bf16", "out": "*bf16", "m_out": "i32", "stage_tab": "*i64",
                              "flag_tab": "*i64", "flags": "*i64", "ctrl": "*i64", "err": "*i64",
                              "rank": "i32", "tag": "i64", "timeout_us": "i32", "cap": "i64"},
-                            {"W": 2, "WP": 2, "NB": 64, "BLOCK": 1024}),
+                            {"WORLD": 2, "WORLD_POW2": 2, "NUM_BLOCKS": 64, "BLOCK": 1024}),
     "lamport_norm_bf16_h8192": (fused_norm.lamport_norm_kernel,
                                 {"x": "*i16", "residual": "*bf16", "weight": "*bf16", "out": "*bf16",
                                  "res_out": "*bf16", "tokens": "i32", "hidden": "i32", "eps": "fp32",
                                  "lam_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
                                  "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                                {"qscale": None, "SENTINEL": -32768, "FT": "bf16", "W": 2, "WP": 2,
-                                 "NB": 128, "BLOCK": 8192, "STAGES": fused_norm.ALL_STAGES}, 16),
+                                {"qscale": None, "SENTINEL": -32768, "FLOAT": "bf16", "WORLD": 2,
+                                 "WORLD_POW2": 2, "NUM_BLOCKS": 128, "BLOCK": 8192,
+                                 "STAGES": ALL_STAGES}, 16),
     "one_shot_norm_bf16_h8192": (fused_norm.one_shot_norm_kernel,
                                  {"x": "*i16", "residual": "*bf16", "weight": "*bf16", "out": "*bf16",
                                   "res_out": "*bf16", "tokens": "i32", "hidden": "i32", "eps": "fp32",
                                   "stage_tab": "*i64", "flag_tab": "*i64", "flags": "*i64",
                                   "ctrl": "*i64", "err": "*i64", "rank": "i32", "tag": "i64",
                                   "timeout_us": "i32", "cap": "i64"},
-                                 {"qscale": None, "FT": "bf16", "W": 2, "WP": 2, "NB": 128,
-                                  "BLOCK": 8192, "STAGES": fused_norm.ALL_STAGES}, 16),
+                                 {"qscale": None, "FLOAT": "bf16", "WORLD": 2, "WORLD_POW2": 2,
+                                  "NUM_BLOCKS": 128, "BLOCK": 8192, "STAGES": ALL_STAGES}, 16),
     "lamport_norm_fp32_w4": (fused_norm.lamport_norm_kernel,
                                 {"x": "*i32", "residual": "*fp32", "weight": "*fp32", "out": "*fp32",
                                  "res_out": "*fp32", "tokens": "i32", "hidden": "i32", "eps": "fp32",
                                  "lam_tab": "*i64", "tag_tab": "*i64", "ctrl": "*i64", "err": "*i64",
                                  "rank": "i32", "tag": "i32", "timeout_us": "i32", "cap": "i64"},
-                                {"qscale": None, "SENTINEL": -2147450880, "FT": "fp32", "W": 4,
-                                 "WP": 4, "NB": 128, "BLOCK": 8192,
-                                 "STAGES": fused_norm.ALL_STAGES}, 16),
+                                {"qscale": None, "SENTINEL": -2147450880, "FLOAT": "fp32", "WORLD": 4,
+                                 "WORLD_POW2": 4, "NUM_BLOCKS": 128, "BLOCK": 8192,
+                                 "STAGES": ALL_STAGES}, 16),
     # the other fused norms: no residual (the first layer), FP8 static and per-group outputs
     "lamport_rmsnorm_bf16_h8192": _norm("lamport", fused_norm.PLAIN, residual=0, hidden=8192),
     "lamport_norm_fp8_bf16_h7168": _norm("lamport", fused_norm.FP8_STATIC),

@@ -31,12 +31,6 @@ def positive(name: str, raw: str) -> int:
     return int(raw)
 
 
-def non_negative(name: str, raw: str) -> int:
-    if not raw.isdigit():
-        raise ValueError(f"{name}={raw!r}: expected a non-negative integer")
-    return int(raw)
-
-
 def bit(name: str, raw: str) -> int:
     if raw not in ("0", "1"):
         raise ValueError(f"{name}={raw!r}: expected 0 or 1")
@@ -120,11 +114,6 @@ NUM_BLOCKS = 128
 #: not measured, so the smaller slot.
 LAMPORT_BYTES = 1 << 20
 LAMPORT_BYTES_W2 = 16 << 20
-#: Bytes a block moves per step of a Lamport kernel (docs/performance.md: 1-16 KiB measured).
-LAMPORT_CHUNK_BYTES = 4 << 10
-#: broadcast / all-gather take the LL kernels up to this many bytes, all the LL region holds
-#: (bench/results/ab/2026-11-30-ll-movement/).
-LL_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -135,13 +124,6 @@ class TPSettings(_Shared):
     num_blocks: int = setting("LLCOMM_NUM_BLOCKS", NUM_BLOCKS, positive, agree=True)
     #: None until ``read`` resolves it: LAMPORT_BYTES_W2 at world size 2, else LAMPORT_BYTES
     lamport_bytes: int | None = setting("LLCOMM_LAMPORT_BYTES", None, positive, agree=True)
-    lamport_chunk_bytes: int = setting("LLCOMM_LAMPORT_CHUNK_BYTES", LAMPORT_CHUNK_BYTES, pow2,
-                                       agree=True)
-    #: reduce_scatter runs the Lamport kernel for outputs up to this (None: up to the Lamport
-    #: slot; 0: never)
-    rs_lamport_bytes: int | None = setting("LLCOMM_RS_LAMPORT_BYTES", None, non_negative,
-                                           agree=True)
-    ll_bytes: int = setting("LLCOMM_LL_BYTES", LL_BYTES, non_negative, agree=True)
 
     @classmethod
     def read(cls, world_size: int, environ: Mapping[str, str] | None = None) -> "TPSettings":

@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import validate as V
-from . import algo_table as T
+from . import algo_table
 from ..runtime import protocol as P
 from ..runtime import settings as S
-from ..errors import UnsupportedConfigError
 from ..runtime.backend import choose_backend, reference_device
 from ..runtime.registry import register
 from ..runtime.bounded import default_check_calls
-from .fused import FUSED_ALGOS, FUSED_MAX_HIDDEN, FusedJoins  # noqa: F401  (public names)
+from .fused import FusedJoins
 from .reference import ReferenceBackend
 
 log = logging.getLogger("llcomm")
@@ -160,20 +159,21 @@ class Communicator(FusedJoins):
         self.algo_source = self._auto.source
         register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
-    def _auto_selection(self) -> T.Selection:
+    def _auto_selection(self) -> algo_table.Selection:
         """Resolve all_reduce's "auto" table (a collective on the peer backend)."""
         W = self.world_size
         rule = [(limit, algo) for ws, limit, algo in AUTO_TABLE if ws in (None, W)]
         if self.backend != "peer":  # the reference backend runs its own algorithm anyway
-            return T.compile_rows(rule, "two_shot", "rule llcomm.tp.api.AUTO_TABLE")
+            return algo_table.compile_rows(rule, "two_shot", "rule llcomm.tp.api.AUTO_TABLE")
         cap = self._impl.lamport_bytes
         sel, err = None, None
         try:
-            table = T.find_table(torch.cuda.get_device_name(self.device), W,
-                                 self.settings.tune_table)
-            sel = (T.table_selection(table, cap) if table is not None else
-                   T.compile_rows(rule, "two_shot", "rule llcomm.tp.api.AUTO_TABLE", cap))
-        except T.AlgoTableError as e:
+            table = algo_table.find_table(torch.cuda.get_device_name(self.device), W,
+                                          self.settings.tune_table)
+            sel = (algo_table.table_selection(table, cap) if table is not None else
+                   algo_table.compile_rows(rule, "two_shot", "rule llcomm.tp.api.AUTO_TABLE",
+                                           cap))
+        except algo_table.AlgoTableError as e:
             err = str(e)
         # Different algorithms never meet (one waits on flags, Lamport on data), so every
         # rank must pick the same one for the same size: take rank 0's choice.
@@ -182,7 +182,8 @@ class Communicator(FusedJoins):
         bad = [(r, e) for r, (_, e) in enumerate(everyone) if e]
         if bad:
             self._impl.close()
-            raise T.AlgoTableError(f"llcomm.Communicator (rank {bad[0][0]}): {bad[0][1]}")
+            raise algo_table.AlgoTableError(
+                f"llcomm.Communicator (rank {bad[0][0]}): {bad[0][1]}")
         if any(s != everyone[0][0] for s, _ in everyone):
             log.warning("llcomm: ranks resolved different all_reduce tables; all use rank 0's "
                         "(%s)", everyone[0][0].source)

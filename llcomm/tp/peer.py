@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import protocol as P
+from ..runtime.kernels.lamport import ALL_STAGES
 from ..runtime.launch import Launcher, Plan
 from ..runtime.settings import TPSettings
 from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
 
-# The tuning knobs (blocks, Lamport slot and chunk, the reduce_scatter and LL thresholds) are
-# TPSettings fields (llcomm/runtime/settings.py), read once by Communicator. The grid is fixed
+# The grid size and the Lamport slot are TPSettings fields (llcomm/runtime/settings.py), read
+# once by Communicator; the measured choices are constants below. The grid is fixed
 # per communicator: block b of every op advances counter ctrl[b], so all counters stay equal to
 # the number of ops run.
 
@@ -25,9 +26,11 @@ from ..runtime.workspace import REGION_ALIGN, SymmetricWorkspace
 MAX_BLOCK_BYTES = 16 << 10
 MAX_WARPS = 8
 #: A block with several Lamport chunks receives chunk i - LAMPORT_LAG right after pushing chunk
-#: i (lamport.lamport_kernel, LAG); a lag of 2 was no faster
+#: i (lamport_all_reduce.lamport_kernel, LAG); a lag of 2 was no faster
 #: (bench/results/ab/2026-11-30-lamport-chunk/).
 LAMPORT_LAG = 1
+#: Bytes a Lamport block moves per step (bench/results/ab/2026-11-30-lamport-chunk/).
+LAMPORT_CHUNK_BYTES = 4 << 10
 #: Launch plans kept per communicator (_plan: one per algorithm, size and dtype in use); past
 #: this many the cache starts over, so an endless variety of sizes cannot grow it without bound.
 PLAN_CACHE_MAX = 4096
@@ -40,9 +43,9 @@ SENTINEL32 = -2147450880                 # 0x80008000, the same two half-words s
 #: Bytes of a Lamport tag word (int32, one per half, block and source rank; idle at 0), kept
 #: after the data words in the Lamport region (runtime/kernels/lamport.py).
 LAMPORT_TAG_BYTES = 4
-#: LL broadcast / all-gather (kernels/ll.py: every 4-byte word travels with its epoch, no
-#: barrier) for messages up to the ll_bytes setting, at most LL_MAX_BYTES: the LL region holds
-#: 2 halves x W sources x twice the bytes.
+#: broadcast / all-gather as LL words up to this, flag kernels above (kernels/ll.py; the LL
+#: region holds 2 halves x W sources x twice the bytes).
+#: Provenance: bench/results/ab/2026-11-30-ll-movement/.
 LL_MAX_BYTES = 64 << 10
 #: Bytes of an LL word: a 4-byte data word and its 4-byte epoch.
 LL_WORD_BYTES = 8
@@ -81,15 +84,15 @@ FUSED_MIN_BLOCK = 16
 _TL_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def ll_bytes(setting: int, max_bytes: int) -> int:
-    """Largest LL broadcast / all-gather: the ll_bytes setting, at most max_bytes and
-    LL_MAX_BYTES, in whole 4-byte words (0: LL off)."""
-    return min(max_bytes, setting, LL_MAX_BYTES) // 4 * 4
+def ll_bytes(max_bytes: int) -> int:
+    """Largest LL broadcast / all-gather: LL_MAX_BYTES, at most max_bytes, in whole 4-byte
+    words."""
+    return min(max_bytes, LL_MAX_BYTES) // 4 * 4
 
 
 def lamport_lag(n: int, block: int, nb: int) -> int:
-    """LAG of ``lamport.lamport_kernel`` for n elements in chunks of ``block`` over ``nb``
-    blocks: 0 (the single-chunk kernel) unless some block has several chunks, else
+    """LAG of ``lamport_all_reduce.lamport_kernel`` for n elements in chunks of ``block`` over
+    ``nb`` blocks: 0 (the single-chunk kernel) unless some block has several chunks, else
     LAMPORT_LAG."""
     return LAMPORT_LAG if n > nb * block else 0
 
@@ -127,11 +130,12 @@ class PeerBackend:
     def __init__(self, group: dist.ProcessGroup, max_bytes: int, timeout_ms: int,
                  settings: TPSettings):
         import triton.language as tl  # kernels need Triton: fail here, not mid-op
-        from .kernels import all_reduce, fused_norm, lamport, ll, movement, reduce_scatter
+        from .kernels import (all_reduce, fused_norm, lamport_all_reduce, ll, movement,
+                              reduce_scatter)
 
         self._tl_float = {d: getattr(tl, name) for d, name in _TL_FLOAT.items()}
         self._k_ar = all_reduce
-        self._k_lam = lamport
+        self._k_lam = lamport_all_reduce
         self._k_mv = movement
         self._k_rs = reduce_scatter
         self._k_ll = ll
@@ -144,11 +148,9 @@ class PeerBackend:
         self.max_bytes = max_bytes
         self.timeout_us = timeout_ms * P.US_PER_MS
         self.lamport_bytes = min(max_bytes, settings.lamport_bytes)
-        self.ll_bytes = ll_bytes(settings.ll_bytes, max_bytes)
-        # a chunk is a Triton block: a power of two
-        self.lamport_chunk = min(settings.lamport_chunk_bytes, MAX_BLOCK_BYTES)
-        self.rs_lamport_bytes = self.lamport_bytes if settings.rs_lamport_bytes is None \
-            else min(settings.rs_lamport_bytes, self.lamport_bytes)
+        self.ll_bytes = ll_bytes(max_bytes)
+        # the largest reduce_scatter output of the Lamport kernel (tests set 0: the flag one)
+        self.rs_lamport_bytes = self.lamport_bytes
         self.cap_bytes = (max_bytes + 255) // 256 * 256
         # launch plans: (algo, n, dtype) all_reduce (_plan), ("reduce_scatter", m, dtype)
         # (_rs_plan), ("fused", ...) (fused_call)
@@ -183,6 +185,11 @@ class PeerBackend:
         self.err[1].fill_(self._err.data_ptr())
         self._failure = P.FailureLatch(self.rank, "communicator")
         self.WP = 1 << (W - 1).bit_length()
+
+    def _shape(self, block: int) -> dict:
+        """The constexprs every TP kernel takes: ranks, ranks rounded up to a power of two (the
+        flag vectors), the grid, and the elements a block moves per step."""
+        return dict(WORLD=self.world_size, WORLD_POW2=self.WP, NUM_BLOCKS=self.nb, BLOCK=block)
 
     # -- errors ---------------------------------------------------------------------------------
     def _precheck(self) -> None:
@@ -245,14 +252,14 @@ class PeerBackend:
             return Plan(self._k_ar.one_shot_kernel, self.nb, (
                 n, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
                 self.rank, self._tag(P.OP_ONE_SHOT, n, dtype), self.timeout_us, cap), warps,
-                dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
+                self._shape(block), (None, None))
         shard = -(-n // W)
         shard = -(-shard // SHARD_ALIGN) * SHARD_ALIGN
         block, warps = _launch_shape(shard, itemsize, self.nb)
         return Plan(self._k_ar.two_shot_kernel, self.nb, (
             n, shard, self.tabs["stage"], self.tabs["gather"], self.tabs["flags"],
             self.flags, self.ctrl, self.err, self.rank, self._tag(P.OP_TWO_SHOT, n, dtype),
-            self.timeout_us, cap), warps, dict(W=W, WP=self.WP, NB=self.nb, BLOCK=block),
+            self.timeout_us, cap), warps, self._shape(block),
             (None, None))
 
     def _lamport_plan(self, fn, op: int, n: int, dtype: torch.dtype) -> Plan:
@@ -260,14 +267,14 @@ class PeerBackend:
         elements) tagged with ``op``: x and out read as int views, chunks of the Lamport chunk
         size, pipelined (LAG) where a block has several."""
         itemsize = dtype.itemsize
-        block, warps = _launch_shape(n, itemsize, self.nb, self.lamport_chunk)
+        block, warps = _launch_shape(n, itemsize, self.nb, LAMPORT_CHUNK_BYTES)
         view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
         return Plan(fn, self.nb, (
             n, self.tabs["lamport"], self.tabs["lamport_tags"], self.ctrl, self.err,
             self.rank, self._lamport_tag(op, n, dtype), self.timeout_us,
             self.lamport_bytes // itemsize), warps, dict(
-            SENTINEL=sent, FT=self._tl_float[dtype], W=self.world_size, WP=self.WP, NB=self.nb,
-            BLOCK=block, STAGES=self._k_lam.ALL_STAGES, LAG=lamport_lag(n, block, self.nb)),
+            SENTINEL=sent, FLOAT=self._tl_float[dtype], **self._shape(block), STAGES=ALL_STAGES,
+            LAG=lamport_lag(n, block, self.nb)),
             (view, view))
 
     def _keep(self, key: tuple, plan: Plan) -> Plan:
@@ -324,7 +331,7 @@ class PeerBackend:
         tail: Triton takes a None argument as a compile-time constant, so the plain kernels
         have no such parameter at all (their code is the same as without it)."""
         block, warps = _row_shape(hidden)
-        W, itemsize = self.world_size, dtype.itemsize
+        itemsize = dtype.itemsize
         view, sent = (torch.int16, SENTINEL16) if itemsize == 2 else (torch.int32, SENTINEL32)
         residual, out_name, op_lamport, op_one_shot = FUSED_VARIANTS[variant]
         out_mode = getattr(self._k_fn, out_name)
@@ -340,13 +347,13 @@ class PeerBackend:
                 *lead, tokens, hidden, eps, self.tabs["lamport"], self.tabs["lamport_tags"],
                 self.ctrl, self.err, self.rank, self._lamport_tag(op_lamport, rows, dtype),
                 self.timeout_us, self.lamport_bytes // itemsize), warps, dict(
-                SENTINEL=sent, FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block,
-                STAGES=self._k_fn.ALL_STAGES, OP=op_lamport, **variant_consts), views)
+                SENTINEL=sent, FLOAT=ft, **self._shape(block),
+                STAGES=ALL_STAGES, OP=op_lamport, **variant_consts), views)
         return Plan(self._k_fn.one_shot_norm_kernel, self.nb, (
             *lead, tokens, hidden, eps, self.tabs["stage"], self.tabs["flags"], self.flags,
             self.ctrl, self.err, self.rank, self._tag(op_one_shot, rows, dtype),
             self.timeout_us, self.cap_bytes // itemsize), warps, dict(
-            FT=ft, W=W, WP=self.WP, NB=self.nb, BLOCK=block, STAGES=self._k_fn.ALL_STAGES,
+            FLOAT=ft, **self._shape(block), STAGES=ALL_STAGES,
             OP=op_one_shot, **variant_consts), views)
 
     # -- movement -------------------------------------------------------------------------------
@@ -381,8 +388,7 @@ class PeerBackend:
             xb, out, n, part, src, self.tabs["ll"], self.tabs["lamport_tags"], self.ctrl,
             self.err, self.rank, self._lamport_tag(op, numel_tag, dtype), self.timeout_us,
             self.ll_bytes // 4), warps,
-            op=op, BCAST=int(op == P.OP_BROADCAST), W=self.world_size, WP=self.WP, NB=self.nb,
-            BLOCK=block, STAGES=self._k_lam.ALL_STAGES)
+            op=op, BCAST=int(op == P.OP_BROADCAST), **self._shape(block), STAGES=ALL_STAGES)
         return True
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
@@ -400,7 +406,7 @@ class PeerBackend:
             xb, n, src, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_BROADCAST, numel_tag, x.dtype), self.timeout_us,
             self.cap_bytes // xb.element_size()), warps,
-            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
+            **self._shape(block))
         return x
 
     def _gather(self, x: torch.Tensor, out: torch.Tensor, rows: int) -> torch.Tensor:
@@ -417,7 +423,7 @@ class PeerBackend:
             xb, ob, n, n // rows, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl,
             self.err, self.rank, self._tag(P.OP_ALL_GATHER, numel_tag, x.dtype),
             self.timeout_us, self.cap_bytes // xb.element_size()), warps,
-            W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block)
+            **self._shape(block))
         return out
 
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -441,9 +447,9 @@ class PeerBackend:
         return self._plans.get(key) or self._keep(key, self._make_rs_plan(m, dtype))
 
     def _make_rs_plan(self, m: int, dtype: torch.dtype) -> Plan:
-        """reduce_scatter's launch bar x and out: the Lamport kernel for outputs up to
-        ``rs_lamport_bytes`` (the Lamport slot unless LLCOMM_RS_LAMPORT_BYTES says less), the
-        flag kernel above."""
+        """reduce_scatter's launch bar x and out: the Lamport kernel for outputs up to the
+        Lamport slot, the flag kernel above (the Lamport one was faster at every size
+        measured: bench/results/ab/2026-11-30-reduce-scatter-lamport/)."""
         if m * dtype.itemsize <= self.rs_lamport_bytes:
             return self._lamport_plan(self._k_rs.lamport_reduce_scatter_kernel,
                                       P.OP_LAMPORT_REDUCE_SCATTER, m, dtype)
@@ -452,7 +458,7 @@ class PeerBackend:
             m, self.tabs["stage"], self.tabs["flags"], self.flags, self.ctrl, self.err,
             self.rank, self._tag(P.OP_REDUCE_SCATTER, m, dtype), self.timeout_us,
             self.cap_bytes // dtype.itemsize), warps,
-            dict(W=self.world_size, WP=self.WP, NB=self.nb, BLOCK=block), (None, None))
+            self._shape(block), (None, None))
 
     def close(self) -> None:
         if self.ws is not None:

@@ -1,4 +1,5 @@
-"""The Lamport protocol of ``lamport.lamport_kernel`` and ``fused_norm.lamport_norm_kernel``:
+"""The Lamport protocol of ``lamport_all_reduce.lamport_kernel`` and
+``fused_norm.lamport_norm_kernel``:
 data that is its own flag, plus a tag word that says which call wrote it.
 
 Every rank's Lamport region (``lam_tab[r]``: data, ``tag_tab[r]``: tags, after the data)::
@@ -35,10 +36,13 @@ from .. import protocol as P
 #: divisibility by 16 would only compile a second kernel for one size in sixteen.
 NO_SPECIALIZE = RANK_VARYING + ["tag"]
 
-# Stage bits (python ints for the host and tests; the kernels test them as literals, which the
-# interpreter runs too).
+# Stage bits: python ints for the host and the tests, constexprs for the kernels, which test
+# them constant first (``STAGE_PUSH & STAGES``): the interpreter cannot take int & constexpr.
 PUSH, REDUCE = 1, 2
 ALL_STAGES = PUSH | REDUCE
+STAGE_PUSH = tl.constexpr(PUSH)
+STAGE_REDUCE = tl.constexpr(REDUCE)
+STAGE_ALL = tl.constexpr(ALL_STAGES)
 
 PHASE_DATA = tl.constexpr(P.PHASE_DATA)
 STATUS_TIMEOUT = tl.constexpr(P.STATUS_TIMEOUT)

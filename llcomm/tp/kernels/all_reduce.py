@@ -1,14 +1,23 @@
 """Flag all-reduce kernels (sum): push one-shot and two-shot (the barrier-free Lamport one-shot is
-in ``lamport.py``).
+in ``lamport_all_reduce.py``).
 
-Every kernel runs on a fixed grid of ``NB`` blocks (the communicator's constant), so block ``b``
-of every kernel owns counter ``ctrl[b]`` = number of ops this communicator has run. That counter
-lives on the GPU, which is what lets a captured CUDA graph replay any number of times and mix
-with eager calls: the round (staging parity, flag epoch) is read on the device, never frozen into
-the launch. Element ``i`` is handled by block ``(i // BLOCK) % NB`` on every rank, so block ``b``
-only ever waits for block ``b`` of its peers.
+Both follow the flag kernels' round (``flag_round.py``: start, push, barrier, read, poison on
+failure, finish), stage by stage:
 
-Why two staging halves suffice (``parity = seq % 2``): every op makes each rank wait for every
+- ``one_shot_kernel``: push the block's part of x into slot ``rank`` of every peer's staging;
+  one barrier; sum the peers' slots and this rank's own x in rank order into ``out``.
+- ``two_shot_kernel``: push shard s of x to rank s; barrier; sum this rank's shard in rank
+  order, store it to ``out`` and push it into every peer's gather region; second barrier;
+  copy the other shards from the gather region to ``out``.
+
+Every kernel runs on a fixed grid of ``NUM_BLOCKS`` blocks (the communicator's constant), so
+block ``b`` of every kernel owns counter ``ctrl[b]`` = number of ops this communicator has run.
+That counter lives on the GPU, which is what lets a captured CUDA graph replay any number of
+times and mix with eager calls: the round (staging half, flag epoch) is read on the device,
+never frozen into the launch. Element ``i`` is handled by block ``(i // BLOCK) % NUM_BLOCKS``
+on every rank, so block ``b`` only ever waits for block ``b`` of its peers.
+
+Why two staging halves suffice (``half = seq % 2``): every op makes each rank wait for every
 peer. So when rank r starts op k, it has finished op k-1, which needed every peer to have
 *started* op k-1, i.e. finished op k-2 (kernels on one stream run in order). Op k writes the half
 that op k-2 used, which nobody reads any more. Write-after-write and read-after-write are both
@@ -23,10 +32,9 @@ which Lamport drops and the others add (Triton keeps fp32 subnormals in adds).
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison,
-                                     poison_chunks, ptr_from_table, push_to_slot, signal_peers,
-                                     wait_peers)
+from ...runtime.kernels.sync import RANK_VARYING, poison, poison_chunks, push_to_slot
 from ...runtime import protocol as P
+from .flag_round import barrier, half_of, round_end, round_start, slot_of
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 PHASE_EXIT = tl.constexpr(P.PHASE_EXIT)
@@ -37,98 +45,96 @@ OP_TWO_SHOT = tl.constexpr(P.OP_TWO_SHOT)
 @triton.jit(do_not_specialize=RANK_VARYING)
 def one_shot_kernel(x, out, n, stage_tab, flag_tab, flags, ctrl, err, rank, tag, timeout_us,
                     cap,                    # elements per staging slot
-                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                    WORLD: tl.constexpr,       # ranks
+                    WORLD_POW2: tl.constexpr,  # WORLD rounded up to a power of two
+                    NUM_BLOCKS: tl.constexpr,  # the grid
+                    BLOCK: tl.constexpr,       # elements per block and step
                     PDL: tl.constexpr = 0):
     """Each rank pushes its operand into slot ``rank`` of every rank's staging, one barrier,
-    then sums its local slots in rank order. Remote traffic: (W-1) * n stores per rank.
+    then sums its local slots in rank order. Remote traffic: (WORLD-1) * n stores per rank.
     A failed wait, or a rank that had failed before: the block's part of ``out`` is poisoned."""
-    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken, half, word = round_start(ctrl, err, tag, timeout_us, PDL)
     DT = x.dtype.element_ty
-    parity = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
-    push_to_slot(x, stage_tab, n, b, parity, rank, rank, cap, W, NB, BLOCK)
+    push_to_slot(x, stage_tab, n, b, half, rank, rank, cap, WORLD, NUM_BLOCKS, BLOCK)
     if b * BLOCK < n:
-        tl.debug_barrier()
-        signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_us, err, OP_ONE_SHOT, PHASE_ENTRY, W, WP)
+        ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP_ONE_SHOT, PHASE_ENTRY,
+                     WORLD, WORLD_POW2)
         if ok:
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
-            for start in range(b * BLOCK, n, NB * BLOCK):
+            local = half_of(stage_tab, rank, half, cap, WORLD, DT)
+            for start in range(b * BLOCK, n, NUM_BLOCKS * BLOCK):
                 offs = start + lanes
                 m = offs < n
                 acc = tl.zeros([BLOCK], tl.float32)
-                for p in tl.static_range(W):
+                for p in tl.static_range(WORLD):
                     src = tl.where(p == rank, x + offs, local + p * cap + offs)
                     acc += tl.load(src, mask=m).to(tl.float32)
                 tl.store(out + offs, acc.to(DT), mask=m)
         if (ok == 0) | broken:
-            poison_chunks(out, n, b, NB, BLOCK)
-    tl.store(ctrl + b, seq + 1)
+            poison_chunks(out, n, b, NUM_BLOCKS, BLOCK)
+    round_end(ctrl, b, seq)
 
 
 @triton.jit(do_not_specialize=RANK_VARYING)
 def two_shot_kernel(x, out, n, shard, stage_tab, gather_tab, flag_tab, flags, ctrl, err,
                     rank, tag, timeout_us,
                     cap,                    # elements per staging slot
-                    W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                    WORLD: tl.constexpr,       # ranks
+                    WORLD_POW2: tl.constexpr,  # WORLD rounded up to a power of two
+                    NUM_BLOCKS: tl.constexpr,  # the grid
+                    BLOCK: tl.constexpr,       # elements per block and step
                     PDL: tl.constexpr = 0):
     """Reduce-scatter then all-gather, both by push. Rank s owns elements
     ``[s * shard, (s + 1) * shard)``. Phase 1: push shard s of x to rank s (slot ``rank``);
     barrier; sum own shard in rank order. Phase 2: push the reduced shard to every rank's gather
     region of every other rank (and to ``out``); second barrier; copy the other ranks' shards
-    from the gather region to ``out``. Remote traffic: 2 (W-1)/W * n. A failed wait (either),
-    or a rank that had failed before: the block's elements of every shard of ``out`` are
-    poisoned."""
-    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
+    from the gather region to ``out``. Remote traffic: 2 (WORLD-1)/WORLD * n. A failed wait
+    (either), or a rank that had failed before: the block's elements of every shard of ``out``
+    are poisoned."""
+    b, timeout_us, seq, broken, half, word = round_start(ctrl, err, tag, timeout_us, PDL)
     DT = x.dtype.element_ty
-    parity = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
     lanes = tl.arange(0, BLOCK)
-    for start in range(b * BLOCK, shard, NB * BLOCK):
+    for start in range(b * BLOCK, shard, NUM_BLOCKS * BLOCK):
         rel = start + lanes
-        for s in tl.static_range(W):
+        for s in tl.static_range(WORLD):
             offs = s * shard + rel
             m = (rel < shard) & (offs < n)
             if s != rank:  # this rank's own shard is read from x below
                 v = tl.load(x + offs, mask=m)
-                dst = tl.multiple_of(ptr_from_table(stage_tab, s, DT), 16) + (parity * W + rank) * cap
-                tl.store(dst + rel, v, mask=m)
+                tl.store(slot_of(stage_tab, s, half, rank, cap, WORLD, DT) + rel, v, mask=m)
     if b * BLOCK < shard:
-        tl.debug_barrier()
-        signal_peers(flag_tab, b, word, rank, W, WP)
-        ok = wait_peers(flags, b, word, timeout_us, err, OP_TWO_SHOT, PHASE_ENTRY, W, WP)
+        ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP_TWO_SHOT, PHASE_ENTRY,
+                     WORLD, WORLD_POW2)
         if ok:
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, DT), 16) + parity * W * cap
-            for start in range(b * BLOCK, shard, NB * BLOCK):
+            local = half_of(stage_tab, rank, half, cap, WORLD, DT)
+            for start in range(b * BLOCK, shard, NUM_BLOCKS * BLOCK):
                 rel = start + lanes
                 offs = rank * shard + rel
                 m = (rel < shard) & (offs < n)
                 acc = tl.zeros([BLOCK], tl.float32)
-                for p in tl.static_range(W):
+                for p in tl.static_range(WORLD):
                     src = tl.where(p == rank, x + offs, local + p * cap + rel)
                     acc += tl.load(src, mask=m).to(tl.float32)
                 red = acc.to(DT)
                 tl.store(out + offs, red, mask=m)
-                for p in tl.static_range(W):
+                for p in tl.static_range(WORLD):
                     if p != rank:
-                        dst = tl.multiple_of(ptr_from_table(gather_tab, p, DT), 16) + parity * cap
-                        tl.store(dst + offs, red, mask=m)
-            tl.debug_barrier()
-            signal_peers(flag_tab, NB + b, word, rank, W, WP)
-            ok = wait_peers(flags, NB + b, word, timeout_us, err, OP_TWO_SHOT, PHASE_EXIT, W, WP)
+                        # the gather region: one slot per half
+                        tl.store(half_of(gather_tab, p, half, cap, 1, DT) + offs, red, mask=m)
+            ok = barrier(flag_tab, flags, NUM_BLOCKS + b, word, rank, timeout_us, err, OP_TWO_SHOT,
+                         PHASE_EXIT, WORLD, WORLD_POW2)
             if ok:
-                gathered = tl.multiple_of(ptr_from_table(gather_tab, rank, DT), 16) + parity * cap
-                for start in range(b * BLOCK, shard, NB * BLOCK):
+                gathered = half_of(gather_tab, rank, half, cap, 1, DT)
+                for start in range(b * BLOCK, shard, NUM_BLOCKS * BLOCK):
                     rel = start + lanes
-                    for s in tl.static_range(W):
+                    for s in tl.static_range(WORLD):
                         offs = s * shard + rel
                         m = (rel < shard) & (offs < n) & (s != rank)
                         tl.store(out + offs, tl.load(gathered + offs, mask=m), mask=m)
         if (ok == 0) | broken:
-            for start in range(b * BLOCK, shard, NB * BLOCK):
+            for start in range(b * BLOCK, shard, NUM_BLOCKS * BLOCK):
                 rel = start + lanes
-                for s in tl.static_range(W):
+                for s in tl.static_range(WORLD):
                     offs = s * shard + rel
                     poison(out, offs, (rel < shard) & (offs < n))
-    tl.store(ctrl + b, seq + 1)
+    round_end(ctrl, b, seq)

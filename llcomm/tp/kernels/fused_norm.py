@@ -22,21 +22,21 @@ even, saturated to +-448; ``llcomm/runtime/kernels/fp8.py``). ``OP`` is the op c
 and error words carry, one per variant and algorithm, so ranks that call different variants in
 one round report a mismatch.
 
-Block ``b`` owns rows ``b, b + NB, b + 2 NB, ...`` whole, on every rank, so it can finish a row's
-sum of squares without talking to another block. Both kernels reuse the all-reduce protocols and
-the communicator's device-side op counters (``ctrl[b]``) of ``all_reduce.py``; the argument why
-two alternating halves suffice is the one given there, and they interleave freely with every
-other op of the communicator:
+Block ``b`` owns rows ``b, b + NUM_BLOCKS, b + 2 NUM_BLOCKS, ...`` whole, on every rank, so it
+can finish a row's sum of squares without talking to another block. Both kernels reuse the
+all-reduce protocols and the communicator's device-side op counters (``ctrl[b]``) of
+``all_reduce.py``; the argument why two alternating halves suffice is the one given there, and they
+interleave freely with every other op of the communicator:
 
 - ``lamport_norm_kernel``: barrier-free; the pushed data is its own flag (SENTINEL = idle) and
-  a tag word per (block, source) names the call (``_lamport.py``). Push tag and rows -> poll own
-  slots until every tag is written and no SENTINEL is left, compare the tags -> sum -> re-arm the
-  slots with SENTINEL and the tags with 0.
+  a tag word per (block, source) names the call (``runtime/kernels/lamport.py``). Push tag and
+  rows -> poll own slots until every tag is written and no SENTINEL is left, compare the tags ->
+  sum -> re-arm the slots with SENTINEL and the tags with 0.
 - ``one_shot_norm_kernel``: for rows past the Lamport region; push into staging, one flag
   barrier per block (block b waits for block b of every peer, which pushed the same rows), sum.
 
 ``x`` arrives as an integer view (int16 / int32) of the float data so the Lamport kernel can
-compare bit patterns; ``FT`` names the float type. ``STAGES`` runs only the push or only the
+compare bit patterns; ``FLOAT`` names the float type. ``STAGES`` runs only the push or only the
 reduce half, without waiting (the Lamport reduce half reads each source once and reports what
 it finds missing or mismatched): the CPU tests use it to run virtual ranks in turn under
 ``TRITON_INTERPRET=1``. The library always launches ``ALL_STAGES``.
@@ -44,14 +44,13 @@ it finds missing or mismatched): the CPU tests use it to run virtual ranks in tu
 import triton
 import triton.language as tl
 
-# PUSH, REDUCE, ALL_STAGES: the stage bits, for the host and the tests as before
-from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ...runtime.kernels.lamport import limit_ticks, own_words, push_tag, receive, tag_slots
+from ...runtime.kernels.lamport import (STAGE_ALL, STAGE_PUSH, STAGE_REDUCE, limit_ticks,
+                                        own_words, push_tag, receive, tag_slots)
 from ...runtime.kernels.fp8 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
-from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, op_start, poison, ptr_from_table,
-                                     signal_peers, wait_peers)
+from ...runtime.kernels.sync import RANK_VARYING, op_start, poison, ptr_from_table
 from ...runtime import protocol as P
+from .flag_round import barrier, half_of, round_end, round_start, slot_of
 
 PHASE_ENTRY = tl.constexpr(P.PHASE_ENTRY)
 #: What ``out`` receives (the OUT constexpr; python ints for the host).
@@ -63,16 +62,16 @@ _FP8_GROUP = tl.constexpr(FP8_GROUP)
 
 @triton.jit
 def _add_norm_row(acc, residual, weight, out, res_out, qscale, row, cols, m, live, hidden, eps,
-                  FT: tl.constexpr, RESIDUAL: tl.constexpr, OUT: tl.constexpr,
+                  FLOAT: tl.constexpr, RESIDUAL: tl.constexpr, OUT: tl.constexpr,
                   ROUND: tl.constexpr):
     """Finish one row from its fp32 rank-order sum ``acc`` (0 in masked lanes); ``live``: the
     row's columns in ``m`` (hidden, or 0 for a row past the last)."""
     if RESIDUAL:
-        s = acc.to(FT).to(tl.float32)  # rounded as all_reduce returns it
+        s = acc.to(FLOAT).to(tl.float32)  # rounded as all_reduce returns it
         r = tl.load(residual + row + cols, mask=m, other=0.0).to(tl.float32)
-        h = (s + r).to(FT)
+        h = (s + r).to(FLOAT)
     else:
-        h = acc.to(FT)
+        h = acc.to(FLOAT)
     tl.store(res_out + row + cols, h, mask=m)
     hf = h.to(tl.float32)          # masked lanes are 0 and add nothing to the sum of squares
     # The sum of squares in fp64: a square is exact there and so, nearly always, is the sum, so
@@ -83,9 +82,9 @@ def _add_norm_row(acc, residual, weight, out, res_out, qscale, row, cols, m, liv
     inv = tl.rsqrt(tl.sum(h64 * h64, axis=0).to(tl.float32) / hidden + eps)
     w = tl.load(weight + cols, mask=m, other=0.0).to(tl.float32)
     if OUT == _PLAIN:
-        tl.store(out + row + cols, (hf * inv * w).to(FT), mask=m)
-    else:               # quantise y as the PLAIN variant returns it: rounded to FT
-        _store_fp8((hf * inv * w).to(FT).to(tl.float32), out, qscale, row, cols, m, live, OUT,
+        tl.store(out + row + cols, (hf * inv * w).to(FLOAT), mask=m)
+    else:               # quantise y as the PLAIN variant returns it: rounded to FLOAT
+        _store_fp8((hf * inv * w).to(FLOAT).to(tl.float32), out, qscale, row, cols, m, live, OUT,
                    ROUND)
 
 
@@ -110,13 +109,13 @@ def _store_fp8(y, out, qscale, row, cols, m, live, OUT: tl.constexpr, ROUND: tl.
 
 
 @triton.jit
-def _poison_rows(out, res_out, qscale, b, tokens, hidden, NB: tl.constexpr, BLOCK: tl.constexpr,
-                 OUT: tl.constexpr):
+def _poison_rows(out, res_out, qscale, b, tokens, hidden, NUM_BLOCKS: tl.constexpr,
+                 BLOCK: tl.constexpr, OUT: tl.constexpr):
     """Block b's rows of every output poisoned (only on failure): ``out`` (FP8: the e4m3 NaN
     byte 0xFF), ``residual_out`` and, FP8_GROUP, the rows' scales (NaN)."""
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
-    for t in range(b, tokens, NB):
+    for t in range(b, tokens, NUM_BLOCKS):
         poison(out, t * hidden + cols, m)
         poison(res_out, t * hidden + cols, m)
         if OUT == _FP8_GROUP:
@@ -129,19 +128,21 @@ def lamport_norm_kernel(x, residual, weight, out, res_out,
                         qscale,                  # FP8_STATIC: the scale; FP8_GROUP: scales out
                         tokens, hidden, eps, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us,
                         cap,                     # elements per Lamport slot
-                        SENTINEL: tl.constexpr,  # bit pattern of "not yet written" (int view)
-                        FT: tl.constexpr,        # the float dtype the int view holds
-                        W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
-                        BLOCK: tl.constexpr,     # pow2 >= hidden: one row per iteration
-                        STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                        PDL: tl.constexpr = 0,   # launched with PDL (_sync.after_previous_kernel)
+                        SENTINEL: tl.constexpr,    # bit pattern of "not yet written" (int view)
+                        FLOAT: tl.constexpr,       # the float dtype the int view holds
+                        WORLD: tl.constexpr,       # ranks
+                        WORLD_POW2: tl.constexpr,  # WORLD rounded up to a power of two
+                        NUM_BLOCKS: tl.constexpr,  # the grid
+                        BLOCK: tl.constexpr,       # pow2 >= hidden: one row per iteration
+                        STAGES: tl.constexpr,      # PUSH | REDUCE; only ALL_STAGES polls
+                        PDL: tl.constexpr = 0,     # launched with PDL (sync.after_previous_kernel)
                         OP: tl.constexpr = P.OP_FUSED_LAMPORT,  # op code of tags and errors
                         RESIDUAL: tl.constexpr = 1, OUT: tl.constexpr = PLAIN,
                         ROUND: tl.constexpr = 0):  # the variant (module doc)
     """Lamport one-shot all-reduce of ``x [tokens, hidden]`` fused with add + RMSNorm.
 
-    Slot and tag layout as ``lamport.lamport_kernel`` (element i of rank r's operand at
-    ``(half * W + r) * cap + i`` of every rank's Lamport region, tags ``[half][block][r]``), so
+    Slot and tag layout as ``lamport_all_reduce.lamport_kernel`` (element i of rank r's operand at
+    ``(half * WORLD + r) * cap + i`` of every rank's Lamport region, tags ``[half][block][r]``), so
     both kernels share halves. ``tag`` is ``protocol.lamport_tag`` of ``OP`` (this variant's
     code) and the shape (tokens and hidden, as the one-shot variant's flag): it differs from
     every plain all_reduce's and every other variant's, so ranks that call two different ones in
@@ -155,33 +156,34 @@ def lamport_norm_kernel(x, residual, weight, out, res_out,
     half = seq % 2
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
-    if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
-        push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
-        for t in range(b, tokens, NB):
+    if STAGE_PUSH & STAGES:
+        push_tag(tag_tab, half, b, rank, tag, NUM_BLOCKS, WORLD, WORLD_POW2)
+        for t in range(b, tokens, NUM_BLOCKS):
             v = tl.load(x + t * hidden + cols, mask=m)
             v = tl.where(v == SENTINEL, 0, v)  # -0.0 -> +0.0: same sum, never looks idle
-            for p in tl.static_range(W):
-                dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
+            for p in tl.static_range(WORLD):
+                dst = (tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16)
+                       + (half * WORLD + rank) * cap)
                 if p != rank:       # the own term is read from x (receive)
                     tl.store(dst + t * hidden + cols, v, mask=m)
-    if STAGES & 2:      # REDUCE
-        POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
-        local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * W * cap
-        tags = tag_slots(tag_tab, rank, half, b, NB, W)
+    if STAGE_REDUCE & STAGES:
+        POLL: tl.constexpr = STAGE_ALL == STAGES
+        local = tl.multiple_of(ptr_from_table(lam_tab, rank, IT), 16) + half * WORLD * cap
+        tags = tag_slots(tag_tab, rank, half, b, NUM_BLOCKS, WORLD)
         limit = limit_ticks(timeout_us, POLL)
         # The first row's waits take the tags too: a block without rows still runs that row,
         # all lanes masked (no load, no store), to take its tags.
         failed = tl.zeros([], tl.int32)
-        for t in range(b, tl.maximum(tokens, b + 1), NB):
+        for t in range(b, tl.maximum(tokens, b + 1), NUM_BLOCKS):
             mt = cols < tl.where(t < tokens, hidden, 0)     # a row past the last: no columns
             own = own_words(x, t * hidden + cols, mt, SENTINEL)
             acc, failed = receive(local, cap, t * hidden + cols, mt, tags, tag, t == b, failed,
-                                  limit, err, OP, own.to(IT), rank, SENTINEL, FT,
-                                  W, BLOCK, POLL)
+                                  limit, err, OP, own.to(IT), rank, SENTINEL, FLOAT,
+                                  WORLD, BLOCK, POLL)
             _add_norm_row(acc, residual, weight, out, res_out, qscale, t * hidden, cols, mt,
-                          tl.where(t < tokens, hidden, 0), hidden, eps, FT, RESIDUAL, OUT, ROUND)
+                          tl.where(t < tokens, hidden, 0), hidden, eps, FLOAT, RESIDUAL, OUT, ROUND)
         if (failed != 0) | broken:
-            _poison_rows(out, res_out, qscale, b, tokens, hidden, NB, BLOCK, OUT)
+            _poison_rows(out, res_out, qscale, b, tokens, hidden, NUM_BLOCKS, BLOCK, OUT)
         tl.store(ctrl + b, seq + 1)
 
 
@@ -191,11 +193,13 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
                          tokens, hidden, eps, stage_tab, flag_tab, flags, ctrl, err, rank, tag,
                          timeout_us,
                          cap,                    # elements per staging slot
-                         FT: tl.constexpr,       # the float dtype the int view of x holds
-                         W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
-                         BLOCK: tl.constexpr,    # pow2 >= hidden: one row per iteration
-                         STAGES: tl.constexpr,   # PUSH | REDUCE; only ALL_STAGES signals, waits
-                         PDL: tl.constexpr = 0,  # launched with PDL (_sync.after_previous_kernel)
+                         FLOAT: tl.constexpr,       # the float dtype the int view of x holds
+                         WORLD: tl.constexpr,       # ranks
+                         WORLD_POW2: tl.constexpr,  # WORLD rounded up to a power of two
+                         NUM_BLOCKS: tl.constexpr,  # the grid
+                         BLOCK: tl.constexpr,       # pow2 >= hidden: one row per iteration
+                         STAGES: tl.constexpr,      # PUSH | REDUCE; only ALL_STAGES signals, waits
+                         PDL: tl.constexpr = 0,     # launched with PDL (sync.after_previous_kernel)
                          OP: tl.constexpr = P.OP_FUSED_ONE_SHOT,  # op code of flags and errors
                          RESIDUAL: tl.constexpr = 1, OUT: tl.constexpr = PLAIN,
                          ROUND: tl.constexpr = 0):  # the variant (module doc)
@@ -205,36 +209,33 @@ def one_shot_norm_kernel(x, residual, weight, out, res_out,
     ``seq % 2`` of every other rank; this rank's own term is read from ``x``. A failed wait,
     or a rank that had failed before: the block's rows are poisoned (``_poison_rows``).
     """
-    b, timeout_us, seq, broken = op_start(ctrl, err, timeout_us, PDL)
+    b, timeout_us, seq, broken, half, word = round_start(ctrl, err, tag, timeout_us, PDL)
     IT = x.dtype.element_ty
-    parity = seq % 2
-    word = ((seq + 1) << EPOCH_SHIFT) | tag
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
-    if STAGES & 1:
-        for t in range(b, tokens, NB):
+    if STAGE_PUSH & STAGES:
+        for t in range(b, tokens, NUM_BLOCKS):
             v = tl.load(x + t * hidden + cols, mask=m)
-            for p in tl.static_range(W):
+            for p in tl.static_range(WORLD):
                 if p != rank:
-                    dst = tl.multiple_of(ptr_from_table(stage_tab, p, IT), 16) + (parity * W + rank) * cap
+                    dst = slot_of(stage_tab, p, half, rank, cap, WORLD, IT)
                     tl.store(dst + t * hidden + cols, v, mask=m)
     ok = 1
-    if STAGES == 3:
+    if STAGE_ALL == STAGES:
         if b < tokens:  # a block without rows has nothing to wait for
-            tl.debug_barrier()
-            signal_peers(flag_tab, b, word, rank, W, WP)
-            ok = wait_peers(flags, b, word, timeout_us, err, OP, PHASE_ENTRY,
-                            W, WP).to(tl.int32)
-    if STAGES & 2:
+            ok = barrier(flag_tab, flags, b, word, rank, timeout_us, err, OP, PHASE_ENTRY,
+                         WORLD, WORLD_POW2).to(tl.int32)
+    if STAGE_REDUCE & STAGES:
         if ok:
-            local = tl.multiple_of(ptr_from_table(stage_tab, rank, IT), 16) + parity * W * cap
-            for t in range(b, tokens, NB):
+            local = half_of(stage_tab, rank, half, cap, WORLD, IT)
+            for t in range(b, tokens, NUM_BLOCKS):
                 acc = tl.zeros([BLOCK], tl.float32)
-                for p in tl.static_range(W):
-                    src = tl.where(p == rank, x + t * hidden + cols, local + p * cap + t * hidden + cols)
-                    acc += tl.load(src, mask=m, other=0).to(FT, bitcast=True).to(tl.float32)
+                for p in tl.static_range(WORLD):
+                    src = tl.where(p == rank, x + t * hidden + cols,
+                                   local + p * cap + t * hidden + cols)
+                    acc += tl.load(src, mask=m, other=0).to(FLOAT, bitcast=True).to(tl.float32)
                 _add_norm_row(acc, residual, weight, out, res_out, qscale, t * hidden, cols, m,
-                              hidden, hidden, eps, FT, RESIDUAL, OUT, ROUND)
+                              hidden, hidden, eps, FLOAT, RESIDUAL, OUT, ROUND)
         if (ok == 0) | broken:
-            _poison_rows(out, res_out, qscale, b, tokens, hidden, NB, BLOCK, OUT)
-        tl.store(ctrl + b, seq + 1)
+            _poison_rows(out, res_out, qscale, b, tokens, hidden, NUM_BLOCKS, BLOCK, OUT)
+        round_end(ctrl, b, seq)

@@ -10,10 +10,9 @@ the slots for a later round. The poll, tag and timeout helpers are shared with t
 import triton
 import triton.language as tl
 
-# PUSH, REDUCE, ALL_STAGES: the kernels' stage bits, for the host and the tests
-from ...runtime.kernels.lamport import ALL_STAGES, PUSH, REDUCE  # noqa: F401
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
-from ...runtime.kernels.lamport import own_words, push_tag, receive, receive_context
+from ...runtime.kernels.lamport import (STAGE_ALL, STAGE_PUSH, STAGE_REDUCE, own_words, push_tag,
+                                        receive, receive_context)
 from ...runtime.kernels.sync import op_start, poison_chunks, ptr_from_table
 from ...runtime import protocol as P
 
@@ -23,12 +22,15 @@ OP_LAMPORT = tl.constexpr(P.OP_LAMPORT)
 @triton.jit(do_not_specialize=LAMPORT_NO_SPECIALIZE)
 def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us,
                    cap,                     # elements per Lamport slot
-                   SENTINEL: tl.constexpr,  # bit pattern of "not yet written" in the int view
-                   FT: tl.constexpr,        # the float dtype the int view holds
-                   W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr,    # PUSH | REDUCE; only ALL_STAGES polls
-                   LAG: tl.constexpr = 0,           # > 0: pipelined (lamport_rounds)
-                   PDL: tl.constexpr = 0):  # launched with PDL (sync.after_previous_kernel)
+                   SENTINEL: tl.constexpr,    # bit pattern of "not yet written" in the int view
+                   FLOAT: tl.constexpr,       # the float dtype the int view holds
+                   WORLD: tl.constexpr,       # ranks
+                   WORLD_POW2: tl.constexpr,  # WORLD rounded up to a power of two
+                   NUM_BLOCKS: tl.constexpr,  # the grid
+                   BLOCK: tl.constexpr,       # elements per block and step
+                   STAGES: tl.constexpr,      # PUSH | REDUCE; only ALL_STAGES polls
+                   LAG: tl.constexpr = 0,     # > 0: pipelined (lamport_rounds)
+                   PDL: tl.constexpr = 0):    # launched with PDL (sync.after_previous_kernel)
     """Barrier-free one-shot: the data is its own flag, a tag word says whose call wrote it.
 
     Every Lamport slot holds SENTINEL bits while idle (-0.0 for 16-bit floats), every tag word
@@ -44,19 +46,20 @@ def lamport_kernel(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     integer views (int16 or int32) of the float data.
     """
     lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us, cap,
-                   SENTINEL, FT, W, WP, NB, BLOCK, STAGES, LAG, 0, OP_LAMPORT, PDL)
+                   SENTINEL, FLOAT, WORLD, WORLD_POW2, NUM_BLOCKS, BLOCK, STAGES, LAG, 0,
+                   OP_LAMPORT, PDL)
 
 
 @triton.jit
 def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us, cap,
-                   SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
-                   WP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                   SENTINEL: tl.constexpr, FLOAT: tl.constexpr, WORLD: tl.constexpr,
+                   WORLD_POW2: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
                    STAGES: tl.constexpr, LAG: tl.constexpr,
-                   SCATTER: tl.constexpr,   # reduce_scatter: part q of x goes to rank q only
-                   OP: tl.constexpr,        # the op its error words name
+                   SCATTER: tl.constexpr,  # reduce_scatter: part q of x goes to rank q only
+                   OP: tl.constexpr,       # the op its error words name
                    PDL: tl.constexpr):
     """One Lamport op of a block: push, then receive, chunk by chunk (``lamport_kernel`` has
-    the protocol). Without SCATTER, x and out hold n elements; with it, x holds W parts of n
+    the protocol). Without SCATTER, x and out hold n elements; with it, x holds WORLD parts of n
     elements, part q is pushed to rank q only, and this rank sums part ``rank`` of every
     source into ``out`` (n elements).
 
@@ -74,51 +77,51 @@ def lamport_rounds(x, out, n, lam_tab, tag_tab, ctrl, err, rank, tag, timeout_us
     IT = x.dtype.element_ty
     half = seq % 2
     lanes = tl.arange(0, BLOCK)
-    STEP: tl.constexpr = NB * BLOCK
+    STEP: tl.constexpr = NUM_BLOCKS * BLOCK
     first = b * BLOCK
     if LAG > 0:         # several chunks per block: receive chunk i-LAG right after pushing i
-        POLL_P: tl.constexpr = STAGES == 3  # ALL_STAGES
-        if STAGES & 1:
-            push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
+        POLL_P: tl.constexpr = STAGE_ALL == STAGES
+        if STAGE_PUSH & STAGES:
+            push_tag(tag_tab, half, b, rank, tag, NUM_BLOCKS, WORLD, WORLD_POW2)
         local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us, cap,
-                                             IT, NB, W, POLL_P)
+                                             IT, NUM_BLOCKS, WORLD, POLL_P)
         failed = tl.zeros([], tl.int32)
         for start in range(first, tl.maximum(n, first + 1) + LAG * STEP, STEP):
-            if STAGES & 1:
+            if STAGE_PUSH & STAGES:
                 if start < n:
-                    _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
+                    _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, WORLD,
                                 SCATTER)
-            if STAGES & 2:
+            if STAGE_REDUCE & STAGES:
                 back = start - LAG * STEP
                 if back >= first:
                     failed = _receive_chunk(x, out, local, cap, back + lanes, n, tags, tag,
                                             back == first, failed, limit, err, rank, SENTINEL,
-                                            FT, W, BLOCK, POLL_P, SCATTER, OP)
+                                            FLOAT, WORLD, BLOCK, POLL_P, SCATTER, OP)
     else:
-        if STAGES & 1:      # PUSH (literal bits: the interpreter runs them too)
-            push_tag(tag_tab, half, b, rank, tag, NB, W, WP)
+        if STAGE_PUSH & STAGES:
+            push_tag(tag_tab, half, b, rank, tag, NUM_BLOCKS, WORLD, WORLD_POW2)
             for start in range(first, n, STEP):
-                _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, W,
+                _push_chunk(x, lam_tab, start + lanes, n, half, rank, cap, SENTINEL, WORLD,
                             SCATTER)
-        if STAGES & 2:      # REDUCE
-            POLL: tl.constexpr = STAGES == 3    # ALL_STAGES
+        if STAGE_REDUCE & STAGES:
+            POLL: tl.constexpr = STAGE_ALL == STAGES
             local, tags, limit = receive_context(lam_tab, tag_tab, rank, half, b, timeout_us,
-                                                 cap, IT, NB, W, POLL)
+                                                 cap, IT, NUM_BLOCKS, WORLD, POLL)
             # The first chunk's waits take the tags too: a block without data still runs that
             # chunk (all lanes masked) to take its tags, and the tags cost no poll of their own.
             failed = tl.zeros([], tl.int32)
             for start in range(first, tl.maximum(n, first + 1), STEP):
                 failed = _receive_chunk(x, out, local, cap, start + lanes, n, tags, tag,
-                                        start == first, failed, limit, err, rank, SENTINEL, FT,
-                                        W, BLOCK, POLL, SCATTER, OP)
-    if STAGES & 2:
+                                        start == first, failed, limit, err, rank, SENTINEL, FLOAT,
+                                        WORLD, BLOCK, POLL, SCATTER, OP)
+    if STAGE_REDUCE & STAGES:
         if (failed != 0) | broken:
-            poison_chunks(out, n, b, NB, BLOCK)
+            poison_chunks(out, n, b, NUM_BLOCKS, BLOCK)
         tl.store(ctrl + b, seq + 1)
 
 
 @triton.jit
-def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W: tl.constexpr,
+def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, WORLD: tl.constexpr,
                 SCATTER: tl.constexpr):
     """Lamport push of this rank's words at ``offs`` into slot ``rank`` of half ``half`` of
     every other rank (the own term is read from x by the receive), SENTINEL sent as +0.0.
@@ -128,19 +131,19 @@ def _push_chunk(x, lam_tab, offs, n, half, rank, cap, SENTINEL: tl.constexpr, W:
     if not SCATTER:
         v = tl.load(x + offs, mask=m)
         v = tl.where(v == SENTINEL, 0, v)
-    for p in tl.static_range(W):
+    for p in tl.static_range(WORLD):
         if SCATTER:
             mp = m & (offs * 0 + rank != p)    # the own part is read by the receive
             v = tl.load(x + p * n + offs, mask=mp)
             v = tl.where(v == SENTINEL, 0, v)
-        dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * W + rank) * cap
+        dst = tl.multiple_of(ptr_from_table(lam_tab, p, IT), 16) + (half * WORLD + rank) * cap
         if p != rank:       # the own term is read from x (receive)
             tl.store(dst + offs, v, mask=m)
 
 
 @triton.jit
 def _receive_chunk(x, out, local, cap, offs, n, tags, tag, check_tag, failed, limit, err, rank,
-                   SENTINEL: tl.constexpr, FT: tl.constexpr, W: tl.constexpr,
+                   SENTINEL: tl.constexpr, FLOAT: tl.constexpr, WORLD: tl.constexpr,
                    BLOCK: tl.constexpr, POLL: tl.constexpr, SCATTER: tl.constexpr,
                    OP: tl.constexpr):
     """Wait for, sum and re-arm the words at ``offs`` of every peer (``receive``), the own term
@@ -150,6 +153,6 @@ def _receive_chunk(x, out, local, cap, offs, n, tags, tag, check_tag, failed, li
     m = offs < n
     own = own_words(x + rank * n * SCATTER, offs, m, SENTINEL)
     acc, failed = receive(local, cap, offs, m, tags, tag, check_tag, failed, limit, err,
-                          OP, own.to(IT), rank, SENTINEL, FT, W, BLOCK, POLL)
-    tl.store(out + offs, acc.to(FT).to(IT, bitcast=True), mask=m)
+                          OP, own.to(IT), rank, SENTINEL, FLOAT, WORLD, BLOCK, POLL)
+    tl.store(out + offs, acc.to(FLOAT).to(IT, bitcast=True), mask=m)
     return failed
