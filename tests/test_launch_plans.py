@@ -339,12 +339,14 @@ def test_launcher_falls_back_to_triton_when_the_direct_launch_fails(monkeypatch)
 
 class _ChangedLauncher:
     """A compiled kernel of another Triton: its launcher takes one more parameter before the
-    kernel's arguments. Called directly, it would read every argument one place off."""
+    kernel's arguments. Called directly, it would read every argument one place off, without
+    a word: ``calls`` keeps what it was handed."""
     function = packed_metadata = None
+    calls: list = []
 
     def run(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
             launch_enter_hook, launch_exit_hook, cooperative, *args):
-        raise AssertionError("a launcher with other parameters was called directly")
+        self.calls.append(args)
 
 
 class _NoLauncher:
@@ -370,7 +372,7 @@ def test_launcher_uses_tritons_launch_where_the_private_one_differs(monkeypatch,
         assert fn.consts == {"BLOCK": 64, "enable_fp_fusion": launch.FP_FUSION}
         lau(fn, 8, (out, x, 11 + i), 4, BLOCK=32)
         assert fn.compiles == 2 * i + 2 and fn.args == (out, x, 11 + i)
-    assert lau.direct is False and fn.runs == []
+    assert lau.direct is False and fn.runs == [] and _ChangedLauncher.calls == []
 
 
 def test_direct_launch_only_on_the_checked_triton_releases(monkeypatch):
