@@ -135,14 +135,13 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo",
     child runs, ``rank_main``'s arguments (a tool may wrap it to set a process up first).
     """
     __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this helper's frames
-    for attempt in range(INIT_ATTEMPTS):
+    for attempt in range(1, INIT_ATTEMPTS + 1):
         try:
             return _run_once(fn, world_size, args, backend, timeout, dict(env or {}),
                              dict(expect_exit or {}), clean_exit, worker)
         except GroupNotFormed:
-            if attempt == INIT_ATTEMPTS - 1:
+            if attempt == INIT_ATTEMPTS:
                 raise
-    raise AssertionError("unreachable")
 
 
 def _run_once(fn, world_size: int, args: tuple, backend: str, timeout: float | None, env: dict,

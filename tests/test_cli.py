@@ -16,7 +16,8 @@ import torch
 from _interp import run_in_interpreter
 
 from llcomm import cli
-from llcomm.bench import check, doctor, link, options, verify
+from llcomm.bench import link, options, verify
+from llcomm.host import check, doctor
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds one CLI run may take before the test fails instead of hanging.

@@ -17,7 +17,7 @@ import torch
 from ..runtime import launch
 from ..runtime.backend import MIN_TRITON, triton_problem
 from ..runtime import settings
-from . import result_files
+from ..bench import result_files
 
 GIB = 1 << 30
 
