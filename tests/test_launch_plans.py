@@ -375,6 +375,20 @@ def test_launcher_uses_tritons_launch_where_the_private_one_differs(monkeypatch,
     assert lau.direct is False and fn.runs == [] and _ChangedLauncher.calls == []
 
 
+@pytest.mark.parametrize("backend", ["nvidia", "amd"])
+def test_this_tritons_launchers_take_what_the_direct_launch_hands(backend):
+    """The launcher classes of the installed Triton (no GPU needed to read their signature)
+    pass ``direct_unavailable``: the direct launch is not lost on the releases it serves."""
+    import importlib
+    driver = importlib.import_module(f"triton.backends.{backend}.driver")
+    cls = next(v for k, v in vars(driver).items() if k.endswith("Launcher") and isinstance(v, type))
+
+    class Compiled:                         # what fn[grid](...) returns, but for the launcher
+        function = packed_metadata = None
+        run = object.__new__(cls)
+    assert launch.direct_unavailable(Compiled()) is None
+
+
 def test_direct_launch_only_on_the_checked_triton_releases(monkeypatch):
     lo, hi = launch.DIRECT_TRITON
     assert launch.triton_unchecked(f"{lo[0]}.{lo[1]}.0") is None

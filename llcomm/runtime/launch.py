@@ -52,9 +52,12 @@ PDL_MIN_MAJOR = 9
 #: specialisation the direct launch was checked against (docs/development.md, "Triton versions").
 DIRECT_TRITON = ((3, 6), (3, 9))
 #: The positional parameters of a compiled kernel's launcher (``CompiledKernel.run``) before
-#: the kernel's own arguments, as Triton's ``JITFunction.run`` hands them.
+#: the kernel's own arguments, as Triton's ``JITFunction.run`` hands them. Triton 3.7-3.9 name
+#: them all; 3.6's launcher names the first ``DIRECT_NAMED_MIN`` and takes the rest in ``*args``.
 DIRECT_PARAMS = ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
                  "launch_metadata", "launch_enter_hook", "launch_exit_hook")
+#: How many of ``DIRECT_PARAMS`` a launcher must name, at least.
+DIRECT_NAMED_MIN = 5
 
 
 def pdl_unavailable(device: torch.device) -> str | None:
@@ -106,15 +109,16 @@ def triton_unchecked(version: str | None = None) -> str | None:
 def direct_unavailable(kernel) -> str | None:
     """Why ``kernel`` (what ``fn[grid](...)`` returned) cannot be launched directly, or None:
     it lacks a launcher, its handle or its packed metadata, or its launcher does not take
-    ``DIRECT_PARAMS`` and then the kernel's arguments."""
+    ``DIRECT_PARAMS`` (the first ``DIRECT_NAMED_MIN`` or more by name, the rest in ``*args``)
+    and then the kernel's arguments."""
     try:
         run, _, _ = kernel.run, kernel.function, kernel.packed_metadata
         params = list(inspect.signature(run).parameters.values())
     except (AttributeError, TypeError, ValueError) as e:   # absent, or not inspectable
         return f"no compiled-kernel launcher to call ({type(e).__name__}: {e})"
     names = tuple(p.name for p in params[:-1])
-    if (names != DIRECT_PARAMS or not params
-            or params[-1].kind is not inspect.Parameter.VAR_POSITIONAL):
+    if (not params or params[-1].kind is not inspect.Parameter.VAR_POSITIONAL
+            or len(names) < DIRECT_NAMED_MIN or names != DIRECT_PARAMS[:len(names)]):
         return f"the compiled kernel's launcher takes ({', '.join(p.name for p in params)})"
     return None
 
