@@ -201,6 +201,14 @@ def test_doctor_names_the_backend(tmp_path):
         assert "programmatic dependent launch (LLCOMM_PDL): off (no CUDA GPU)" in p.stdout
 
 
+def test_doctor_launch_line(monkeypatch):
+    assert doctor.launch_line(True).startswith("kernel launches: direct")   # this Triton
+    assert doctor.launch_line(False) == "kernel launches: none (Triton not usable)"
+    monkeypatch.setattr(doctor.launch, "triton_unchecked", lambda: "Triton 9.0.0 is outside")
+    assert doctor.launch_line(True).endswith("kernel[grid](...), slower per eager call "
+                                             "(Triton 9.0.0 is outside)")
+
+
 def test_doctor_pdl_line(monkeypatch):
     """The PDL line says off, and why, for each reason; on where nothing stands in the way."""
     from llcomm.runtime import launch

@@ -74,6 +74,20 @@ def pdl_line(n_gpus: int, triton_ok: bool) -> str:
     return head + ("on" if why is None else f"off ({why})")
 
 
+def launch_line(triton_ok: bool) -> str:
+    """How llcomm's kernels will be launched here: directly through the compiled kernel's
+    launcher, or through Triton's ``kernel[grid](...)`` on a release it was not checked with."""
+    head = "kernel launches: "
+    if not triton_ok:
+        return head + "none (Triton not usable)"
+    why = launch.triton_unchecked()
+    lo, hi = launch.DIRECT_TRITON
+    if why is None:
+        return head + (f"direct (Triton {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}; Triton's own path where "
+                       "a compiled kernel's launcher differs)")
+    return head + f"Triton's kernel[grid](...), slower per eager call ({why})"
+
+
 #: ``CUdevice_attribute`` value of CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED (CUDA 12.0 and later).
 CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132
 
@@ -169,6 +183,7 @@ def report() -> list[str]:
     out.extend(multicast_lines(multicast_support(n), os.environ))
     out.append("")
     out.append(pdl_line(n, triton_ok))
+    out.append(launch_line(triton_ok))
     backend, why = predict_backend(n, peers, triton_ok)
     out.append("")
     out.append(f'backend: Communicator(backend="auto") with one process per GPU here would pick '
