@@ -52,8 +52,9 @@ PDL_MIN_MAJOR = 9
 #: specialisation the direct launch was checked against (docs/development.md, "Triton versions").
 DIRECT_TRITON = ((3, 6), (3, 9))
 #: The positional parameters of a compiled kernel's launcher (``CompiledKernel.run``) before
-#: the kernel's own arguments, as Triton's ``JITFunction.run`` hands them. Triton 3.7-3.9 name
-#: them all; 3.6's launcher names the first ``DIRECT_NAMED_MIN`` and takes the rest in ``*args``.
+#: the kernel's own arguments, as Triton's ``JITFunction.run`` hands them. The launchers of
+#: Triton 3.8 and 3.9 name them all; 3.6's names the first ``DIRECT_NAMED_MIN`` and takes the
+#: rest in ``*args``.
 DIRECT_PARAMS = ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
                  "launch_metadata", "launch_enter_hook", "launch_exit_hook")
 #: How many of ``DIRECT_PARAMS`` a launcher must name, at least.
