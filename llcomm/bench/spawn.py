@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import multiproc
-from ..multiproc import MULTICAST_OFF_ENV  # noqa: F401  (result files record these variables)
+from ..multiproc import MULTICAST_OFF_ENV
 
 #: Ranks started when there are fewer than two CUDA GPUs (gloo, CPU tensors).
 CPU_WORLD_SIZE = 2

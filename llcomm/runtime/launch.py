@@ -1,15 +1,16 @@
 """A lean launch path for Triton kernels.
 
 ``kernel[grid](...)`` binds and specialises every argument in Python on each call (15-25 us per
-launch measured on H200; docs/design.md#launch-path), which dominates an eager decode-step join. Here the
-compiled kernel is cached per specialisation key (what Triton specialises on: dtypes, 16-byte
-alignment of pointers, ints equal to 1 / divisible by 16 / their width, and the constexprs) and
-its C launcher is called directly. The first call of each key goes through Triton's normal path
-(``kernel[grid](...)``, public). The direct call uses two things Triton does not promise: how a
-compiled kernel's launcher is called, and what it specialises on. So it is used only on the
-Triton releases it was checked with (``DIRECT_TRITON``) and only where the compiled kernel's
-launcher takes the parameters it is handed (``direct_unavailable``); elsewhere, or if a direct
-call ever raises, every launch goes through the normal path from then on, slower but the same.
+launch measured on H200; docs/design.md#launch-path), which dominates an eager decode-step
+join. Here the compiled kernel is cached per specialisation key (what Triton specialises on:
+dtypes, 16-byte alignment of pointers, ints equal to 1 / divisible by 16 / their width, and the
+constexprs) and its C launcher is called directly. The first call of each key goes through
+Triton's normal path (``kernel[grid](...)``, public). The direct call uses two things Triton
+does not promise: how a compiled kernel's launcher is called, and what it specialises on. So
+it is used only on the Triton releases it was checked with (``DIRECT_TRITON``) and only where
+the compiled kernel's launcher takes the parameters it is handed (``direct_unavailable``);
+elsewhere, or if a direct call ever raises, every launch goes through the normal path from
+then on, slower but the same.
 
 The first launch of a key compiles, which takes seconds, while the peers' kernels may already
 be spinning in a bounded wait. Keys are made equal on every rank (kernels do not specialise on
@@ -239,7 +240,7 @@ class Launcher:
         if self._elsewhere():
             with torch.cuda.device(self.device_index):
                 return self.run(plan, *ts)
-        if len(ts) == 2:    # all_reduce's x and out, spelled out: 0.7 us less per call on a CPU host
+        if len(ts) == 2:    # all_reduce's x and out spelled out: 0.7 us less a call (CPU host)
             p0, p1 = ptrs = (ts[0].data_ptr(), ts[1].data_ptr())
             align = (p0 % ALIGN == 0, p1 % ALIGN == 0)
         else:
