@@ -11,7 +11,8 @@
     llcomm check
     llcomm tune [--sizes 8,64K,1M] [--out F] | llcomm tune --from-bench RESULT.json
 
-The library never imports this module; the command bodies live in ``llcomm.bench``.
+The library never imports this module; the benchmarks live in ``llcomm.bench``, the other
+commands in ``llcomm.host``.
 """
 from __future__ import annotations
 
@@ -33,19 +34,8 @@ BENCHES = {"tp": ("llcomm.bench.tp", "TP joins (all_reduce, broadcast, all_gathe
                     "checked, then a replayed CUDA graph; counts of ops, wrong, timeouts"),
            "link": ("llcomm.bench.link", "bandwidth between this host's GPUs (copy engine, SM "
                     "stores, SM loads; GPU 0 alone and every GPU at once); needs 2+ GPUs")}
-#: Benchmarks that are planned but not written. To add one, write ``llcomm/bench/<name>.py``
-#: with ``add_arguments`` and ``run`` and move its entry to BENCHES.
-PLANNED_BENCHES: dict[str, str] = {}
 #: What ``llcomm bench`` runs when no benchmark is named.
 DEFAULT_BENCH = "tp"
-
-
-def _not_implemented(name: str):
-    def run(args) -> int:
-        print(f"llcomm bench {name}: not implemented yet ({PLANNED_BENCHES[name]}). "
-              f"Available: {', '.join(BENCHES)}.", file=sys.stderr)
-        return 2
-    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,21 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help=f"benchmarks (default: {DEFAULT_BENCH})",
                            description="Benchmarks. `llcomm bench` alone runs "
                            f"`llcomm bench {DEFAULT_BENCH}`.")
-    bsub = bench.add_subparsers(dest="bench", metavar="{" + ",".join(
-        [*BENCHES, *PLANNED_BENCHES]) + "}")
+    bsub = bench.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHES) + "}")
     for name, (module, what) in BENCHES.items():
         mod = importlib.import_module(module)
         q = bsub.add_parser(name, help=what, description=what)
         mod.add_arguments(q)
         q.set_defaults(func=mod.run)
-    for name, what in PLANNED_BENCHES.items():
-        q = bsub.add_parser(name, help=f"{what} (not implemented yet)")
-        q.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        q.set_defaults(func=_not_implemented(name))
 
     doctor = sub.add_parser("doctor", help="GPUs, peer access, NVLink, versions, environment, "
                             "and the backend llcomm would pick")
-    doctor.set_defaults(func=lambda a: importlib.import_module("llcomm.bench.doctor").run(a))
+    doctor.set_defaults(func=lambda a: importlib.import_module("llcomm.host.doctor").run(a))
 
     check = sub.add_parser("check", help="correctness self-test of every op on this host "
                            "(exit status 1 on any failure)")
@@ -82,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--cpu", action="store_true",
                        help="run on CPU (2 gloo processes) even where GPUs are present")
     importlib.import_module("llcomm.bench.options").add_no_multicast_argument(check)
-    check.set_defaults(func=lambda a: importlib.import_module("llcomm.bench.check").run(a))
+    check.set_defaults(func=lambda a: importlib.import_module("llcomm.host.check").run(a))
 
-    tune_mod = importlib.import_module("llcomm.bench.tune")
+    tune_mod = importlib.import_module("llcomm.host.tune")
     tune = sub.add_parser("tune", help="measure the fastest all_reduce algorithm per size on "
                           "this host and write the table all_reduce(algo='auto') uses",
                           description=tune_mod.SUMMARY)
@@ -96,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _default_bench(argv: list[str]) -> list[str]:
     """``llcomm bench [options]`` -> ``llcomm bench tp [options]``."""
     if argv and argv[0] == "bench":
-        names = (*BENCHES, *PLANNED_BENCHES, "-h", "--help")
+        names = (*BENCHES, "-h", "--help")
         if len(argv) == 1 or argv[1] not in names:
             return ["bench", DEFAULT_BENCH, *argv[1:]]
     return argv

@@ -16,7 +16,8 @@ import torch
 from _interp import run_in_interpreter
 
 from llcomm import cli
-from llcomm.bench import check, doctor, link, options, verify
+from llcomm.bench import link, options, verify
+from llcomm.host import check, doctor
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds one CLI run may take before the test fails instead of hanging.
@@ -198,6 +199,14 @@ def test_doctor_names_the_backend(tmp_path):
     if not torch.cuda.is_available():
         assert '"reference"' in p.stdout
         assert "programmatic dependent launch (LLCOMM_PDL): off (no CUDA GPU)" in p.stdout
+
+
+def test_doctor_launch_line(monkeypatch):
+    assert doctor.launch_line(True).startswith("kernel launches: direct")   # this Triton
+    assert doctor.launch_line(False) == "kernel launches: none (Triton not usable)"
+    monkeypatch.setattr(doctor.launch, "triton_unchecked", lambda: "Triton 9.0.0 is outside")
+    assert doctor.launch_line(True).endswith("kernel[grid](...), slower per eager call "
+                                             "(Triton 9.0.0 is outside)")
 
 
 def test_doctor_pdl_line(monkeypatch):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_distributed
+from llcomm.bench.timing import capture
 from test_ep_oracle import expert_fn, make_case, oracle_combine, oracle_dispatch
 
 pytestmark = pytest.mark.gpu
@@ -150,13 +151,11 @@ def _by_hand_body(rank, W):
     for seed in HAND_SEEDS:
         _round(buf, rank, W, seed, absent={other})
     # in a graph: unmask and mask again, replayed (the mask word must end masked)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+    def unmask_mask():
         buf.set_mask(other, False)
         buf.set_mask(other, True)
-    torch.cuda.current_stream().wait_stream(s)
+
+    g = capture(unmask_mask, 1, warm=False)
     buf.set_mask(other, False)
     g.replay()
     assert buf.query_mask().tolist() == [int(r == other) for r in range(W)]

@@ -340,19 +340,21 @@ def _count_runs(rank, ws, path):
 
 def test_group_that_never_forms_is_retried_then_reported(monkeypatch):
     import _dist
+
+    from llcomm import multiproc
     runs = []
-    once = _dist._run_once
+    once = multiproc._run_once
 
     def counted(*args, **kwargs):
         runs.append(1)
         return once(*args, **kwargs)
 
-    monkeypatch.setattr(_dist, "_run_once", counted)
-    monkeypatch.setattr(_dist, "FAILURE_GRACE_S", 1.0)
+    monkeypatch.setattr(multiproc, "_run_once", counted)
+    monkeypatch.setattr(multiproc, "FAILURE_GRACE_S", 1.0)
     with pytest.raises(_dist.RankFailed, match="the process group did not form") as info:
         run_distributed(_count_runs, 2, "unused", backend="no-such-backend", timeout=60)
     assert "no-such-backend" in str(info.value)
-    assert len(runs) == _dist.INIT_ATTEMPTS
+    assert len(runs) == multiproc.INIT_ATTEMPTS
 
 
 def test_failure_inside_fn_is_not_retried(tmp_path):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import absent_peer_error, run_distributed
+from llcomm.bench.timing import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -137,14 +138,7 @@ def _graph_body(rank, ws):
             outs[k + "/one_shot"] = comm.all_reduce_residual_rmsnorm(x, res, weight, EPS,
                                                                      algo="one_shot")
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ops()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ops()
+    g = capture(ops, 1)                 # compiles outside the capture
     for i in range(REPLAYS):
         cases = {k: _case(*shapes[k], dtype, 10_000 + 2 * i + j, rank)
                  for j, k in enumerate(shapes)}

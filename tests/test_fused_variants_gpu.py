@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import _norm_oracle as O
 from _dist import absent_peer_error, run_distributed
+from llcomm.bench.timing import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -177,14 +178,7 @@ def _graph_body(rank, ws):
                 outs[f"{k}/group/{algo}"] = comm.all_reduce_residual_rmsnorm_fp8_per_group(
                     x, res, weight, EPS, algo=algo)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ops()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ops()
+    g = capture(ops, 1)                 # compiles outside the capture
     for i in range(REPLAYS):
         cases = {k: _case(*shapes[k], dtype, 20_000 + 2 * i + j, rank)
                  for j, k in enumerate(shapes)}

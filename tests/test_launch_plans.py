@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from llcomm.runtime import launch
 from llcomm.tp import peer
@@ -20,6 +22,13 @@ from llcomm.runtime import protocol as P
 from llcomm.runtime.kernels.lamport import ALL_STAGES
 from llcomm.tp.kernels import all_reduce as K, lamport_all_reduce as LK, reduce_scatter as RS
 from llcomm.tp.kernels import fused_norm as F
+
+@triton.jit
+def _add_kernel(x, out, n, add, timeout_us, BLOCK: tl.constexpr):
+    """out = x + add (``timeout_us`` unused: the launcher's first-launch bound has a place)."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(out + offs, tl.load(x + offs, mask=offs < n) + add, mask=offs < n)
+
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SIZES = (1, 7, 4096, 65536 + 3, 1 << 20, (4 << 20) + 5)
@@ -252,29 +261,32 @@ def test_plans_are_kept_per_size_and_bounded(monkeypatch):
 
 class _StandIn:
     """A kernel stand-in: ``fn[grid](...)`` 'compiles' (counted) and returns a kernel whose
-    ``run`` records the arguments it was given."""
+    ``run`` records the arguments it was given. ``kernel_class``: what it returns (``Kernel``
+    takes what Triton's launcher takes; a test may hand one that does not)."""
 
     def __init__(self, arg_names):
         self.arg_names = arg_names
         self.compiles, self.runs, self.fail = 0, [], False
         self.on_launch = lambda: None
+        outer = self
+
+        class Kernel:
+            function = packed_metadata = None
+
+            def run(self, gridX, gridY, gridZ, stream, function, kernel_metadata,
+                    launch_metadata, launch_enter_hook, launch_exit_hook, *args):
+                if outer.fail:
+                    raise TypeError("run() takes other arguments")
+                outer.on_launch()
+                outer.runs.append(args)
+        self.kernel_class = Kernel
 
     def __getitem__(self, grid):
         def compile_and_launch(*args, num_warps, **consts):
             self.compiles += 1
             self.on_launch()
             self.args, self.consts = args, consts
-            outer = self
-
-            class Kernel:
-                function = packed_metadata = None
-
-                def run(self, *a):
-                    if outer.fail:
-                        raise TypeError("run() takes other arguments")
-                    outer.on_launch()
-                    outer.runs.append(a[9:])        # after grid, stream, function, metadata, hooks
-            return Kernel()
+            return self.kernel_class()
         return compile_and_launch
 
 
@@ -323,6 +335,94 @@ def test_launcher_falls_back_to_triton_when_the_direct_launch_fails(monkeypatch)
     assert lau.direct is False and fn.compiles == 2     # Triton's own launch, tensors given
     lau.run(plan, a, a)
     assert fn.compiles == 3 and fn.args[0] is a
+
+
+class _ChangedLauncher:
+    """A compiled kernel of another Triton: its launcher takes one more parameter before the
+    kernel's arguments. Called directly, it would read every argument one place off, without
+    a word: ``calls`` keeps what it was handed."""
+    function = packed_metadata = None
+    calls: list = []
+
+    def run(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+            launch_enter_hook, launch_exit_hook, cooperative, *args):
+        self.calls.append(args)
+
+
+class _NoLauncher:
+    """A compiled kernel of another Triton without the private launcher at all."""
+    function = None
+
+
+@pytest.mark.parametrize("kernel_class", [_ChangedLauncher, _NoLauncher])
+def test_launcher_uses_tritons_launch_where_the_private_one_differs(monkeypatch, kernel_class):
+    """A compiled kernel whose launcher is missing or takes other parameters is never called
+    directly: every launch, planned or not, goes through ``fn[grid](...)`` with the tensors and
+    the launch's own values, and the launcher says so once."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fn = _StandIn(["x", "out", "n", "BLOCK"])
+    fn.kernel_class = kernel_class
+    lau = launch.Launcher(torch.device("cpu"))
+    plan = launch.Plan(fn, 8, (10,), 4, {"BLOCK": 64}, (None, None))
+    a, b = torch.zeros(16, dtype=torch.int16), torch.ones(16, dtype=torch.int16)
+    for i, (x, out) in enumerate(((a, b), (b, a), (a, a))):
+        lau.run(plan, x, out)
+        assert fn.compiles == 2 * i + 1 and fn.args == (x, out, 10)
+        assert fn.consts == {"BLOCK": 64, "enable_fp_fusion": launch.FP_FUSION}
+        lau(fn, 8, (out, x, 11 + i), 4, BLOCK=32)
+        assert fn.compiles == 2 * i + 2 and fn.args == (out, x, 11 + i)
+    assert lau.direct is False and fn.runs == [] and _ChangedLauncher.calls == []
+
+
+@pytest.mark.parametrize("backend", ["nvidia", "amd"])
+def test_this_tritons_launchers_take_what_the_direct_launch_hands(backend):
+    """The launcher classes of the installed Triton (no GPU needed to read their signature)
+    pass ``direct_unavailable``: the direct launch is not lost on the releases it serves."""
+    import importlib
+    driver = importlib.import_module(f"triton.backends.{backend}.driver")
+    cls = next(v for k, v in vars(driver).items() if k.endswith("Launcher") and isinstance(v, type))
+
+    class Compiled:                         # what fn[grid](...) returns, but for the launcher
+        function = packed_metadata = None
+        run = object.__new__(cls)
+    assert launch.direct_unavailable(Compiled()) is None
+
+
+def test_direct_launch_only_on_the_checked_triton_releases(monkeypatch):
+    lo, hi = launch.DIRECT_TRITON
+    assert launch.triton_unchecked(f"{lo[0]}.{lo[1]}.0") is None
+    assert launch.triton_unchecked(f"{hi[0]}.{hi[1]}.1+git0123") is None
+    for other in (f"{hi[0]}.{hi[1] + 1}.0", f"{lo[0]}.{lo[1] - 1}.1", f"{hi[0] + 1}.0.0", "dev"):
+        assert launch.triton_unchecked(other) is not None, other
+    import triton
+    assert launch.triton_unchecked() == launch.triton_unchecked(triton.__version__)
+    monkeypatch.setattr(launch, "triton_unchecked", lambda: "Triton 9.9.0 is outside ...")
+    assert launch.Launcher(torch.device("cpu")).direct is False
+
+
+def launch_in_interpreter(rounds: int) -> dict:
+    """Inside ``TRITON_INTERPRET=1`` (where ``fn[grid](...)`` returns no compiled kernel at
+    all): a real kernel through ``Launcher``, planned and not, ``rounds`` times on fresh
+    inputs. Returns whether every result was right and whether the direct path stayed on."""
+    torch.cuda.is_current_stream_capturing = lambda: False     # a CPU torch has no CUDA
+    lau = launch.Launcher(torch.device("cpu"))
+    plan = launch.Plan(_add_kernel, 1, (64, 5, TIMEOUT_US), 1, {"BLOCK": 64}, (None, None))
+    right = []
+    for i in range(rounds):
+        x = torch.arange(64, dtype=torch.int32) * (i + 1)
+        out = torch.zeros_like(x)
+        lau.run(plan, x, out)
+        right.append(torch.equal(out, x + 5))
+        lau(_add_kernel, 1, (x, out, 64, -i, TIMEOUT_US), 1, BLOCK=64)
+        right.append(torch.equal(out, x - i))
+    return {"right": right, "direct": lau.direct}
+
+
+def test_launcher_results_through_tritons_launch_in_the_interpreter():
+    from _interp import run_in_interpreter
+    got = run_in_interpreter("test_launch_plans", "launch_in_interpreter", 3)
+    assert got == {"right": [True] * 6, "direct": False}
 
 
 def test_launcher_switches_to_its_device(monkeypatch):

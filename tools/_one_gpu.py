@@ -45,14 +45,16 @@ def patch_process() -> None:
     symm_mem.rendezvous = lambda buffer, group_name: IpcHandle(buffer)
 
 
-def worker(fn, rank, world_size, port, backend, timeout, args, results) -> None:
+def worker(fn, rank, world_size, rdv, args, results) -> None:
     """``_dist._worker`` with a ``"nccl"`` run moved onto gloo and cuda:0 (module doc)."""
+    import dataclasses
+
     import _dist
-    if backend == "nccl":
+    if rdv.backend == "nccl":
         patch_process()
-        backend = "gloo"
-    _dist._worker(fn, rank, world_size, port, backend, timeout, args, results)  # a fresh
-    # process: its _dist is not patched
+        rdv = dataclasses.replace(rdv, backend="gloo")
+    _dist._worker(fn, rank, world_size, rdv, args, results)  # a fresh process: its _dist is
+    # not patched
 
 
 class PytestPlugin:

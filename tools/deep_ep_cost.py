@@ -34,7 +34,6 @@ use_llcomm_dir()
 
 import llcomm.deep_ep as deep_ep  # noqa: E402
 from llcomm.deep_ep import convert  # noqa: E402
-from llcomm.bench import spawn  # noqa: E402
 from llcomm.ep.layout import FP8_BLOCK  # noqa: E402
 from llcomm.bench.result_files import result_header, write_json  # noqa: E402
 from llcomm.bench.timing import Timing, capture, time_graph  # noqa: E402
@@ -163,8 +162,8 @@ def main():
         raise SystemExit("tools/deep_ep_cost.py times kernels: it needs a CUDA GPU")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{spawn.free_port()}", rank=0,
-                            world_size=1, device_id=device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,  # a group of
+                            device_id=device)                           # one: no port to pick
     T, H, E = a.tokens, a.hidden, a.experts
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(T, H, generator=gen, device=device).to(torch.bfloat16)

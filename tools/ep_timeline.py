@@ -157,9 +157,8 @@ def main():
     if a.one_rank:
         world = 1
         torch.cuda.set_device(0)
-        port = spawn.free_port()
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1, device_id=torch.device("cuda", 0))
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,  # a group
+                                device_id=torch.device("cuda", 0))      # of one: no port to pick
     elif backend != "nccl":
         raise SystemExit("ep_timeline needs two or more GPUs (or --one-rank)")
     results = []

@@ -1,5 +1,5 @@
-"""The bodies of the ``llcomm`` command line (see bench/README.md). The library never imports
-this package.
+"""The benchmarks of the ``llcomm`` command line (see bench/README.md; ``llcomm doctor``,
+``check`` and ``tune`` are in ``llcomm.host``). The library never imports this package.
 
 - ``tp``: ``llcomm bench tp``, the TP joins against NCCL and torch symmetric memory;
   ``tp_report`` prints its nccl-tests style table.
@@ -13,13 +13,12 @@ this package.
 - ``soak``: ``llcomm bench soak``, many random ops, each checked, then a replayed CUDA graph.
 - ``link``: ``llcomm bench link``, the bandwidth between this host's GPUs (``link_kernel``: its
   Triton kernel).
-- ``check``: ``llcomm check``, the correctness self-test; ``doctor``: ``llcomm doctor``;
-  ``tune``: ``llcomm tune``, the all_reduce algorithm table of this host.
 
 Shared by every benchmark:
 
 - ``options``: sizes, integer lists, dtypes, and the options every benchmark has;
-- ``spawn``: one process per GPU (or two gloo processes), and the collectives ranks agree by;
+- ``spawn``: one process per GPU (or two gloo processes, through ``llcomm.multiproc``), and
+  the collectives ranks agree by;
 - ``timing``: graph and eager timing, slowest rank per iteration (``Impl`` / ``time_impl``);
 - ``verify``: expected results from every rank's inputs, wrong-element counts, NaN poison;
 - ``result_files``: the header of a result file (commit, machine, versions), ``--json`` /

@@ -75,15 +75,18 @@ def time_eager(fn: Callable[[], object], t: Timing) -> Stats:
     return slowest_rank_stats(per, t.device)
 
 
-def capture(fn: Callable[[], object], ops: int) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph of ``ops`` back-to-back calls of ``fn`` (warmed up on the capture stream
-    first, so no compilation or lazy initialisation happens inside the capture). Not a collective
-    by itself, but ``fn`` is: every rank calls it once here."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
+def capture(fn: Callable[[], object], ops: int, *, warm: bool = True) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``ops`` back-to-back calls of ``fn``, warmed up on a side stream first
+    (so no compilation or lazy initialisation happens inside the capture). Not a collective by
+    itself, but ``fn`` is: every rank calls it once here. ``warm=False``: no warm-up call, for
+    a caller that has run ``fn``'s kernels already and must not run them once more (the graph's
+    effects are counted)."""
+    if warm:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

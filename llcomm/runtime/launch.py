@@ -1,11 +1,16 @@
 """A lean launch path for Triton kernels.
 
 ``kernel[grid](...)`` binds and specialises every argument in Python on each call (15-25 us per
-launch measured on H200; docs/design.md#launch-path), which dominates an eager decode-step join. Here the
-compiled kernel is cached per specialisation key (what Triton specialises on: dtypes, 16-byte
-alignment of pointers, ints equal to 1 / divisible by 16 / their width, and the constexprs) and
-its C launcher is called directly. The first call of each key goes through Triton's normal path;
-if the direct call ever fails (another Triton version), the normal path is used from then on.
+launch measured on H200; docs/design.md#launch-path), which dominates an eager decode-step
+join. Here the compiled kernel is cached per specialisation key (what Triton specialises on:
+dtypes, 16-byte alignment of pointers, ints equal to 1 / divisible by 16 / their width, and the
+constexprs) and its C launcher is called directly. The first call of each key goes through
+Triton's normal path (``kernel[grid](...)``, public). The direct call uses two things Triton
+does not promise: how a compiled kernel's launcher is called, and what it specialises on. So
+it is used only on the Triton releases it was checked with (``DIRECT_TRITON``) and only where
+the compiled kernel's launcher takes the parameters it is handed (``direct_unavailable``);
+elsewhere, or if a direct call ever raises, every launch goes through the normal path from
+then on, slower but the same.
 
 The first launch of a key compiles, which takes seconds, while the peers' kernels may already
 be spinning in a bounded wait. Keys are made equal on every rank (kernels do not specialise on
@@ -25,8 +30,10 @@ while the kernel before them still runs and start the moment it ends
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import re
 
 import torch
 
@@ -42,6 +49,17 @@ TIMEOUT_ARG = "timeout_us"
 PDL_ARG = "PDL"
 #: First compute capability with programmatic dependent launch (Hopper).
 PDL_MIN_MAJOR = 9
+#: Triton releases (major, minor), first and last, whose compiled-kernel launcher and
+#: specialisation the direct launch was checked against (docs/development.md, "Triton versions").
+DIRECT_TRITON = ((3, 6), (3, 9))
+#: The positional parameters of a compiled kernel's launcher (``CompiledKernel.run``) before
+#: the kernel's own arguments, as Triton's ``JITFunction.run`` hands them. The launchers of
+#: Triton 3.8 and 3.9 name them all; 3.6's names the first ``DIRECT_NAMED_MIN`` and takes the
+#: rest in ``*args``.
+DIRECT_PARAMS = ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+                 "launch_metadata", "launch_enter_hook", "launch_exit_hook")
+#: How many of ``DIRECT_PARAMS`` a launcher must name, at least.
+DIRECT_NAMED_MIN = 5
 
 
 def pdl_unavailable(device: torch.device) -> str | None:
@@ -71,6 +89,40 @@ def pdl_enabled(device: torch.device, wanted: bool) -> bool:
     """Whether kernels launched on ``device`` get PDL: ``wanted`` (the ``LLCOMM_PDL`` setting)
     and ``pdl_available``."""
     return bool(wanted) and pdl_available(device)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_unchecked(version: str | None = None) -> str | None:
+    """Why this Triton release (``triton.__version__`` by default) is outside ``DIRECT_TRITON``,
+    or None."""
+    if version is None:
+        import triton
+        version = triton.__version__
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        return f"Triton {version!r}: not a version number"
+    lo, hi = DIRECT_TRITON
+    if not lo <= (int(m[1]), int(m[2])) <= hi:
+        return (f"Triton {version} is outside {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}, the releases the "
+                "direct launch was checked with")
+    return None
+
+
+def direct_unavailable(kernel) -> str | None:
+    """Why ``kernel`` (what ``fn[grid](...)`` returned) cannot be launched directly, or None:
+    it lacks a launcher, its handle or its packed metadata, or its launcher does not take
+    ``DIRECT_PARAMS`` (the first ``DIRECT_NAMED_MIN`` or more by name, the rest in ``*args``)
+    and then the kernel's arguments."""
+    try:
+        run, _, _ = kernel.run, kernel.function, kernel.packed_metadata
+        params = list(inspect.signature(run).parameters.values())
+    except (AttributeError, TypeError, ValueError) as e:   # absent, or not inspectable
+        return f"no compiled-kernel launcher to call ({type(e).__name__}: {e})"
+    names = tuple(p.name for p in params[:-1])
+    if (not params or params[-1].kind is not inspect.Parameter.VAR_POSITIONAL
+            or len(names) < DIRECT_NAMED_MIN or names != DIRECT_PARAMS[:len(names)]):
+        return f"the compiled kernel's launcher takes ({', '.join(p.name for p in params)})"
+    return None
 
 
 def _long_bound(seq: tuple, i: int) -> tuple:
@@ -161,7 +213,12 @@ class Launcher:
         self.device_index = device.index
         self._cache: dict = {}
         self._seen: set = set()         # every key compiled (or loaded) so far
+        #: Whether compiled kernels are launched directly; False for good once a reason not to
+        #: is found (module doc).
         self.direct = True
+        why = triton_unchecked()
+        if why is not None:
+            self._fall_back(why)
         self.pdl = pdl_enabled(device, pdl)
 
     def _elsewhere(self) -> bool:
@@ -183,7 +240,7 @@ class Launcher:
         if self._elsewhere():
             with torch.cuda.device(self.device_index):
                 return self.run(plan, *ts)
-        if len(ts) == 2:    # all_reduce's x and out, spelled out: 0.7 us less per call on a CPU host
+        if len(ts) == 2:    # all_reduce's x and out spelled out: 0.7 us less a call (CPU host)
             p0, p1 = ptrs = (ts[0].data_ptr(), ts[1].data_ptr())
             align = (p0 % ALIGN == 0, p1 % ALIGN == 0)
         else:
@@ -198,7 +255,7 @@ class Launcher:
                            None, None, None, *ptrs, *rest)
                 return
             except Exception as e:  # noqa: BLE001  (fall back for good, and say why once)
-                self._fall_back(e)
+                self._fall_back(f"a direct launch raised {type(e).__name__}: {e}")
         ts = tuple(t if v is None else t.view(v) for t, v in zip(ts, plan.views))
         key = (plan.key, *map(_spec, ts))
         self._go(key, plan.fn, plan.grid, (*ts, *plan.tail), plan.num_warps, plan.consts)
@@ -206,8 +263,9 @@ class Launcher:
             kernel, consts = self._cache[key]
             plan.kernels[align] = (kernel, (*plan.raw_tail, *consts))
 
-    def _fall_back(self, e: Exception) -> None:
-        log.warning("llcomm: direct kernel launch failed (%s); using Triton's launcher", e)
+    def _fall_back(self, why: str) -> None:
+        log.warning("llcomm: launching kernels through Triton's kernel[grid](...), a slower "
+                    "path, from now on: %s", why)
         self.direct = False
 
     def _compile(self, key, fn, grid: int, args: tuple, num_warps: int, consts: dict):
@@ -220,6 +278,9 @@ class Launcher:
         kernel = fn[(grid,)](*args, num_warps=num_warps,
                              **{"enable_fp_fusion": FP_FUSION, **consts})
         self._seen.add(key)
+        why = direct_unavailable(kernel) if self.direct else None
+        if why is not None:
+            self._fall_back(why)
         if self.direct:     # the C launcher takes every parameter: defaults for those not given
             names = fn.arg_names[len(args):]
             defaults = _defaults(fn)
@@ -235,8 +296,8 @@ class Launcher:
                 kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None,
                            None, None, *args, *tail)
                 return
-            except Exception as e:  # noqa: BLE001
-                self._fall_back(e)
+            except Exception as e:  # noqa: BLE001  (as in run)
+                self._fall_back(f"a direct launch raised {type(e).__name__}: {e}")
         i = _timeout_index(fn)
         if key not in self._seen and i is not None and i < len(args):   # a first launch
             args = _long_bound(args, i)

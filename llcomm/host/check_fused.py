@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import verify
+from ..bench import verify
 
 #: (tokens, hidden): one token at DeepSeek-V3's hidden and a few at another. Every hidden a
 #: multiple of 128.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from . import ep_sequences as S
-from . import spawn
-from .ep_seqrun import SequenceRunner
+from ..bench import ep_sequences as S
+from ..bench import spawn
+from ..bench.ep_seqrun import SequenceRunner
 
 #: Shape (hidden a multiple of 512: UE8M0), experts per rank, top-k.
 HIDDEN, TOKENS, EXPERTS_PER_RANK, TOPK = 512, 8, 4, 4

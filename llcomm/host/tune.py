@@ -23,8 +23,8 @@ import re
 from llcomm.runtime import settings
 from llcomm.tp import algo_table as T
 
-from . import console, options, result_files, spawn, timing, verify
-from . import tp as B
+from ..bench import console, options, result_files, spawn, timing, verify
+from ..bench import tp as B
 
 #: Sizes tuned by default: every power of two from 8 B up to this (the default max_bytes).
 DEFAULT_MAX_BYTES = 16 << 20

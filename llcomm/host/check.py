@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import check_ep, check_fused, options, result_files, spawn, timing, verify
+from ..bench import options, result_files, spawn, timing, verify
+from . import check_ep, check_fused
 
 #: Elements per rank: a single element, an odd small count, an odd count of about 0.5 MiB (bf16).
 COUNTS = (1, 4099, 262147)

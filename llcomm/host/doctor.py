@@ -17,7 +17,7 @@ import torch
 from ..runtime import launch
 from ..runtime.backend import MIN_TRITON, triton_problem
 from ..runtime import settings
-from . import result_files
+from ..bench import result_files
 
 GIB = 1 << 30
 
@@ -72,6 +72,20 @@ def pdl_line(n_gpus: int, triton_ok: bool) -> str:
         return head + "off (" + ("no CUDA GPU" if not n_gpus else "Triton not importable") + ")"
     why = launch.pdl_unavailable(torch.device("cuda", 0))
     return head + ("on" if why is None else f"off ({why})")
+
+
+def launch_line(triton_ok: bool) -> str:
+    """How llcomm's kernels will be launched here: directly through the compiled kernel's
+    launcher, or through Triton's ``kernel[grid](...)`` on a release it was not checked with."""
+    head = "kernel launches: "
+    if not triton_ok:
+        return head + "none (Triton not usable)"
+    why = launch.triton_unchecked()
+    lo, hi = launch.DIRECT_TRITON
+    if why is None:
+        return head + (f"direct (Triton {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}; Triton's own path where "
+                       "a compiled kernel's launcher differs)")
+    return head + f"Triton's kernel[grid](...), slower per eager call ({why})"
 
 
 #: ``CUdevice_attribute`` value of CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED (CUDA 12.0 and later).
@@ -169,6 +183,7 @@ def report() -> list[str]:
     out.extend(multicast_lines(multicast_support(n), os.environ))
     out.append("")
     out.append(pdl_line(n, triton_ok))
+    out.append(launch_line(triton_ok))
     backend, why = predict_backend(n, peers, triton_ok)
     out.append("")
     out.append(f'backend: Communicator(backend="auto") with one process per GPU here would pick '
