@@ -12,7 +12,8 @@ TIMEOUT_S = 300
 
 
 def test_mkdocs_build_strict(tmp_path):
-    pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
+    pytest.importorskip("mkdocs",
+                        reason="the docs extra is not installed (pip install -e '.[docs]')")
     pytest.importorskip("mkdocstrings")
     pytest.importorskip("material")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",

@@ -217,7 +217,10 @@ def _mismatched(case, rank, ws, odd):
             x, topk, use_fp8=case == "dispatch-fp8" and me), \
             None if case == "dispatch-hidden" else matched
     comm = llcomm.Communicator(backend="reference", timeout_ms=MISMATCH_TIMEOUT_MS)
-    matched = lambda c: _matched_tp(c, rank, ws)    # noqa: E731
+
+    def matched(c):
+        return _matched_tp(c, rank, ws)
+
     if case == "all_reduce-size":
         return comm, "all_reduce", lambda: comm.all_reduce(torch.ones(16 if me else 8)), matched
     if case == "all_reduce-dtype":

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The folders that hold the project's Python files.
 LINTED = ("llcomm", "tests", "tools", "examples")
 #: A ``noqa`` comment: the codes it silences, then what follows them on the line.
-NOQA = re.compile(r"#\s*(?i:noqa)(?=[:\s]|$)(?P<codes>:\s*[A-Z]+[0-9]+(?:\s*,\s*[A-Z]+[0-9]+)*)?(?P<why>.*)$")
+NOQA = re.compile(r"#\s*(?i:noqa)(?=[:\s]|$)"
+                  r"(?P<codes>:\s*[A-Z]+[0-9]+(?:\s*,\s*[A-Z]+[0-9]+)*)?(?P<why>.*)$")
 #: The justification after the codes: ``(why)`` or ``- why``, with a word in it.
 WHY = re.compile(r"^\s+(\(.*\w.*\)|-\s+\w.*)")
 

@@ -35,7 +35,8 @@ PATH = re.compile(r"(?<![\w./-])((?:llcomm|tests|tools|bench|docs|scripts|exampl
 #: A markdown link or image target: ``](target)``.
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 #: A docs page followed by a quoted section title: ``docs/x.md, "Title"``, ``docs/x.md ("Title")``.
-QUOTED_SECTION = re.compile(r"(docs/[\w-]+\.md)(?:,\s*|\s*\(\s*|\s+)([\"“'])([^\"“”']{2,80}?)[\"”']")
+QUOTED_SECTION = re.compile(r"(docs/[\w-]+\.md)(?:,\s*|\s*\(\s*|\s+)"
+                            r"([\"“'])([^\"“”']{2,80}?)[\"”']")
 #: Path components that stand for a name the reader chooses (``--json bench/results/X.json``).
 PLACEHOLDERS = {"X", "R", "N", "F", "DIR", "PATH", "FILE", "NAME", "SHA"}
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
