@@ -36,7 +36,7 @@ from __future__ import annotations
 import pytest
 
 from _interp import run_in_interpreter, run_ranks
-from _payloads import POISON_BYTE, payload  # noqa: F401  (the pre-fill of every output)
+from _payloads import payload
 from llcomm.tp import peer                                  # PeerBackend and its region layout
 from llcomm.runtime import protocol as P                     # op / phase codes, decode_error
 from llcomm.tp.kernels import all_reduce, ll, lamport, movement, reduce_scatter  # its kernels
