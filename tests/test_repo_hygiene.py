@@ -63,17 +63,22 @@ ELSEWHERE = {"test_low_latency.py", "deep_ep/utils/envs.py"}
 HISTORY = {"CHANGELOG.md"}
 
 
-def tracked_text_files() -> dict[str, str]:
-    """{path: text} of every tracked file that decodes as UTF-8 and has no NUL byte."""
+def tracked_paths() -> list[str]:
+    """Every tracked path, text or not."""
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
                              check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: no list of tracked files")
+    return [name for name in out.decode().split("\0") if name]
+
+
+def tracked_text_files() -> dict[str, str]:
+    """{path: text} of every tracked file that decodes as UTF-8 and has no NUL byte."""
     files = {}
-    for name in out.decode().split("\0"):
+    for name in tracked_paths():
         path = ROOT / name
-        if not name or not path.is_file():
+        if not path.is_file():
             continue
         data = path.read_bytes()
         if b"\0" in data:
@@ -83,16 +88,6 @@ def tracked_text_files() -> dict[str, str]:
         except UnicodeDecodeError:
             continue
     return files
-
-
-def tracked_paths() -> list[str]:
-    """Every tracked path, text or not."""
-    try:
-        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
-                             check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout: no list of tracked files")
-    return [name for name in out.decode().split("\0") if name]
 
 
 def _skipped(name: str) -> bool:
