@@ -46,7 +46,7 @@ FP8: ``ep_dispatch(buf, x, topk_idx, use_fp8=True)`` calls ``ep_dispatch_fp8`` a
 ``((recv_x_fp8, recv_scales), recv_count, ticket)`` like the method. ``return_recv_hook`` is not
 offered: a hook is a Python callable, which cannot cross a custom op's boundary (see
 ``ep_dispatch``).
-"""
+"""  # noqa: E501  (the op table above: a markdown row is one line)
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .runtime.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .runtime.registry import handle_of as _handle_of, lookup as _lookup, register  # noqa: F401
+from .runtime.registry import handle_of as _handle_of, lookup as _lookup, register
 
 if TYPE_CHECKING:
     from .ep import EPBuffer

@@ -3,14 +3,15 @@
 #
 #   scripts/venv.sh            # used by scripts/test.sh, scripts/bench.sh and .ci/run
 #
-# Installs torch first, pinned (LLCOMM_TORCH, default torch==2.13.0: on the project's CPU
-# machines pip takes the CPU build that lies on disk instead of downloading a CUDA build), then
-# llcomm itself, editable, with the test, bench, gpu, docs and hf extras (docs: mkdocs, so the
-# suite's `mkdocs build --strict` test runs; hf: transformers for llcomm.hf, `llcomm bench
+# Installs torch first, pinned (LLCOMM_TORCH, default torch==2.13.0, the release CI runs the
+# suite with), so that the torch build is the one you chose rather than whatever pip resolves
+# for llcomm's `torch>=2.11`: set LLCOMM_TORCH to your engine's release, and pip's own variables
+# (PIP_INDEX_URL, PIP_FIND_LINKS) to where its CPU or CUDA build comes from. Then llcomm itself,
+# editable, with the test, bench, gpu, docs and hf extras (test: pytest and ruff; docs: mkdocs,
+# so the suite's `mkdocs build --strict` test runs; hf: transformers for llcomm.hf, `llcomm bench
 # decode`, tests/test_hf_models.py and examples/hf_*.py, which asks for no torch of its own, so
-# the pinned torch stays). A stamp in
-# .venv records what was installed, so later calls return at once until pyproject.toml or
-# LLCOMM_TORCH changes.
+# the pinned torch stays). A stamp in .venv records what was installed, so later calls return at
+# once until pyproject.toml or LLCOMM_TORCH changes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

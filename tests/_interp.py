@@ -75,13 +75,14 @@ class concurrent_kernels:
         import numpy as np
         import triton.language as tl
 
-        I = _interp_module()
-        B = I.InterpreterBuilder
+        interp = _interp_module()
+        B = interp.InterpreterBuilder
         local = threading.local()
         self._saved = [(B, name, B.__dict__.get(name)) for name in
                        ("grid_idx", "grid_dim", "create_inline_asm", "create_splat")]
-        self._saved.append((I, "_patch_lang", I._patch_lang))
-        self._scope = I._patch_lang(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
+        self._saved.append((interp, "_patch_lang", interp._patch_lang))
+        self._scope = interp._patch_lang(
+            types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
 
         def per_thread(name):
             return property(lambda self: getattr(local, name, None),
@@ -94,20 +95,21 @@ class concurrent_kernels:
                 return refuse(builder, asm, constraints, values, type, is_pure, pack)
             time.sleep(0)                           # let the other ranks' threads run
             now = np.full(values[0].data.shape, time.monotonic_ns(), dtype=np.int64)
-            return _ClockRead(I.TensorHandle(now, tl.int64))
+            return _ClockRead(interp.TensorHandle(now, tl.int64))
 
         splat = B.create_splat
 
         def create_splat(builder, ret_ty, arg):
             if arg.data.dtype == np.bool_ and ret_ty.scalar == tl.int1:
-                return I.TensorHandle(np.full(ret_ty.shape, arg.data.reshape(-1)[0]), tl.int1)
+                return interp.TensorHandle(np.full(ret_ty.shape, arg.data.reshape(-1)[0]), tl.int1)
             return splat(builder, ret_ty, arg)
 
         B.grid_idx = per_thread("grid_idx")
         B.grid_dim = per_thread("grid_dim")
         B.create_inline_asm = create_inline_asm
         B.create_splat = create_splat
-        I._patch_lang = lambda fn: I._LangPatchScope()     # already patched, restored on exit
+        # already patched, restored on exit
+        interp._patch_lang = lambda fn: interp._LangPatchScope()
         return self
 
     def __exit__(self, *exc):

@@ -14,4 +14,5 @@ def pytest_collection_modifyitems(config, items):
         mark = item.get_closest_marker("gpu")
         need = mark.kwargs.get("gpus", GPUS_NEEDED) if mark else 0
         if need > have:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPUs, this host has {have}"))
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need} CUDA GPUs, this host has {have}"))

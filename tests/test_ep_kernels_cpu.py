@@ -206,7 +206,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
             for r in range(W):
                 if not _same_up_to_interpreter_rounding(outs[r], want[r]):
                     d = (outs[r].float() - want[r].float()).abs()
-                    fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
+                    worst = d.max() if d.numel() else 0
+                    fails.append(f"{tag} rank {r} combine differs (max {worst})")
     calls = len(seeds) * len(kinds)
     for r in range(W):
         if stats and st[r].tolist() != [0] * W:
@@ -335,7 +336,7 @@ def _e4m3_exhaustive():
     @triton.jit
     def conv(src, dst, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(dst + i, _E4M3_BITS(tl.load(src + i)).to(tl.uint8))  # noqa: F821
+        tl.store(dst + i, _E4M3_BITS(tl.load(src + i)).to(tl.uint8))  # noqa: F821  (set above)
 
     vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = (vals[1:] + vals[:-1]) / 2

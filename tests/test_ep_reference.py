@@ -24,7 +24,7 @@ def _expect(errors, what, exc, words, fn):
         if missing:
             errors.append(f"{what}: message lacks {missing}: {e}")
         return
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001  (any other error is the finding, recorded)
         errors.append(f"{what}: raised {type(e).__name__}: {e}")
         return
     errors.append(f"{what}: did not raise {exc.__name__}")
@@ -169,7 +169,7 @@ def _validation_body(rank, W):
             missing = [wd for wd in words if wd not in msg]
             results.append((what, None if not missing else f"message lacks {missing}: {msg}"))
             return
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001  (any other error is the finding, recorded)
             results.append((what, f"raised {type(e).__name__}: {e}"))
             return
         results.append((what, "did not raise"))
@@ -325,7 +325,8 @@ def _fp8_body(rank, W, configs):
                               torch.full((L, W * T, H // 128), float("nan")))
                     (q, sc), cnt, handle = buf.dispatch(xs[rank], topks[rank], use_fp8=True,
                                                         round_scale=round_scale, out=poison)
-                    if q.data_ptr() != poison[0].data_ptr() or sc.data_ptr() != poison[1].data_ptr():
+                    if (q.data_ptr() != poison[0].data_ptr()
+                            or sc.data_ptr() != poison[1].data_ptr()):
                         fails.append(f"{tag} dispatch did not fill out=")
                     codes, scales, ec, es = oracle_dispatch_fp8(xs, topks, W, E, T,
                                                                 round_scale)[rank]
@@ -598,7 +599,7 @@ def _masks_body(rank, W):
         except exc as e:
             if not all(w in str(e) for w in words) or "set_mask" not in str(e):
                 fails.append(f"set_mask{args}: message lacks {words}: {e}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001  (any other error is the finding, recorded)
             fails.append(f"set_mask{args}: {type(e).__name__} instead of {exc.__name__}: {e}")
     try:
         ep.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,

@@ -82,12 +82,16 @@ def test_generator_is_legal_deterministic_and_covers_every_feature(api):
 
 
 def test_check_legal_refuses_illegal_sequences():
-    D = lambda h, **k: S.Dispatch(**dict(dict(handle=h, seed=h, tokens=(1, 1), topk=2,  # noqa
-                                              fmt="bf16", carry=False, hook=False,
-                                              defer_hook=False), **k))
-    C = lambda h, **k: S.Combine(**dict(dict(handle=h, seed=h, zero_copy=False, hook=False),  # noqa
-                                        **k))
-    seq = lambda api, *steps: S.Sequence(0, api, 2, 4, 512, 0, list(steps))  # noqa: E731
+    def D(h, **k):
+        return S.Dispatch(**dict(dict(handle=h, seed=h, tokens=(1, 1), topk=2, fmt="bf16",
+                                      carry=False, hook=False, defer_hook=False), **k))
+
+    def C(h, **k):
+        return S.Combine(**dict(dict(handle=h, seed=h, zero_copy=False, hook=False), **k))
+
+    def seq(api, *steps):
+        return S.Sequence(0, api, 2, 4, 512, 0, list(steps))
+
     assert not S.check_legal(seq("deep_ep", D(0), D(1), C(1), C(0, zero_copy=True), C(0)))
     cases = {
         "retired": seq("ep", D(0), D(1), D(2), C(2), C(1), C(0)),
@@ -239,7 +243,8 @@ def simulate_sequences(api, W, E, T, H, dtype_name, NB, ll, masks, seeds, steps)
     # the waits' static asserts AND a bool with a constexpr, which this interpreter's constexpr
     # cannot take from the right (compiled kernels fold it before); only these processes
     if not hasattr(tl.constexpr, "__rand__"):
-        tl.constexpr.__rand__ = lambda self, other: tl.constexpr(other & tl.core._unwrap_if_constexpr(self))
+        tl.constexpr.__rand__ = lambda self, other: tl.constexpr(
+            other & tl.core._unwrap_if_constexpr(self))
     dtype = getattr(torch, dtype_name)
     bufs = _virtual_buffers(W, E, T, H, dtype, NB, ll, masks)
     if api == "deep_ep":

@@ -413,7 +413,7 @@ def _same_refusals_body(rank, ws):
                     try:
                         call(comm, ws)
                         seen.append(("no error", ""))
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:  # noqa: BLE001  (both backends' errors compared)
                         seen.append((type(e).__name__, str(e)))
                 if seen[0] != seen[1] or seen[0][0] != exc.__name__ or \
                         not re.search(pattern.replace("expected cpu", "expected cuda"), seen[0][1]):

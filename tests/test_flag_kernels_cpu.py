@@ -1,7 +1,7 @@
 """The flag kernels on the CPU: ``one_shot_kernel`` and ``two_shot_kernel`` (all_reduce),
 ``broadcast_kernel``, ``all_gather_kernel`` (movement), ``reduce_scatter_kernel``
-(reduce_scatter) and the flag protocol they share (``signal_peers`` / ``wait_peers``), under ``TRITON_INTERPRET=1`` on virtual
-ranks.
+(reduce_scatter) and the flag protocol they share (``signal_peers`` / ``wait_peers``), under
+``TRITON_INTERPRET=1`` on virtual ranks.
 
 Each virtual rank is a ``peer.PeerBackend`` whose workspace regions (flags, staging, gather)
 are plain CPU tensors laid out as its constructor lays them out, the tables of their addresses

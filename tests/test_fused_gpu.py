@@ -6,7 +6,8 @@ residual, exactly as the unfused ops do), ``out`` within bf16 / fp16 / fp32 tole
 RMSNorm and within one rounding of the fp32 norm of ``residual_out``. Both outputs bitwise equal
 across ranks. Fresh random inputs per case, outputs poisoned first, plain all_reduce calls of every
 algorithm interleaved (they share halves and op counters), CUDA-graph capture and replay, and a
-peer that never arrives. Run on a 2-GPU host: ``python -m pytest -m gpu -q tests/test_fused_gpu.py``.
+peer that never arrives. Run on a 2-GPU host:
+``python -m pytest -m gpu -q tests/test_fused_gpu.py``.
 """
 
 import pytest
@@ -74,7 +75,8 @@ def _same_on_all_ranks(t):
 
 def _check(y, h, x, res, w, comm, plain_algo, case):
     y_ref, h_ref = _unfused(comm, x, res, w, plain_algo)
-    assert torch.equal(_bits(h), _bits(h_ref)), f"{case}: residual_out differs from all_reduce + add"
+    assert torch.equal(_bits(h), _bits(h_ref)), \
+        f"{case}: residual_out differs from all_reduce + add"
     tol = TOL[y.dtype]
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol, msg=lambda m: f"{case}: {m}")
     hf = h.double()

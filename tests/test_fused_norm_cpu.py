@@ -94,7 +94,7 @@ def test_reference_matches_float64_oracle(ws):
 def simulate(W, NB, calls, dtype_name, algo):
     """Run ``calls`` ([tokens, hidden] per call, in order) through one fused kernel on W virtual
     ranks, stage by stage, and return the failures (strings)."""
-    import triton.language as tl  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    import triton.language as tl
     from llcomm.tp import peer
     from llcomm.runtime import protocol as P
     from llcomm.runtime.kernels.lamport import PUSH, REDUCE
@@ -192,7 +192,8 @@ SIM_CASES = [  # W, NB, dtype, algo
 ]
 
 
-@pytest.mark.parametrize("case", SIM_CASES, ids=[f"w{c[0]}-nb{c[1]}-{c[2]}-{c[3]}" for c in SIM_CASES])
+@pytest.mark.parametrize("case", SIM_CASES,
+                         ids=[f"w{c[0]}-nb{c[1]}-{c[2]}-{c[3]}" for c in SIM_CASES])
 def test_kernels_in_interpreter(case):
     W, NB, dtype, algo = case
     fails = _run_in_interpreter(W, NB, CALLS, dtype, algo)

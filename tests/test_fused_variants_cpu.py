@@ -72,7 +72,8 @@ def assert_one_rounding(y: torch.Tensor, want: torch.Tensor, case: str) -> None:
     fi = torch.finfo(y.dtype)
     tol = fi.eps * want.abs() + 2.0 ** -20 * want.abs() + fi.tiny
     err = (y.float() - want).abs()
-    assert (err <= tol).all(), f"{case}: out off the fp32 norm by {float((err - tol).max())} past one rounding"
+    assert (err <= tol).all(), \
+        f"{case}: out off the fp32 norm by {float((err - tol).max())} past one rounding"
 
 
 def assert_one_step(got_codes, want_codes, case: str) -> None:
@@ -360,7 +361,8 @@ SIM_CASES = [  # W, NB, dtype, algo
 ]
 
 
-@pytest.mark.parametrize("case", SIM_CASES, ids=[f"w{c[0]}-nb{c[1]}-{c[2]}-{c[3]}" for c in SIM_CASES])
+@pytest.mark.parametrize("case", SIM_CASES,
+                         ids=[f"w{c[0]}-nb{c[1]}-{c[2]}-{c[3]}" for c in SIM_CASES])
 def test_kernels_in_interpreter(case):
     W, NB, dtype, algo = case
     fails = _run_in_interpreter(W, NB, CALLS, dtype, algo)

@@ -20,12 +20,10 @@ import torch.distributed as dist
 import _norm_oracle as O
 from _dist import absent_peer_error, run_distributed
 from llcomm.bench.timing import capture
+# the plain fused join's GPU tests share their cases and helpers
+from test_fused_gpu import DTYPES, EPS, LAMPORT_MAX, TOKENS, TOL, _case, _comm, _rms_norm
 
 pytestmark = pytest.mark.gpu
-
-# the plain fused join's GPU tests share their cases and helpers
-from test_fused_gpu import (DTYPES, EPS, LAMPORT_MAX, TOKENS, TOL, _case, _comm,  # noqa: E402
-                            _rms_norm)
 
 HIDDENS = (7168, 8192, 4099)   # DeepSeek-V3, Llama-70B, an odd row (no FP8 groups there)
 NAN8 = 0x7F

@@ -54,7 +54,8 @@ def _int_view(dtype):
 def _tl_float(dtype):
     import torch
     import triton.language as tl
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+            torch.float32: tl.float32}[dtype]
 
 
 class Call:
@@ -142,7 +143,8 @@ class Call:
         if self.dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 (GPU rounds)
             ok = torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
         else:
-            ok = torch.equal(got.view(_int_view(self.dtype)[0]), want.view(_int_view(self.dtype)[0]))
+            bits = _int_view(self.dtype)[0]
+            ok = torch.equal(got.view(bits), want.view(bits))
         return None if ok else f"{self.kind} {tuple(self.x.shape)} {self.dname}: not the sum"
 
 

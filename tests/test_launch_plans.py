@@ -58,11 +58,13 @@ def _backend(launcher):
     pb.timeout_us = TIMEOUT_US
     pb.tabs = {k: torch.full((W,), i, dtype=torch.int64) for i, k in enumerate(
         ("flags", "stage", "gather", "lamport", "lamport_tags"))}
-    pb.ctrl, pb.err, pb.flags = (torch.zeros(NB, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+    pb.ctrl, pb.err, pb.flags = (torch.zeros(NB, dtype=torch.int64),
+                                 torch.zeros(2, dtype=torch.int64),
                                  torch.zeros(8, dtype=torch.int64))
     pb._err_np = [0]
     pb._failure = P.FailureLatch(RANK, "communicator")
-    pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    pb._tl_float = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                    torch.float32: tl.float32}
     pb._k_ar = K
     pb._k_lam = LK
     pb._k_rs = RS
@@ -536,7 +538,8 @@ def test_every_kernel_the_library_launches_waits_for_its_peers():
                     if isinstance(v, JITFunction) and k.endswith("_kernel")
                     and v.__module__ == m.name and k != "after_previous_kernel"]
     assert len(kernels) >= 10, kernels
-    no_wait = [f"{mod}.{name}" for mod, name, fn in kernels if launch.TIMEOUT_ARG not in fn.arg_names]
+    no_wait = [f"{mod}.{name}" for mod, name, fn in kernels
+               if launch.TIMEOUT_ARG not in fn.arg_names]
     assert not no_wait, f"kernels that wait for nobody: {no_wait}"
 
 

@@ -104,7 +104,6 @@ def test_opcheck():
 
 
 def _compile_body(rank, ws, compilers):
-    import llcomm.ops as ops
     comm, buf = _objects()
     for compiler in compilers:
         torch._dynamo.reset()

@@ -20,8 +20,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 
-ptx_tool = pytest.importorskip("ptx")      # tools/ptx.py
-ptx_ep_tool = pytest.importorskip("ptx_ep")
+import ptx as ptx_tool          # tools/ptx.py
+import ptx_ep as ptx_ep_tool    # tools/ptx_ep.py
 
 #: Every kind of kernel: Lamport one chunk / pipelined / reduce_scatter, flag one-shot and
 #: two-shot, flag movement, LL movement, the fused joins (both algorithms; no residual, the FP8

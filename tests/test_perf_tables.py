@@ -15,7 +15,8 @@ PAGE = ROOT / "docs" / "performance.md"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("llcomm_perf_table", ROOT / "tools" / "perf_table.py")
+    spec = importlib.util.spec_from_file_location("llcomm_perf_table",
+                                                  ROOT / "tools" / "perf_table.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -87,7 +88,8 @@ def test_spot_checks_read_from_the_json_files():
 
     (fused,) = _tables_under(block, "### Fused all-reduce + residual + RMSNorm")
     r = _row("h200x2-fused.json", impl="unfused", mode="graph", tokens=128)
-    assert _cell(fused, "llcomm all_reduce + torch add + RMSNorm", "128 tok") == _fmt(r["median_us"])
+    unfused = "llcomm all_reduce + torch add + RMSNorm"
+    assert _cell(fused, unfused, "128 tok") == _fmt(r["median_us"])
 
     tp, _moe = _tables_under(block, "### Decode steps")
     r = _row("h200x2-decode.json", part="tp", impl="nccl", mode="graph", batch=64)

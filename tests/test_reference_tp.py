@@ -26,7 +26,8 @@ from _dist import run_distributed
 
 WORLD_SIZES = (2, 3, 4)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Element counts: one element, odd and non-power-of-two counts, and a few MB (4 MiB + 12 B in fp32).
+#: Element counts: one element, odd and non-power-of-two counts, and a few MB (4 MiB + 12 B in
+#: fp32).
 SIZES = (1, 7, 1000, 4097, (1 << 20) + 3)
 #: all_gather_2d shapes [tokens, part] (the last one is about a million elements).
 SHAPES_2D = ((1, 1), (7, 1), (1, 7), (8, 125), (17, 241), (1031, 1017))

@@ -4,7 +4,12 @@
 - every repository path that code, docs and tests name (under ``llcomm``, ``tests``, ``tools``,
   ``bench``, ``docs``, ``scripts``, ``examples``) exists, every markdown link between files
   resolves, and every docs section it points at (an ``#anchor``, or a quoted heading after a
-  docs page's name) is a heading of that page.
+  docs page's name) is a heading of that page;
+- what prose names without its top folder exists too: in comments and docstrings of Python
+  files and anywhere in the other files, a bare file name (``lamport.py``, ``design.md``) is
+  the name of a tracked file, a path below a top folder (``kernels/sync.py``) is the end of a
+  tracked path, and a private module named by one of its attributes (``_dist.run_distributed``)
+  is a tracked module or folder. The CHANGELOG may name what was removed.
 
 Anchors follow the slug rules of both renderers of the docs: mkdocs (Python-Markdown's toc
 extension) and GitHub; a link is good if either renderer has it. The raw run outputs under
@@ -13,10 +18,12 @@ extension) and GitHub; a link is good if either renderer has it. The raw run out
 from __future__ import annotations
 
 import glob
+import io
 import itertools
 import re
 import subprocess
 import sys
+import tokenize
 import unicodedata
 from pathlib import Path
 
@@ -35,23 +42,43 @@ PATH = re.compile(r"(?<![\w./-])((?:llcomm|tests|tools|bench|docs|scripts|exampl
 #: A markdown link or image target: ``](target)``.
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 #: A docs page followed by a quoted section title: ``docs/x.md, "Title"``, ``docs/x.md ("Title")``.
-QUOTED_SECTION = re.compile(r"(docs/[\w-]+\.md)(?:,\s*|\s*\(\s*|\s+)([\"“'])([^\"“”']{2,80}?)[\"”']")
+QUOTED_SECTION = re.compile(r"(docs/[\w-]+\.md)(?:,\s*|\s*\(\s*|\s+)"
+                            r"([\"“'])([^\"“”']{2,80}?)[\"”']")
 #: Path components that stand for a name the reader chooses (``--json bench/results/X.json``).
 PLACEHOLDERS = {"X", "R", "N", "F", "DIR", "PATH", "FILE", "NAME", "SHA"}
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+#: A file name without a folder, as prose names a module, a page or a script: ``lamport.py``.
+BARE_FILE = re.compile(r"(?<![\w./*{}<>$-])([\w-]+\.(?:py|md|sh))(?![\w/-])")
+#: A path named from inside a top folder: ``kernels/sync.py``, ``tp/tables/h200-w2.json``.
+SUB_PATH = re.compile(r"(?<![\w./*{}<>$-])((?:[\w-]+/)+[\w-]+\.(?:py|md|sh|json|toml|txt))"
+                      r"(?![\w/-])")
+#: A private module named by one of its attributes: ``_dist.run_distributed``, ``kernels/_x.y``.
+PRIVATE_MODULE = re.compile(r"(?<![\w.])(?:[\w-]+/)*(_[a-z]\w*)\.(?!(?:py|md|sh)\b)[A-Za-z_]\w*")
+#: Top folders: a path that starts with one is checked whole (``named_path_problems``).
+TOP_FOLDERS = ("llcomm", "tests", "tools", "bench", "docs", "scripts", "examples")
+#: Files of another project that the docs name: DeepEP's low-latency test and the module set up
+#: beside it to run it (docs/development.md, "DeepEP's own test").
+ELSEWHERE = {"test_low_latency.py", "deep_ep/utils/envs.py"}
+#: Files whose prose may name what no longer exists (the history of a release).
+HISTORY = {"CHANGELOG.md"}
 
 
-def tracked_text_files() -> dict[str, str]:
-    """{path: text} of every tracked file that decodes as UTF-8 and has no NUL byte."""
+def tracked_paths() -> list[str]:
+    """Every tracked path, text or not."""
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
                              check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: no list of tracked files")
+    return [name for name in out.decode().split("\0") if name]
+
+
+def tracked_text_files() -> dict[str, str]:
+    """{path: text} of every tracked file that decodes as UTF-8 and has no NUL byte."""
     files = {}
-    for name in out.decode().split("\0"):
+    for name in tracked_paths():
         path = ROOT / name
-        if not name or not path.is_file():
+        if not path.is_file():
             continue
         data = path.read_bytes()
         if b"\0" in data:
@@ -155,6 +182,46 @@ def named_path_problems(files: dict[str, str]) -> list[str]:
     return problems
 
 
+def prose_lines(name: str, text: str) -> list[tuple[int, str]]:
+    """(line number, text) of what a reader reads as prose: comments and triple-quoted strings
+    of a Python file (its code names scratch files and variables), every line elsewhere."""
+    if not name.endswith(".py"):
+        return list(enumerate(text.splitlines(), 1))
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        doc = tok.type == tokenize.STRING and tok.string.lstrip("rbfuRBFU")[:3] in ('"""', "'''")
+        if tok.type == tokenize.COMMENT or doc:
+            out += [(tok.start[0] + k, part) for k, part in enumerate(tok.string.splitlines())]
+    return out
+
+
+def unnamed_folder_problems(files: dict[str, str], known: list[str]) -> list[str]:
+    """Bare file names, paths below a top folder and private modules (module doc) in prose that
+    name nothing in ``known`` (the tracked paths)."""
+    names = {p.rsplit("/", 1)[-1] for p in known}
+    modules = {n[:-3] for n in names if n.endswith(".py")} | \
+        {part for p in known for part in p.split("/")[:-1]}
+    problems = []
+    for name, text in files.items():
+        if _skipped(name) or name in HISTORY:
+            continue
+        for lineno, line in prose_lines(name, text):
+            where = f"{name}:{lineno}"
+            for m in BARE_FILE.finditer(line):
+                if m.group(1) not in names and m.group(1) not in ELSEWHERE:
+                    problems.append(f"{where}: {m.group(1)} (no tracked file has that name)")
+            for m in SUB_PATH.finditer(line):
+                path = m.group(1)
+                if path.split("/")[0] in TOP_FOLDERS or path in ELSEWHERE:
+                    continue                             # checked whole, or not ours
+                if not any(p.endswith("/" + path) for p in known):
+                    problems.append(f"{where}: {path} (no tracked path ends so)")
+            for m in PRIVATE_MODULE.finditer(line):
+                if m.group(1) not in modules:
+                    problems.append(f"{where}: {m.group(0)} (no module {m.group(1)})")
+    return problems
+
+
 def _anchor_problem(target: Path, anchor: str, where: str) -> str | None:
     if target.suffix != ".md" or not target.is_file():
         return None
@@ -218,6 +285,12 @@ def test_named_repository_paths_exist():
     assert not problems, f"{len(problems)} named paths do not exist:\n" + "\n".join(problems)
 
 
+def test_names_without_their_folder_exist():
+    problems = unnamed_folder_problems(tracked_text_files(), tracked_paths())
+    assert not problems, (f"{len(problems)} names of files or modules that do not exist:\n"
+                          + "\n".join(problems))
+
+
 def test_links_and_docs_sections_resolve():
     problems = link_problems(tracked_text_files())
     assert not problems, f"{len(problems)} broken links or sections:\n" + "\n".join(problems)
@@ -252,6 +325,19 @@ def test_the_checks_catch_what_they_are_for(tmp_path, monkeypatch):
                                                     '"How we measure"'))
     paths = named_path_problems(files)
     assert [p.split(": ", 1)[1] for p in paths] == ["docs/gone.md"], paths
+
+    known = ["llcomm/a.py", "llcomm/sub/real.py", "llcomm/_real.py", "docs/real.md"]
+    files = {
+        "llcomm/a.py": '"""Uses ``_gone.py`` and ``_sync.wait``; ``kernels/gone.py``,\n'
+                       '``real.py``, ``_real.x``, ``sub/real.py``, real.md, test_low_latency.py.\n'
+                       '"""\n'
+                       'x = _scratch.attr("tmp.py")   # _old.thing, kept.md\n',
+        "docs/b.md": "`llcomm/sub/real.py`, `ok/sub/real.py`, `kernels/_real.f`, `_x.sh`\n",
+        "CHANGELOG.md": "- `_gone.py` was removed\n",
+    }
+    found = [p.split(": ", 1)[1].split(" (")[0] for p in unnamed_folder_problems(files, known)]
+    assert sorted(found) == sorted(["_gone.py", "_sync.wait", "kernels/gone.py", "kept.md",
+                                    "_old.thing", "ok/sub/real.py", "_x.sh"]), found
 
 
 def test_slugs_follow_both_renderers():

@@ -59,7 +59,6 @@ def test_ranks_that_differ_are_refused_on_every_rank(case):
 
 
 def _agree_body(rank, world_size):
-    import llcomm
     # the same effective value (unset means 16 MiB at two ranks), and own-business settings
     # that differ
     os.environ.pop("LLCOMM_LAMPORT_BYTES", None)

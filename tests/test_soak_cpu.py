@@ -1,6 +1,7 @@
 """``llcomm bench soak`` on CPU (two gloo processes, reference backend) with tiny counts: every
-kind of op runs, random EP sequences of both APIs run, nothing is wrong, the result file has the documented keys; and the soak's
-device-side checker does count a wrong element (so "0 wrong" means something)."""
+kind of op runs, random EP sequences of both APIs run, nothing is wrong, the result file has the
+documented keys; and the soak's device-side checker does count a wrong element (so "0 wrong" means
+something)."""
 import json
 
 import torch

@@ -82,20 +82,26 @@ def _all_ops_body(rank, ws):
                 y = x.clone() if rank == src else torch.full_like(x, float("nan"))
                 comm.broadcast(y, src)
                 assert torch.equal(_bits(y), _bits(xs[src])), ("broadcast", dtype, n, src)
-            got = comm.all_gather(x, out=torch.full((ws * n,), float("nan"), dtype=dtype, device="cuda"))
+            got = comm.all_gather(x, out=torch.full((ws * n,), float("nan"), dtype=dtype,
+                                                    device="cuda"))
             assert torch.equal(_bits(got), _bits(ref.all_gather(x))), ("all_gather", dtype, n)
             if n % ws == 0:
-                rs = comm.reduce_scatter(x, out=torch.full((n // ws,), float("nan"), dtype=dtype, device="cuda"))
-                assert torch.equal(_bits(rs), _bits(want.view(ws, -1)[rank])), ("reduce_scatter", dtype, n)
+                rs = comm.reduce_scatter(x, out=torch.full((n // ws,), float("nan"), dtype=dtype,
+                                                           device="cuda"))
+                assert torch.equal(_bits(rs), _bits(want.view(ws, -1)[rank])), \
+                    ("reduce_scatter", dtype, n)
                 torch.testing.assert_close(rs, ref.reduce_scatter(x), rtol=tol, atol=tol)
         for tokens, part in ((1, 8), (3, 1000), (64, 4096 // 2), (7, 129)):
             seed += 1
             x, xs = _inputs(tokens * part, dtype, seed, rank)
             x = x.view(tokens, part)
-            got = comm.all_gather_2d(x, out=torch.full((tokens, ws * part), float("nan"), dtype=dtype, device="cuda"))
-            assert torch.equal(_bits(got), _bits(ref.all_gather_2d(x))), ("all_gather_2d", dtype, tokens, part)
+            got = comm.all_gather_2d(x, out=torch.full((tokens, ws * part), float("nan"),
+                                                       dtype=dtype, device="cuda"))
+            assert torch.equal(_bits(got), _bits(ref.all_gather_2d(x))), \
+                ("all_gather_2d", dtype, tokens, part)
             for r in range(ws):  # rank r's part of token t at t * full + r * part
-                assert torch.equal(_bits(got[:, r * part:(r + 1) * part]), _bits(xs[r].view(tokens, part)))
+                assert torch.equal(_bits(got[:, r * part:(r + 1) * part]),
+                                   _bits(xs[r].view(tokens, part)))
     comm.check()
     comm.close()
 
@@ -136,9 +142,10 @@ def _random_words(nbytes, seed, rank):
 
 
 def _ll_body(rank, ws):
-    """broadcast / all_gather / all_gather_2d up to the LL limit take the LL kernels, above it (and messages that are not whole 4-byte words) the flagged ones; interleaved with Lamport (which
-    shares the tag words) and one-shot all-reduces; byte-exact against NCCL, eager and in a
-    replayed graph on fresh inputs."""
+    """broadcast / all_gather / all_gather_2d up to the LL limit take the LL kernels, above it
+    (and messages that are not whole 4-byte words) the flagged ones; interleaved with Lamport
+    (which shares the tag words) and one-shot all-reduces; byte-exact against NCCL, eager and in
+    a replayed graph on fresh inputs."""
     import llcomm
     comm = _comm()
     assert comm._impl.ll_bytes == LL_BYTES
@@ -286,8 +293,9 @@ def test_lamport_own_term_from_the_operand():
 #: Pipelined Lamport (several chunks per block): slot and sizes up to 16 MiB, odd sizes too;
 #: all_reduce and reduce_scatter.
 BIG_LAMPORT_BYTES = 16 << 20
-BIG_SIZES = (((2 << 20) + 7, torch.bfloat16), (4 << 20, torch.bfloat16), ((1 << 20) + 3, torch.float32),
-             (8 << 20, torch.bfloat16), ((3 << 20) - 1, torch.float16), (2 << 20, torch.float32))
+BIG_SIZES = (((2 << 20) + 7, torch.bfloat16), (4 << 20, torch.bfloat16),
+             ((1 << 20) + 3, torch.float32), (8 << 20, torch.bfloat16),
+             ((3 << 20) - 1, torch.float16), (2 << 20, torch.float32))
 
 
 def _big_lamport_body(rank, ws):
@@ -422,7 +430,8 @@ def _graph_body(rank, ws):
             assert torch.equal(_bits(outs[algo]), _bits(want)), (algo, i)
         assert torch.equal(_bits(outs["broadcast"]), _bits(xs[ws - 1]))
         assert torch.equal(_bits(outs["all_gather"]), _bits(torch.cat(xs)))
-        assert torch.equal(_bits(outs["all_gather_2d"]), _bits(torch.cat([t.view(ws * 100, 30) for t in xs], 1)))
+        assert torch.equal(_bits(outs["all_gather_2d"]),
+                           _bits(torch.cat([t.view(ws * 100, 30) for t in xs], 1)))
         assert torch.equal(_bits(outs["reduce_scatter"]), _bits(want.view(ws, -1)[rank]))
         assert _same_on_all_ranks(outs["one_shot"])
     comm.check()

@@ -44,7 +44,8 @@ CASES = [
     # dtype of x: the reductions sum bf16 / fp16 / fp32 and say why; the movement ops take any
     # plain dtype (test_movement_accepts_every_dtype), not a quantized or sub-byte one
     ("all_reduce-int32", lambda c, ws: c.all_reduce(torch.ones(8, dtype=torch.int32)),
-     TypeError, r"llcomm\.all_reduce: x has dtype int32; expected one of bfloat16, float16, float32"),
+     TypeError,
+     r"llcomm\.all_reduce: x has dtype int32; expected one of bfloat16, float16, float32"),
     ("all_reduce-int64", lambda c, ws: c.all_reduce(torch.ones(8, dtype=torch.int64)),
      TypeError, r"^llcomm\.all_reduce: x has dtype int64; expected one of bfloat16, float16, "
                 r"float32 \(a reduction sums, so it needs a float type; broadcast, all_gather and "
@@ -120,7 +121,8 @@ CASES = [
     ("all_gather_2d-3d", lambda c, ws: c.all_gather_2d(f32(2, 3, 4)),
      ValueError, r"llcomm\.all_gather_2d: x has shape \(2, 3, 4\); expected 2-D"),
     ("reduce_scatter-0d", lambda c, ws: c.reduce_scatter(torch.tensor(1.0)),
-     ValueError, r"llcomm\.reduce_scatter: x has shape \(\); dim 0 must be a multiple of world_size"),
+     ValueError,
+     r"llcomm\.reduce_scatter: x has shape \(\); dim 0 must be a multiple of world_size"),
     # broadcast src
     ("broadcast-src-too-big", lambda c, ws: c.broadcast(f32(8), ws),
      ValueError, r"llcomm\.broadcast: src=\d+; expected a rank in \[0, \d+\)"),
@@ -136,7 +138,8 @@ CASES = [
      ValueError, r"llcomm\.broadcast: src=tensor"),
     # algo
     ("all_reduce-algo-unknown", lambda c, ws: c.all_reduce(f32(8), algo="ring"),
-     ValueError, r"llcomm\.all_reduce: algo='ring'; expected one of auto, one_shot, two_shot, lamport"),
+     ValueError,
+     r"llcomm\.all_reduce: algo='ring'; expected one of auto, one_shot, two_shot, lamport"),
     ("all_reduce-algo-none", lambda c, ws: c.all_reduce(f32(8), algo=None),
      ValueError, r"llcomm\.all_reduce: algo=None"),
     # all_reduce_residual_rmsnorm: every argument
@@ -153,7 +156,8 @@ CASES = [
            ValueError, r"x has hidden=16385; at most 16384"),
           ("x-hidden-0", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 0), f32(2, 0), f32(0)),
            ValueError, r"x has shape \(2, 0\); expected 2-D \[tokens, hidden\], hidden >= 1"),
-          ("residual-shape", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(3, 8), f32(8)),
+          ("residual-shape", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(3, 8), f32(8)),
            ValueError, r"residual has shape \(3, 8\); expected \(2, 8\)"),
           ("residual-dtype", lambda c, ws: c.all_reduce_residual_rmsnorm(
               f32(2, 8), torch.ones(2, 8, dtype=torch.bfloat16), f32(8)),
@@ -168,9 +172,11 @@ CASES = [
               f32(2, 8), f32(2, 8), f32(8), residual_out=f32(2, 16)[:, ::2]),
            ValueError, r"residual_out is not contiguous; the result is written into it, so pass "
                        r"a contiguous tensor"),
-          ("weight-length", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(7)),
+          ("weight-length", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(7)),
            ValueError, r"weight has shape \(7,\); expected \(8,\)"),
-          ("weight-2d", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(1, 8)),
+          ("weight-2d", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(1, 8)),
            ValueError, r"weight has shape \(1, 8\); expected \(8,\)"),
           ("weight-float64", lambda c, ws: c.all_reduce_residual_rmsnorm(
               f32(2, 8), f32(2, 8), torch.ones(8, dtype=torch.float64)),
@@ -178,16 +184,20 @@ CASES = [
           ("weight-meta", lambda c, ws: c.all_reduce_residual_rmsnorm(
               f32(2, 8), f32(2, 8), torch.empty(8, device="meta")),
            ValueError, r"weight is on meta"),
-          ("eps-zero", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), 0.0),
+          ("eps-zero", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), 0.0),
            ValueError, r"eps=0\.0; expected a positive finite float"),
-          ("eps-negative", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), -1e-6),
+          ("eps-negative", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), -1e-6),
            ValueError, r"eps=-1e-06"),
           ("eps-nan", lambda c, ws: c.all_reduce_residual_rmsnorm(
               f32(2, 8), f32(2, 8), f32(8), float("nan")),
            ValueError, r"eps=nan"),
-          ("eps-str", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), "1e-6"),
+          ("eps-str", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), "1e-6"),
            TypeError, r"eps='1e-6'"),
-          ("eps-bool", lambda c, ws: c.all_reduce_residual_rmsnorm(f32(2, 8), f32(2, 8), f32(8), True),
+          ("eps-bool", lambda c, ws: c.all_reduce_residual_rmsnorm(
+              f32(2, 8), f32(2, 8), f32(8), True),
            TypeError, r"eps=True"),
           ("out-shape", lambda c, ws: c.all_reduce_residual_rmsnorm(
               f32(2, 8), f32(2, 8), f32(8), out=f32(2, 9)),
@@ -270,9 +280,10 @@ CASES = [
           ("round_scale-int", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
               f32(2, 128), f32(2, 128), f32(128), round_scale=1),
            TypeError, r"round_scale=1; expected True or False"),
-          ("scales_out-in-out", lambda c, ws: (lambda o: c.all_reduce_residual_rmsnorm_fp8_per_group(
-              f32(2, 128), f32(2, 128), f32(128), out=o,
-              scales_out=o.view(torch.uint8).view(-1)[:8].view(torch.float32).view(2, 1)))(
+          ("scales_out-in-out", lambda c, ws: (
+              lambda o: c.all_reduce_residual_rmsnorm_fp8_per_group(
+                  f32(2, 128), f32(2, 128), f32(128), out=o,
+                  scales_out=o.view(torch.uint8).view(-1)[:8].view(torch.float32).view(2, 1)))(
               torch.empty(2, 128, dtype=torch.float8_e4m3fn)),
            ValueError, r"out and scales_out are the same memory"),
           ("several", lambda c, ws: c.all_reduce_residual_rmsnorm_fp8_per_group(
@@ -324,7 +335,7 @@ def expect_rejected(comm, ws, case) -> None:
     name, call, exc, pattern = case
     try:
         call(comm, ws)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if type(e) is not exc:
             raise AssertionError(f"{name}: raised {type(e).__name__}({e}), expected "
                                  f"{exc.__name__}") from e
@@ -501,7 +512,8 @@ def test_unknown_backend(world1, backend):
 
 @pytest.mark.parametrize("max_bytes", [0, -1, 1.5, "1024", None])
 def test_bad_max_bytes(world1, max_bytes):
-    with pytest.raises(ValueError, match=r"llcomm\.Communicator: max_bytes=.*expected a positive int"):
+    with pytest.raises(ValueError,
+                       match=r"llcomm\.Communicator: max_bytes=.*expected a positive int"):
         llcomm.Communicator(backend="reference", max_bytes=max_bytes)
 
 

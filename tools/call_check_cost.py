@@ -18,14 +18,14 @@ import statistics
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+from _checkout import argument_parser, use_llcomm_dir
 
 use_llcomm_dir()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 
 def _cases(rank, ws):

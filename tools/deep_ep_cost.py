@@ -28,15 +28,15 @@ import json
 import torch
 import torch.distributed as dist
 
-from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+from _checkout import argument_parser, use_llcomm_dir
 
 use_llcomm_dir()
 
-import llcomm.deep_ep as deep_ep  # noqa: E402
-from llcomm.deep_ep import convert  # noqa: E402
-from llcomm.ep.layout import FP8_BLOCK  # noqa: E402
-from llcomm.bench.result_files import result_header, write_json  # noqa: E402
-from llcomm.bench.timing import Timing, capture, time_graph  # noqa: E402
+import llcomm.deep_ep as deep_ep  # noqa: E402  (--llcomm DIR first)
+from llcomm.deep_ep import convert  # noqa: E402  (--llcomm DIR first)
+from llcomm.ep.layout import FP8_BLOCK  # noqa: E402  (--llcomm DIR first)
+from llcomm.bench.result_files import result_header, write_json  # noqa: E402  (--llcomm DIR first)
+from llcomm.bench.timing import Timing, capture, time_graph  # noqa: E402  (--llcomm DIR first)
 
 #: The dispatch variants: (name, EPBuffer.dispatch kwargs, low_latency_dispatch kwargs).
 VARIANTS = (

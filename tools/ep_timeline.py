@@ -7,8 +7,8 @@ Runs EPBuffer with ``LLCOMM_EP_PROFILE=1``: every block of the kernels stamps it
 counter at each stage boundary (and the global timer at its start and end) into the buffer's
 private ``err`` tensor (``_stamp`` in ``llcomm/ep/kernels/common.py``). A CUDA graph of ``--ops``
 back-to-back dispatch + combine pairs is replayed; the stamps of the last pair of each replay
-(ranks in lockstep by then) are read back. Cycles become µs by the ratio of global-timer to cycle spans
-over all blocks. Prints, per rank, the median (and p90) over blocks and replays of each stage,
+(ranks in lockstep by then) are read back. Cycles become µs by the ratio of global-timer to cycle
+spans over all blocks. Prints, per rank, the median (and p90) over blocks and replays of each stage,
 the kernel span (first block start to last block end) and the spread of block start times.
 
 Needs two or more GPUs with peer access (the peer backend); not part of the test suite.
@@ -24,15 +24,15 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from _checkout import argument_parser, use_llcomm_dir  # noqa: E402  (tools/, beside this file)
+from _checkout import argument_parser, use_llcomm_dir
 
 use_llcomm_dir()
 
-from llcomm.bench import spawn  # noqa: E402
-from llcomm.ep.peer import rows_first  # noqa: E402
-from llcomm.ep.fp8 import dequantize  # noqa: E402
-from llcomm.ep.layout import ERR_PROF, PROF_WORDS  # noqa: E402
-from llcomm.runtime.settings import EPSettings  # noqa: E402
+from llcomm.bench import spawn  # noqa: E402  (--llcomm DIR first)
+from llcomm.ep.peer import rows_first  # noqa: E402  (--llcomm DIR first)
+from llcomm.ep.fp8 import dequantize  # noqa: E402  (--llcomm DIR first)
+from llcomm.ep.layout import ERR_PROF, PROF_WORDS  # noqa: E402  (--llcomm DIR first)
+from llcomm.runtime.settings import EPSettings  # noqa: E402  (--llcomm DIR first)
 
 def stage_names(ll: int) -> dict:
     """Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start), for

@@ -3,9 +3,9 @@
     python tools/one_gpu_check.py [--json PATH] [--sequences N]
     python tools/one_gpu_check.py --pytest tests/test_deep_ep_gpu.py [more pytest arguments]
 
-For a host with one GPU (a multi-GPU host runs the GPU suite instead). Two processes (a gloo group) both use
-cuda:0; ``tools/_one_gpu.py`` lifts the library's refusal of that setup (two contexts on one
-device are time-sliced, not concurrent) and shares the workspaces by CUDA IPC. This proves
+For a host with one GPU (a multi-GPU host runs the GPU suite instead). Two processes (a gloo group)
+both use cuda:0; ``tools/_one_gpu.py`` lifts the library's refusal of that setup (two contexts on
+one device are time-sliced, not concurrent) and shares the workspaces by CUDA IPC. This proves
 nothing about speed or NVLink ordering. It does run the real Triton kernels, the launch path
 (plans, int pointers, hot paths) and the host code on the machine's own torch and Triton.
 
@@ -51,7 +51,8 @@ WORLD = 2
 TIMEOUT_MS = 30_000
 SIZES = (8192, 262144, 1 << 20)          # bytes per all_reduce input
 ROUNDS = 3
-EP_SHAPES = {"small": dict(E=16, H=512, T=24, topk=4), "deepseek": dict(E=256, H=7168, T=128, topk=8)}
+EP_SHAPES = {"small": dict(E=16, H=512, T=24, topk=4),
+             "deepseek": dict(E=256, H=7168, T=128, topk=8)}
 
 
 def _inputs(seed: int, n: int, dtype: torch.dtype):

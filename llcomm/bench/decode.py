@@ -222,7 +222,7 @@ def run_ep(R: Rank, bar) -> list[dict]:
             out = torch.empty_like(x)
             transport = model.transport(buf, *model.buffers())
 
-            def fn(transport=transport, out=out):
+            def fn(transport=transport, out=out, model=model):
                 out.copy_(model.step(x, transport))
 
             check = ((lambda out=out: verify.count_wrong(out, expected)) if name == "llcomm"
@@ -247,7 +247,9 @@ def add_shares(rows: list[dict]) -> None:
         r["ms_per_step"] = med / 1e3 if med is not None else None
         toks = r["batch"] * (r["world_size"] if r["part"] == "ep" else 1)
         r["tokens_per_s"] = toks / (med * 1e-6) if med else None
-    key = lambda r: (r["part"], r["batch"], r["mode"])  # noqa: E731
+    def key(r):
+        return r["part"], r["batch"], r["mode"]
+
     by = {}
     for r in rows:
         by.setdefault(key(r), {})[r["impl"]] = r

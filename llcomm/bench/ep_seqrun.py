@@ -270,7 +270,8 @@ class SequenceRunner:
         if not torch.equal(_bits(out.cpu()), _bits(want)):
             diff = (out.cpu().float() - want.float()).abs()
             fails.append(f"{tag} combine of handle {step.handle} ({d.fmt}"
-                         f"{', carried' if d.carry else ''}{', zero copy' if step.zero_copy else ''}"
+                         f"{', carried' if d.carry else ''}"
+                         f"{', zero copy' if step.zero_copy else ''}"
                          f"{', hook' if step.hook else ''}): {int((diff != 0).sum())} elements "
                          f"differ (max {float(diff.nan_to_num(float('inf')).max()) if n else 0})")
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from . import console, fused_ops, options, result_files, spawn
 from . import timing

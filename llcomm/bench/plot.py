@@ -20,7 +20,8 @@ from typing import Callable
 
 
 def series_label(row: dict) -> str:
-    """impl + mode, with the requested algorithm of explicit llcomm runs: 'llcomm[lamport] graph'."""
+    """impl + mode, with the requested algorithm of explicit llcomm runs:
+    'llcomm[lamport] graph'."""
     impl = row["impl"]
     req = row.get("requested_algo")
     if req and req != "auto":
@@ -48,7 +49,8 @@ LAYOUTS = {
                             if r["op"] == "overlap_step" else "dispatch / combine"),
                  lambda r: f"{r['op']}{'[' + r['algo'] + ']' if r['op'] == 'overlap_step' else ''}"
                            f"{'[round_scale]' if r.get('round_scale') else ''} {series_label(r)}"),
-    "fused": Layout("tokens", "tokens (rows of the hidden size in the title)", "median_us", "median µs per op",
+    "fused": Layout("tokens", "tokens (rows of the hidden size in the title)", "median_us",
+                    "median µs per op",
                     lambda r: f"{r.get('op', 'all_reduce_residual_rmsnorm')}, hidden "
                               f"{r.get('hidden', '?')}", series_label),
     "decode": Layout("batch", "tokens per rank (batch)", "ms_per_step", "median ms per step",

@@ -97,7 +97,8 @@ def result_header(world: int, device: torch.device) -> dict:
     from llcomm.runtime import launch
     return {"commit": commit, "dirty": dirty, "machine": machine_string(world, device),
             "date": datetime.date.today().isoformat(), "versions": versions(),
-            "world_size": world, "env": env, "pdl": launch.pdl_enabled(device, settings.value("LLCOMM_PDL"))}
+            "world_size": world, "env": env,
+            "pdl": launch.pdl_enabled(device, settings.value("LLCOMM_PDL"))}
 
 
 def write_json(path: str, result: dict) -> None:

@@ -226,7 +226,10 @@ def rank_main(rank: int, world: int, cfg: SoakConfig) -> dict:
                    timeout_ms=SOAK_TIMEOUT_MS)
     peer = comm.backend == "peer"
     lamport_max = comm.lamport_bytes if peer else LAMPORT_MAX_BYTES
-    lamport_ok = lambda nbytes: nbytes <= lamport_max     # noqa: E731
+
+    def lamport_ok(nbytes):
+        return nbytes <= lamport_max
+
     chk = _Checker(device, exact_sums=peer)
     pool = _Pool(world, cfg.max_elems, device, cfg.seed)
     rng = random.Random(cfg.seed)

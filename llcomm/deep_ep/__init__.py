@@ -6,7 +6,8 @@ with DeepEP's arguments, tuples and layouts; ``convert`` turns ``EPBuffer``'s ou
 DeepEP's layouts (source token and per-rank row ranges, column-major and UE8M0 scales), on a
 GPU (peer backend) in one launch of ``kernels``' conversion kernel, elsewhere as torch ops;
 ``handle`` is DeepEP's handle tuple carrying llcomm's ``EPHandle``; ``event`` is
-``EventOverlap``; ``masks`` holds shrink mode's mask calls (a mixin of ``Buffer``). Arguments llcomm cannot honour raise NotImplementedError naming them.
+``EventOverlap``; ``masks`` holds shrink mode's mask calls (a mixin of ``Buffer``). Arguments llcomm
+cannot honour raise NotImplementedError naming them.
 
 This layer sits above ``llcomm.ep`` and uses its public API only; nothing in llcomm imports it.
 """

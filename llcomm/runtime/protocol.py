@@ -1,7 +1,8 @@
 """The wire protocol between ranks: op codes, flag words, error words, timeouts.
 
 Pure Python (no Triton): the kernels mirror these numbers as ``tl.constexpr`` in
-``llcomm/runtime/kernels/sync.py`` and the host decodes what the kernels write with the functions here.
+``llcomm/runtime/kernels/sync.py`` and the host decodes what the kernels write with the functions
+here.
 
 Flag word (int64, written by a peer into this rank's signal region)::
 
@@ -75,7 +76,8 @@ OPS = {
     16: "all_reduce_residual_rmsnorm_fp8_per_group(lamport)",
     17: "all_reduce_residual_rmsnorm_fp8_per_group(one_shot)",
 }
-OP_ONE_SHOT, OP_TWO_SHOT, OP_LAMPORT, OP_BROADCAST, OP_ALL_GATHER, OP_REDUCE_SCATTER = 1, 2, 3, 4, 5, 6
+OP_ONE_SHOT, OP_TWO_SHOT, OP_LAMPORT = 1, 2, 3
+OP_BROADCAST, OP_ALL_GATHER, OP_REDUCE_SCATTER = 4, 5, 6
 OP_DISPATCH, OP_COMBINE = 7, 8
 OP_FUSED_LAMPORT, OP_FUSED_ONE_SHOT = 9, 10
 OP_LAMPORT_REDUCE_SCATTER = 11
@@ -153,13 +155,14 @@ def decode_error(word: int, rank: int) -> LLCommError | None:
         return LLCommError(
             f"llcomm: rank {rank}: unrecognised error word {word:#x} (status {status}, {op}, "
             f"{phase}, ranks {ranks}): the error memory was overwritten or the kernels and "
-            "llcomm/runtime/protocol.py disagree. The communicator is now broken: destroy it and create "
-            "a new one.")
+            "llcomm/runtime/protocol.py disagree. The communicator is now broken: destroy it and "
+            "create a new one.")
     if status == STATUS_MISMATCH:
         return CommMismatchError(
-            f"llcomm: rank {rank}: {op} {phase}: ranks {ranks} called a different op, size or dtype "
-            "in the same round; every rank must issue the same sequence of calls with the same "
-            "shapes and dtypes. The communicator is now broken: destroy it and create a new one.",
+            f"llcomm: rank {rank}: {op} {phase}: ranks {ranks} called a different op, size or "
+            "dtype in the same round; every rank must issue the same sequence of calls with the "
+            "same shapes and dtypes. The communicator is now broken: destroy it and create a new "
+            "one.",
             op=op, phase=phase, ranks=ranks)
     return CommTimeoutError(
         f"llcomm: rank {rank}: {op} {phase}: ranks {ranks} did not arrive within the timeout. "

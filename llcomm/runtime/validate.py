@@ -83,7 +83,8 @@ def check_out(pr: Problems, out, x: torch.Tensor, shape: tuple, device: torch.de
     if tuple(out.shape) != tuple(shape):
         pr.add(f"{name} has shape {tuple(out.shape)}; expected {tuple(shape)}")
     if out.dtype != x.dtype:
-        pr.add(f"{name} has dtype {out.dtype}; expected {x.dtype} (the dtype of x)", type_error=True)
+        pr.add(f"{name} has dtype {out.dtype}; expected {x.dtype} (the dtype of x)",
+               type_error=True)
 
 
 def check_open(closed: bool, fn: str, what: str) -> None:
