@@ -43,7 +43,8 @@ class EPHandle:
         return torch.div(self.src_info, self._owner.max_tokens, rounding_mode="floor")
 
     def src_token(self) -> torch.Tensor:
-        """``[num_local_experts, num_ranks * max_tokens]`` source token of every row (new tensor)."""
+        """``[num_local_experts, num_ranks * max_tokens]``: the source token of every row (a new
+        tensor)."""
         return torch.remainder(self.src_info, self._owner.max_tokens)
 
     def __repr__(self):

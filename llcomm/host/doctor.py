@@ -30,8 +30,9 @@ def peer_matrix(n: int) -> list[list[bool]]:
 
 def predict_backend(n_gpus: int, peers: list[list[bool]], triton_ok: bool) -> tuple[str, str]:
     """The backend ``Communicator(backend="auto")`` would choose for a job of one process per
-    visible GPU on this host, and why. Pure: mirrors ``llcomm.runtime.backend.peer_support`` (which decides
-    for real, collectively, when a Communicator is created) without a process group."""
+    visible GPU on this host, and why. Pure: mirrors ``llcomm.runtime.backend.peer_support``
+    (which decides for real, collectively, when a Communicator is created) without a process
+    group."""
     if n_gpus == 0:
         return "reference", "no CUDA device is available: torch.distributed on gloo (CPU)"
     if n_gpus == 1:

@@ -111,7 +111,8 @@ class Communicator(FusedJoins):
     object by ``op_handle``, an int given at construction (docs/compile.md).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
+    def __init__(self, group: dist.ProcessGroup | None = None, *,
+                 max_bytes: int = DEFAULT_MAX_BYTES,
                  backend: str = "auto", timeout_ms: int | None = None,
                  deterministic: bool = False, check_calls: bool | None = None):
         pr = V.Problems("Communicator")
