@@ -26,7 +26,8 @@ left alone (the graph would keep the long one).
 Programmatic dependent launch (PDL, sm90+, ``LLCOMM_PDL``): kernels with a ``PDL`` constexpr
 are compiled with it set and launched with the PDL attribute, so their blocks become resident
 while the kernel before them still runs and start the moment it ends
-(``kernels/_sync.after_previous_kernel``); in a CUDA graph the capture keeps that edge.
+(``after_previous_kernel`` in ``runtime/kernels/sync.py``); in a CUDA graph the capture keeps
+that edge.
 """
 from __future__ import annotations
 
