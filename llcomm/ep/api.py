@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
 from ..runtime import validate as V
-from ..runtime.backend import choose_backend, reference_device
+from ..runtime.backend import choose_backend_hosts, reference_device
 from ..runtime.bounded import default_check_calls
 from ..runtime.registry import register
 from ..runtime.settings import EPSettings
@@ -32,6 +32,7 @@ from .handle import EPHandle
 from .masks import RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
+from .reference_hosts import TwoLevelReferenceEP
 
 BACKENDS = ("auto", "peer", "reference")
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -149,8 +150,12 @@ class EPBuffer(RankMasks):
         checked = default_check_calls(self.group) if check_calls is None else check_calls
         # a collective: also checks that the ranks agree on the settings they must share
         agreed = self.settings.agreed() + (("check_calls", checked),)
-        backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer", agreed)
+        backend, self.backend_reason, hosts = choose_backend_hosts(
+            self.group, backend, "EPBuffer", agreed, self.settings.ranks_per_host)
         self.backend = backend
+        #: the group's hosts (``llcomm.runtime.hosts.Hosts``): detected, or declared by
+        #: LLCOMM_EP_RANKS_PER_HOST; several hosts run the two-level exchange
+        self.hosts = hosts
         if enable_masks and backend != "peer":
             raise UnsupportedConfigError(
                 "llcomm.EPBuffer: enable_masks=True: rank masks are peer-backend only, and this "
@@ -167,9 +172,11 @@ class EPBuffer(RankMasks):
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = reference_device(self.group)
             self.check_calls = checked
-            self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
-                                     max_tokens=self.max_tokens, dtype=dtype, device=self.device,
-                                     timeout_ms=self.timeout_ms, check_calls=self.check_calls)
+            kw = dict(num_experts=num_experts, hidden=hidden, max_tokens=self.max_tokens,
+                      dtype=dtype, device=self.device, timeout_ms=self.timeout_ms,
+                      check_calls=self.check_calls)
+            self._impl = (TwoLevelReferenceEP(self.group, hosts=hosts, **kw)
+                          if hosts.spans_hosts else ReferenceEP(self.group, **kw))
         register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     @staticmethod
@@ -192,6 +199,14 @@ class EPBuffer(RankMasks):
         return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
                          itemsize, fp8=fp8,
                          num_blocks=default_num_blocks(EPSettings.read().num_blocks)).total_bytes
+
+    @property
+    def last_inter_host_bytes(self) -> int:
+        """Bytes this rank put on the inter-host path in its latest dispatch or combine (the
+        receive hook's part included once it has run): rows, their tags and row counts sent to
+        other hosts (formula: docs/multihost.md, "Bytes"). 0 on one host. A plain attribute
+        read: no synchronisation, nothing exchanged."""
+        return self._impl.inter_host_bytes if self.hosts.spans_hosts else 0
 
     # -- validation -----------------------------------------------------------------------------
     def _recv_shape(self) -> tuple[int, int, int]:
