@@ -217,3 +217,78 @@ def test_two_level_matches_the_oracles(R, N):
     seeds = (1, 2) if R * N == 4 else (3,)
     fails = [f for r in run_distributed(_hosts_body, R * N, R, seeds) for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+# -- the topology ----------------------------------------------------------------------------------
+def test_detected_topology():
+    from llcomm.errors import UnsupportedConfigError
+    from llcomm.runtime.hosts import detected_hosts, resolve_hosts
+    h = detected_hosts("EPBuffer", [("a", 8), ("a", 8), ("b", 8), ("b", 8)])
+    assert (h.num_hosts, h.ranks_per_host, h.source) == (2, 2, "detected")
+    assert h.host_ranks(1) == [2, 3] and h.rail_ranks(1) == [1, 3] and h.spans_hosts
+    assert not detected_hosts("EPBuffer", [("a", 0)] * 3).spans_hosts
+    assert resolve_hosts("EPBuffer", [("a", 0)] * 6, 3).num_hosts == 2      # declared wins
+    for infos, words in (([("a", 0), ("b", 0), ("a", 0), ("b", 0)], "not consecutive"),
+                         ([("a", 0), ("a", 0), ("b", 0)], "different sizes")):
+        with pytest.raises(UnsupportedConfigError) as info:
+            detected_hosts("EPBuffer", infos)
+        assert words in str(info.value) and ENV in str(info.value)
+
+
+def _settings_body(rank, W):
+    """Bad declarations raise on every rank; unset, the one host is detected."""
+    import llcomm
+    from llcomm.ep.reference import ReferenceEP
+    kw = dict(num_experts=2 * W, hidden=16, num_max_dispatch_tokens_per_rank=4)
+    got = []
+    for value, exc, words in (
+            ("4", llcomm.UnsupportedConfigError, [f"{ENV}=4", f"divisor of {W}"]),
+            (str(1 + rank % 2), llcomm.UnsupportedConfigError, [ENV, "differs between ranks"]),
+            ("two", ValueError, [ENV, "positive integer"])):
+        os.environ[ENV] = value
+        try:
+            llcomm.EPBuffer(**kw)
+            got.append(f"{ENV}={value}: no error")
+        except exc as e:
+            missing = [w for w in words if w not in str(e)]
+            if missing:
+                got.append(f"{ENV}={value}: message lacks {missing}: {e}")
+    os.environ[ENV] = "2"
+    try:
+        llcomm.EPBuffer(backend="peer", **kw)
+        got.append("backend='peer' across declared hosts: no error")
+    except llcomm.UnsupportedConfigError as e:
+        if "span 3 hosts" not in str(e):
+            got.append(f"backend='peer': {e}")
+    del os.environ[ENV]
+    buf = llcomm.EPBuffer(**kw)
+    if buf.hosts.num_hosts != 1 or buf.hosts.source != "detected" \
+            or type(buf._impl) is not ReferenceEP or buf.last_inter_host_bytes != 0:
+        got.append(f"unset: {buf.hosts}, {type(buf._impl).__name__}")
+    return got
+
+
+def test_bad_declarations_raise_on_every_rank():
+    fails = [f for r in run_distributed(_settings_body, 6) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def _deep_ep_body(rank, W, R, seeds):
+    """``llcomm.deep_ep``'s rounds (test_deep_ep.py) on declared hosts, unchanged."""
+    os.environ[ENV] = str(R)
+    import llcomm.ep.api as api
+    from test_deep_ep import _rounds_body
+    made = []
+
+    class Counted(api.TwoLevelReferenceEP):
+        def __init__(self, *a, **kw):
+            made.append(1)
+            super().__init__(*a, **kw)
+    api.TwoLevelReferenceEP = Counted
+    fails = _rounds_body(rank, W, seeds)
+    return fails if made else [f"rank {rank}: deep_ep did not run the two-level exchange"]
+
+
+def test_deep_ep_on_declared_hosts():
+    fails = [f for r in run_distributed(_deep_ep_body, 4, 2, list(range(300, 310))) for f in r]
+    assert not fails, "\n".join(fails[:20])
