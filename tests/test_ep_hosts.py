@@ -292,3 +292,36 @@ def _deep_ep_body(rank, W, R, seeds):
 def test_deep_ep_on_declared_hosts():
     fails = [f for r in run_distributed(_deep_ep_body, 4, 2, list(range(300, 310))) for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+def test_bench_ep_ranks_per_host(tmp_path):
+    """``llcomm bench ep --cpu --ranks-per-host 1``: two gloo ranks as two hosts, every result
+    right, the bytes table printed, and with one rank per host the dispatch's bytes are one
+    row and its tag per (token, GPU) on the other host plus the row count."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    H, K = 64, 3
+
+    def bench(*extra):
+        return subprocess.run(
+            [sys.executable, "-m", "llcomm", "bench", "ep", "--cpu", "--tokens", "1,8",
+             "--hidden", str(H), "--experts", "8", "--topk", str(K), "--iters", "2",
+             "--warmup", "1", "--no-progress", *extra], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=300)
+    p = bench("--ranks-per-host", "1", "--json", "ep.json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "bytes put across hosts" in p.stdout
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == {"dispatch", "combine"}
+    for r in rows:
+        assert r["wrong"] == 0 and r["ranks_per_host"] == 1, r
+        assert 0 < r["per_gpu_bytes"] <= r["per_expert_bytes"], r
+        if r["op"] == "dispatch":       # means over the 2 ranks: the sums are exact
+            rows = 2 * r["per_gpu_bytes"] // (H * 2)
+            assert 2 * r["inter_host_bytes"] == rows * (H * 2 + WORD * (1 + K)) + 2 * WORD, r
+    p = bench("--ranks-per-host", "3")
+    assert p.returncode == 2 and "--ranks-per-host 3 does not divide" in p.stdout, p.stdout
