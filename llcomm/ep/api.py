@@ -7,8 +7,9 @@
     y = buf.combine(expert_out, topk_idx, topk_weights, handle)       # [num_tokens, hidden]
 
 Backends: ``"peer"`` (Triton kernels over a symmetric NVLink region, one host), ``"reference"``
-(torch.distributed all-to-all: NCCL, or gloo on CPU), ``"auto"`` (peer where every rank has its
-own GPU and peer access works, reference otherwise). Both give the same ``recv_x`` bytes, the
+(torch.distributed all-to-all: NCCL, or gloo on CPU; across hosts its two-level exchange,
+docs/multihost.md), ``"auto"`` (peer where every rank has its own GPU on one host and peer
+access works, reference otherwise). Both give the same ``recv_x`` bytes, the
 same ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md).
 """
 from __future__ import annotations
@@ -62,7 +63,10 @@ class EPBuffer(RankMasks):
         num_max_dispatch_tokens_per_rank: the most tokens any rank dispatches in one call (the
             worst-case decode micro-batch), at most 65536.
         dtype: token dtype, bfloat16 (default), float16 or float32.
-        backend: ``"auto"``, ``"peer"`` or ``"reference"``.
+        backend: ``"auto"``, ``"peer"`` or ``"reference"``. Ranks that span several hosts
+            (``self.hosts``: detected from the host names, or declared by
+            ``LLCOMM_EP_RANKS_PER_HOST``) run the reference backend's two-level exchange:
+            ``"auto"`` picks it, ``"peer"`` raises UnsupportedConfigError (docs/multihost.md).
         timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 10 000);
             on the reference backend over gloo, of every host-side wait (default
             ``LLCOMM_TIMEOUT_MS`` or 30000; docs/failures.md).

@@ -1,6 +1,7 @@
 """The reference EP backend: dispatch and combine on torch.distributed ``all_to_all_single``.
 
-The oracle of the peer kernels, the EP path on CPU (gloo) and the multi-host path (NCCL). It
+The oracle of the peer kernels and the EP path on CPU (gloo); across hosts ``EPBuffer`` runs
+its two-level exchange (``reference_hosts.py``), built from this module's blocks. It
 shares no code with ``llcomm/ep/kernels/`` but produces the same bytes: the same ``recv_x`` rows
 (per local expert: source rank major, then source token order, packed from row 0), the same
 ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md):
