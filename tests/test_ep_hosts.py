@@ -219,6 +219,31 @@ def test_two_level_matches_the_oracles(R, N):
     assert not fails, "\n".join(fails[:20])
 
 
+def _subgroup_body(rank, world, R):
+    """An EPBuffer on a group of the first four of five ranks: the fifth never takes part."""
+    os.environ[ENV] = str(R)
+    import torch.distributed as dist
+
+    import llcomm
+    W = world - 1
+    group = dist.new_group(list(range(W)))
+    if rank == W:
+        return []
+    E, T, H, K = 2 * W, 6, 16, 3
+    buf = llcomm.EPBuffer(group, num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T)
+    assert buf.hosts.num_hosts == W // R, buf.hosts
+    fails = []
+    for hook, kind in ((False, "random"), (True, "dups")):
+        fails += _dispatch_case(buf, rank, W, E, T, H, K, 7, kind, torch.bfloat16, hook,
+                                f"[subgroup rank {rank} {kind}]")
+    return fails
+
+
+def test_two_level_on_a_subgroup():
+    fails = [f for r in run_distributed(_subgroup_body, 5, 2) for f in r]
+    assert not fails, "\n".join(fails)
+
+
 # -- the topology ----------------------------------------------------------------------------------
 def test_detected_topology():
     from llcomm.errors import UnsupportedConfigError

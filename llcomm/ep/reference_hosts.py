@@ -91,15 +91,14 @@ class TwoLevelReferenceEP(ReferenceEP):
         self.hosts = hosts
         self.host = hosts.host_of(self.rank)
         self.local = hosts.local_rank(self.rank)
-        # dist.new_group is a collective of the whole default group: every rank creates every
-        # subgroup, in the same order, and keeps its own two.
+        # Each rank creates its own two subgroups, its host's first: with local
+        # synchronisation only a subgroup's members take part (the ranks outside ``group``
+        # too may stay away), and every member of one subgroup creates it at the same point.
         members = dist.get_process_group_ranks(group)
-        host_groups = [dist.new_group([members[r] for r in hosts.host_ranks(h)])
-                       for h in range(hosts.num_hosts)]
-        rail_groups = [dist.new_group([members[r] for r in hosts.rail_ranks(j)])
-                       for j in range(hosts.ranks_per_host)]
-        self.host_group = host_groups[self.host]
-        self.rail_group = rail_groups[self.local]
+        self.host_group = dist.new_group([members[r] for r in hosts.host_ranks(self.host)],
+                                         use_local_synchronization=True)
+        self.rail_group = dist.new_group([members[r] for r in hosts.rail_ranks(self.local)],
+                                         use_local_synchronization=True)
         bound = dict(device=self.device, checked=False)     # the call check runs on `group`
         self.host_calls = BoundedCalls(self.host_group, self.calls.timeout_ms, "EPBuffer",
                                        **bound)
