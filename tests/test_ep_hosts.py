@@ -6,7 +6,8 @@ Outputs are poisoned first. Dispatch is checked byte for byte against the single
 ``test_ep_oracle`` (the same rows, counts and ``src_info`` whatever the hosts), FP8 codes and
 scales against its independent quantiser; combine bit for bit against ``oracle_combine_hosts``
 below, a loop over hosts, ranks and entries in the documented order (docs/multihost.md), and
-within rounding of the exact sum. The bytes each rank reports on the inter-host path are checked
+within rounding of the exact sum; float32 cases too, whose fp32 folds round at almost every add,
+so a fold in another order fails (a host fold in reverse rank order did, at 3 ranks per host). The bytes each rank reports on the inter-host path are checked
 against their formula counted here from every rank's routing: a token once per other host that
 holds one of its experts, so an exchange that sent a copy per expert fails.
 """
@@ -200,6 +201,12 @@ def _hosts_body(rank, W, R, seeds):
             tag = f"[{R}x{W // R} rank {rank} seed {seed} {kind} hook={hook}]"
             fails += _dispatch_case(buf, rank, W, E, T, H, K, seed, kind, torch.bfloat16,
                                     hook, tag)
+    # float32: its fp32 sums round at almost every add, so any other order of the folds shows
+    f32 = llcomm.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                          dtype=torch.float32)
+    for j, kind in enumerate(("random", "dups")):
+        fails += _dispatch_case(f32, rank, W, E, T, H, 2 * K, seeds[0] + 50, kind,
+                                torch.float32, j == 1, f"[{R}x{W // R} rank {rank} f32 {kind}]")
     mine = _same_everywhere(buf, rank, W, E, T, H, K)
     every = [torch.empty_like(mine) for _ in range(W)]
     dist.all_gather(every, mine)
