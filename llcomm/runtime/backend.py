@@ -4,7 +4,8 @@ GPU on one host with peer access both ways, the reference backend (torch.distrib
 The choice is one exchange among the group at construction (``choose_backend``): each rank's
 GPU, and the settings every rank must share (``runtime/settings.py``, ``agreed()``), which are
 checked on every backend, so a job that would fail on the peer backend fails the same way on
-the reference one."""
+the reference one. The same exchange carries each rank's host name, from which
+``choose_backend_hosts`` (``EPBuffer``) forms the group's hosts (``runtime/hosts.py``)."""
 from __future__ import annotations
 
 import logging
