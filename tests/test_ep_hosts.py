@@ -7,9 +7,10 @@ Outputs are poisoned first. Dispatch is checked byte for byte against the single
 scales against its independent quantiser; combine bit for bit against ``oracle_combine_hosts``
 below, a loop over hosts, ranks and entries in the documented order (docs/multihost.md), and
 within rounding of the exact sum; float32 cases too, whose fp32 folds round at almost every add,
-so a fold in another order fails (a host fold in reverse rank order did, at 3 ranks per host). The bytes each rank reports on the inter-host path are checked
-against their formula counted here from every rank's routing: a token once per other host that
-holds one of its experts, so an exchange that sent a copy per expert fails.
+so a fold in another order fails (a host fold in reverse rank order did, at 3 ranks per host).
+The bytes each rank reports on the inter-host path are checked against their formula counted
+here from every rank's routing: a token once per other host that holds one of its experts, so
+an exchange that sent a copy per expert fails.
 """
 from __future__ import annotations
 

@@ -151,9 +151,10 @@ class TwoLevelReferenceEP(ReferenceEP):
         own = _pack(token_rows(x, fp8), torch.cat([pair.view(n, 1), ids], 1))
         # Rail: token t once to each other host g holding one of its experts.
         dest_host = torch.where(valid, ids // (L * R), -1)
-        to_host = (dest_host.unsqueeze(-1) == torch.arange(N, device=dev)).any(1)    # [n, N]
+        hosts = torch.arange(N, dtype=torch.int64, device=dev)
+        to_host = (dest_host.unsqueeze(-1) == hosts).any(1)                           # [n, N]
         to_host[:, self.host] = False
-        rail_host, rail_idx = to_host.T.nonzero(as_tuple=True)     # host major, token order
+        _, rail_idx = to_host.T.nonzero(as_tuple=True)     # host major, token order
         rail_out = to_host.sum(0).tolist()
         rail_in = self._counts(self.rail_calls, "dispatch", rail_out)
         wait, got = self._rows(self.rail_calls, "dispatch", own[rail_idx], rail_out, rail_in)
@@ -171,7 +172,8 @@ class TwoLevelReferenceEP(ReferenceEP):
         ids = held[:, -tag_bytes(K):].contiguous().view(torch.int64)[:, 1:]
         # Host: each held row to the ranks of this host that hold one of its experts.
         dest = torch.where(ids >= 0, ids // L - self.host * R, -1)  # local rank, or out of host
-        to_local = (dest.unsqueeze(-1) == torch.arange(R, device=dev)).any(1)        # [held, R]
+        local_ranks = torch.arange(R, dtype=torch.int64, device=dev)
+        to_local = (dest.unsqueeze(-1) == local_ranks).any(1)                             # [held, R]
         _, hold_idx = to_local.T.nonzero(as_tuple=True)             # local rank major
         host_out = to_local.sum(0).tolist()
         host_in = self._counts(self.host_calls, "dispatch", host_out)
