@@ -101,14 +101,16 @@ class Expected:
         self.row = (hit.cumsum(1) - 1)[self.e, self.p]
         self.rows = xs[self.p]
         self.src = ((self.p // n) * max_tokens + self.p % n).to(torch.int32)
-        self.combine = self._combine(x, idx, w, world, L, scale, bias, ranks_per_host or world)
+        self.combine = self._combine(x, idx, w, world, L, scale, bias, ranks_per_host)
         self._fp8: dict = {}
 
     @staticmethod
-    def _combine(x, idx, w, world, L, scale, bias, ranks_per_host):
-        """The documented order: per expert rank the k-order fold, rounded; per host the fold
-        of its ranks' partials in rank order, rounded; then the hosts in order, rounded (with
-        one host: the single-level order, bit for bit; docs/multihost.md)."""
+    def _combine(x, idx, w, world, L, scale, bias, ranks_per_host: int = 0):
+        """The documented order: per expert rank the k-order fold, rounded; per host (of
+        ``ranks_per_host`` ranks; 0: one host) the fold of its ranks' partials in rank order,
+        rounded; then the hosts in order, rounded (with one host: the single-level order, bit
+        for bit; docs/multihost.md)."""
+        ranks_per_host = ranks_per_host or world
         total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         owner = idx // L
         for first in range(0, world, ranks_per_host):
