@@ -149,8 +149,11 @@ def _dispatch_case(buf, rank, W, E, T, H, K, seed, kind, dtype, hook, tag):
     return fails
 
 
-def _fp8_case(buf, rank, W, E, T, H, K, seed, round_scale, tag):
-    xs, topks, _ = make_case(W, E, T, H, K, seed, "random")
+def _fp8_case(buf, rank, W, E, T, H, K, seed, round_scale, tag, kind="random", tokens=None):
+    """An FP8 dispatch against the oracle (every rank's inputs cut to ``tokens`` if given)."""
+    xs, topks, _ = make_case(W, E, T, H, K, seed, kind)
+    if tokens is not None:
+        xs, topks = [x[:tokens] for x in xs], [t[:tokens] for t in topks]
     L = E // W
     out = (torch.full((L, W * T, H), 0xFF, dtype=torch.uint8).view(torch.float8_e4m3fn),
            torch.full((L, W * T, H // 128), float("nan")))
@@ -214,9 +217,12 @@ def _hosts_body(rank, W, R, seeds):
     if any(not torch.equal(o, every[0]) for o in every):
         fails.append(f"rank {rank}: the same tokens combined on different ranks differ")
     fp8 = llcomm.EPBuffer(num_experts=E, hidden=128, num_max_dispatch_tokens_per_rank=T)
-    for round_scale in (False, True):
+    # FP8 rows are H + H / 32 bytes (132 at H = 128): the tags behind them are not 8-byte
+    # aligned, and ranks holding 0 or 1 rows make the slices of them contiguous views
+    for round_scale, kind in ((False, "random"), (True, "zero_and_max"), (False, "one_expert")):
         fails += _fp8_case(fp8, rank, W, E, T, 128, K, seeds[0], round_scale,
-                           f"[{R}x{W // R} rank {rank} round_scale={round_scale}]")
+                           f"[{R}x{W // R} rank {rank} {kind} round_scale={round_scale}]", kind)
+    one = [x[:1] for x in make_case(W, E, T, 128, K, seeds[0], "random")[0]]
     return fails
 
 

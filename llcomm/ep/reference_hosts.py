@@ -80,6 +80,15 @@ def _pack(rows: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
                      1)
 
 
+def _tags(packed: torch.Tensor, topk: int) -> torch.Tensor:
+    """int64 ``[n, 1 + topk]``: the tags of ``_pack``'s rows, copied out in the contiguous
+    format. Behind an FP8 row of ``H + H / 32`` bytes a tag is not 8-byte aligned, and a slice
+    of 0 or 1 rows counts as contiguous, so ``.contiguous()`` (and a plain ``clone()``) keeps
+    its offset or row stride, which ``view(torch.int64)`` refuses."""
+    return packed[:, -tag_bytes(topk):].clone(memory_format=torch.contiguous_format).view(
+        torch.int64)
+
+
 class TwoLevelReferenceEP(ReferenceEP):
     """Dispatch / combine across hosts on torch.distributed subgroups (module doc). The same
     calls, outputs and handle meaning as ``ReferenceEP``; the handle's state is a ``Route``."""
@@ -169,7 +178,7 @@ class TwoLevelReferenceEP(ReferenceEP):
         dev = self.device
         wait()
         held = torch.cat([own, got])                                # own tokens, then the rail's
-        ids = held[:, -tag_bytes(K):].contiguous().view(torch.int64)[:, 1:]
+        ids = _tags(held, K)[:, 1:]
         # Host: each held row to the ranks of this host that hold one of its experts.
         dest = torch.where(ids >= 0, ids // L - self.host * R, -1)  # local rank, or out of host
         local_ranks = torch.arange(R, dtype=torch.int64, device=dev)
@@ -179,7 +188,7 @@ class TwoLevelReferenceEP(ReferenceEP):
         host_in = self._counts(self.host_calls, "dispatch", host_out)
         wait_h, mine = self._rows(self.host_calls, "dispatch", held[hold_idx], host_out, host_in)
         wait_h()
-        tags = mine[:, -tag_bytes(K):].contiguous().view(torch.int64)
+        tags = _tags(mine, K)
         pairs, ids = tags[:, 0], tags[:, 1:]
         # Placement: the pairs' rows in a dense [P, row] by pair id, as the single-level
         # exchange delivers them, then the same expansion.
