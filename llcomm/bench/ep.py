@@ -34,6 +34,15 @@ quantiser written independently of ``llcomm.ep.fp8`` (a nearest-value search ove
 ties to the even code, ``frexp`` for the power-of-two scales), so both backends are held to the
 same bytes. ``bytes`` counts ``hidden + hidden / 32`` per (token, destination rank).
 
+``--ranks-per-host N`` declares hosts of N consecutive ranks (``LLCOMM_EP_RANKS_PER_HOST``, set in
+every rank before its buffers are made), so that one machine runs the multi-host path: where that
+makes several hosts only the reference backend runs, on its two-level exchange (docs/multihost.md),
+and its combine is checked against the two-level order. Its rows then carry ``inter_host_bytes``
+(what ``EPBuffer.last_inter_host_bytes`` reported for the call, mean over ranks) beside what one
+copy per (token, GPU) and per (token, expert) would have put across hosts (``per_gpu_bytes``,
+``per_expert_bytes``: payload rows only, counted from the routing), and a table of them is
+printed.
+
 ``--overlap`` adds ``overlap_step`` rows: a decode step of two micro-batches A and B (``tokens``
 each per rank), run with ``return_recv_hook=True`` (algo ``recv_hook``) and without (``plain``),
 the same calls in the same order::
@@ -63,6 +72,7 @@ from . import console, options, result_files, spawn, timing, verify
 from .ep_oracle import FP8_BLOCK, Expected, expert_affine, run_experts, uniform_routing
 from .ep_report import OVERLAP_OP, print_result
 from .timing import Impl
+from ..runtime.hosts import RANKS_PER_HOST_ENV
 
 DEFAULT_ITERS = 50
 DEFAULT_WARMUP = 5
@@ -90,6 +100,7 @@ class Config:
     overlap: bool = False
     max_tokens: int = 0         # the buffer's num_max_dispatch_tokens_per_rank; 0: max(tokens)
     carry_weights: bool = False  # dispatch(topk_weights=w), combine(..., None, handle)
+    ranks_per_host: int = 0     # declared hosts (LLCOMM_EP_RANKS_PER_HOST); 0: detected
 
     @property
     def buffer_tokens(self) -> int:
@@ -216,8 +227,12 @@ def _overlap_impls(buf, name: str, mbs, expected, weight) -> list[Impl]:
 
 class Rank:
     def __init__(self, rank: int, world: int, cfg: Config):
+        import os
+
         from llcomm import EPBuffer
 
+        if cfg.ranks_per_host:      # read by every EPBuffer this process makes
+            os.environ[RANKS_PER_HOST_ENV] = str(cfg.ranks_per_host)
         self.rank, self.world, self.cfg = rank, world, cfg
         self.cuda = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
@@ -226,7 +241,8 @@ class Rank:
         kw = dict(num_experts=cfg.experts, hidden=cfg.hidden,
                   num_max_dispatch_tokens_per_rank=cfg.buffer_tokens, dtype=DTYPE)
         self.bufs = {"reference": EPBuffer(backend="reference", **kw)}
-        if self.cuda:
+        self.hosts = self.bufs["reference"].hosts
+        if self.cuda and not self.hosts.spans_hosts:    # peer memory is one host only
             self.bufs = {"llcomm": EPBuffer(backend="peer", **kw), **self.bufs}
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
@@ -238,7 +254,8 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
     x = torch.randn(n, cfg.hidden, generator=R.gen, device=R.device,
                     dtype=torch.float32).to(DTYPE)
     idx, w = uniform_routing(n, cfg.experts, cfg.topk, R.gen, R.device)
-    exp = Expected(x, idx, w, R.rank, R.world, cfg.buffer_tokens, R.scale, R.bias)
+    exp = Expected(x, idx, w, R.rank, R.world, cfg.buffer_tokens, R.scale, R.bias,
+                   R.hosts.ranks_per_host)
     L = cfg.experts // R.world
     dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
     dests.scatter_(1, idx // L, True)
@@ -257,7 +274,8 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
         buf = R.bufs[name]
         d, (prepare, c) = _impls(buf, name, x, idx, w, exp, ref_out, R.scale, R.bias, R,
                                  cfg.carry_weights)
-        rows += timing.time_impl(d, {**base, "op": "dispatch"}, R.timing)
+        rows += _with_bytes(R, buf, timing.time_impl(d, {**base, "op": "dispatch"}, R.timing),
+                            idx, cfg.hidden * DTYPE.itemsize)
         for mode in c.modes:
             err = [None]
             if not spawn.attempt(prepare, err, R.device):
@@ -266,15 +284,35 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
                              "error": f"dispatch before combine: {err[0]}"})
                 continue
             one = Impl(**{**c.__dict__, "modes": (mode,)})
-            rows += timing.time_impl(one, {**base, "op": "combine"}, R.timing)
+            rows += _with_bytes(R, buf, timing.time_impl(one, {**base, "op": "combine"},
+                                                         R.timing),
+                                idx, cfg.hidden * DTYPE.itemsize)
         if cfg.fp8:
             fp8 = _fp8_impl(buf, name, x, idx, exp, cfg.round_scale, R)
-            rows += timing.time_impl(fp8, fp8_base, R.timing)
+            rows += _with_bytes(R, buf, timing.time_impl(fp8, fp8_base, R.timing), idx,
+                                cfg.hidden + cfg.hidden // FP8_BLOCK * 4)
         if name == "reference" and R.cuda:
             ref_out = _reference_combine(buf, x, idx, w, R)
     if cfg.overlap:
         rows += run_overlap(R, n, {**base, "bytes": nbytes})
     return rows
+
+
+def _with_bytes(R: Rank, buf, rows: list[dict], idx: torch.Tensor, row_bytes: int) -> list[dict]:
+    """Across declared or detected hosts: add to ``rows`` (one op of one buffer, just timed) the
+    bytes its latest call put across hosts and what one payload row per (token, GPU) and per
+    (token, expert) on another host would have, each the mean over ranks. A collective."""
+    if not R.hosts.spans_hosts:
+        return rows
+    L = R.cfg.experts // R.world
+    other = (idx // L) // R.hosts.ranks_per_host != R.hosts.host_of(R.rank)    # [n, topk]
+    gpus = torch.zeros(idx.shape[0], R.world, dtype=torch.bool, device=R.device)
+    gpus.scatter_(1, idx // L, other)
+    mean = {key: spawn.sum_over_ranks(v, R.device) // R.world for key, v in (
+        ("inter_host_bytes", buf.last_inter_host_bytes),
+        ("per_gpu_bytes", int(gpus.sum()) * row_bytes),
+        ("per_expert_bytes", int(other.sum()) * row_bytes))}
+    return [{**r, **mean, "ranks_per_host": R.hosts.ranks_per_host} for r in rows]
 
 
 def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
@@ -291,7 +329,7 @@ def run_overlap(R: Rank, n: int, base: dict) -> list[dict]:
         idx, w = uniform_routing(n, cfg.experts, cfg.topk, R.gen, R.device)
         mbs.append((x, idx, w))
         expected.append(Expected(x, idx, w, R.rank, R.world, cfg.buffer_tokens, ones,
-                                 zeros).combine)
+                                 zeros, R.hosts.ranks_per_host).combine)
         dests = torch.zeros(n, R.world, dtype=torch.bool, device=R.device)
         dests.scatter_(1, idx // L, True)
         nbytes += 2 * spawn.sum_over_ranks(int(dests.sum()), R.device) * cfg.hidden * 2 // R.world
@@ -358,6 +396,10 @@ def add_arguments(p) -> None:
     p.add_argument("--overlap", action="store_true",
                    help="add overlap_step rows: a 2-micro-batch step with return_recv_hook=True "
                         "against the same step without hooks")
+    p.add_argument("--ranks-per-host", type=int, default=0, metavar="N",
+                   help="declare hosts of N consecutive ranks (LLCOMM_EP_RANKS_PER_HOST), so that "
+                        "this machine runs the two-level exchange; prints the bytes put across "
+                        "hosts next to one copy per (token, expert) (default: hosts detected)")
     options.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
 
 
@@ -384,6 +426,9 @@ def config_from_args(a, on_cpu: bool) -> Config:
     if a.max_tokens < 0 or (tokens and a.max_tokens and a.max_tokens < max(tokens)):
         problems.append(f"--max-tokens {a.max_tokens}: expected 0 (the largest --tokens) or at "
                         f"least the largest --tokens ({max(tokens) if tokens else '?'})")
+    if a.ranks_per_host < 0:
+        problems.append(f"--ranks-per-host {a.ranks_per_host}: expected a positive number of "
+                        "ranks (0: detected)")
     if a.round_scale and not a.fp8:
         problems.append("--round-scale needs --fp8 (it rounds the FP8 scales)")
     options.check_run_arguments(a, problems)
@@ -392,7 +437,8 @@ def config_from_args(a, on_cpu: bool) -> Config:
     return Config(tokens=tokens, hidden=hidden, experts=experts, topk=topk, iters=a.iters,
                   warmup=a.warmup, graph_ops=a.graph_ops, seed=a.seed,
                   progress=not a.no_progress, fp8=a.fp8, round_scale=a.round_scale,
-                  overlap=a.overlap, max_tokens=a.max_tokens, carry_weights=a.carry_weights)
+                  overlap=a.overlap, max_tokens=a.max_tokens, carry_weights=a.carry_weights,
+                  ranks_per_host=a.ranks_per_host)
 
 
 def run(a) -> int:
@@ -402,6 +448,9 @@ def run(a) -> int:
         cfg = config_from_args(a, backend == "gloo")
         if cfg.experts % world:
             raise ValueError(f"--experts {cfg.experts} is not a multiple of the {world} ranks")
+        if cfg.ranks_per_host and world % cfg.ranks_per_host:
+            raise ValueError(f"--ranks-per-host {cfg.ranks_per_host} does not divide the "
+                             f"{world} ranks")
     except ValueError as e:
         print(f"llcomm bench ep: {e}")
         return 2

@@ -88,7 +88,8 @@ def fp8_oracle(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.
 class Expected:
     """What this rank's dispatch and combine must return, from every rank's inputs."""
 
-    def __init__(self, x, idx, w, rank: int, world: int, max_tokens: int, scale, bias):
+    def __init__(self, x, idx, w, rank: int, world: int, max_tokens: int, scale, bias,
+                 ranks_per_host: int = 0):
         L = scale.shape[0] // world
         n, K = idx.shape
         xs = verify.gather_bytes(x).reshape(world * n, -1)            # pair p = s * n + t
@@ -100,22 +101,32 @@ class Expected:
         self.row = (hit.cumsum(1) - 1)[self.e, self.p]
         self.rows = xs[self.p]
         self.src = ((self.p // n) * max_tokens + self.p % n).to(torch.int32)
-        self.combine = self._combine(x, idx, w, world, L, scale, bias)
+        self.combine = self._combine(x, idx, w, world, L, scale, bias, ranks_per_host)
         self._fp8: dict = {}
 
     @staticmethod
-    def _combine(x, idx, w, world, L, scale, bias):
+    def _combine(x, idx, w, world, L, scale, bias, ranks_per_host: int = 0):
+        """The documented order: per expert rank the k-order fold, rounded; per host (of
+        ``ranks_per_host`` ranks; 0: one host) the fold of its ranks' partials in rank order,
+        rounded; then the hosts in order, rounded (with one host: the single-level order, bit
+        for bit; docs/multihost.md)."""
+        ranks_per_host = ranks_per_host or world
         total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         owner = idx // L
-        for q in range(world):
-            acc = torch.zeros_like(total)
-            for k in range(idx.shape[1]):
-                g = idx[:, k]
-                y = (x.float() * scale[g].unsqueeze(1) + bias[g].unsqueeze(1)).to(x.dtype)
-                acc = torch.where((owner[:, k] == q).unsqueeze(1), acc + w[:, k:k + 1] * y.float(),
-                                  acc)
-            went = (owner == q).any(1, keepdim=True)
-            total = torch.where(went, total + acc.to(x.dtype).float(), total)
+        for first in range(0, world, ranks_per_host):
+            host_acc = torch.zeros_like(total)
+            hit = torch.zeros((x.shape[0], 1), dtype=torch.bool, device=x.device)
+            for q in range(first, first + ranks_per_host):
+                acc = torch.zeros_like(total)
+                for k in range(idx.shape[1]):
+                    g = idx[:, k]
+                    y = (x.float() * scale[g].unsqueeze(1) + bias[g].unsqueeze(1)).to(x.dtype)
+                    acc = torch.where((owner[:, k] == q).unsqueeze(1),
+                                      acc + w[:, k:k + 1] * y.float(), acc)
+                went = (owner == q).any(1, keepdim=True)
+                host_acc = torch.where(went, host_acc + acc.to(x.dtype).float(), host_acc)
+                hit |= went
+            total = torch.where(hit, total + host_acc.to(x.dtype).float(), total)
         return total.to(x.dtype)
 
     def dispatch_wrong(self, recv_x, recv_count, handle) -> int:

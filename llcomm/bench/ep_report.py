@@ -66,6 +66,25 @@ def overlap_table_rows(rows: list[dict]) -> list[list[str]]:
     return out
 
 
+HOSTS_HEADERS = ["op", "tokens", "impl", "two-level B", "per (token, GPU) B",
+                 "per (token, expert) B", "two-level / per expert"]
+
+
+def hosts_table_rows(rows: list[dict]) -> list[list[str]]:
+    """One line per (op, tokens, impl) of the rows that carry inter-host bytes (mean per rank)."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r["op"], r["tokens_per_rank"], r["impl"])
+        if "inter_host_bytes" not in r or key in seen:
+            continue
+        seen.add(key)
+        per_expert = r["per_expert_bytes"]
+        out.append([r["op"], str(r["tokens_per_rank"]), r["impl"], str(r["inter_host_bytes"]),
+                    str(r["per_gpu_bytes"]), str(per_expert),
+                    f"{r['inter_host_bytes'] / per_expert:.2f}" if per_expert else "-"])
+    return out
+
+
 def print_result(result: dict) -> None:
     r0 = result["rows"][0] if result["rows"] else {}
     v = result["versions"]
@@ -94,6 +113,12 @@ def print_result(result: dict) -> None:
         mbs = next(r["micro_batches"] for r in result["rows"] if r["op"] == OVERLAP_OP)
         console.print_table(f"{OVERLAP_OP}: {mbs} micro-batches, return_recv_hook vs plain",
                       OVERLAP_HEADERS, overlap_table_rows(result["rows"]))
+    hosts = hosts_table_rows(result["rows"])
+    if hosts:
+        rph = next(r["ranks_per_host"] for r in result["rows"] if "ranks_per_host" in r)
+        console.print_table(f"bytes put across hosts per rank per call ({rph} ranks per host; "
+                            "two-level: rows, tags and counts as reported; the others: payload "
+                            "rows only)", HOSTS_HEADERS, hosts)
     for r in result["rows"]:
         if r.get("error"):
             print(f"# note: {r['op']} {r['impl']} {r['mode']} at {r['tokens_per_rank']} tokens: "

@@ -7,7 +7,8 @@ import torch.distributed as dist
 from ..ep import HANDLE_SLOTS, DeepEPOutputs, EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
-from ..runtime.backend import choose_backend
+from ..runtime.backend import choose_backend_hosts
+from ..runtime.settings import EPSettings
 from . import convert
 from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
                      check_stats, refuse, refuse_cost_stats)
@@ -130,7 +131,8 @@ class Buffer(ShrinkMasks):
             # that a buffer which would run on the reference backend is refused here, not at
             # its first call.
             resolved, why = ((backend, "requested") if backend == "reference" else
-                             choose_backend(self.group, backend, "deep_ep.Buffer"))
+                             choose_backend_hosts(self.group, backend, "deep_ep.Buffer", (),
+                                                  EPSettings.read().ranks_per_host)[:2])
             if resolved != "peer":
                 raise UnsupportedConfigError(
                     f"{PREFIX}: enable_shrink=True needs rank masks, which are peer-backend "

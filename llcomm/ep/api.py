@@ -7,8 +7,9 @@
     y = buf.combine(expert_out, topk_idx, topk_weights, handle)       # [num_tokens, hidden]
 
 Backends: ``"peer"`` (Triton kernels over a symmetric NVLink region, one host), ``"reference"``
-(torch.distributed all-to-all: NCCL, or gloo on CPU), ``"auto"`` (peer where every rank has its
-own GPU and peer access works, reference otherwise). Both give the same ``recv_x`` bytes, the
+(torch.distributed all-to-all: NCCL, or gloo on CPU; across hosts its two-level exchange,
+docs/multihost.md), ``"auto"`` (peer where every rank has its own GPU on one host and peer
+access works, reference otherwise). Both give the same ``recv_x`` bytes, the
 same ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
 from ..runtime import validate as V
-from ..runtime.backend import choose_backend, reference_device
+from ..runtime.backend import choose_backend_hosts, reference_device
 from ..runtime.bounded import default_check_calls
 from ..runtime.registry import register
 from ..runtime.settings import EPSettings
@@ -32,6 +33,7 @@ from .handle import EPHandle
 from .masks import RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
+from .reference_hosts import TwoLevelReferenceEP
 
 BACKENDS = ("auto", "peer", "reference")
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -61,7 +63,10 @@ class EPBuffer(RankMasks):
         num_max_dispatch_tokens_per_rank: the most tokens any rank dispatches in one call (the
             worst-case decode micro-batch), at most 65536.
         dtype: token dtype, bfloat16 (default), float16 or float32.
-        backend: ``"auto"``, ``"peer"`` or ``"reference"``.
+        backend: ``"auto"``, ``"peer"`` or ``"reference"``. Ranks that span several hosts
+            (``self.hosts``: detected from the host names, or declared by
+            ``LLCOMM_EP_RANKS_PER_HOST``) run the reference backend's two-level exchange:
+            ``"auto"`` picks it, ``"peer"`` raises UnsupportedConfigError (docs/multihost.md).
         timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 10 000);
             on the reference backend over gloo, of every host-side wait (default
             ``LLCOMM_TIMEOUT_MS`` or 30000; docs/failures.md).
@@ -149,8 +154,12 @@ class EPBuffer(RankMasks):
         checked = default_check_calls(self.group) if check_calls is None else check_calls
         # a collective: also checks that the ranks agree on the settings they must share
         agreed = self.settings.agreed() + (("check_calls", checked),)
-        backend, self.backend_reason = choose_backend(self.group, backend, "EPBuffer", agreed)
+        backend, self.backend_reason, hosts = choose_backend_hosts(
+            self.group, backend, "EPBuffer", agreed, self.settings.ranks_per_host)
         self.backend = backend
+        #: the group's hosts (``llcomm.runtime.hosts.Hosts``): detected, or declared by
+        #: LLCOMM_EP_RANKS_PER_HOST; several hosts run the two-level exchange
+        self.hosts = hosts
         if enable_masks and backend != "peer":
             raise UnsupportedConfigError(
                 "llcomm.EPBuffer: enable_masks=True: rank masks are peer-backend only, and this "
@@ -167,9 +176,11 @@ class EPBuffer(RankMasks):
                                                    P.REFERENCE_DEFAULT_TIMEOUT_MS)
             self.device = reference_device(self.group)
             self.check_calls = checked
-            self._impl = ReferenceEP(self.group, num_experts=num_experts, hidden=hidden,
-                                     max_tokens=self.max_tokens, dtype=dtype, device=self.device,
-                                     timeout_ms=self.timeout_ms, check_calls=self.check_calls)
+            kw = dict(num_experts=num_experts, hidden=hidden, max_tokens=self.max_tokens,
+                      dtype=dtype, device=self.device, timeout_ms=self.timeout_ms,
+                      check_calls=self.check_calls)
+            self._impl = (TwoLevelReferenceEP(self.group, hosts=hosts, **kw)
+                          if hosts.spans_hosts else ReferenceEP(self.group, **kw))
         register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
     @staticmethod
@@ -192,6 +203,14 @@ class EPBuffer(RankMasks):
         return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
                          itemsize, fp8=fp8,
                          num_blocks=default_num_blocks(EPSettings.read().num_blocks)).total_bytes
+
+    @property
+    def last_inter_host_bytes(self) -> int:
+        """Bytes this rank put on the inter-host path in its latest dispatch or combine (the
+        receive hook's part included once it has run): rows, their tags and row counts sent to
+        other hosts (formula: docs/multihost.md, "Bytes"). 0 on one host. A plain attribute
+        read: no synchronisation, nothing exchanged."""
+        return self._impl.inter_host_bytes if self.hosts.spans_hosts else 0
 
     # -- validation -----------------------------------------------------------------------------
     def _recv_shape(self) -> tuple[int, int, int]:

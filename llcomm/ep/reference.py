@@ -1,6 +1,7 @@
 """The reference EP backend: dispatch and combine on torch.distributed ``all_to_all_single``.
 
-The oracle of the peer kernels, the EP path on CPU (gloo) and the multi-host path (NCCL). It
+The oracle of the peer kernels and the EP path on CPU (gloo); across hosts ``EPBuffer`` runs
+its two-level exchange (``reference_hosts.py``), built from this module's blocks. It
 shares no code with ``llcomm/ep/kernels/`` but produces the same bytes: the same ``recv_x`` rows
 (per local expert: source rank major, then source token order, packed from row 0), the same
 ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md):
@@ -88,7 +89,7 @@ class ReferenceEP:
         ``row_of [W * T, K]`` int64: flat row ``e * W * T + j`` of expert_out that holds pair
         ``(s, t)``'s entry k on this rank, or -1 (what combine needs).
         """
-        W, T, H = self.world_size, self.max_tokens, self.hidden
+        W, T = self.world_size, self.max_tokens
         L, E = self.num_local_experts, self.num_experts
         n, K = topk_idx.shape
         dev = self.device
@@ -98,14 +99,9 @@ class ReferenceEP:
         valid = (topk_idx >= 0) & (topk_idx < E)
         # Token rows: slot (dest, t) = x[t] for every dest (the exchange has fixed size). FP8:
         # the slot is the row's e4m3 bytes followed by its fp32 scales' bytes.
-        if fp8:
-            send_x = torch.zeros((W, T, H + H // FP8_BLOCK * 4), dtype=torch.uint8, device=dev)
-            if n:
-                q, sc = quantize(x, round_scale=fp8 == 2)
-                send_x[:, :n] = torch.cat([q.view(torch.uint8), sc.view(torch.uint8)], 1)
-        else:
-            send_x = torch.zeros((W, T, H), dtype=self.dtype, device=dev)
-            send_x[:, :n] = x
+        rows = token_rows(x, fp8)
+        send_x = torch.zeros((W, T, rows.shape[1]), dtype=rows.dtype, device=dev)
+        send_x[:, :n] = rows
         got_x = torch.empty_like(send_x)
         wait_x = self._a2a_start("dispatch", got_x, send_x)
         # Metadata: slot (dest, t, k) = local expert id on dest, or -1.
@@ -120,43 +116,11 @@ class ReferenceEP:
                                            recv_scales)
 
     def _dispatch_recv(self, wait_x, wait_m, got_x, meta, n, K, fp8, recv_x, recv_scales):
-        W, T, H = self.world_size, self.max_tokens, self.hidden
-        L = self.num_local_experts
-        P = W * T
-        dev = self.device
         wait_x()
         wait_m()
-        meta = meta.view(P, K)                      # pair p = s * T + t
-        ok = meta >= 0
-        # Pair p uses local expert e (once, however often e repeats in its top-k).
-        onehot = ((meta.unsqueeze(-1) == torch.arange(L, dtype=torch.int64, device=dev))
-                   & ok.unsqueeze(-1)).any(1)
-        hits = onehot.to(torch.int64)
-        rows = torch.cumsum(hits, 0) - hits          # [P, L]: row of pair p for expert e
-        count = hits.sum(0)                          # [L]
-        e_pk = meta.clamp(min=0)
-        flat = e_pk * P + rows.gather(1, e_pk)       # [P, K]
-        row_of = torch.where(ok, flat, -1)
-        # Scatter pair rows to their expert rows. Entries that are not a pair's first copy of an
-        # expert write the same bytes to the same row again; a pair with no local expert writes
-        # expert 0's first unused row (free: that pair does not route to expert 0).
-        has = ok.any(1, keepdim=True)
-        first_ok = torch.argmax(ok.to(torch.int8), 1, keepdim=True)
-        fallback = torch.where(has, flat.gather(1, first_ok), count[0].clamp(max=P - 1))
-        target = torch.where(ok, flat, fallback)
-        if fp8:
-            got = got_x.view(P, -1)
-            recv_x.view(torch.uint8).view(L * P, H)[target] = got[:, :H].reshape(P, 1, H)
-            ns = recv_scales.shape[-1]
-            recv_scales.view(L * P, ns)[target] = \
-                got[:, H:].contiguous().view(torch.float32).view(P, 1, ns)
-        else:
-            recv_flat = recv_x.view(L * P, H)
-            recv_flat[target] = got_x.view(P, 1, H)
-        src_flat = torch.empty(L * P, dtype=torch.int32, device=dev)
-        pair_id = torch.arange(P, dtype=torch.int32, device=dev).view(P, 1).expand(P, K)
-        src_flat[target.reshape(-1)] = pair_id.reshape(-1)
-        return count.to(torch.int32), src_flat.view(L, P), row_of
+        P = self.world_size * self.max_tokens
+        return expand_pairs(got_x.view(P, -1), meta.view(P, K), self.num_local_experts, fp8,
+                            recv_x, recv_scales)
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
@@ -171,7 +135,6 @@ class ReferenceEP:
         their exchange. Returns the receive half (wait, sum in rank order into ``out``, return
         it). ``carried``: the dispatch carried ``topk_weights`` (only enters the call check)."""
         W, T, H = self.world_size, self.max_tokens, self.hidden
-        L = self.num_local_experts
         n, K = topk_idx.shape
         P = W * T
         dev = self.device
@@ -181,14 +144,7 @@ class ReferenceEP:
         send_w[:, :n] = topk_weights
         got_w = torch.empty_like(send_w)
         self._a2a_bytes("combine", got_w, send_w)
-        got_w = got_w.view(P, K)
-        y = expert_out.view(L * P, H)
-        acc = torch.zeros((P, H), dtype=torch.float32, device=dev)
-        for k in range(K):
-            r = row_of[:, k]
-            yk = y[r.clamp(min=0)].float()
-            acc = torch.where((r >= 0).unsqueeze(1), acc + got_w[:, k:k + 1] * yk, acc)
-        partial = acc.to(self.dtype).view(W, T, H)   # slot (source rank, t)
+        partial = rank_partials(expert_out, row_of, got_w.view(P, K)).view(W, T, H)
         back = torch.empty_like(partial)             # slot (expert rank, t)
         wait = self._a2a_start("combine", back, partial)
         return lambda: self._combine_recv(wait, back, topk_idx, out)
@@ -218,3 +174,74 @@ class ReferenceEP:
         if bad:
             self._bad.zero_()
         return bad
+
+
+# -- building blocks (also of the two-level exchange, ``reference_hosts.py``) ---------------------
+def token_rows(x: torch.Tensor, fp8: int) -> torch.Tensor:
+    """The rows that travel for tokens ``x [n, H]``: ``x`` itself, or with ``fp8`` (1, or 2 for
+    power-of-two scales) uint8 ``[n, H + H / 32]``: each row's e4m3 bytes, then its fp32 scales'
+    bytes (quantised on the sender, as the peer kernel does)."""
+    if not fp8:
+        return x
+    n, H = x.shape
+    if not n:
+        return torch.empty((0, H + H // FP8_BLOCK * 4), dtype=torch.uint8, device=x.device)
+    q, sc = quantize(x, round_scale=fp8 == 2)
+    return torch.cat([q.view(torch.uint8), sc.view(torch.uint8)], 1)
+
+
+def expand_pairs(got_x: torch.Tensor, meta: torch.Tensor, L: int, fp8: int,
+                 recv_x: torch.Tensor, recv_scales: torch.Tensor | None):
+    """Place the received rows into the experts' rows. ``got_x [P, row]``: pair ``p = s * T +
+    t``'s row (``token_rows``' format); ``meta [P, K]`` int64: its local expert per top-k entry
+    on this rank, or -1. Fills ``recv_x`` (and ``recv_scales``) in the documented row order and
+    returns ``(recv_count [L] int32, src_info [L, P] int32, row_of [P, K] int64)``; ``row_of``:
+    flat row ``e * P + j`` of expert_out that holds pair p's entry k, or -1."""
+    P, K = meta.shape
+    H = recv_x.shape[-1]
+    dev = meta.device
+    ok = meta >= 0
+    # Pair p uses local expert e (once, however often e repeats in its top-k).
+    onehot = ((meta.unsqueeze(-1) == torch.arange(L, dtype=torch.int64, device=dev))
+              & ok.unsqueeze(-1)).any(1)
+    hits = onehot.to(torch.int64)
+    rows = torch.cumsum(hits, 0) - hits          # [P, L]: row of pair p for expert e
+    count = hits.sum(0)                          # [L]
+    e_pk = meta.clamp(min=0)
+    flat = e_pk * P + rows.gather(1, e_pk)       # [P, K]
+    row_of = torch.where(ok, flat, -1)
+    # Scatter pair rows to their expert rows. Entries that are not a pair's first copy of an
+    # expert write the same bytes to the same row again; a pair with no local expert writes
+    # expert 0's first unused row (free: that pair does not route to expert 0).
+    has = ok.any(1, keepdim=True)
+    first_ok = torch.argmax(ok.to(torch.int8), 1, keepdim=True)
+    fallback = torch.where(has, flat.gather(1, first_ok), count[0].clamp(max=P - 1))
+    target = torch.where(ok, flat, fallback)
+    if fp8:
+        recv_x.view(torch.uint8).view(L * P, H)[target] = got_x[:, :H].reshape(P, 1, H)
+        ns = recv_scales.shape[-1]
+        recv_scales.view(L * P, ns)[target] = \
+            got_x[:, H:].contiguous().view(torch.float32).view(P, 1, ns)
+    else:
+        recv_x.view(L * P, H)[target] = got_x.view(P, 1, H)
+    src_flat = torch.empty(L * P, dtype=torch.int32, device=dev)
+    pair_id = torch.arange(P, dtype=torch.int32, device=dev).view(P, 1).expand(P, K)
+    src_flat[target.reshape(-1)] = pair_id.reshape(-1)
+    return count.to(torch.int32), src_flat.view(L, P), row_of
+
+
+def rank_partials(expert_out: torch.Tensor, row_of: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """``[P, H]`` in expert_out's dtype: for each pair p, this rank's weighted sum of its
+    entries, ``acc = acc + w[p, k] * y`` in k order in fp32 from +0.0, rounded once (zeros for
+    a pair with no entry here). ``row_of`` as ``expand_pairs`` returns it, ``weights [P, K]``
+    fp32 by pair."""
+    P, K = row_of.shape
+    H = expert_out.shape[-1]
+    y = expert_out.view(-1, H)
+    acc = torch.zeros((P, H), dtype=torch.float32, device=row_of.device)
+    for k in range(K):
+        r = row_of[:, k]
+        yk = y[r.clamp(min=0)].float()
+        acc = torch.where((r >= 0).unsqueeze(1), acc + weights[:, k:k + 1] * yk, acc)
+    return acc.to(expert_out.dtype)

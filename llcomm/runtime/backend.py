@@ -4,7 +4,8 @@ GPU on one host with peer access both ways, the reference backend (torch.distrib
 The choice is one exchange among the group at construction (``choose_backend``): each rank's
 GPU, and the settings every rank must share (``runtime/settings.py``, ``agreed()``), which are
 checked on every backend, so a job that would fail on the peer backend fails the same way on
-the reference one."""
+the reference one. The same exchange carries each rank's host name, from which
+``choose_backend_hosts`` (``EPBuffer``) forms the group's hosts (``runtime/hosts.py``)."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
+from .hosts import Hosts, resolve_hosts, this_host
 from .settings import check_agreement
 
 log = logging.getLogger("llcomm")
@@ -83,25 +85,32 @@ def peer_support(places: list[Place]) -> tuple[bool, str]:
     return True, "every rank has its own GPU on this host and peer access works"
 
 
-def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
-                   agreed: tuple = ()) -> tuple[str, str]:
-    """Resolve ``backend`` ("auto", "peer" or "reference") for ``what`` (the class asking):
-    returns (backend, reason). A collective: one ``all_gather_object`` of every rank's place and
-    Triton verdict (for "auto" and "peer") and its ``agreed`` settings ((variable, value)
-    pairs). Settings that
-    differ between ranks raise UnsupportedConfigError naming them, on every rank and whatever
-    the backend; so does "peer" on a group that cannot run it, with the reason."""
-    want_peer = backend in ("auto", "peer")
-    place = this_place() if want_peer else None
+def _exchange(group: dist.ProcessGroup, backend: str, what: str, agreed: tuple) -> list:
+    """The construction's one exchange: every rank's (place, agreed settings, Triton verdict,
+    host), by rank; raises on every rank where the agreed settings differ."""
+    place = this_place() if backend in ("auto", "peer") else None
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (place, tuple(agreed),
-                                      triton_problem() if place is not None else None),
-                           group=group)
-    check_agreement(what, [a for _, a, _ in everyone])
-    if not want_peer:
-        return backend, "requested"
-    ok, why = peer_support([p for p, _, _ in everyone])
-    unusable = [(r, t) for r, (_, _, t) in enumerate(everyone) if t]   # Triton, by rank
+                                      triton_problem() if place is not None else None,
+                                      this_host()), group=group)
+    check_agreement(what, [a for _, a, _, _ in everyone])
+    return everyone
+
+
+def _decide(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
+            hosts: Hosts | None = None) -> tuple[str, str]:
+    """The backend and its reason from the exchanged values (the same on every rank). A
+    topology of several ``hosts`` (detected or declared) rules the peer backend out."""
+    if backend == "reference":
+        return backend, "requested" + (f"; the ranks span {hosts.describe()}: the two-level "
+                                       "exchange" if hosts is not None and hosts.spans_hosts
+                                       else "")
+    if hosts is not None and hosts.spans_hosts:
+        ok, why = False, (f"the ranks span {hosts.describe()}: the two-level reference "
+                          "exchange (peer memory is one host only)")
+    else:
+        ok, why = peer_support([p for p, _, _, _ in everyone])
+    unusable = [(r, t) for r, (_, _, t, _) in enumerate(everyone) if t]   # Triton, by rank
     if ok and unusable:         # every rank sees every rank's verdict: they choose alike
         ok, why = False, f"rank {unusable[0][0]}: {unusable[0][1]}"
     if backend == "peer" and not ok:
@@ -112,6 +121,29 @@ def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
         log.info("llcomm: rank %d: %s uses the reference backend: %s", dist.get_rank(group),
                  what, why)
     return ("peer" if ok else "reference"), why
+
+
+def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
+                   agreed: tuple = ()) -> tuple[str, str]:
+    """Resolve ``backend`` ("auto", "peer" or "reference") for ``what`` (the class asking):
+    returns (backend, reason). A collective: one ``all_gather_object`` of every rank's place and
+    Triton verdict (for "auto" and "peer"), its host (``runtime/hosts.py``) and its ``agreed``
+    settings ((variable, value) pairs). Settings that differ between ranks raise
+    UnsupportedConfigError naming them, on every rank and whatever the backend; so does "peer"
+    on a group that cannot run it, with the reason."""
+    return _decide(group, backend, what, _exchange(group, backend, what, agreed))
+
+
+def choose_backend_hosts(group: dist.ProcessGroup, backend: str, what: str, agreed: tuple,
+                         ranks_per_host: int | None) -> tuple[str, str, Hosts]:
+    """``choose_backend`` in the same one exchange, plus the group's host topology (declared by
+    ``ranks_per_host``, the ``LLCOMM_EP_RANKS_PER_HOST`` setting, else detected from the host
+    names): returns (backend, reason, hosts). Ranks that span hosts never get the peer backend;
+    ``"auto"`` gives the reference one and the reason says so. A topology that is not regular
+    raises UnsupportedConfigError on every rank."""
+    everyone = _exchange(group, backend, what, agreed)
+    hosts = resolve_hosts(what, [h for _, _, _, h in everyone], ranks_per_host)
+    return (*_decide(group, backend, what, everyone, hosts), hosts)
 
 
 def reference_device(group: dist.ProcessGroup) -> torch.device:

@@ -158,6 +158,8 @@ class EPSettings(_Shared):
     num_warps: int | None = setting("LLCOMM_EP_NUM_WARPS", None, warps)
     #: 1: the kernels stamp each stage's clock (tools/ep_timeline.py)
     profile: int = setting("LLCOMM_EP_PROFILE", 0, bit)
+    #: ranks per host, declared (None: detected from the host names; runtime/hosts.py)
+    ranks_per_host: int | None = setting("LLCOMM_EP_RANKS_PER_HOST", None, positive, agree=True)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> "EPSettings":
