@@ -182,7 +182,7 @@ class TwoLevelReferenceEP(ReferenceEP):
         # Host: each held row to the ranks of this host that hold one of its experts.
         dest = torch.where(ids >= 0, ids // L - self.host * R, -1)  # local rank, or out of host
         local_ranks = torch.arange(R, dtype=torch.int64, device=dev)
-        to_local = (dest.unsqueeze(-1) == local_ranks).any(1)                             # [held, R]
+        to_local = (dest.unsqueeze(-1) == local_ranks).any(1)       # [held, R]
         _, hold_idx = to_local.T.nonzero(as_tuple=True)             # local rank major
         host_out = to_local.sum(0).tolist()
         host_in = self._counts(self.host_calls, "dispatch", host_out)
