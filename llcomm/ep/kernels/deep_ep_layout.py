@@ -95,10 +95,10 @@ def _deep_ep_totals(layout, stats, ls, lm, tot, failed, W: tl.constexpr, WP: tl.
 
 
 @triton.jit
-def _poison_layout(layout, S, LB: tl.constexpr):
+def _poison_layout(layout, SIZES, COUNT_CHUNK: tl.constexpr):
     """A failed dispatch's ``layout_range``: -1 for every (local expert, source rank), written by
     the block that writes the counts (the last), as ``recv_count`` gets -1."""
-    if tl.program_id(0) == S.NB - 1:
-        for l0 in range(0, S.L, LB):
-            ls = l0 + tl.arange(0, LB)
-            _deep_ep_totals(layout, None, ls, ls < S.L, ls, 1, S.W, S.WP)
+    if tl.program_id(0) == SIZES.NB - 1:
+        for l0 in range(0, SIZES.L, COUNT_CHUNK):
+            ls = l0 + tl.arange(0, COUNT_CHUNK)
+            _deep_ep_totals(layout, None, ls, ls < SIZES.L, ls, 1, SIZES.W, SIZES.WP)
