@@ -46,9 +46,9 @@ stages also write DeepEP's ``src_info``, ``layout_range``, column-major scales a
 
 Stages. A launch runs the stages whose bits are in ``STAGES`` (``common.py``: ``D_*`` and
 ``C_*`` for the host, ``STAGE_*`` as the kernels test them): all of them, or a send half and a
-receive half (``return_recv_hook=True``). The CPU tests run the data stages alone (``D_SEND``,
-then ``D_RECV``; ``C_WEIGHTS``, ``C_REDUCE``, ``C_SUM``) for every virtual rank in turn under ``TRITON_INTERPRET=1``, since the
-waits read the GPU clock.
+receive half (``return_recv_hook=True``). The CPU tests run the data stages alone
+(``D_SEND``, then ``D_RECV``; ``C_WEIGHTS``, ``C_REDUCE``, ``C_SUM``) for every virtual rank
+in turn under ``TRITON_INTERPRET=1``, since the waits read the GPU clock.
 """
 from .combine import CombineRegions, combine_kernel
 from .common import (C_REDUCE, C_SIGNAL_P, C_SUM, C_SYNC_W, C_WAIT_P, C_WEIGHTS, COMBINE_ALL,

@@ -3,8 +3,8 @@ metadata words, as int32 words (flag dispatch) or LL words (``LL`` = 1).
 
 Block b owns experts ``b + NB * i`` (their counts, and the metadata of every top-k entry that
 names one of them) and tokens ``b + NB * j`` (their rows, and the -1 metadata of their entries
-for every other rank). One scan over this rank's top-k rows, a tile of TT tokens at a time,
-marks which tokens route to each own expert; an exclusive running sum of those marks is the
+for every other rank). One scan over this rank's top-k rows, ``TILING.SCAN_TILE`` tokens at
+a time, marks which tokens route to each own expert; an exclusive running sum of those marks is the
 prefix (earlier tokens of this rank routed to the same expert), and its total the count. A
 metadata word is ``(local expert << 16) | prefix``. The receiver then places the pair (s, t)'s
 row of expert e at ``sum(count[s'][e] for s' < s) + prefix``: rows are source rank major, then

@@ -155,7 +155,7 @@ def _copy_scales_deep_ep(dst, flat, first, sv, ROW, R: tl.constexpr, K: tl.const
 @triton.jit
 def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, SIZES, REGIONS, ROW,
                COUNT_CHUNK: tl.constexpr, FP8: tl.constexpr, CARRY: tl.constexpr,
-               POLL: tl.constexpr, PROFILE: tl.constexpr, OWN_X: tl.constexpr, stats,
+               POLL: tl.constexpr, PROFILE: tl.constexpr, OWN_ROWS_FROM_X: tl.constexpr, stats,
                STATS: tl.constexpr, deep, DEEP_EP: tl.constexpr):
     """The receive: what the flag dispatch's expand does, each word waited for where it is
     read: the sources' token counts (and call tags), then per owned pair its metadata, the
@@ -163,8 +163,9 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, SIZES, REGIONS, RO
     byte ``w_off``); the row slot is armed again with ROW_SENTINEL once copied. Sources in turn
     from this rank on: its own pairs first, whose rows are local while the peers' still cross.
     PROFILE: stamp 3 when this rank's own pairs are expanded, stamp 4 when the last row of a
-    later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x``
-    (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm.
+    later source arrived (tools/ep_timeline.py). OWN_ROWS_FROM_X: this rank's own rows are
+    read from ``x`` (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait
+    or a re-arm.
     STATS: every wait timed per source (``_take_ll_timed``; the token counts one source at a
     time) and the block's totals added to ``stats`` at the end. DEEP_EP: DeepEP's layouts too,
     into ``deep`` (a ``DeepOut``) and the scales into ``out.recv_scales`` in DeepEP's storage
@@ -262,7 +263,7 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, SIZES, REGIONS, RO
                 tl.store(out.src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
                 if DEEP_EP:     # DeepEP's src_info: the source token alone
                     tl.store(deep.src + flat, tl.full([KP], 0, tl.int32) + t, mask=first)
-                own_x = (s == reg.rank) & (OWN_X == 1)
+                own_x = (s == reg.rank) & (OWN_ROWS_FROM_X == 1)
                 if tl.max(valid.to(tl.int32), axis=0) > 0:      # the row was sent here
                     if own_x:
                         v = tl.load(x.to(tl.pointer_type(tl.int32)) + t * WORDS + ws, mask=wm)
@@ -328,7 +329,7 @@ def ll_dispatch_kernel(
     # tokens 15.7 -> 14.3 us: bench/results/ab/2026-11-30-ep-own-rows-from-x/): not FP8 rows,
     # whose bytes are the quantiser's, and only when one launch sends and receives (a hook's
     # caller may reuse x)
-    OWN_X: tl.constexpr = (FP8 == 0) & ((STAGES & (STAGE_SEND | STAGE_RECV)) ==
+    OWN_ROWS_FROM_X: tl.constexpr = (FP8 == 0) & ((STAGES & (STAGE_SEND | STAGE_RECV)) ==
                                         (STAGE_SEND | STAGE_RECV))
     NB: tl.constexpr = SIZES.NB
     b = tl.program_id(0)
@@ -344,14 +345,15 @@ def ll_dispatch_kernel(
         # metadata and counts first, then the rows (bench/results/ab/2026-11-30-ep-ll-dispatch/)
         _send_routing(topk, n_tok, err, reg, ehi, tag, SIZES, REGIONS, TILING, STAMP=1,
                       PROFILE=PROFILE, LL=1)
-        _push_rows(x, topk, n_tok, reg, SIZES, REGIONS, ROW, TILING.TOKENS_PER_BLOCK, FP8, OWN_X)
+        _push_rows(x, topk, n_tok, reg, SIZES, REGIONS, ROW, TILING.TOKENS_PER_BLOCK, FP8,
+                   OWN_ROWS_FROM_X)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
     if STAGES & STAGE_RECV:     # polls only with STAGE_WAIT (the interpreter tests read once)
         out = Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out)
         failed = _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, SIZES, REGIONS, ROW,
                             TILING.COUNT_CHUNK, FP8=FP8, CARRY=CARRY,
-                            POLL=(STAGES & STAGE_WAIT) != 0, PROFILE=PROFILE, OWN_X=OWN_X,
-                            stats=stats, STATS=STATS,
+                            POLL=(STAGES & STAGE_WAIT) != 0, PROFILE=PROFILE,
+                            OWN_ROWS_FROM_X=OWN_ROWS_FROM_X, stats=stats, STATS=STATS,
                             deep=DeepOut(deep_src, deep_layout, deep_stats), DEEP_EP=DEEP_EP)
         if broken | (failed != 0):
             # DeepEP's UE8M0 scales: one int32 word per four groups
