@@ -144,7 +144,7 @@ def combine_kernel(
     sig0 = (set_off + REGIONS.SIGNAL) // 8
     flags = _at(tab, rank, set_off + REGIONS.SIGNAL, tl.int64)
     reg = Region(tab, rank, set_off)
-    if STAGES & STAGE_WEIGHTS:
+    if STAGE_WEIGHTS & STAGES:
         if not CARRIED:
             _push_weights(wts, n_tok, reg, SIZES, REGIONS.WEIGHTS)
         _stamp(err, 1, PROFILE, 1, NB)  # weights pushed
@@ -152,7 +152,7 @@ def combine_kernel(
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
     ok = 1
-    if (STAGES & STAGE_SYNC_WEIGHTS) and not CARRIED:   # (the dispatch's signal carried them)
+    if (STAGE_SYNC_WEIGHTS & STAGES) and not CARRIED:   # (the dispatch's signal carried them)
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok, late = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err,
@@ -162,18 +162,18 @@ def combine_kernel(
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
             msk = msk | late
         _stamp(err, 2, PROFILE, 1, NB)  # weights of every rank arrived
-    if STAGES & STAGE_REDUCE:
+    if STAGE_REDUCE & STAGES:
         if ok:
             w_at = set_off + REGIONS.WEIGHTS
             if CARRIED:
                 w_at = w_off
             _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, SIZES, REGIONS.PARTIALS)
-    if STAGES & STAGE_SIGNAL_PARTIALS:
+    if STAGE_SIGNAL_PARTIALS & STAGES:
         tl.debug_barrier()              # outside ``if ok``: see _wait_flags
         if ok:
             _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
         _stamp(err, 3, PROFILE, 1, NB)  # partials reduced, pushed and signalled
-    if STAGES & STAGE_WAIT_PARTIALS:    # (in a recv-half launch ok is 1: the send half's
+    if STAGE_WAIT_PARTIALS & STAGES:    # (in a recv-half launch ok is 1: the send half's
         #                 failure, if any, is already in the error word and this wait then
         #                 times out too)
         ok, late = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
@@ -183,7 +183,7 @@ def combine_kernel(
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
             msk = msk | late
         _stamp(err, 4, PROFILE, 1, NB)  # partials of every rank arrived
-    if STAGES & STAGE_SUM:
+    if STAGE_SUM & STAGES:
         if ok:
             _sum_partials(topk, n_tok, out, reg, msk, SIZES, REGIONS.PARTIALS)
         if broken | (ok == 0):

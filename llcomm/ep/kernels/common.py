@@ -45,6 +45,7 @@ def symbol(name: str):
     mangled = f"_ZN6llcomm2ep{len(name)}{name}Ev"
     return lambda specialization: mangled
 
+
 # Stage bits (python ints for the host; the kernels test the same numbers). A launch runs the
 # stages in its STAGES mask: everything, or for ``return_recv_hook=True`` a send half and a
 # receive half in two launches.
@@ -57,7 +58,9 @@ COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM | C_SYNC_W | C_SIGNAL_P | C_WAIT_P
 # weights, signal, wait for them, reduce and push partials, signal | wait for partials; sum
 COMBINE_SEND_HALF = C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
 COMBINE_RECV_HALF = C_WAIT_P | C_SUM
-# The same bits as the kernels test them (a kernel reads only tl.constexpr globals).
+# The same bits as the kernels test them (a kernel reads only tl.constexpr globals), written
+# first in a test, ``STAGE_SEND & STAGES``: the interpreter passes STAGES as a Python int,
+# which cannot take a constexpr on its right.
 STAGE_SEND, STAGE_RECV = tl.constexpr(D_SEND), tl.constexpr(D_RECV)
 STAGE_SIGNAL, STAGE_WAIT = tl.constexpr(D_SIGNAL), tl.constexpr(D_WAIT)
 STAGE_WEIGHTS, STAGE_REDUCE = tl.constexpr(C_WEIGHTS), tl.constexpr(C_REDUCE)

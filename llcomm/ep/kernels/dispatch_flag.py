@@ -183,7 +183,7 @@ def flag_dispatch_kernel(
     set_off = (seq % 2) * REGIONS.SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     reg = Region(tab, rank, set_off)
-    if STAGES & STAGE_SEND:
+    if STAGE_SEND & STAGES:
         if CARRY:       # into the handle slot's region, released with the rows by the signal
             _push_weights(wts, n_tok, Region(tab, rank, w_off), SIZES, 0)
         # rows first: they cross NVLink while the block scans (their destinations need only
@@ -194,7 +194,7 @@ def flag_dispatch_kernel(
         _send_routing(topk, n_tok, err, reg, 0, tag, SIZES, REGIONS, TILING, STAMP=0,
                       PROFILE=PROFILE, LL=0)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
-    if STAGES & STAGE_SIGNAL:
+    if STAGE_SIGNAL & STAGES:
         tl.debug_barrier()
         _signal(tab, (set_off + REGIONS.SIGNAL) // 8 + (SIG_DISPATCH * NB + b) * W + rank, word,
                 W, SIZES.WP)
@@ -203,7 +203,7 @@ def flag_dispatch_kernel(
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
     ok = 1
-    if STAGES & STAGE_WAIT:
+    if STAGE_WAIT & STAGES:
         flags = _at(tab, rank, set_off + REGIONS.SIGNAL, tl.int64) + SIG_DISPATCH * NB * W
         ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
                                TILING.FLAGS_P2, W, msk, MASKS, stats, STATS)
@@ -219,7 +219,7 @@ def flag_dispatch_kernel(
                 tl.atomic_or(err + ERR_MASK, agreed, sem="relaxed", scope="gpu")
             msk = agreed
         _stamp(err, 4, PROFILE, 0, NB)
-    if STAGES & STAGE_RECV:
+    if STAGE_RECV & STAGES:
         deep = DeepOut(deep_src, deep_layout, deep_stats)
         out = Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out)
         if ok:

@@ -329,8 +329,8 @@ def ll_dispatch_kernel(
     # tokens 15.7 -> 14.3 us: bench/results/ab/2026-11-30-ep-own-rows-from-x/): not FP8 rows,
     # whose bytes are the quantiser's, and only when one launch sends and receives (a hook's
     # caller may reuse x)
-    OWN_ROWS_FROM_X: tl.constexpr = (FP8 == 0) & ((STAGES & (STAGE_SEND | STAGE_RECV)) ==
-                                        (STAGE_SEND | STAGE_RECV))
+    SEND_AND_RECV: tl.constexpr = STAGE_SEND | STAGE_RECV
+    OWN_ROWS_FROM_X: tl.constexpr = ((SEND_AND_RECV & STAGES) == SEND_AND_RECV) & (FP8 == 0)
     NB: tl.constexpr = SIZES.NB
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
@@ -339,7 +339,7 @@ def ll_dispatch_kernel(
     set_off = (seq % 2) * REGIONS.SET_BYTES
     ehi = (seq + 1) << LL_HI                        # this call's epoch bits
     reg = Region(tab, rank, set_off)
-    if STAGES & STAGE_SEND:
+    if STAGE_SEND & STAGES:
         if CARRY:       # the weights' own LL words, in this call's set
             _push_weights(wts, n_tok, reg, SIZES, REGIONS.WEIGHTS_LL, ehi, LL=1)
         # metadata and counts first, then the rows (bench/results/ab/2026-11-30-ep-ll-dispatch/)
@@ -348,11 +348,11 @@ def ll_dispatch_kernel(
         _push_rows(x, topk, n_tok, reg, SIZES, REGIONS, ROW, TILING.TOKENS_PER_BLOCK, FP8,
                    OWN_ROWS_FROM_X)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
-    if STAGES & STAGE_RECV:     # polls only with STAGE_WAIT (the interpreter tests read once)
+    if STAGE_RECV & STAGES:     # polls only with STAGE_WAIT (the interpreter tests read once)
         out = Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out)
         failed = _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, SIZES, REGIONS, ROW,
                             TILING.COUNT_CHUNK, FP8=FP8, CARRY=CARRY,
-                            POLL=(STAGES & STAGE_WAIT) != 0, PROFILE=PROFILE,
+                            POLL=(STAGE_WAIT & STAGES) != 0, PROFILE=PROFILE,
                             OWN_ROWS_FROM_X=OWN_ROWS_FROM_X, stats=stats, STATS=STATS,
                             deep=DeepOut(deep_src, deep_layout, deep_stats), DEEP_EP=DEEP_EP)
         if broken | (failed != 0):
