@@ -4,7 +4,7 @@ import torch
 
 from llcomm.ep import EPBuffer
 from llcomm.ep.layout import (ALIGN, DEFAULT_NUM_BLOCKS, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS,
-                              SIGNAL_PHASES, deepep_ll_size_hint, ep_layout)
+                              SIGNAL_PHASES, deepep_low_latency_size_hint, ep_layout)
 
 SHAPES = [  # (tokens, hidden, ranks, experts)
     (128, 7168, 2, 256), (256, 7168, 8, 256), (128, 4096, 8, 128), (1, 2048, 2, 128),
@@ -53,12 +53,12 @@ def test_size_hint_is_the_layout_and_below_deepep(T, H, W, E):
     hint = EPBuffer.size_hint(T, H, W, E, torch.bfloat16)
     assert hint == ep_layout(T, H, W, E, 2).total_bytes
     if E % 128 == 0 and H % 128 == 0:
-        assert hint <= deepep_ll_size_hint(T, H, W, E)
+        assert hint <= deepep_low_latency_size_hint(T, H, W, E)
 
 
 def test_deepseek_shape_numbers():
     # The anchor: DeepEP asks about 1.8 GiB at 128 tokens, hidden 7168, 256 experts.
-    deepep = deepep_ll_size_hint(128, 7168, 2, 256)
+    deepep = deepep_low_latency_size_hint(128, 7168, 2, 256)
     assert 1.7 * 2**30 < deepep < 1.8 * 2**30          # 1,908 MB: DeepEP's hint for these arguments
     ours = EPBuffer.size_hint(128, 7168, 2, 256, torch.bfloat16)
     # two sets x (dispatch + combine receive) x 2 ranks x 128 tokens x 14 KiB, plus metadata

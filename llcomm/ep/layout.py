@@ -240,8 +240,8 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
                     set_bytes=set_bytes, total_bytes=NUM_SETS * set_bytes, sets=sets)
 
 
-def deepep_ll_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                        num_experts: int) -> int:
+def deepep_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_ranks: int, num_experts: int) -> int:
     """What DeepEP's low-latency size hint asks for, for comparison (docs/ep.md).
 
     DeepEP keeps one message per (expert, token) in each of two buffer sets: dispatch messages
