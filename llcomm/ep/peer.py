@@ -53,6 +53,14 @@ def ll_dispatch(settings: EPSettings, max_tokens: int) -> int:
     return int(max_tokens <= LL_MAX_TOKENS) if settings.ll is None else settings.ll
 
 
+def _bundle(kind, **members):
+    """A constexpr bundle whose members are ``tl.constexpr`` themselves, as a kernel needs them
+    for shapes and ``tl.static_range`` (Triton 3.6 takes no plain int there; 3.7 and later
+    wrap one)."""
+    import triton.language as tl
+    return kind(**{k: tl.constexpr(v) for k, v in members.items()})
+
+
 def ll_row_consts(lay, fp8: int) -> dict:
     """``ROW`` of the dispatch kernels for an FP8 mode: FP8 scales per row and their pow2, and
     the int32 words per row slot of the LL dispatch (FP8: e4m3 bytes, four to a word; else
@@ -60,7 +68,8 @@ def ll_row_consts(lay, fp8: int) -> dict:
     from .kernels import RowFormat
     ns = lay.hidden // FP8_BLOCK if lay.hidden % FP8_BLOCK == 0 else 1
     words = (lay.hidden if fp8 else lay.hidden * lay.itemsize) // 4
-    return dict(ROW=RowFormat(SCALES=ns, SCALES_P2=_pow2(ns), WORDS=words, WORDS_P2=_pow2(words)))
+    return dict(ROW=_bundle(RowFormat, SCALES=ns, SCALES_P2=_pow2(ns), WORDS=words,
+                            WORDS_P2=_pow2(words)))
 
 
 def scan_tile(lay, topk: int) -> int:
@@ -91,25 +100,25 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int
     num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
     if ll is None:
         ll = ll_dispatch(settings, T)
-    sizes = Sizes(MAX_TOKENS=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W),
-                  NB=nb, MAX_TOPK=lay.max_topk)
+    sizes = _bundle(Sizes, MAX_TOKENS=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W,
+                    WP=_pow2(W), NB=nb, MAX_TOPK=lay.max_topk)
     if tile_tokens is None:
         tile_tokens = scan_tile(lay, topk)
     small = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
-    tiling = Tiling(EXPERTS_PER_BLOCK=_pow2(-(-E // nb)), SCAN_TILE=tile_tokens,
-                    SMALL_SCAN_TILE=small, TOKENS_PER_BLOCK=_pow2(-(-T // nb)),
-                    COUNT_CHUNK=min(_pow2(L), COUNT_CHUNK), FLAGS_P2=_pow2(nb * W))
-    regions = DispatchRegions(SET_BYTES=lay.set_bytes, SIGNAL=off["signal"], ROWS=off["recv_x"],
-                              META=off["recv_meta"], COUNTS=off["recv_count"],
-                              NTOK=off["recv_ntok"], SCALES=off["recv_scales"],
-                              WEIGHTS_LL=off["recv_weights"])
+    tiling = _bundle(Tiling, EXPERTS_PER_BLOCK=_pow2(-(-E // nb)), SCAN_TILE=tile_tokens,
+                     SMALL_SCAN_TILE=small, TOKENS_PER_BLOCK=_pow2(-(-T // nb)),
+                     COUNT_CHUNK=min(_pow2(L), COUNT_CHUNK), FLAGS_P2=_pow2(nb * W))
+    regions = _bundle(DispatchRegions, SET_BYTES=lay.set_bytes, SIGNAL=off["signal"],
+                      ROWS=off["recv_x"], META=off["recv_meta"], COUNTS=off["recv_count"],
+                      NTOK=off["recv_ntok"], SCALES=off["recv_scales"],
+                      WEIGHTS_LL=off["recv_weights"])
     d = dict(SIZES=sizes, REGIONS=regions, TILING=tiling, **ll_row_consts(lay, 0), PROFILE=0,
              STATS=0, CARRY=0)
     if not ll:
         d.update(MASKS=0)
-    c = dict(SIZES=sizes, REGIONS=CombineRegions(SET_BYTES=lay.set_bytes, SIGNAL=off["signal"],
-                                                 PARTIALS=off["combine_x"],
-                                                 WEIGHTS=off["combine_weights"]),
+    c = dict(SIZES=sizes, REGIONS=_bundle(CombineRegions, SET_BYTES=lay.set_bytes,
+                                          SIGNAL=off["signal"], PARTIALS=off["combine_x"],
+                                          WEIGHTS=off["combine_weights"]),
              MASKS=0, PROFILE=0, STATS=0, CARRIED=0)
     return d, c, num_warps
 
