@@ -54,10 +54,16 @@ def ll_dispatch(settings: EPSettings, max_tokens: int) -> int:
 
 
 def _bundle(kind, **members):
-    """A constexpr bundle whose members are ``tl.constexpr`` themselves, as a kernel needs them
-    for shapes and ``tl.static_range`` (Triton 3.6 takes no plain int there; 3.7 and later
-    wrap one)."""
+    """A constexpr bundle whose members are ``tl.constexpr`` themselves, as a compiled kernel
+    needs them for shapes and ``tl.static_range`` (Triton 3.6 takes no plain int there; 3.7 and
+    later wrap one). Plain ints for kernels made for the interpreter, which runs Python and
+    has no constexprs: there ``constexpr + tensor`` would wrap the tensor."""
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from . import kernels
+    if isinstance(kernels.combine_kernel, InterpretedFunction):
+        return kind(**members)
     return kind(**{k: tl.constexpr(v) for k, v in members.items()})
 
 
