@@ -116,8 +116,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64) for h in host]
     ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
     st = [torch.zeros(W, dtype=torch.int64) if stats else None for _ in range(W)]
-    # TT=4: several top-k tiles even at these small token counts; up to 2 tokens take the
-    # one-small-tile path (TS=2)
+    # scan tiles of 4 tokens: several even at these small token counts; up to 2 tokens take
+    # the one-small-tile path
     dc, cc, _ = kernel_consts(lay, topk, ll=ll, tile_tokens=4, small_tile_tokens=2)
     if ll:
         dc = dict(dc, **ll_row_consts(lay, fp8))

@@ -4,7 +4,7 @@ import torch
 
 from llcomm.ep import EPBuffer
 from llcomm.ep.layout import (ALIGN, DEFAULT_NUM_BLOCKS, MAX_TOPK, MAX_WAIT_FLAGS, NUM_SETS,
-                              SIGNAL_PHASES, deepep_ll_size_hint, ep_layout)
+                              SIGNAL_PHASES, deepep_low_latency_size_hint, ep_layout)
 
 SHAPES = [  # (tokens, hidden, ranks, experts)
     (128, 7168, 2, 256), (256, 7168, 8, 256), (128, 4096, 8, 128), (1, 2048, 2, 128),
@@ -25,7 +25,6 @@ def test_regions_disjoint_aligned_and_sized(T, H, W, E, dtype):
     spans = []
     for k, s in enumerate(lay.sets):
         assert s.base == k * lay.set_bytes and s.end == (k + 1) * lay.set_bytes
-        assert s.send_bytes == 0
         for name, size in need.items():
             off = getattr(s, name)
             assert off % ALIGN == 0, name
@@ -54,12 +53,12 @@ def test_size_hint_is_the_layout_and_below_deepep(T, H, W, E):
     hint = EPBuffer.size_hint(T, H, W, E, torch.bfloat16)
     assert hint == ep_layout(T, H, W, E, 2).total_bytes
     if E % 128 == 0 and H % 128 == 0:
-        assert hint <= deepep_ll_size_hint(T, H, W, E)
+        assert hint <= deepep_low_latency_size_hint(T, H, W, E)
 
 
 def test_deepseek_shape_numbers():
     # The issue's anchor: DeepEP asks about 1.8 GiB at 128 tokens, hidden 7168, 256 experts.
-    deepep = deepep_ll_size_hint(128, 7168, 2, 256)
+    deepep = deepep_low_latency_size_hint(128, 7168, 2, 256)
     assert 1.7 * 2**30 < deepep < 1.8 * 2**30          # 1,908 MB: DeepEP's hint for these arguments
     ours = EPBuffer.size_hint(128, 7168, 2, 256, torch.bfloat16)
     # two sets x (dispatch + combine receive) x 2 ranks x 128 tokens x 14 KiB, plus metadata
@@ -118,63 +117,55 @@ def test_fp8_size_hint_refusals():
         EPBuffer.size_hint(128, 128, 2, 256, torch.bfloat16, fp8="yes")
 
 
-def test_wait_lanes_knob(monkeypatch):
-    """LLCOMM_EP_WAIT_LANES picks how the EP waits poll: one lane per flag (default), or 1024."""
-    from llcomm.ep.peer import kernel_consts
-    WAIT_LANES_ENV = "LLCOMM_EP_WAIT_LANES"
+def test_kernels_take_the_declared_parameters():
+    """Both dispatch kernels take DISPATCH_ARGS, in that order, then the same constexpr
+    bundles; kernel_consts gives every constexpr each kernel has no default for (the flag
+    dispatch's wait polls every block's flag of every rank)."""
+    import inspect
+    from llcomm.ep import kernels as K
+    from llcomm.ep.peer import dispatch_kernel, kernel_consts
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    d, c, _ = kernel_consts(lay, 8, ll=0)        # the flag dispatch waits, the LL one not
-    assert (d["LANES"], c["LANES"]) == (2 * DEFAULT_NUM_BLOCKS, 2)
-    monkeypatch.setenv(WAIT_LANES_ENV, "block")
-    d, c, _ = kernel_consts(lay, 8, ll=0)
-    assert (d["LANES"], c["LANES"]) == (MAX_WAIT_FLAGS, MAX_WAIT_FLAGS)
-    monkeypatch.setenv(WAIT_LANES_ENV, "warps")
-    with pytest.raises(ValueError, match=WAIT_LANES_ENV):
-        kernel_consts(lay, 8)
+    for ll in (0, 1):
+        fn = dispatch_kernel(ll)
+        names = list(fn.arg_names)
+        assert tuple(names[:len(K.DISPATCH_ARGS)]) == K.DISPATCH_ARGS, fn
+        d, c, _ = kernel_consts(lay, 8, ll=ll)
+        for kern, consts in ((fn, d), (K.combine_kernel, c)):
+            params = inspect.signature(kern.fn).parameters
+            need = {n for n, p in params.items() if n.isupper() and p.default is p.empty}
+            assert need - {"STAGES", "FP8"} <= set(consts) <= set(params), (kern, ll)
+        assert d["TILING"].FLAGS_P2 == 2 * DEFAULT_NUM_BLOCKS
+        assert isinstance(d["SIZES"], K.Sizes) and d["SIZES"] == c["SIZES"]
 
 
-def test_order_and_tile_knobs(monkeypatch):
-    """Defaults: the LL dispatch with metadata before the rows up to LL_MAX_TOKENS, the flag
-    dispatch with rows before the scan above; one 128-token scan tile (fewer tokens per tile
-    when a block owns more experts); each env knob overrides and refuses a bad value by name."""
+def test_dispatch_choice_and_tiles(monkeypatch):
+    """Defaults: the LL dispatch up to LL_MAX_TOKENS, the flag dispatch above (LLCOMM_EP_LL
+    forces either, and refuses a bad value by name); one 128-token scan tile (fewer tokens per
+    tile when a block owns more experts) and a 16-token one for small sends."""
     from llcomm.ep.peer import LL_MAX_TOKENS, kernel_consts, ll_dispatch
     from llcomm.runtime.settings import EPSettings
-    LL_ENV, ROWS_FIRST_ENV = "LLCOMM_EP_LL", "LLCOMM_EP_ROWS_FIRST"
-    SCAN_TILE_ENV = "LLCOMM_EP_SCAN_TILE"
+    LL_ENV = "LLCOMM_EP_LL"
 
     def _ll(max_tokens):
         return ll_dispatch(EPSettings.read(), max_tokens)
     lay = ep_layout(128, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     d, _, _ = kernel_consts(lay, 8)
-    assert _ll(128) == 1 and "RW" in d and "MASKS" not in d     # the LL kernel's
-    assert (d["ROWS_FIRST"], d["TT"], d["TS"]) == (0, 128, 16)          # TS: small tile
+    assert _ll(128) == 1 and "MASKS" not in d     # the LL kernel's
+    assert (d["TILING"].SCAN_TILE, d["TILING"].SMALL_SCAN_TILE) == (128, 16)
+    assert (d["ROW"].WORDS, d["ROW"].SCALES) == (7168 * 2 // 4, 7168 // 128)
     big = ep_layout(512, 7168, 2, 256, 2, num_blocks=DEFAULT_NUM_BLOCKS)
     assert _ll(512) == 0 and "MASKS" in kernel_consts(big, 8)[0]   # the flag kernel's
-    assert kernel_consts(big, 8)[0]["ROWS_FIRST"] == 1
-    assert kernel_consts(lay, 8, ll=0)[0]["ROWS_FIRST"] == 1
     assert _ll(LL_MAX_TOKENS) == 1
     for v in ("0", "1"):        # forced either way, whatever the buffer
         monkeypatch.setenv(LL_ENV, v)
         assert _ll(128) == _ll(512) == int(v)
-        ll_keys = ["RW" in kernel_consts(b, 8)[0] for b in (lay, big)]
-        assert ll_keys == [v == "1"] * 2
-        assert kernel_consts(lay, 8)[0]["ROWS_FIRST"] == 1 - int(v)
+        assert ["MASKS" not in kernel_consts(b, 8)[0] for b in (lay, big)] == [v == "1"] * 2
     monkeypatch.setenv(LL_ENV, "yes")
     with pytest.raises(ValueError, match=LL_ENV):
         kernel_consts(lay, 8)
-    monkeypatch.setenv(LL_ENV, "0")     # the rest: the flag dispatch's defaults
-    assert kernel_consts(big, 8)[0]["TT"] == 128    # the tile is tokens x top-k x own experts
+    monkeypatch.delenv(LL_ENV)
+    assert kernel_consts(big, 8)[0]["TILING"].SCAN_TILE == 128    # tokens x top-k x experts
     many = ep_layout(128, 7168, 2, 4096, 2, num_blocks=DEFAULT_NUM_BLOCKS)
-    assert kernel_consts(many, 8)[0]["TT"] * 8 * 32 <= 8192
-    for name, value, key in ((ROWS_FIRST_ENV, "0", "ROWS_FIRST"), (SCAN_TILE_ENV, "32", "TT")):
-        monkeypatch.setenv(name, value)
-        assert kernel_consts(lay, 8)[0][key] == int(value)
-        if key == "TT":         # a tile of 32: the small tile stays 16; of 8: it is 8 too
-            assert kernel_consts(lay, 8)[0]["TS"] == 16
-            monkeypatch.setenv(name, "8")
-            assert (kernel_consts(lay, 8)[0]["TT"], kernel_consts(lay, 8)[0]["TS"]) == (8, 8)
-    for name, bad in ((ROWS_FIRST_ENV, "2"), (SCAN_TILE_ENV, "48")):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=name):
-            kernel_consts(lay, 8)
-        monkeypatch.delenv(name)
+    assert kernel_consts(many, 8)[0]["TILING"].SCAN_TILE * 8 * 32 <= 8192
+    tiling = kernel_consts(lay, 8, tile_tokens=8)[0]["TILING"]     # the small tile: at most it
+    assert (tiling.SCAN_TILE, tiling.SMALL_SCAN_TILE) == (8, 8)

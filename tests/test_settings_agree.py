@@ -67,7 +67,7 @@ def _agree_body(rank, world_size):
     os.environ["LLCOMM_TIMEOUT_MS"] = str(20000 + rank)
     os.environ["LLCOMM_PDL"] = str(rank)
     os.environ["LLCOMM_EP_NUM_BLOCKS"] = "32"
-    os.environ["LLCOMM_EP_WAIT_LANES"] = ("flags", "block")[rank]
+    os.environ["LLCOMM_EP_PROFILE"] = str(rank)
     for backend in ("reference", "auto"):
         comm = _build("tp", backend)
         assert comm.timeout_ms == 20000 + rank

@@ -60,17 +60,16 @@ def test_parsers_take_defaults_and_refuse_by_name():
     tp = S.TPSettings.read(2, environ={})
     assert (tp.num_blocks, tp.pdl, tp.timeout_ms) == (S.NUM_BLOCKS, 1, None)
     ep = S.EPSettings.read(environ={})
-    assert (ep.num_blocks, ep.ll, ep.wait_lanes, ep.num_warps, ep.profile) == \
-        (None, None, "flags", None, 0)
+    assert (ep.num_blocks, ep.ll, ep.profile) == (None, None, 0)
     set_ = {"LLCOMM_NUM_BLOCKS": "64", "LLCOMM_PDL": "0", "LLCOMM_TUNE_TABLE": "t.json"}
     tp = S.TPSettings.read(4, environ=set_)
     assert (tp.num_blocks, tp.pdl, tp.tune_table) == (64, 0, "t.json")
-    ep = S.EPSettings.read(environ={"LLCOMM_EP_NUM_WARPS": "8", "LLCOMM_EP_WAIT_LANES": "block",
-                                    "LLCOMM_EP_LL": "0", "LLCOMM_EP_SCAN_TILE": "32"})
-    assert (ep.num_warps, ep.wait_lanes, ep.ll, ep.scan_tile) == (8, "block", 0, 32)
+    ep = S.EPSettings.read(environ={"LLCOMM_EP_NUM_BLOCKS": "32", "LLCOMM_EP_LL": "0",
+                                    "LLCOMM_EP_PROFILE": "1"})
+    assert (ep.num_blocks, ep.ll, ep.profile) == (32, 0, 1)
     bad = {"LLCOMM_NUM_BLOCKS": ("0", "-1", "4K", ""), "LLCOMM_PDL": ("2", "yes", ""),
-           "LLCOMM_EP_NUM_WARPS": ("3", "64"), "LLCOMM_EP_PROFILE": ("on",),
-           "LLCOMM_EP_WAIT_LANES": ("warps",), "LLCOMM_EP_SCAN_TILE": ("48",)}
+           "LLCOMM_EP_NUM_BLOCKS": ("0", "x"), "LLCOMM_EP_PROFILE": ("on",),
+           "LLCOMM_EP_LL": ("2",)}
     tp_names = {f.metadata["env"] for f in dataclasses.fields(S.TPSettings)}
     for name, values in bad.items():
         def read(environ):

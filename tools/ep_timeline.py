@@ -29,18 +29,16 @@ from _checkout import argument_parser, use_llcomm_dir
 use_llcomm_dir()
 
 from llcomm.bench import spawn  # noqa: E402  (--llcomm DIR first)
-from llcomm.ep.peer import rows_first  # noqa: E402  (--llcomm DIR first)
 from llcomm.ep.fp8 import dequantize  # noqa: E402  (--llcomm DIR first)
 from llcomm.ep.layout import ERR_PROF, PROF_WORDS  # noqa: E402  (--llcomm DIR first)
-from llcomm.runtime.settings import EPSettings  # noqa: E402  (--llcomm DIR first)
 
 def stage_names(ll: int) -> dict:
     """Stage names, slot i = the stage that ends at stamp i (stamp 0 is the kernel start), for
     the flag dispatch or the LL one (``ll``: no signal, no wait; each word is waited for where
-    the expand reads it)."""
-    first = (("push rows", "scan top-k, counts, metadata")
-             if rows_first(EPSettings.read(), ll) else
-             ("scan top-k", "push rows, counts, metadata"))
+    the expand reads it). The flag dispatch pushes its rows before the top-k scan, the LL one
+    after it."""
+    first = (("scan top-k", "push rows, counts, metadata") if ll else
+             ("push rows", "scan top-k, counts, metadata"))
     rest = (("wait + expand own pairs", "wait for the peers' last row",
              "expand the peers' pairs") if ll else
             ("signal", "wait (all blocks, all ranks)", "expand"))

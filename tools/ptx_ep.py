@@ -17,7 +17,6 @@ order rounds the product and the sum separately), registers and spills.
 """
 import argparse
 import os
-import warnings
 import re
 import sys
 

@@ -461,7 +461,7 @@ class EPBuffer(RankMasks):
 
     # -- errors and lifetime --------------------------------------------------------------------
     def _precheck(self, fn: str) -> None:
-        bad = self._impl.take_bad_count(sync=False) if self.backend == "peer" else 0
+        bad = self._impl.take_bad_count() if self.backend == "peer" else 0
         if bad:
             raise ValueError(f"llcomm.EPBuffer.{fn}: an earlier dispatch got {bad} topk_idx "
                              f"entries outside [-1, {self.num_experts}); they were treated as -1 "
@@ -474,8 +474,8 @@ class EPBuffer(RankMasks):
         or out-of-range ``topk_idx`` entries (ValueError). Call it after graph replays."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        bad = self._impl.take_bad_count(sync=True) if self.backend == "peer" \
-            else (self._impl.take_bad_count() if self.device.type == "cuda" else 0)
+        bad = self._impl.take_bad_count() \
+            if self.backend == "peer" or self.device.type == "cuda" else 0
         if bad:
             raise ValueError(f"llcomm.EPBuffer.check: {bad} topk_idx entries outside [-1, "
                              f"{self.num_experts}) were treated as -1 (no expert)")

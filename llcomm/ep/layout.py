@@ -25,7 +25,7 @@ consecutive combines)::
     combine recv    dtype [num_ranks, max_tokens, hidden]          partials, slot (expert rank, t)
     combine weights fp32  [num_ranks, max_tokens, MAX_TOPK]        top-k weights, slot (src, t)
     handle weights  fp32  [num_ranks, max_tokens, MAX_TOPK]        weights carried by dispatch k
-    dispatch wts LL int64 [num_ranks, max_tokens, MAX_TOPK]        the same, in flight (LL mode)
+    dispatch wts LL int64 [num_ranks, max_tokens, MAX_TOPK]        the same, in flight (LL dispatch)
 
 The metadata, count and ntok words are 8 bytes: the LL dispatch (kernels/dispatch_ll.py) sends
 each as ``(epoch << 32) | value``; the flag dispatch uses the low half of each region as int32.
@@ -34,7 +34,7 @@ The dispatch receive region is armed with 0xFF bytes when the buffer is made (th
 
 There is no send region: every push goes straight from the caller's tensor (``x`` in dispatch,
 the reduced partial held in registers in combine) into the peer's receive region, so a send
-staging area would only add a copy. ``EPSetLayout.send_bytes`` is 0 to say so explicitly.
+staging area would only add a copy.
 
 FP8 (``fp8=True``): the dispatch receive region is sized for FP8 rows and their scales only
 (``hidden + hidden // 32`` bytes per slot instead of ``hidden * itemsize``), and such a buffer
@@ -117,7 +117,6 @@ class EPSetLayout:
     dispatch_weights: int           # handle slot k's weights when the dispatch carries them
     recv_weights: int               # LL dispatch: carried weights as LL words, before the copy
     end: int
-    send_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,8 +240,8 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
                     set_bytes=set_bytes, total_bytes=NUM_SETS * set_bytes, sets=sets)
 
 
-def deepep_ll_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                        num_experts: int) -> int:
+def deepep_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_ranks: int, num_experts: int) -> int:
     """What DeepEP's low-latency size hint asks for, for comparison (docs/ep.md).
 
     DeepEP keeps one message per (expert, token) in each of two buffer sets: dispatch messages

@@ -10,46 +10,40 @@ from ..runtime import protocol as P
 from ..runtime.settings import EPSettings
 from .fp8 import FP8_BLOCK
 from .masks import update_mask_word
-from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, MAX_WAIT_FLAGS, PROF_WORDS,
+from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, PROF_WORDS,
                      default_num_blocks, ep_layout)
 
 #: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
 #: block owns many experts, so the scan's compare tile (tokens x top-k x the block's experts)
 #: stays within SCAN_TILE_ELEMS. Each tile is a dependent global load plus block-wide sums.
+#: 128 beat 32 at 128 tokens by 2.1 us (bench/results/ab/2026-11-30-ep-block-shape/).
 TOPK_TILE_TOKENS = 128
 SCAN_TILE_ELEMS = 8192
 #: The scan's tile when one tile of this many tokens covers them all: faster at 1 token, slower
 #: as the only tile size at 128, so it only ever runs once
 #: (bench/results/ab/2026-11-30-ep-block-shape/).
 SMALL_SCAN_TILE = 16
-# The EP knobs (scan tile, push order, LL or flag dispatch, wait lanes, warps, profiling) are
-# EPSettings fields (llcomm/runtime/settings.py), read once by EPBuffer; only LLCOMM_EP_LL and
-# LLCOMM_EP_NUM_BLOCKS change what crosses between ranks.
+# The EP settings (EPSettings, llcomm/runtime/settings.py, read once by EPBuffer): blocks,
+# the LL or the flag dispatch, profiling; only LLCOMM_EP_LL and LLCOMM_EP_NUM_BLOCKS change
+# what crosses between ranks.
 #: Largest buffer (max tokens per rank) that runs the LL dispatch unless LLCOMM_EP_LL says
 #: otherwise: faster than the flag dispatch up to it, slower with the buffer for 512 tokens,
 #: whose receive slots it arms again after every read (bench/results/ab/2026-11-30-ep-ll-dispatch/).
 LL_MAX_TOKENS = 256
 #: Local experts summed per step when the dispatch kernel writes recv_count.
 COUNT_CHUNK = 1024
-#: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden).
+#: 16-byte vectors each thread keeps of a token row (sets num_warps from hidden: 8 warps at
+#: hidden 7168 bf16 beat 16 in both dispatches: bench/results/ab/2026-11-30-ep-block-shape/).
 VECTORS_PER_THREAD = 4
 MAX_WARPS = 16
+
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-
-def rows_first(settings: EPSettings, ll: int = 0) -> int:
-    """ROWS_FIRST of the dispatch kernels: ``LLCOMM_EP_ROWS_FIRST``, by default 1 for the flag
-    dispatch and 0 for the LL one (metadata and counts first measured faster there:
-    bench/results/ab/2026-11-30-ep-ll-dispatch/)."""
-    return (0 if ll else 1) if settings.rows_first is None else settings.rows_first
 
 
 def ll_dispatch(settings: EPSettings, max_tokens: int) -> int:
@@ -59,11 +53,37 @@ def ll_dispatch(settings: EPSettings, max_tokens: int) -> int:
     return int(max_tokens <= LL_MAX_TOKENS) if settings.ll is None else settings.ll
 
 
+def _bundle(kind, **members):
+    """A constexpr bundle whose members are ``tl.constexpr`` themselves, as a compiled kernel
+    needs them for shapes and ``tl.static_range`` (Triton 3.6 takes no plain int there; 3.7 and
+    later wrap one). Plain ints for kernels made for the interpreter, which runs Python and
+    has no constexprs: there ``constexpr + tensor`` would wrap the tensor."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from . import kernels
+    if isinstance(kernels.combine_kernel, InterpretedFunction):
+        return kind(**members)
+    return kind(**{k: tl.constexpr(v) for k, v in members.items()})
+
+
 def ll_row_consts(lay, fp8: int) -> dict:
-    """RW and HPW of the LL dispatch: int32 words per row slot (FP8: e4m3 bytes, four to a
-    word; else buffer-dtype rows) and the power of two above."""
-    rw = (lay.hidden if fp8 else lay.hidden * lay.itemsize) // 4
-    return dict(RW=rw, HPW=_pow2(rw))
+    """``ROW`` of the dispatch kernels for an FP8 mode: FP8 scales per row and their pow2, and
+    the int32 words per row slot of the LL dispatch (FP8: e4m3 bytes, four to a word; else
+    buffer-dtype rows) and the power of two above."""
+    from .kernels import RowFormat
+    ns = lay.hidden // FP8_BLOCK if lay.hidden % FP8_BLOCK == 0 else 1
+    words = (lay.hidden if fp8 else lay.hidden * lay.itemsize) // 4
+    return dict(ROW=_bundle(RowFormat, SCALES=ns, SCALES_P2=_pow2(ns), WORDS=words,
+                            WORDS_P2=_pow2(words)))
+
+
+def scan_tile(lay, topk: int) -> int:
+    """Tokens per tile of the dispatch's top-k scan: TOPK_TILE_TOKENS, fewer (a power of two)
+    when the compare tile of top-k x the block's experts would pass SCAN_TILE_ELEMS."""
+    per_token = _pow2(topk) * _pow2(-(-lay.num_experts // lay.num_blocks))
+    tile = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
+    return 1 << (tile.bit_length() - 1)
 
 
 def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int | None = None,
@@ -76,6 +96,7 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int
     ``dispatch_kernel`` names it. Shared with tools/ptx_ep.py and the interpreter tests (which
     pick small tiles with ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span
     several)."""
+    from .kernels import CombineRegions, DispatchRegions, Sizes, Tiling
     if settings is None:
         settings = EPSettings.read()
     W, T, H, E, nb = lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.num_blocks
@@ -83,34 +104,28 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int
     off = lay.offsets()
     hp = _pow2(H)
     num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
-    if settings.num_warps is not None:
-        num_warps = settings.num_warps
     if ll is None:
         ll = ll_dispatch(settings, T)
-    common = dict(T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W, WP=_pow2(W), NB=nb,
-                  MAX_TOPK=lay.max_topk, SET_BYTES=lay.set_bytes, PROFILE=0, STATS=0)
-    jp = _pow2(-(-T // nb))
+    sizes = _bundle(Sizes, MAX_TOKENS=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=E, L=L, W=W,
+                    WP=_pow2(W), NB=nb, MAX_TOPK=lay.max_topk)
     if tile_tokens is None:
-        tile_tokens = settings.scan_tile
-    if not tile_tokens:
-        per_token = _pow2(topk) * _pow2(-(-E // nb))   # top-k x this block's experts
-        tile_tokens = max(1, min(TOPK_TILE_TOKENS, SCAN_TILE_ELEMS // per_token))
-        tile_tokens = 1 << (tile_tokens.bit_length() - 1)
-    ns = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 1
-    fp = _pow2(nb * W)
-    block = settings.wait_lanes == "block"
-    ts = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
-    d = dict(common, LB=min(_pow2(L), COUNT_CHUNK), EB=_pow2(-(-E // nb)), TT=tile_tokens, TS=ts,
-             JP=jp, OFF_X=off["recv_x"], OFF_META=off["recv_meta"], OFF_CNT=off["recv_count"],
-             OFF_NTOK=off["recv_ntok"], NS=ns, NSP=_pow2(ns), OFF_SC=off["recv_scales"],
-             ROWS_FIRST=rows_first(settings, ll), CARRY=0)
-    if ll:
-        d.update(OFF_WLL=off["recv_weights"], OWN_X=settings.own_x, **ll_row_consts(lay, 0))
-    else:
-        d.update(FP=fp, OFF_SIG=off["signal"], MASKS=0, LANES=MAX_WAIT_FLAGS if block else fp)
-    c = dict(common, OFF_SIG=off["signal"], MASKS=0, OFF_CX=off["combine_x"],
-             OFF_CW=off["combine_weights"], LANES=MAX_WAIT_FLAGS if block else _pow2(W),
-             CARRIED=0)
+        tile_tokens = scan_tile(lay, topk)
+    small = min(tile_tokens, SMALL_SCAN_TILE if small_tile_tokens is None else small_tile_tokens)
+    tiling = _bundle(Tiling, EXPERTS_PER_BLOCK=_pow2(-(-E // nb)), SCAN_TILE=tile_tokens,
+                     SMALL_SCAN_TILE=small, TOKENS_PER_BLOCK=_pow2(-(-T // nb)),
+                     COUNT_CHUNK=min(_pow2(L), COUNT_CHUNK), FLAGS_P2=_pow2(nb * W))
+    regions = _bundle(DispatchRegions, SET_BYTES=lay.set_bytes, SIGNAL=off["signal"],
+                      ROWS=off["recv_x"], META=off["recv_meta"], COUNTS=off["recv_count"],
+                      NTOK=off["recv_ntok"], SCALES=off["recv_scales"],
+                      WEIGHTS_LL=off["recv_weights"])
+    d = dict(SIZES=sizes, REGIONS=regions, TILING=tiling, **ll_row_consts(lay, 0), PROFILE=0,
+             STATS=0, CARRY=0)
+    if not ll:
+        d.update(MASKS=0)
+    c = dict(SIZES=sizes, REGIONS=_bundle(CombineRegions, SET_BYTES=lay.set_bytes,
+                                          SIGNAL=off["signal"], PARTIALS=off["combine_x"],
+                                          WEIGHTS=off["combine_weights"]),
+             MASKS=0, PROFILE=0, STATS=0, CARRIED=0)
     return d, c, num_warps
 
 
@@ -152,7 +167,7 @@ class PeerEP:
         self.ll = 0 if buf.enable_masks else ll_dispatch(settings, buf.max_tokens)
         self.dispatch_kernel = dispatch_kernel(self.ll)
         self.combine_kernel = kernels.combine_kernel
-        self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # RW, HPW by FP8 mode
+        self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # ROW by FP8 mode
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
         self._ctrl = (self.ctrl[0], self.ctrl[1])   # dispatch's, combine's (made once: a view
         #                                             costs microseconds per eager call)
@@ -306,7 +321,10 @@ class PeerEP:
     def set_mask(self, rank: int, masked: bool) -> None:
         update_mask_word(self.err, rank, masked)
 
-    def take_bad_count(self, sync: bool) -> int:
+    def take_bad_count(self) -> int:
+        """Out-of-range top-k entries seen since the last call: the kernels store the count
+        into pinned host memory, so this needs no synchronisation (what has not landed yet
+        is read at the next call)."""
         bad = int(self._host_np[1])
         if bad:
             self._host_np[1] = 0

@@ -58,23 +58,6 @@ def text(name: str, raw: str) -> str | None:
     return raw or None          # set but empty: as if unset
 
 
-def one_of(*choices: str) -> Callable[[str, str], str]:
-    def parse(name: str, raw: str) -> str:
-        if raw not in choices:
-            listed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
-            raise ValueError(f"{name}={raw!r}: expected {listed}")
-        return raw
-    return parse
-
-
-def warps(name: str, raw: str) -> int | None:
-    if not raw:
-        return None             # set but empty: as if unset
-    if raw not in ("1", "2", "4", "8", "16", "32"):
-        raise ValueError(f"{name}={raw!r}: expected 1, 2, 4, 8, 16 or 32")
-    return int(raw)
-
-
 # -- declaring and reading ---------------------------------------------------------------------
 def setting(env: str, default: Any, parse: Callable[[str, str], Any], *, agree: bool = False):
     """A settings field: ``default`` when ``env`` is unset, else ``parse(env, raw)``."""
@@ -144,18 +127,6 @@ class EPSettings(_Shared):
     num_blocks: int | None = setting("LLCOMM_EP_NUM_BLOCKS", None, positive, agree=True)
     #: 1: the LL dispatch, 0: the flag dispatch (None: by the buffer's size, ep/peer.py)
     ll: int | None = setting("LLCOMM_EP_LL", None, bit, agree=True)
-    #: the dispatch pushes rows before its top-k scan (None: 1 for the flag dispatch, 0 for LL)
-    rows_first: int | None = setting("LLCOMM_EP_ROWS_FIRST", None, bit)
-    #: the LL dispatch expands this rank's own rows straight from x, not through its own
-    #: receive slots (15.7 -> 14.3 us at 128 tokens on 2xH200;
-    #: bench/results/ab/2026-11-30-ep-own-rows-from-x/)
-    own_x: int = setting("LLCOMM_EP_OWN_X", 1, bit)
-    #: tokens per tile of the dispatch's top-k scan (None: from the shapes, ep/peer.py
-    #: TOPK_TILE_TOKENS)
-    scan_tile: int | None = setting("LLCOMM_EP_SCAN_TILE", None, pow2)
-    wait_lanes: str = setting("LLCOMM_EP_WAIT_LANES", "flags", one_of("block", "flags"))
-    #: warps of the EP kernels (None: from hidden)
-    num_warps: int | None = setting("LLCOMM_EP_NUM_WARPS", None, warps)
     #: 1: the kernels stamp each stage's clock (tools/ep_timeline.py)
     profile: int = setting("LLCOMM_EP_PROFILE", 0, bit)
     #: ranks per host, declared (None: detected from the host names; runtime/hosts.py)

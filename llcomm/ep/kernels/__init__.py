@@ -6,11 +6,17 @@ bounded waits and the local work that follows: ``flag_dispatch_kernel`` (``dispa
 code: ``common`` (flags, waits, masks, stamps), ``dispatch_common`` (the send stage's scan,
 counts and metadata), ``fp8`` (the quantiser).
 
-The kernels take flat arguments (what the host passes, by name: ``peer.kernel_consts``) and
-bundle them once at their start into namedtuples the helpers take: ``common.Sizes`` and the
-dispatch's ``Recv`` / ``Tiles`` / ``LLRows`` (constexpr: assigned as ``S: tl.constexpr =
-Sizes(...)``, since a plain assignment would turn their members into tensors), and
-``common.Region`` / ``dispatch_common.Out`` (runtime values and pointers).
+Parameters. The runtime arguments come first, flat (what the host passes in order: the
+dispatch's are ``dispatch_common.DISPATCH_ARGS``, the same for both dispatch kernels), then
+the constexprs, bundled in namedtuples the host builds once per buffer (``peer.kernel_consts``)
+and the device helpers take as they are: ``SIZES`` (``common.Sizes``: tokens, hidden, top-k,
+experts, ranks, blocks), ``REGIONS`` (byte offsets in a buffer set:
+``dispatch_common.DispatchRegions``, ``combine.CombineRegions``), and for the dispatch
+``TILING`` (``dispatch_common.Tiling``: how its loops are cut) and ``ROW``
+(``dispatch_common.RowFormat``: scales and int32 words per row); then the mode switches
+(``STAGES``, ``FP8``, ``MASKS``, ``PROFILE``, ``CARRY`` / ``CARRIED``, ``STATS``,
+``DEEP_EP``, ``PDL``). Runtime values the helpers share are bundled in the kernel:
+``common.Region`` (the region table, this rank, the set's offset) and ``dispatch_common.Out``.
 
 Buffer sets. Each op's block counter (``ctrl``) picks the set (counter % 2) and the epoch of
 its flag and LL words; dispatch and combine count separately. Two sets suffice because every op
@@ -38,15 +44,18 @@ DeepEP's layouts (``DEEP_EP`` != 0, ``dispatch(deep_ep=...)``): the dispatch ker
 stages also write DeepEP's ``src_info``, ``layout_range``, column-major scales and statistics
 (``deep_ep_layout``); their pointers are None otherwise, and the kernels compile as before.
 
-The CPU tests run the data stages alone (``D_SEND``, then ``D_RECV``; ``C_WEIGHTS``,
-``C_REDUCE``, ``C_SUM``) for every virtual rank in turn under ``TRITON_INTERPRET=1``, since the
-waits read the GPU clock.
+Stages. A launch runs the stages whose bits are in ``STAGES`` (``common.py``: ``D_*`` and
+``C_*`` for the host, ``STAGE_*`` as the kernels test them): all of them, or a send half and a
+receive half (``return_recv_hook=True``). The CPU tests run the data stages alone
+(``D_SEND``, then ``D_RECV``; ``C_WEIGHTS``, ``C_REDUCE``, ``C_SUM``) for every virtual rank
+in turn under ``TRITON_INTERPRET=1``, since the waits read the GPU clock.
 """
-from .combine import combine_kernel
+from .combine import CombineRegions, combine_kernel
 from .common import (C_REDUCE, C_SIGNAL_P, C_SUM, C_SYNC_W, C_WAIT_P, C_WEIGHTS, COMBINE_ALL,
                      COMBINE_RECV_HALF, COMBINE_SEND_HALF, D_RECV, D_SEND, D_SIGNAL, D_WAIT,
-                     DISPATCH_ALL, DISPATCH_RECV_HALF, DISPATCH_SEND_HALF, ERR_MASK)
+                     DISPATCH_ALL, DISPATCH_RECV_HALF, DISPATCH_SEND_HALF, ERR_MASK, Sizes)
 from .deep_ep_layout import DEEP_EP_FP32, DEEP_EP_OFF, DEEP_EP_UE8M0
+from .dispatch_common import DISPATCH_ARGS, DispatchRegions, RowFormat, Tiling
 from .dispatch_flag import flag_dispatch_kernel
 from .dispatch_ll import ll_dispatch_kernel
 
@@ -54,4 +63,5 @@ __all__ = ["flag_dispatch_kernel", "ll_dispatch_kernel", "combine_kernel", "D_SE
            "D_SIGNAL", "D_WAIT", "DISPATCH_ALL", "DISPATCH_SEND_HALF", "DISPATCH_RECV_HALF",
            "C_WEIGHTS", "C_REDUCE", "C_SUM", "C_SYNC_W", "C_SIGNAL_P", "C_WAIT_P", "COMBINE_ALL",
            "COMBINE_SEND_HALF", "COMBINE_RECV_HALF", "ERR_MASK", "DEEP_EP_OFF", "DEEP_EP_FP32",
-           "DEEP_EP_UE8M0"]
+           "DEEP_EP_UE8M0", "Sizes", "DispatchRegions", "Tiling", "RowFormat", "CombineRegions",
+           "DISPATCH_ARGS"]

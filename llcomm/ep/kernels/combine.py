@@ -1,16 +1,16 @@
 """The combine: each expert output back to the token's source rank, weighted and summed in a
 fixed order. One launch of NB blocks; block b:
 
-A. weights (``C_WEIGHTS``): pushes ``topk_weights[t]`` of the tokens it owns (the rule of
-   ``common._first_token`` with s = this rank) to every rank; signal; wait for block b of
-   every rank (``C_SYNC_W``; block b of a receiver only reduces the pairs (s, t) that block b
-   of s owns).
-B. reduce (``C_REDUCE``): for each pair (s, t) of its tokens with a local expert, the expert
+A. weights (``STAGE_WEIGHTS``): pushes ``topk_weights[t]`` of the tokens it owns (the rule
+   of ``common._first_token`` with s = this rank) to every rank; signal; wait for block b of
+   every rank (``STAGE_SYNC_WEIGHTS``; block b of a receiver only reduces the pairs (s, t)
+   that block b of s owns).
+B. reduce (``STAGE_REDUCE``): for each pair (s, t) of its tokens with a local expert, the expert
    outputs of the pair's local top-k entries weighted and summed **in k order in fp32**
    (``acc = acc + w_k * y_k``, no FMA contraction), rounded once to the buffer dtype, and
-   pushed into slot ``(this rank, t)`` of rank s; signal (``C_SIGNAL_P``); wait for block b of
-   every rank (``C_WAIT_P``).
-C. sum (``C_SUM``): for each token t of its own, the partials of the ranks t was routed to,
+   pushed into slot ``(this rank, t)`` of rank s; signal (``STAGE_SIGNAL_PARTIALS``); wait for
+   block b of every rank (``STAGE_WAIT_PARTIALS``).
+C. sum (``STAGE_SUM``): for each token t of its own, the partials of the ranks t was routed to,
    summed **in rank order in fp32** from +0.0 and rounded once into ``out[t]``. A block whose
    wait failed, or that started after this rank had failed, fills those rows with NaN
    (``common._poison_sum``) instead.
@@ -21,13 +21,21 @@ of the dispatch's regions: what it needs of a dispatch (``row_of``, ``ntok``) is
 slot, local memory. Rank masks: each block uses its own waits' view of the mask; a masked
 rank's pairs are not reduced and its partials are left out of the sum.
 """
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
 from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_ENTRY, PHASE_EXIT, PROF_LAST,
-                     SIG_PARTIALS, SIG_WEIGHTS, Region, Sizes, _at, _first_token, _masked,
-                     _poison_sum, _push_weights, _rank_bits, _signal, _stamp, _wait_flags, symbol)
+                     SIG_PARTIALS, SIG_WEIGHTS, STAGE_REDUCE, STAGE_SIGNAL_PARTIALS, STAGE_SUM,
+                     STAGE_SYNC_WEIGHTS, STAGE_WAIT_PARTIALS, STAGE_WEIGHTS, Region, _at,
+                     _first_token, _masked, _poison_sum, _push_weights, _rank_bits, _signal,
+                     _stamp, _wait_flags, symbol)
+
+#: Byte offsets in a buffer set (constexpr ``REGIONS`` of the combine): the set's size, the
+#: flags, the partials' receive slots and the top-k weights' slots.
+CombineRegions = namedtuple("CombineRegions", ["SET_BYTES", "SIGNAL", "PARTIALS", "WEIGHTS"])
 
 
 @triton.jit
@@ -55,7 +63,7 @@ def _reduce_pair(eo, rows, wp, pp, H: tl.constexpr, HP: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, S, OFF_CX: tl.constexpr):
+def _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, SIZES, PARTIALS: tl.constexpr):
     """Stage B: per received pair (s, t), its local experts' outputs weighted and summed in k
     order in fp32, rounded once, pushed into slot (rank, t) of rank s. The weights are read
     from this rank's region at byte ``w_at``. Sources in the bit mask ``msk`` (masked ranks)
@@ -63,44 +71,46 @@ def _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, S, OFF_CX: tl.constexp
     b = tl.program_id(0)
     eo_dt = eo.dtype.element_ty
     wl = _at(reg.tab, reg.rank, w_at, tl.float32)
-    ps = tl.arange(0, S.WP)
-    nts = tl.where(_masked(msk, ps), 0, tl.load(ntok_in + ps, mask=ps < S.W, other=0))
-    for i in range(S.W):
+    ps = tl.arange(0, SIZES.WP)
+    nts = tl.where(_masked(msk, ps), 0, tl.load(ntok_in + ps, mask=ps < SIZES.W, other=0))
+    MAX_TOKENS: tl.constexpr = SIZES.MAX_TOKENS
+    for i in range(SIZES.W):
         # peers first, this rank's own pairs last: their partials cross NVLink while the own
         # pairs are reduced (the release before the signal waits for them to land)
-        s = (reg.rank + 1 + i) % S.W
+        s = (reg.rank + 1 + i) % SIZES.W
         n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
-        cx = _at(reg.tab, s, reg.set_off + OFF_CX, eo_dt)
-        for t in range(_first_token(b, s, S.NB, S.W), n_s, S.NB):
-            _reduce_pair(eo, row_of + (s * S.T + t) * S.K, wl + (s * S.T + t) * S.MAX_TOPK,
-                         cx + (reg.rank * S.T + t) * S.H, S.H, S.HP, S.K)
+        cx = _at(reg.tab, s, reg.set_off + PARTIALS, eo_dt)
+        for t in range(_first_token(b, s, SIZES.NB, SIZES.W), n_s, SIZES.NB):
+            _reduce_pair(eo, row_of + (s * MAX_TOKENS + t) * SIZES.K,
+                         wl + (s * MAX_TOKENS + t) * SIZES.MAX_TOPK,
+                         cx + (reg.rank * MAX_TOKENS + t) * SIZES.H, SIZES.H, SIZES.HP, SIZES.K)
 
 
 @triton.jit
-def _sum_partials(topk, n_tok, out, reg, msk, S, OFF_CX: tl.constexpr):
+def _sum_partials(topk, n_tok, out, reg, msk, SIZES, PARTIALS: tl.constexpr):
     """Stage C: each own token's partials, from the ranks it went to, in rank order. Partials
     of ranks in the bit mask ``msk`` (masked ranks) are skipped (count as zero); a token routed
     to masked ranks only gets zeros."""
     b = tl.program_id(0)
     DT = out.dtype.element_ty
-    hs = tl.arange(0, S.HP)
-    hm = hs < S.H
-    cl = _at(reg.tab, reg.rank, reg.set_off + OFF_CX, DT)
-    for t in range(_first_token(b, reg.rank, S.NB, S.W), n_tok, S.NB):
-        bits = _rank_bits(topk + t * S.K, S.K, S.E, S.L)
-        acc = tl.zeros([S.HP], tl.float32)
-        for d in tl.static_range(S.W):
+    hs = tl.arange(0, SIZES.HP)
+    hm = hs < SIZES.H
+    cl = _at(reg.tab, reg.rank, reg.set_off + PARTIALS, DT)
+    for t in range(_first_token(b, reg.rank, SIZES.NB, SIZES.W), n_tok, SIZES.NB):
+        bits = _rank_bits(topk + t * SIZES.K, SIZES.K, SIZES.E, SIZES.L)
+        acc = tl.zeros([SIZES.HP], tl.float32)
+        for d in tl.static_range(SIZES.W):
             wd = (bits >> d) & 1 & ~(msk >> d)
             went = wd != 0
-            p = tl.load(cl + (d * S.T + t) * S.H + hs, mask=hm & ((hs * 0 + wd) != 0),
-                        other=0.0).to(tl.float32)
+            p = tl.load(cl + (d * SIZES.MAX_TOKENS + t) * SIZES.H + hs,
+                        mask=hm & ((hs * 0 + wd) != 0), other=0.0).to(tl.float32)
             acc = tl.where(went, acc + p, acc)
-        tl.store(out + t * S.H + hs, acc.to(DT), mask=hm)
+        tl.store(out + t * SIZES.H + hs, acc.to(DT), mask=hm)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("combine"))
 def combine_kernel(
-        eo,             # [L, W * T, H] expert outputs (buffer dtype)
+        eo,             # [L, W * T, H] expert outputs (buffer dtype); T: SIZES.MAX_TOKENS
         topk,           # [n_tok, K] int64, as given to the dispatch
         wts,            # [n_tok, K] fp32 top-k weights (not CARRIED; any pointer otherwise)
         n_tok,          # tokens of this rank (the dispatch's)
@@ -113,73 +123,70 @@ def combine_kernel(
         rank, tag, timeout_us,
         w_off,          # CARRIED: byte offset of the handle slot's weights region (this rank)
         stats,          # STATS: [W] int64 wait statistics (ns waited per source; common.py)
-        T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, K: tl.constexpr,
-        KP: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-        W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, MAX_TOPK: tl.constexpr,
-        SET_BYTES: tl.constexpr, OFF_SIG: tl.constexpr, OFF_CX: tl.constexpr,
-        OFF_CW: tl.constexpr,
-        STAGES: tl.constexpr,           # C_* bits (common.py)
+        SIZES: tl.constexpr,            # common.Sizes
+        REGIONS: tl.constexpr,          # CombineRegions
+        STAGES: tl.constexpr,           # STAGE_WEIGHTS | STAGE_SYNC_WEIGHTS | ... (common.py)
         MASKS: tl.constexpr,            # 1: rank masks (err[ERR_MASK])
-        LANES: tl.constexpr,            # lanes of each wait's poll (_wait_flags)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRIED: tl.constexpr = 0,      # 1: the dispatch carried the weights
         STATS: tl.constexpr = 0,        # 1: wait statistics into stats (both waits)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
-    S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
+    NB: tl.constexpr = SIZES.NB
+    W: tl.constexpr = SIZES.W
+    WP: tl.constexpr = SIZES.WP
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 1, NB)
     timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
     seq = tl.load(ctrl + b)
-    set_off = (seq % 2) * SET_BYTES
+    set_off = (seq % 2) * REGIONS.SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
-    sig0 = (set_off + OFF_SIG) // 8
-    flags = _at(tab, rank, set_off + OFF_SIG, tl.int64)
+    sig0 = (set_off + REGIONS.SIGNAL) // 8
+    flags = _at(tab, rank, set_off + REGIONS.SIGNAL, tl.int64)
     reg = Region(tab, rank, set_off)
-    if STAGES & 1:      # C_WEIGHTS
+    if STAGE_WEIGHTS & STAGES:
         if not CARRIED:
-            _push_weights(wts, n_tok, reg, S, OFF_CW)
+            _push_weights(wts, n_tok, reg, SIZES, REGIONS.WEIGHTS)
         _stamp(err, 1, PROFILE, 1, NB)  # weights pushed
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
         msk = tl.load(err + ERR_MASK, volatile=True)
     ok = 1
-    if (STAGES & 8) and not CARRIED:    # C_SYNC_W (the dispatch's signal carried them)
+    if (STAGE_SYNC_WEIGHTS & STAGES) and not CARRIED:   # (the dispatch's signal carried them)
         tl.debug_barrier()
         _signal(tab, sig0 + (SIG_WEIGHTS * NB + b) * W + rank, word, W, WP)
         ok, late = _wait_flags(flags + (SIG_WEIGHTS * NB + b) * W, word, timeout_us, err,
-                               OP_COMBINE, PHASE_ENTRY, 1, W, WP, W, msk, MASKS, LANES,
-                               stats, STATS)
+                               OP_COMBINE, PHASE_ENTRY, 1, W, WP, W, msk, MASKS, stats, STATS)
         if MASKS:       # per block: block b's tokens depend on block b's wait only
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
             msk = msk | late
         _stamp(err, 2, PROFILE, 1, NB)  # weights of every rank arrived
-    if STAGES & 2:      # C_REDUCE
+    if STAGE_REDUCE & STAGES:
         if ok:
-            w_at = set_off + OFF_CW
+            w_at = set_off + REGIONS.WEIGHTS
             if CARRIED:
                 w_at = w_off
-            _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, S, OFF_CX)
-    if STAGES & 16:     # C_SIGNAL_P
+            _reduce_partials(eo, row_of, ntok_in, reg, w_at, msk, SIZES, REGIONS.PARTIALS)
+    if STAGE_SIGNAL_PARTIALS & STAGES:
         tl.debug_barrier()              # outside ``if ok``: see _wait_flags
         if ok:
             _signal(tab, sig0 + (SIG_PARTIALS * NB + b) * W + rank, word, W, WP)
         _stamp(err, 3, PROFILE, 1, NB)  # partials reduced, pushed and signalled
-    if STAGES & 32:     # C_WAIT_P (in a recv-half launch ok is 1: the send half's failure, if
-        #                 any, is already in the error word and this wait then times out too)
+    if STAGE_WAIT_PARTIALS & STAGES:    # (in a recv-half launch ok is 1: the send half's
+        #                 failure, if any, is already in the error word and this wait then
+        #                 times out too)
         ok, late = _wait_flags(flags + (SIG_PARTIALS * NB + b) * W, word, timeout_us, err,
-                               OP_COMBINE, PHASE_EXIT, ok, W, WP, W, msk, MASKS, LANES,
-                               stats, STATS)
+                               OP_COMBINE, PHASE_EXIT, ok, W, WP, W, msk, MASKS, stats, STATS)
         if MASKS:
             if late != 0:
                 tl.atomic_or(err + ERR_MASK, late, sem="relaxed", scope="gpu")
             msk = msk | late
         _stamp(err, 4, PROFILE, 1, NB)  # partials of every rank arrived
-    if STAGES & 4:      # C_SUM
+    if STAGE_SUM & STAGES:
         if ok:
-            _sum_partials(topk, n_tok, out, reg, msk, S, OFF_CX)
+            _sum_partials(topk, n_tok, out, reg, msk, SIZES, REGIONS.PARTIALS)
         if broken | (ok == 0):
-            _poison_sum(out, n_tok, rank, S)
+            _poison_sum(out, n_tok, rank, SIZES)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 1, NB)

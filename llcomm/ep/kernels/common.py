@@ -16,11 +16,12 @@ from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lane
                                      poison, report_error, sm_cycles)
 from .. import layout as EL
 
-#: The sizes a kernel is compiled for, bundled once at its start (``S: tl.constexpr =
-#: Sizes(...)``, so every member stays a constexpr): max tokens per rank, hidden and pow2,
-#: top-k and pow2, experts, local experts, ranks and pow2, blocks, the metadata and weights slot
-#: stride (layout.MAX_TOPK).
-Sizes = namedtuple("Sizes", ["T", "H", "HP", "K", "KP", "E", "L", "W", "WP", "NB", "MAX_TOPK"])
+#: The sizes every EP kernel is compiled for (its ``SIZES`` constexpr; the host builds it:
+#: ``peer.kernel_consts``): the buffer's max tokens per rank, hidden (H) and its pow2 (HP),
+#: top-k (K) and pow2 (KP), experts (E), local experts per rank (L), ranks (W) and pow2 (WP),
+#: blocks (NB), and the metadata and weights slot stride (layout.MAX_TOPK).
+Sizes = namedtuple("Sizes", ["MAX_TOKENS", "H", "HP", "K", "KP", "E", "L", "W", "WP", "NB",
+                             "MAX_TOPK"])
 #: Where a call's data lives (runtime values): the table of every rank's EP region base address,
 #: this rank, and the byte offset of the buffer set the call uses.
 Region = namedtuple("Region", ["tab", "rank", "set_off"])
@@ -44,6 +45,7 @@ def symbol(name: str):
     mangled = f"_ZN6llcomm2ep{len(name)}{name}Ev"
     return lambda specialization: mangled
 
+
 # Stage bits (python ints for the host; the kernels test the same numbers). A launch runs the
 # stages in its STAGES mask: everything, or for ``return_recv_hook=True`` a send half and a
 # receive half in two launches.
@@ -56,6 +58,14 @@ COMBINE_ALL = C_WEIGHTS | C_REDUCE | C_SUM | C_SYNC_W | C_SIGNAL_P | C_WAIT_P
 # weights, signal, wait for them, reduce and push partials, signal | wait for partials; sum
 COMBINE_SEND_HALF = C_WEIGHTS | C_SYNC_W | C_REDUCE | C_SIGNAL_P
 COMBINE_RECV_HALF = C_WAIT_P | C_SUM
+# The same bits as the kernels test them (a kernel reads only tl.constexpr globals), written
+# first in a test, ``STAGE_SEND & STAGES``: the interpreter passes STAGES as a Python int,
+# which cannot take a constexpr on its right.
+STAGE_SEND, STAGE_RECV = tl.constexpr(D_SEND), tl.constexpr(D_RECV)
+STAGE_SIGNAL, STAGE_WAIT = tl.constexpr(D_SIGNAL), tl.constexpr(D_WAIT)
+STAGE_WEIGHTS, STAGE_REDUCE = tl.constexpr(C_WEIGHTS), tl.constexpr(C_REDUCE)
+STAGE_SUM, STAGE_SYNC_WEIGHTS = tl.constexpr(C_SUM), tl.constexpr(C_SYNC_W)
+STAGE_SIGNAL_PARTIALS, STAGE_WAIT_PARTIALS = tl.constexpr(C_SIGNAL_P), tl.constexpr(C_WAIT_P)
 
 # Flag phases of a set, and the metadata word ``(local expert << META_SHIFT) | prefix``.
 SIG_DISPATCH = tl.constexpr(EL.PHASE_DISPATCH)
@@ -140,7 +150,7 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
 @triton.jit
 def _wait_flags(flags, word, timeout_us, err, op, phase, go,
                 N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr,
-                skip, MASKS: tl.constexpr, LANES: tl.constexpr, stats=None,
+                skip, MASKS: tl.constexpr, stats=None,
                 STATS: tl.constexpr = 0):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
     fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads, then one
@@ -163,14 +173,13 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     wait's start to the poll that first saw the last of them (one read's latency when they were
     all there at once; 0 for ranks in ``skip``, never waited for, and when ``go == 0``). A wait
     that runs out counts the time until then. ``_add_wait_stats`` adds them."""
-    # LANES lanes, each polling flag ``lane % NP``. LANES = BLOCK_WIDE: every lane's view goes
-    # straight into the block-wide maximum. LANES = NP (the default, faster on 2xH200:
-    # docs/performance.md; LLCOMM_EP_WAIT_LANES picks): fewer words per poll, replicated across
-    # warps (each warp has its own view), reduced first, then the block-wide maximum with the
-    # clock's BLOCK_WIDE lanes.
-    tl.static_assert(NP <= LANES)         # two asserts: the interpreter's bools take no ``&``
-    tl.static_assert(LANES <= BLOCK_WIDE)
-    lane = tl.arange(0, LANES)
+    # One lane per flag (NP of them), replicated across warps (each warp has its own view),
+    # reduced first, then the block-wide maximum with the clock's BLOCK_WIDE lanes; where the
+    # flags fill the block (NP = BLOCK_WIDE) the views go straight into that maximum. Polling
+    # over all BLOCK_WIDE lanes instead measured about 2 us slower in the flag dispatch
+    # (bench/results/ab/2026-11-30-ep-block-shape/).
+    tl.static_assert(NP <= BLOCK_WIDE)
+    lane = tl.arange(0, NP)
     i = lane % NP
     live = i < N
     ptrs = flags + i
@@ -179,10 +188,10 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     limit_ns = timeout_us.to(tl.int64) * 1000   # i32 microseconds: see launch.py
     t0 = global_time_ns(BLOCK_WIDE)
     status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
-    bad = tl.zeros([LANES], tl.int64)
+    bad = tl.zeros([NP], tl.int64)
     skipped = ((skip >> src) & 1) != 0         # masks: ranks not waited for
     if STATS:   # per lane: elapsed ns of the poll that first saw its flag; not seen yet
-        seen_at = tl.zeros([LANES], tl.int64)
+        seen_at = tl.zeros([NP], tl.int64)
         was_waiting = live & (skipped == 0)
         last_ns = tl.full([], 0, tl.int64)     # elapsed ns of the latest poll
     while status == 0:
@@ -194,7 +203,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         # arrived), with the largest elapsed time below: one verdict for every warp
         seen = tl.where(wrong, SEEN_WRONG, tl.where(waiting, SEEN_WAITING, 0)).to(tl.int64)
         elapsed = tl.maximum(global_time_lanes(BLOCK_WIDE) - t0, 0)
-        if LANES == BLOCK_WIDE:
+        if NP == BLOCK_WIDE:
             both = tl.max((seen << SEEN_SHIFT) | elapsed, axis=0)
         else:
             both = tl.max((tl.max(seen, axis=0) << SEEN_SHIFT) | elapsed, axis=0)
@@ -228,7 +237,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
             skipped = skipped | (((late >> src) & 1) != 0)
     ok = status == -1
     if ok:      # one acquire per flag (its first lane)
-        tl.atomic_add(ptrs, tl.zeros([LANES], tl.int64),
+        tl.atomic_add(ptrs, tl.zeros([NP], tl.int64),
                       mask=live & (lane < NP) & (skipped == 0), sem="acquire", scope="sys")
     elif status != WAIT_SKIPPED:
         report_error(err, status, op, phase, bad_ranks)
@@ -332,23 +341,23 @@ def _row_words(v):
 
 
 @triton.jit
-def _push_weights(wts, n_tok, reg, S, OFF_CW: tl.constexpr, ehi=0, LL: tl.constexpr = 0):
+def _push_weights(wts, n_tok, reg, SIZES, OFFSET: tl.constexpr, ehi=0, LL: tl.constexpr = 0):
     """Combine stage A (or a dispatch with CARRY): this rank's top-k weights into slot
-    (rank, t) of the weights region at byte ``reg.set_off + OFF_CW`` of every rank (LL: as LL
+    (rank, t) of the weights region at byte ``reg.set_off + OFFSET`` of every rank (LL: as LL
     words with the epoch bits ``ehi``)."""
     b = tl.program_id(0)
-    ks = tl.arange(0, S.KP)
-    kmask = ks < S.K
-    for t in range(_first_token(b, reg.rank, S.NB, S.W), n_tok, S.NB):
-        w = tl.load(wts + t * S.K + ks, mask=kmask, other=0.0)
-        for d in tl.static_range(S.W):
+    ks = tl.arange(0, SIZES.KP)
+    kmask = ks < SIZES.K
+    for t in range(_first_token(b, reg.rank, SIZES.NB, SIZES.W), n_tok, SIZES.NB):
+        w = tl.load(wts + t * SIZES.K + ks, mask=kmask, other=0.0)
+        for d in tl.static_range(SIZES.W):
             if LL:
-                wp = (_at(reg.tab, d, reg.set_off + OFF_CW, tl.int64)
-                      + (reg.rank * S.T + t) * S.MAX_TOPK)
+                wp = (_at(reg.tab, d, reg.set_off + OFFSET, tl.int64)
+                      + (reg.rank * SIZES.MAX_TOKENS + t) * SIZES.MAX_TOPK)
                 tl.store(wp + ks, _ll_word(ehi, w), mask=kmask)
             else:
-                wp = (_at(reg.tab, d, reg.set_off + OFF_CW, tl.float32)
-                      + (reg.rank * S.T + t) * S.MAX_TOPK)
+                wp = (_at(reg.tab, d, reg.set_off + OFFSET, tl.float32)
+                      + (reg.rank * SIZES.MAX_TOKENS + t) * SIZES.MAX_TOPK)
                 tl.store(wp + ks, w, mask=kmask)
 
 
@@ -363,7 +372,7 @@ def _poison_flat(ptr, total, b, NB: tl.constexpr):
 
 
 @triton.jit
-def _poison_received(out, S, NS: tl.constexpr, FP8: tl.constexpr):
+def _poison_received(out, SIZES, SCALES: tl.constexpr, FP8: tl.constexpr):
     """A dispatch block whose wait failed (or that started after this rank had failed) poisons
     instead of expanding: its share of ``recv_x`` (NaN rows; FP8: e4m3 0xFF bytes) and FP8
     ``recv_scales`` (NaN), and, in the block that writes ``recv_count`` (the last), a count of
@@ -371,20 +380,20 @@ def _poison_received(out, S, NS: tl.constexpr, FP8: tl.constexpr):
     ``row_of`` / ``src_info`` / token counts are left as they are: a failed dispatch's handle
     serves no combine (that combine starts on a failed rank, so it poisons its own output)."""
     b = tl.program_id(0)
-    _poison_flat(out.recv_x, S.L * S.W * S.T * S.H, b, S.NB)
+    _poison_flat(out.recv_x, SIZES.L * SIZES.W * SIZES.MAX_TOKENS * SIZES.H, b, SIZES.NB)
     if FP8:
-        _poison_flat(out.recv_scales, S.L * S.W * S.T * NS, b, S.NB)
-    if b == S.NB - 1:
+        _poison_flat(out.recv_scales, SIZES.L * SIZES.W * SIZES.MAX_TOKENS * SCALES, b, SIZES.NB)
+    if b == SIZES.NB - 1:
         ls = tl.arange(0, POISON_CHUNK)
-        for l0 in range(0, S.L, POISON_CHUNK):
-            poison(out.recv_count, l0 + ls, l0 + ls < S.L)
+        for l0 in range(0, SIZES.L, POISON_CHUNK):
+            poison(out.recv_count, l0 + ls, l0 + ls < SIZES.L)
 
 
 @triton.jit
-def _poison_sum(out, n_tok, rank, S):
+def _poison_sum(out, n_tok, rank, SIZES):
     """A combine block whose wait failed (or that started after this rank had failed) poisons
     the rows of ``out`` it would have summed (its own tokens, ``_first_token``) with NaN."""
     b = tl.program_id(0)
-    hs = tl.arange(0, S.HP)
-    for t in range(_first_token(b, rank, S.NB, S.W), n_tok, S.NB):
-        poison(out, t * S.H + hs, hs < S.H)
+    hs = tl.arange(0, SIZES.HP)
+    for t in range(_first_token(b, rank, SIZES.NB, SIZES.W), n_tok, SIZES.NB):
+        poison(out, t * SIZES.H + hs, hs < SIZES.H)

@@ -40,11 +40,11 @@ _BEGIN_SHIFT = tl.constexpr(32)      # layout_range: begin above the count's 32 
 
 
 @triton.jit
-def _ue8m0_words(bits, NSP: tl.constexpr):
-    """``[NSP]`` fp32 scales' bits (positive powers of two) -> ``[NSP / 4]`` int32 words: word w
-    holds the exponent bytes of scales ``4 w .. 4 w + 3``, scale ``4 w + b`` in bits ``8 b ..
-    8 b + 7`` (disjoint bytes, so their sum is their bitwise or)."""
-    byte = tl.reshape((bits >> _EXP_SHIFT) & _BYTE, [NSP // UE8M0_PER_WORD, UE8M0_PER_WORD])
+def _ue8m0_words(bits, SCALES_P2: tl.constexpr):
+    """``[SCALES_P2]`` fp32 scales' bits (positive powers of two) -> ``[SCALES_P2 / 4]`` int32
+    words: word w holds the exponent bytes of scales ``4 w .. 4 w + 3``, scale ``4 w + b`` in
+    bits ``8 b .. 8 b + 7`` (disjoint bytes, so their sum is their bitwise or)."""
+    byte = tl.reshape((bits >> _EXP_SHIFT) & _BYTE, [SCALES_P2 // UE8M0_PER_WORD, UE8M0_PER_WORD])
     return tl.sum(byte << (tl.arange(0, UE8M0_PER_WORD) * 8)[None, :], axis=1)
 
 
@@ -59,19 +59,19 @@ def _store_column(dst, row1, val, lanes, lm, G: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _scales_to_column(dst, row1, bits, R: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
-                      UE8M0: tl.constexpr):
-    """One row's NS FP8 scales (``bits``: ``[NSP]`` int32, their fp32 bits) into column ``row1 -
-    1`` (flat row + 1; 0: no row) of DeepEP's storage ``dst``: ``[L, NS, R]`` fp32, or with UE8M0
-    ``[L, NS / 4, R]`` int32 words (``_ue8m0_words``)."""
+def _scales_to_column(dst, row1, bits, R: tl.constexpr, SCALES: tl.constexpr,
+                      SCALES_P2: tl.constexpr, UE8M0: tl.constexpr):
+    """One row's SCALES FP8 scales (``bits``: ``[SCALES_P2]`` int32, their fp32 bits) into
+    column ``row1 - 1`` (flat row + 1; 0: no row) of DeepEP's storage ``dst``: ``[L, SCALES,
+    R]`` fp32, or with UE8M0 ``[L, SCALES / 4, R]`` int32 words (``_ue8m0_words``)."""
     dst = dst.to(tl.pointer_type(tl.int32))
     if UE8M0:
-        ws = tl.arange(0, NSP // UE8M0_PER_WORD)
-        _store_column(dst, row1, _ue8m0_words(bits, NSP), ws, ws < NS // UE8M0_PER_WORD,
-                      NS // UE8M0_PER_WORD, R)
+        ws = tl.arange(0, SCALES_P2 // UE8M0_PER_WORD)
+        _store_column(dst, row1, _ue8m0_words(bits, SCALES_P2), ws,
+                      ws < SCALES // UE8M0_PER_WORD, SCALES // UE8M0_PER_WORD, R)
     else:
-        ns = tl.arange(0, NSP)
-        _store_column(dst, row1, bits, ns, ns < NS, NS, R)
+        ns = tl.arange(0, SCALES_P2)
+        _store_column(dst, row1, bits, ns, ns < SCALES, SCALES, R)
 
 
 @triton.jit
@@ -95,10 +95,10 @@ def _deep_ep_totals(layout, stats, ls, lm, tot, failed, W: tl.constexpr, WP: tl.
 
 
 @triton.jit
-def _poison_layout(layout, S, LB: tl.constexpr):
+def _poison_layout(layout, SIZES, COUNT_CHUNK: tl.constexpr):
     """A failed dispatch's ``layout_range``: -1 for every (local expert, source rank), written by
     the block that writes the counts (the last), as ``recv_count`` gets -1."""
-    if tl.program_id(0) == S.NB - 1:
-        for l0 in range(0, S.L, LB):
-            ls = l0 + tl.arange(0, LB)
-            _deep_ep_totals(layout, None, ls, ls < S.L, ls, 1, S.W, S.WP)
+    if tl.program_id(0) == SIZES.NB - 1:
+        for l0 in range(0, SIZES.L, COUNT_CHUNK):
+            ls = l0 + tl.arange(0, COUNT_CHUNK)
+            _deep_ep_totals(layout, None, ls, ls < SIZES.L, ls, 1, SIZES.W, SIZES.WP)

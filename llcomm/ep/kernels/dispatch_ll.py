@@ -1,5 +1,18 @@
-"""The LL dispatch (docs/ep.md "Scheme"): no signal and no flag wait; every word is its own flag.
-Runs for buffers of at most ``peer.LL_MAX_TOKENS`` tokens per rank (without rank masks).
+"""The LL dispatch (docs/ep.md "Scheme"): no signal and no flag wait; every word is its own flag
+(LL: NCCL's protocol of 8-byte words that carry their epoch). Runs for buffers of at most
+``peer.LL_MAX_TOKENS`` tokens per rank (without rank masks).
+
+One launch of NB blocks; block b:
+
+1. send (``STAGE_SEND``): carried weights (``CARRY``), then counts and metadata
+   (``dispatch_common``) as LL words, then one push of each of its token rows per destination
+   rank that holds one of its experts, as int32 words (FP8: quantised and packed here,
+   ``fp8._pack_row_fp8``); not to this rank itself when the same launch receives: the expand
+   reads its own rows from ``x``.
+2. receive (``STAGE_RECV``, ``_expand_ll``): the sources' token counts, then per pair ``(s, t)``
+   it owns its metadata, the earlier sources' counts and its row, each word polled until it
+   holds this call's epoch (``STAGE_WAIT``; the interpreter tests read once), copied into
+   ``recv_x`` and the handle, and its row slot armed again.
 
 The send is the flag dispatch's (``dispatch_common``), but metadata, counts, the token count
 (with 15 tag bits of the call) and carried weights go as LL words ``(epoch << 32) | value``,
@@ -11,76 +24,70 @@ copies it, and arms the row slot again. No fence, no flag.
 Two buffer sets suffice here too: every receiver waits for every source's token-count word of
 the call, which the source writes only after its previous call (and its re-arming) ended.
 """
-from collections import namedtuple
-
 import triton
 import triton.language as tl
 
 from ...runtime.kernels.lamport import _clock, _pending, _poll, limit_ticks
 from ...runtime.kernels.sync import after_previous_kernel, report_error, wait_bound
 from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK_BITS, NTOK_MASK,
-                     NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL,
-                     STATUS_MISMATCH, Region, Sizes, _add_stats_by_rank, _at, _bit_or,
-                     _first_entries, _first_token, _poison_received, _push_weights, _rank_bits,
-                     _row_words, _stamp, symbol)
+                     NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL, STAGE_RECV,
+                     STAGE_SEND, STAGE_WAIT, STATUS_MISMATCH, Region, _add_stats_by_rank, _at,
+                     _bit_or, _first_entries, _first_token, _poison_received, _push_weights,
+                     _rank_bits, _row_words, _stamp, symbol)
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
                              _poison_layout, _scales_to_column)
-from .dispatch_common import Out, Recv, Tiles, _send_routing
+from .dispatch_common import Out, _send_routing
 from .fp8 import FP8_BLOCK, _pack_row_fp8
-
-#: The LL dispatch's rows (constexpr): int32 words per row slot, their pow2 (the lanes of a
-#: row), and the byte offset of the carried weights' LL words in a buffer set.
-LLRows = namedtuple("LLRows", ["RW", "HPW", "WLL"])
 
 
 @triton.jit
-def _ll_row(x, t, S, LR, FP8: tl.constexpr):
-    """Token t's row as the RW int32 words it crosses NVLink as (``_row_words``; FP8: e4m3
-    bytes packed four to a word, ``fp8._pack_row_fp8``), and its FP8 scales' words (a dummy
-    without FP8)."""
-    ws = tl.arange(0, LR.HPW)
+def _ll_row(x, t, SIZES, ROW, FP8: tl.constexpr):
+    """Token t's row as the ``ROW.WORDS`` int32 words it crosses NVLink as (``_row_words``;
+    FP8: e4m3 bytes packed four to a word, ``fp8._pack_row_fp8``), and its FP8 scales' words (a
+    dummy without FP8)."""
+    ws = tl.arange(0, ROW.WORDS_P2)
     if FP8:
-        hs = tl.arange(0, S.HP)
-        v = tl.load(x + t * S.H + hs, mask=hs < S.H, other=0.0)
-        words, sw = _pack_row_fp8(v.to(tl.float32), S.HP, LR.HPW, FP8 == 2)
+        hs = tl.arange(0, SIZES.HP)
+        v = tl.load(x + t * SIZES.H + hs, mask=hs < SIZES.H, other=0.0)
+        words, sw = _pack_row_fp8(v.to(tl.float32), SIZES.HP, ROW.WORDS_P2, FP8 == 2)
     else:
-        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * LR.RW + ws,
-                                   mask=ws < LR.RW))
+        words = _row_words(tl.load(x.to(tl.pointer_type(tl.int32)) + t * ROW.WORDS + ws,
+                                   mask=ws < ROW.WORDS))
         sw = tl.zeros([1], tl.int32)
     return words, sw
 
 
 @triton.jit
-def _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8: tl.constexpr):
+def _push_row_words(words, sw, bits, reg, slot, SIZES, REGIONS, ROW, FP8: tl.constexpr):
     """A row's words (``_ll_row``), which are their own flag, to the ranks in ``bits``; FP8:
     then its scales."""
-    ws = tl.arange(0, LR.HPW)
-    for d in tl.static_range(S.W):
+    ws = tl.arange(0, ROW.WORDS_P2)
+    for d in tl.static_range(SIZES.W):
         if (bits >> d) & 1:
-            tl.store(_at(reg.tab, d, reg.set_off + RV.X, tl.int32) + slot * LR.RW + ws, words,
-                     mask=ws < LR.RW)
+            tl.store(_at(reg.tab, d, reg.set_off + REGIONS.ROWS, tl.int32) + slot * ROW.WORDS
+                     + ws, words, mask=ws < ROW.WORDS)
             if FP8:
-                ns = tl.arange(0, S.HP // FP8_BLOCK)
-                tl.store(_at(reg.tab, d, reg.set_off + RV.SC, tl.int32) + slot * RV.NS + ns, sw,
-                         mask=ns < RV.NS)
+                ns = tl.arange(0, SIZES.HP // FP8_BLOCK)
+                tl.store(_at(reg.tab, d, reg.set_off + REGIONS.SCALES, tl.int32)
+                         + slot * ROW.SCALES + ns, sw, mask=ns < ROW.SCALES)
 
 
 @triton.jit
-def _push_rows(x, topk, n_tok, reg, S, RV, LR, JP: tl.constexpr, FP8: tl.constexpr,
-               SKIP_OWN: tl.constexpr):
+def _push_rows(x, topk, n_tok, reg, SIZES, REGIONS, ROW, TOKENS_PER_BLOCK: tl.constexpr,
+               FP8: tl.constexpr, SKIP_OWN: tl.constexpr):
     """Each of this block's token rows (``_ll_row``) once per destination rank, into the
-    source's slot ``rank * T + t`` there. SKIP_OWN: not to this rank itself (its expand reads
-    the row from x)."""
+    source's slot ``rank * MAX_TOKENS + t`` there. SKIP_OWN: not to this rank itself (its
+    expand reads the row from x)."""
     b = tl.program_id(0)
-    for j in range(0, JP):
-        t = b + S.NB * j
+    for j in range(0, TOKENS_PER_BLOCK):
+        t = b + SIZES.NB * j
         if t < n_tok:
-            bits = _rank_bits(topk + t * S.K, S.K, S.E, S.L)
+            bits = _rank_bits(topk + t * SIZES.K, SIZES.K, SIZES.E, SIZES.L)
             if SKIP_OWN:
                 bits = bits & ~(tl.full([], 1, tl.int64) << reg.rank)
-            slot = reg.rank * S.T + t
-            words, sw = _ll_row(x, t, S, LR, FP8)
-            _push_row_words(words, sw, bits, reg, slot, S, RV, LR, FP8)
+            slot = reg.rank * SIZES.MAX_TOKENS + t
+            words, sw = _ll_row(x, t, SIZES, ROW, FP8)
+            _push_row_words(words, sw, bits, reg, slot, SIZES, REGIONS, ROW, FP8)
 
 
 @triton.jit
@@ -134,7 +141,7 @@ def _copy_rows(dst, flat, first, v, ROW: tl.constexpr, lanes, lm, K: tl.constexp
 
 
 @triton.jit
-def _copy_scales_deep_ep(dst, flat, first, sv, RV, R: tl.constexpr, K: tl.constexpr,
+def _copy_scales_deep_ep(dst, flat, first, sv, ROW, R: tl.constexpr, K: tl.constexpr,
                          KP: tl.constexpr, UE8M0: tl.constexpr):
     """A row's scales ``sv`` into DeepEP's storage ``dst`` (``_scales_to_column``) at flat row
     ``flat[k]`` for every entry k in ``first``, the flat rows picked as ``_copy_rows`` picks
@@ -142,55 +149,56 @@ def _copy_scales_deep_ep(dst, flat, first, sv, RV, R: tl.constexpr, K: tl.conste
     ks = tl.arange(0, KP)
     for k in tl.static_range(K):
         row1 = tl.sum(tl.where((ks == k) & first, flat + 1, 0), axis=0)
-        _scales_to_column(dst, row1, sv, R, RV.NS, RV.NSP, UE8M0)
+        _scales_to_column(dst, row1, sv, R, ROW.SCALES, ROW.SCALES_P2, UE8M0)
 
 
 @triton.jit
-def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.constexpr,
-               FP8: tl.constexpr, CARRY: tl.constexpr, POLL: tl.constexpr,
-               PROFILE: tl.constexpr, OWN_X: tl.constexpr, stats, STATS: tl.constexpr, deep,
-               DEEP_EP: tl.constexpr):
+def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, SIZES, REGIONS, ROW,
+               COUNT_CHUNK: tl.constexpr, FP8: tl.constexpr, CARRY: tl.constexpr,
+               POLL: tl.constexpr, PROFILE: tl.constexpr, OWN_ROWS_FROM_X: tl.constexpr, stats,
+               STATS: tl.constexpr, deep, DEEP_EP: tl.constexpr):
     """The receive: what the flag dispatch's expand does, each word waited for where it is
     read: the sources' token counts (and call tags), then per owned pair its metadata, the
     earlier sources' counts of its experts, its row (and FP8 scales, carried weights, copied to
     byte ``w_off``); the row slot is armed again with ROW_SENTINEL once copied. Sources in turn
     from this rank on: its own pairs first, whose rows are local while the peers' still cross.
     PROFILE: stamp 3 when this rank's own pairs are expanded, stamp 4 when the last row of a
-    later source arrived (tools/ep_timeline.py). OWN_X: this rank's own rows are read from ``x``
-    (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait or a re-arm.
+    later source arrived (tools/ep_timeline.py). OWN_ROWS_FROM_X: this rank's own rows are
+    read from ``x`` (the send skipped them: ``_push_rows`` SKIP_OWN), exact and without a wait
+    or a re-arm.
     STATS: every wait timed per source (``_take_ll_timed``; the token counts one source at a
     time) and the block's totals added to ``stats`` at the end. DEEP_EP: DeepEP's layouts too,
     into ``deep`` (a ``DeepOut``) and the scales into ``out.recv_scales`` in DeepEP's storage
     (deep_ep_layout.py). Returns whether a wait of the block failed."""
     b = tl.program_id(0)
-    T: tl.constexpr = S.T
-    K: tl.constexpr = S.K
-    KP: tl.constexpr = S.KP
-    L: tl.constexpr = S.L
-    W: tl.constexpr = S.W
-    WP: tl.constexpr = S.WP
-    NB: tl.constexpr = S.NB
-    MAX_TOPK: tl.constexpr = S.MAX_TOPK
-    NS: tl.constexpr = RV.NS
-    NSP: tl.constexpr = RV.NSP
-    RW: tl.constexpr = LR.RW
-    HPW: tl.constexpr = LR.HPW
+    MAX_TOKENS: tl.constexpr = SIZES.MAX_TOKENS     # a source's receive slots
+    K: tl.constexpr = SIZES.K
+    KP: tl.constexpr = SIZES.KP
+    L: tl.constexpr = SIZES.L
+    W: tl.constexpr = SIZES.W
+    WP: tl.constexpr = SIZES.WP
+    NB: tl.constexpr = SIZES.NB
+    MAX_TOPK: tl.constexpr = SIZES.MAX_TOPK
+    SCALES: tl.constexpr = ROW.SCALES
+    SCALES_P2: tl.constexpr = ROW.SCALES_P2
+    WORDS: tl.constexpr = ROW.WORDS
+    WORDS_P2: tl.constexpr = ROW.WORDS_P2
     epoch = (seq + 1).to(tl.int32)
     limit = limit_ticks(timeout_us, POLL)
     failed = tl.zeros([], tl.int32)
-    cntp = _at(reg.tab, reg.rank, reg.set_off + RV.CNT, tl.int64)
-    ntp = _at(reg.tab, reg.rank, reg.set_off + RV.NTOK, tl.int64)
-    metap = _at(reg.tab, reg.rank, reg.set_off + RV.META, tl.int64)
-    xp = _at(reg.tab, reg.rank, reg.set_off + RV.X, tl.int32)
-    scp = _at(reg.tab, reg.rank, reg.set_off + RV.SC, tl.int32)
-    wll = _at(reg.tab, reg.rank, reg.set_off + LR.WLL, tl.int64)
+    cntp = _at(reg.tab, reg.rank, reg.set_off + REGIONS.COUNTS, tl.int64)
+    ntp = _at(reg.tab, reg.rank, reg.set_off + REGIONS.NTOK, tl.int64)
+    metap = _at(reg.tab, reg.rank, reg.set_off + REGIONS.META, tl.int64)
+    xp = _at(reg.tab, reg.rank, reg.set_off + REGIONS.ROWS, tl.int32)
+    scp = _at(reg.tab, reg.rank, reg.set_off + REGIONS.SCALES, tl.int32)
+    wll = _at(reg.tab, reg.rank, reg.set_off + REGIONS.WEIGHTS_LL, tl.int64)
     wout = _at(reg.tab, reg.rank, w_off, tl.float32)
     rx = out.recv_x.to(tl.pointer_type(tl.int32))
     rs = out.recv_scales.to(tl.pointer_type(tl.int32))
-    ws = tl.arange(0, HPW)
-    wm = ws < RW
-    ns = tl.arange(0, NSP)
-    nsm = ns < NS
+    ws = tl.arange(0, WORDS_P2)
+    wm = ws < WORDS
+    ns = tl.arange(0, SCALES_P2)
+    nsm = ns < SCALES
     ps = tl.arange(0, WP)
     acc = tl.zeros([WP], tl.int64)              # STATS: ns waited per source, this block
     if STATS:       # one source at a time, so that each one's wait is its own
@@ -213,13 +221,13 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                                    _bit_or))
             failed = 1
     if b == NB - 1:     # the last block: at small token counts it owns no pair
-        for l0 in range(0, L, LB):
-            ls = l0 + tl.arange(0, LB)
+        for l0 in range(0, L, COUNT_CHUNK):
+            ls = l0 + tl.arange(0, COUNT_CHUNK)
             lm = ls < L
-            tot = tl.zeros([LB], tl.int32)
+            tot = tl.zeros([COUNT_CHUNK], tl.int32)
             for s in range(W):
                 c, failed, acc = _take_ll_timed(cntp + s * L + ls, lm,
-                                                tl.full([LB], s, tl.int64), epoch, failed,
+                                                tl.full([COUNT_CHUNK], s, tl.int64), epoch, failed,
                                                 limit, err, POLL, 1, acc, s, WP, STATS)
                 if DEEP_EP:
                     _layout_entry(deep.layout, ls, lm, s, tot, c.to(tl.int32), W)
@@ -235,7 +243,7 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
         s = (reg.rank + i) % W
         n_s = tl.sum(tl.where(ps == s, nts, 0), axis=0)
         for t in range(_first_token(b, s, NB, W), n_s, NB):
-            slot = s * T + t
+            slot = s * MAX_TOKENS + t
             srcs = tl.full([KP], s, tl.int64)
             mw, failed, acc = _take_ll_timed(metap + slot * MAX_TOPK + ks, kmask, srcs, epoch,
                                              failed, limit, err, POLL, 1, acc, s, WP, STATS)
@@ -250,23 +258,23 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                                                 limit, err, POLL, 1, acc, s2, WP, STATS)
                 row += c.to(tl.int32)
             if failed == 0:
-                flat = le * (W * T) + row
+                flat = le * (W * MAX_TOKENS) + row
                 tl.store(out.row_of + slot * K + ks, tl.where(valid, flat, -1), mask=kmask)
                 tl.store(out.src_info + flat, tl.full([KP], 0, tl.int32) + slot, mask=first)
                 if DEEP_EP:     # DeepEP's src_info: the source token alone
                     tl.store(deep.src + flat, tl.full([KP], 0, tl.int32) + t, mask=first)
-                own_x = (s == reg.rank) & (OWN_X == 1)
+                own_x = (s == reg.rank) & (OWN_ROWS_FROM_X == 1)
                 if tl.max(valid.to(tl.int32), axis=0) > 0:      # the row was sent here
                     if own_x:
-                        v = tl.load(x.to(tl.pointer_type(tl.int32)) + t * RW + ws, mask=wm)
+                        v = tl.load(x.to(tl.pointer_type(tl.int32)) + t * WORDS + ws, mask=wm)
                     else:
-                        v, failed, acc = _take_ll_timed(xp + slot * RW + ws, wm,
-                                                        tl.full([HPW], s, tl.int64), epoch,
+                        v, failed, acc = _take_ll_timed(xp + slot * WORDS + ws, wm,
+                                                        tl.full([WORDS_P2], s, tl.int64), epoch,
                                                         failed, limit, err, POLL, 0, acc, s, WP,
                                                         STATS)
                     if FP8:
-                        sv, failed, acc = _take_ll_timed(scp + slot * NS + ns, nsm,
-                                                         tl.full([NSP], s, tl.int64), epoch,
+                        sv, failed, acc = _take_ll_timed(scp + slot * SCALES + ns, nsm,
+                                                         tl.full([SCALES_P2], s, tl.int64), epoch,
                                                          failed, limit, err, POLL, 0, acc, s,
                                                          WP, STATS)
                     if CARRY:
@@ -276,18 +284,19 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
                     if i > 0:
                         _stamp(err, 4, PROFILE, 0, NB)      # a later source's row arrived
                     if failed == 0:
-                        _copy_rows(rx, flat, first, v, RW, ws, wm, K, KP)
+                        _copy_rows(rx, flat, first, v, WORDS, ws, wm, K, KP)
                         if own_x == 0:
-                            tl.store(xp + slot * RW + ws, tl.full([HPW], ROW_SENTINEL, tl.int32),
+                            tl.store(xp + slot * WORDS + ws,
+                                     tl.full([WORDS_P2], ROW_SENTINEL, tl.int32),
                                      mask=wm)   # armed again
                         if FP8:
                             if DEEP_EP:
-                                _copy_scales_deep_ep(rs, flat, first, sv, RV, W * T, K, KP,
-                                                     DEEP_EP == UE8M0_LAYOUT)
+                                _copy_scales_deep_ep(rs, flat, first, sv, ROW, W * MAX_TOKENS,
+                                                     K, KP, DEEP_EP == UE8M0_LAYOUT)
                             else:
-                                _copy_rows(rs, flat, first, sv, NS, ns, nsm, K, KP)
-                            tl.store(scp + slot * NS + ns, tl.full([NSP], ROW_SENTINEL,
-                                                                   tl.int32), mask=nsm)
+                                _copy_rows(rs, flat, first, sv, SCALES, ns, nsm, K, KP)
+                            tl.store(scp + slot * SCALES + ns,
+                                     tl.full([SCALES_P2], ROW_SENTINEL, tl.int32), mask=nsm)
                         if CARRY:
                             tl.store(wout + slot * MAX_TOPK + ks,
                                      wv.to(tl.int32).to(tl.float32, bitcast=True), mask=kmask)
@@ -301,87 +310,56 @@ def _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB: tl.
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("dispatch_ll"))
 def ll_dispatch_kernel(
-        x,              # [n_tok, H] this rank's tokens (buffer dtype; 16-byte aligned)
-        topk,           # [n_tok, K] int64 global expert ids, -1 = none
-        n_tok,          # tokens of this rank (<= T)
-        recv_x,         # [L, W * T, H] output (FP8: its uint8 view)
-        recv_scales,    # [L, W * T, NS] fp32 output (FP8 only; any pointer otherwise); with
-        #                 DEEP_EP DeepEP's storage, [L, NS, W * T] fp32 or [L, NS / 4, W * T] int32
-        row_of,         # [W, T, K] int32 handle: flat row e * W * T + row of (s, t, k), or -1
-        src_info,       # [L, W * T] int32 handle: s * T + t of each row
-        recv_count,     # [L] int32 output
-        ntok_out,       # [W] int32 handle: tokens each source sent
-        tab,            # [W] int64: every rank's EP region base address
-        ctrl,           # [NB] int64: dispatch counter of each block
-        err,            # int64: device error word, host error address, host input-error address,
-        #                 then the profiling stamps (common.py)
-        rank, tag, timeout_us,
-        wts,            # [n_tok, K] fp32 top-k weights (CARRY only; any pointer otherwise)
-        w_off,          # CARRY: byte offset of the handle slot's weights region (this rank)
-        stats,          # STATS: [W] int64 wait statistics (ns waited per source; _expand_ll)
-        deep_src,       # DEEP_EP: [L, W * T] int32, DeepEP's src_info (None otherwise)
-        deep_layout,    # DEEP_EP: [L, W] int64, DeepEP's layout_range (None otherwise)
-        deep_stats,     # DEEP_EP: [L] int32 cumulative received rows, or None
-        T: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,     # max tokens, hidden, pow2(hidden)
-        K: tl.constexpr, KP: tl.constexpr,                      # top-k and pow2(top-k)
-        E: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,     # experts, local experts, chunk
-        W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,    # ranks, pow2(W), grid
-        EB: tl.constexpr,               # pow2(ceil(E / NB)): experts counted per block
-        TT: tl.constexpr,               # tokens per top-k tile in the count / prefix scan
-        TS: tl.constexpr,               # the scan's one tile when n_tok <= TS (small batches)
-        JP: tl.constexpr,               # pow2(ceil(T / NB)): tokens per block at most
-        MAX_TOPK: tl.constexpr,         # metadata slot stride (layout.MAX_TOPK)
-        SET_BYTES: tl.constexpr, OFF_X: tl.constexpr,           # layout, bytes
-        OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, OFF_NTOK: tl.constexpr,
+        # runtime arguments: dispatch_common.DISPATCH_ARGS says what each one is
+        x, topk, n_tok, recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, tab, ctrl,
+        err, rank, tag, timeout_us, wts, w_off, stats, deep_src, deep_layout, deep_stats,
+        SIZES: tl.constexpr,            # common.Sizes
+        REGIONS: tl.constexpr,          # dispatch_common.DispatchRegions
+        TILING: tl.constexpr,           # dispatch_common.Tiling
+        ROW: tl.constexpr,              # dispatch_common.RowFormat (WORDS: for this FP8 mode)
         FP8: tl.constexpr,              # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
-        NS: tl.constexpr, NSP: tl.constexpr,    # scales per row (H // 128, or 1), pow2(NS)
-        OFF_SC: tl.constexpr,           # layout: FP8 scales, bytes
-        STAGES: tl.constexpr,           # D_SEND | D_RECV bits (D_WAIT: poll; D_SIGNAL: none)
-        ROWS_FIRST: tl.constexpr,       # 1: rows pushed before the top-k scan
-        RW: tl.constexpr,               # int32 words per row slot (peer.ll_row_consts)
-        HPW: tl.constexpr,              # pow2(RW), the lanes of a row
-        OFF_WLL: tl.constexpr,          # CARRY: the weights' LL words, bytes
+        STAGES: tl.constexpr,           # STAGE_SEND | STAGE_RECV (STAGE_WAIT: poll; no signal)
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
-        OWN_X: tl.constexpr = 0,        # not FP8: own rows expanded from x (_expand_ll)
         STATS: tl.constexpr = 0,        # 1: wait statistics into stats (_expand_ll)
         DEEP_EP: tl.constexpr = 0,      # DeepEP's layouts too (deep_ep_layout.py)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
-    S: tl.constexpr = Sizes(T, H, HP, K, KP, E, L, W, WP, NB, MAX_TOPK)
-    RV: tl.constexpr = Recv(OFF_X, OFF_META, OFF_CNT, OFF_NTOK, OFF_SC, NS, NSP)
-    TI: tl.constexpr = Tiles(EB, TT, TS, JP, LB)
-    LR: tl.constexpr = LLRows(RW, HPW, OFF_WLL)
-    # own rows from x only when one launch sends and receives (a hook's caller may reuse x)
-    OWN_X_ON: tl.constexpr = OWN_X & (FP8 == 0) & ((STAGES & 3) == 3)
+    # this rank's own rows are expanded from x, not sent to its own receive slots (at 128
+    # tokens 15.7 -> 14.3 us: bench/results/ab/2026-11-30-ep-own-rows-from-x/): not FP8 rows,
+    # whose bytes are the quantiser's, and only when one launch sends and receives (a hook's
+    # caller may reuse x)
+    SEND_AND_RECV: tl.constexpr = STAGE_SEND | STAGE_RECV
+    OWN_ROWS_FROM_X: tl.constexpr = ((SEND_AND_RECV & STAGES) == SEND_AND_RECV) & (FP8 == 0)
+    NB: tl.constexpr = SIZES.NB
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
     seq = tl.load(ctrl + b)
-    set_off = (seq % 2) * SET_BYTES
+    set_off = (seq % 2) * REGIONS.SET_BYTES
     ehi = (seq + 1) << LL_HI                        # this call's epoch bits
     reg = Region(tab, rank, set_off)
-    if STAGES & 1:      # D_SEND
+    if STAGE_SEND & STAGES:
         if CARRY:       # the weights' own LL words, in this call's set
-            _push_weights(wts, n_tok, reg, S, OFF_WLL, ehi, LL=1)
-        if ROWS_FIRST:
-            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, OWN_X_ON)
-            _stamp(err, 1, PROFILE, 0, NB)  # rows pushed
-        _send_routing(topk, n_tok, err, reg, ehi, tag, S, RV, TI, STAMP=ROWS_FIRST == 0,
+            _push_weights(wts, n_tok, reg, SIZES, REGIONS.WEIGHTS_LL, ehi, LL=1)
+        # metadata and counts first, then the rows (bench/results/ab/2026-11-30-ep-ll-dispatch/)
+        _send_routing(topk, n_tok, err, reg, ehi, tag, SIZES, REGIONS, TILING, STAMP=1,
                       PROFILE=PROFILE, LL=1)
-        if not ROWS_FIRST:
-            _push_rows(x, topk, n_tok, reg, S, RV, LR, JP, FP8, OWN_X_ON)
+        _push_rows(x, topk, n_tok, reg, SIZES, REGIONS, ROW, TILING.TOKENS_PER_BLOCK, FP8,
+                   OWN_ROWS_FROM_X)
         _stamp(err, 2, PROFILE, 0, NB)  # rows, counts and metadata pushed
-    if STAGES & 2:      # D_RECV; polls only with D_WAIT (the interpreter tests read once)
+    if STAGE_RECV & STAGES:     # polls only with STAGE_WAIT (the interpreter tests read once)
         out = Out(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out)
-        failed = _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, S, RV, LR, LB,
-                            FP8=FP8, CARRY=CARRY, POLL=(STAGES & 8) != 0, PROFILE=PROFILE,
-                            OWN_X=OWN_X_ON, stats=stats, STATS=STATS,
+        failed = _expand_ll(x, out, reg, seq, tag, timeout_us, err, w_off, SIZES, REGIONS, ROW,
+                            TILING.COUNT_CHUNK, FP8=FP8, CARRY=CARRY,
+                            POLL=(STAGE_WAIT & STAGES) != 0, PROFILE=PROFILE,
+                            OWN_ROWS_FROM_X=OWN_ROWS_FROM_X, stats=stats, STATS=STATS,
                             deep=DeepOut(deep_src, deep_layout, deep_stats), DEEP_EP=DEEP_EP)
         if broken | (failed != 0):
             # DeepEP's UE8M0 scales: one int32 word per four groups
-            _poison_received(out, S, NS // 4 if DEEP_EP == UE8M0_LAYOUT else NS, FP8)
+            _poison_received(out, SIZES, ROW.SCALES // 4 if DEEP_EP == UE8M0_LAYOUT else
+                             ROW.SCALES, FP8)
             if DEEP_EP:     # and layout_range says so, as recv_count does
-                _poison_layout(deep_layout, S, LB)
+                _poison_layout(deep_layout, SIZES, TILING.COUNT_CHUNK)
         tl.store(ctrl + b, seq + 1)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
