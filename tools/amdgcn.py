@@ -1,0 +1,64 @@
+"""Read the memory ordering of llcomm's kernels in AMDGCN (gfx942): what ``tools/ptx.py
+--target gfx942`` and ``tools/ptx_ep.py --target gfx942`` print, and what
+tests/test_amd_compile.py asserts.
+
+On gfx942 (LLVM's AMDGPU memory model) a system-scope release writes back the L2 before the
+access, ``buffer_wbl2 sc0 sc1``, then waits for every earlier memory operation
+(``s_waitcnt vmcnt(0)``); a system-scope acquire waits for its own load or atomic and then
+invalidates the caches, ``buffer_inv sc0 sc1``. A system-scope atomic carries the ``sc1`` bit
+(``sc0`` alone: a returning atomic at device scope).
+"""
+import os
+import re
+
+#: A global atomic at system scope (``sc1`` among its modifiers).
+SYS_ATOMIC = re.compile(r"^\s*global_atomic_\w+\s[^;\n]*\bsc1\b", re.M)
+RELEASE = "buffer_wbl2 sc0 sc1"
+ACQUIRE = "buffer_inv sc0 sc1"
+#: Lines that may sit between a fence and its access: waits, labels, directives, comments.
+_FILLER = re.compile(r"^\s*(s_waitcnt\b|s_nop\b|[.;]|\.L|$)")
+
+
+def code_lines(asm: str) -> list[str]:
+    """The instructions of ``asm``, one a line, stripped (no directives, labels, comments)."""
+    out = []
+    for line in asm.splitlines():
+        s = line.split(";")[0].strip()
+        if s and not s.startswith(".") and not s.endswith(":"):
+            out.append(s)
+    return out
+
+
+def sys_atomics(asm: str) -> list[dict]:
+    """Every system-scope global atomic of ``asm``, in order: its instruction, whether a
+    system-scope release fence comes right before it (only waits between) and whether an
+    acquire invalidate comes right after it (only waits between)."""
+    lines = code_lines(asm)
+    found = []
+    for i, s in enumerate(lines):
+        if not (s.startswith("global_atomic_") and re.search(r"\bsc1\b", s)):
+            continue
+        j = i - 1
+        while j >= 0 and lines[j].startswith(("s_waitcnt", "s_nop")):
+            j -= 1
+        k = i + 1
+        while k < len(lines) and lines[k].startswith(("s_waitcnt", "s_nop")):
+            k += 1
+        found.append({"insn": s, "release": j >= 0 and lines[j] == RELEASE,
+                      "acquire": k < len(lines) and lines[k] == ACQUIRE
+                      and "vmcnt(0)" in " ".join(lines[i + 1:k])})
+    return found
+
+
+def summary(name: str, asm: str, dump: str | None) -> str:
+    """Write ``asm`` to ``dump/name.amdgcn`` when asked; return the counts of system-scope
+    atomics that release, that acquire, and that do neither (none should)."""
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, name + ".amdgcn"), "w") as f:
+            f.write(asm)
+    atoms = sys_atomics(asm)
+    rel = sum(a["release"] for a in atoms)
+    acq = sum(a["acquire"] for a in atoms)
+    bare = sum(not (a["release"] or a["acquire"]) for a in atoms)
+    return f"sys release {rel:2d}  sys acquire {acq:2d}  sys unordered {bare}"
