@@ -31,8 +31,9 @@ def code_lines(asm: str) -> list[str]:
 
 def sys_atomics(asm: str) -> list[dict]:
     """Every system-scope global atomic of ``asm``, in order: its instruction, whether a
-    system-scope release fence comes right before it (only waits between) and whether an
-    acquire invalidate comes right after it (only waits between)."""
+    system-scope release fence comes right before it (only waits between), whether an acquire
+    invalidate comes right after it (only waits between) and, if so, whether a wait for the
+    atomic itself (``vmcnt(0)``) comes before the invalidate."""
     lines = code_lines(asm)
     found = []
     for i, s in enumerate(lines):
@@ -44,15 +45,16 @@ def sys_atomics(asm: str) -> list[dict]:
         k = i + 1
         while k < len(lines) and lines[k].startswith(("s_waitcnt", "s_nop")):
             k += 1
-        found.append({"insn": s, "release": j >= 0 and lines[j] == RELEASE,
-                      "acquire": k < len(lines) and lines[k] == ACQUIRE
-                      and "vmcnt(0)" in " ".join(lines[i + 1:k])})
+        acquire = k < len(lines) and lines[k] == ACQUIRE
+        found.append({"insn": s, "release": j >= 0 and lines[j] == RELEASE, "acquire": acquire,
+                      "waited": acquire and "vmcnt(0)" in " ".join(lines[i + 1:k])})
     return found
 
 
 def summary(name: str, asm: str, dump: str | None) -> str:
     """Write ``asm`` to ``dump/name.amdgcn`` when asked; return the counts of system-scope
-    atomics that release, that acquire, and that do neither (none should)."""
+    atomics that release, that acquire (and of those, that invalidate without waiting for the
+    atomic), and that do neither (none should)."""
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, name + ".amdgcn"), "w") as f:
@@ -60,5 +62,7 @@ def summary(name: str, asm: str, dump: str | None) -> str:
     atoms = sys_atomics(asm)
     rel = sum(a["release"] for a in atoms)
     acq = sum(a["acquire"] for a in atoms)
+    unwaited = sum(a["acquire"] and not a["waited"] for a in atoms)
     bare = sum(not (a["release"] or a["acquire"]) for a in atoms)
-    return f"sys release {rel:2d}  sys acquire {acq:2d}  sys unordered {bare}"
+    return (f"sys release {rel:2d}  sys acquire {acq:2d} (unwaited {unwaited})  "
+            f"sys unordered {bare}  timer reads {asm.count('s_memrealtime'):2d}")
