@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from _interp import run_in_interpreter
-from llcomm.ep.kernels.fp8 import _e4m3x4
+from llcomm.ep.kernels.fp8_rows import _e4m3x4
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))

@@ -30,7 +30,7 @@ use_llcomm_dir()
 
 from llcomm.bench import spawn  # noqa: E402
 from llcomm.ep.peer import rows_first  # noqa: E402
-from llcomm.ep.fp8 import dequantize  # noqa: E402
+from llcomm.runtime.fp8_format import dequantize  # noqa: E402
 from llcomm.ep.layout import ERR_PROF, PROF_WORDS  # noqa: E402
 from llcomm.runtime.settings import EPSettings  # noqa: E402
 

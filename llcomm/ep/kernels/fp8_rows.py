@@ -1,7 +1,8 @@
-"""The FP8 dispatch's quantiser on the device: the arithmetic of ``llcomm/ep/fp8.py`` (scales =
-amax / 448 per 128-channel block, or rounded up to a power of two; x / scale clamped to +-448 and
-rounded to nearest even), byte-equal to torch's ``.to(torch.float8_e4m3fn)``. The e4m3 rounding,
-the scales and the division are ``llcomm/runtime/kernels/fp8.py``'s.
+"""The FP8 dispatch's token-row quantisers on the device: the arithmetic of
+``llcomm/runtime/fp8_format.py`` (scales = amax / 448 per 128-channel block, or rounded up to a
+power of two; x / scale clamped to +-448 and rounded to nearest even), byte-equal to torch's
+``.to(torch.float8_e4m3fn)``. The e4m3 rounding, the scales and the division are
+``llcomm/runtime/kernels/e4m3.py``'s.
 
 Each token row is quantised once, on the sender, and crosses NVLink as ``H`` bytes of e4m3 plus
 ``H // 128`` fp32 scales. ``_quantize_row`` is the flag dispatch's quantiser, ``_pack_row_fp8``
@@ -14,11 +15,11 @@ from triton import knobs
 from .. import layout as EL
 from .common import _row_words
 # the e4m3 arithmetic is shared with the TP fused norm's FP8 outputs: one definition
-from ...runtime.kernels.fp8 import RCP_MIN_SCALE  # noqa: F401  (tests/test_ep_fp8_quant.py)
-from ...runtime.kernels.fp8 import div_by as _div_by
-from ...runtime.kernels.fp8 import e4m3_bits as _e4m3_bits  # noqa: F401  (tests)
-from ...runtime.kernels.fp8 import e4m3_clamped as _e4m3_clamped
-from ...runtime.kernels.fp8 import fp8_scales as _fp8_scales
+from ...runtime.kernels.e4m3 import RCP_MIN_SCALE  # noqa: F401  (tests/test_ep_fp8_quant.py)
+from ...runtime.kernels.e4m3 import div_by as _div_by
+from ...runtime.kernels.e4m3 import e4m3_bits as _e4m3_bits  # noqa: F401  (tests)
+from ...runtime.kernels.e4m3 import e4m3_clamped as _e4m3_clamped
+from ...runtime.kernels.e4m3 import fp8_scales as _fp8_scales
 
 FP8_BLOCK = tl.constexpr(EL.FP8_BLOCK)
 
