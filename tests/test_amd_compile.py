@@ -91,6 +91,7 @@ def test_compiles_for_gfx942_with_its_ordering(key, capfd):
     # every bounded wait reads the real-time counter, and the compiler kept each reading
     assert llir.count("s_memrealtime") == asm.count("s_memrealtime"), key
     assert "s_memrealtime" in asm or key.endswith("_send"), f"{key}: no timer under its waits"
+    assert ("s_memtime" in asm) == key.endswith("_prof"), f"{key}: profiling clock"
     wrong = check_ordering(asm, llir)
     assert not wrong, f"{key}: " + "; ".join(wrong)
 
