@@ -6,17 +6,16 @@ On gfx942 (LLVM's AMDGPU memory model) a system-scope release writes back the L2
 access, ``buffer_wbl2 sc0 sc1``, then waits for every earlier memory operation
 (``s_waitcnt vmcnt(0)``); a system-scope acquire waits for its own load or atomic and then
 invalidates the caches, ``buffer_inv sc0 sc1``. A system-scope atomic carries the ``sc1`` bit
-(``sc0`` alone: a returning atomic at device scope).
+(``sc0`` alone: a returning atomic at device scope). LLVM may turn an atomic that changes
+nothing (``atomic_add`` of 0, acquire) into an acquire load, ``global_load ... sc0 sc1`` then
+the invalidate (Triton 3.6 does): such a load counts as an acquire; one without the invalidate
+is a volatile load (a poll), not an atomic, and is not reported.
 """
 import os
 import re
 
-#: A global atomic at system scope (``sc1`` among its modifiers).
-SYS_ATOMIC = re.compile(r"^\s*global_atomic_\w+\s[^;\n]*\bsc1\b", re.M)
 RELEASE = "buffer_wbl2 sc0 sc1"
 ACQUIRE = "buffer_inv sc0 sc1"
-#: Lines that may sit between a fence and its access: waits, labels, directives, comments.
-_FILLER = re.compile(r"^\s*(s_waitcnt\b|s_nop\b|[.;]|\.L|$)")
 
 
 def code_lines(asm: str) -> list[str]:
@@ -30,14 +29,16 @@ def code_lines(asm: str) -> list[str]:
 
 
 def sys_atomics(asm: str) -> list[dict]:
-    """Every system-scope global atomic of ``asm``, in order: its instruction, whether a
-    system-scope release fence comes right before it (only waits between), whether an acquire
-    invalidate comes right after it (only waits between) and, if so, whether a wait for the
-    atomic itself (``vmcnt(0)``) comes before the invalidate."""
+    """Every system-scope global atomic of ``asm`` and every acquire load, in order: its
+    instruction, whether a system-scope release fence comes right before it (only waits
+    between), whether an acquire invalidate comes right after it (only waits between) and, if
+    so, whether a wait for the access itself (``vmcnt(0)``) comes before the invalidate."""
     lines = code_lines(asm)
     found = []
     for i, s in enumerate(lines):
-        if not (s.startswith("global_atomic_") and re.search(r"\bsc1\b", s)):
+        atomic = s.startswith("global_atomic_") and re.search(r"\bsc1\b", s)
+        load = s.startswith("global_load") and re.search(r"\bsc0 sc1\b", s)
+        if not (atomic or load):
             continue
         j = i - 1
         while j >= 0 and lines[j].startswith(("s_waitcnt", "s_nop")):
@@ -46,6 +47,8 @@ def sys_atomics(asm: str) -> list[dict]:
         while k < len(lines) and lines[k].startswith(("s_waitcnt", "s_nop")):
             k += 1
         acquire = k < len(lines) and lines[k] == ACQUIRE
+        if load and not acquire:
+            continue
         found.append({"insn": s, "release": j >= 0 and lines[j] == RELEASE, "acquire": acquire,
                       "waited": acquire and "vmcnt(0)" in " ".join(lines[i + 1:k])})
     return found
