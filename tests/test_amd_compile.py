@@ -39,12 +39,21 @@ IR_SYS_ATOMIC = re.compile(r"= (?:atomicrmw \w+|cmpxchg) ptr addrspace\(1\) [^\n
                            r"\b(monotonic|acquire|release|acq_rel|seq_cst)\b")
 
 
+def _ep_kernels(tokens: int, dt: str) -> dict:
+    """tools/ptx_ep.py's variants at its defaults (hidden 7168, 256 experts, 2 ranks, top-8, 128
+    blocks) for a buffer of ``tokens`` tokens."""
+    return ptx_ep_tool.kernels(7168, 256, 2, tokens, 8, dt, 128)
+
+
 def _variants() -> dict:
+    """Every variant by a key: the TP ones, the EP ones of the LL buffer in bf16 and fp32, and
+    the unmasked flag dispatch's of the larger buffer in bf16 (the combine and the masked
+    dispatch, the same code at another size, only at the smaller one: compile time)."""
     out = {f"tp/{n}": ("tp", n, 0) for n in ptx_tool.KERNELS}
     for tokens in EP_TOKENS:
         for dt in ("bf16", "fp32") if tokens == EP_TOKENS[0] else ("bf16",):
-            for n in ptx_ep_tool.kernels(7168, 256, 2, tokens, 8, dt, 128):
-                if tokens == EP_TOKENS[0] or n.startswith("dispatch") and "masks" not in n:
+            for n in _ep_kernels(tokens, dt):
+                if tokens == EP_TOKENS[0] or (n.startswith("dispatch") and "masks" not in n):
                     out[f"ep{tokens}/{n}"] = ("ep", n, tokens)
     return out
 
@@ -58,7 +67,7 @@ def _compile(key: str):
         fn, sig, consts, *warps = ptx_tool.KERNELS[name]
         return ptx_tool.compile_one(fn, sig, consts, *warps, target=GFX942)
     dt = "fp32" if "_fp32" in name else "bf16"
-    fn, sig, consts, warps, opts = ptx_ep_tool.kernels(7168, 256, 2, tokens, 8, dt, 128)[name]
+    fn, sig, consts, warps, opts = _ep_kernels(tokens, dt)[name]
     return ptx_ep_tool.compile_one(fn, sig, consts, warps, opts, target=GFX942)
 
 
