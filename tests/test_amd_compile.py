@@ -35,7 +35,7 @@ GFX942 = ptx_tool.TARGETS["gfx942"]
 EP_TOKENS = (128, 512)
 NVIDIA_ONLY = ("%globaltimer", "%clock64", "cvt.rn.satfinite", "griddepcontrol")
 #: A system-scope atomic in LLVM IR (no syncscope: the system) and its ordering.
-IR_SYS_ATOMIC = re.compile(r"= (?:atomicrmw \w+|cmpxchg) ptr addrspace\(1\) [^\n]*?"
+IR_SYS_ATOMIC = re.compile(r"= (?:atomicrmw \w+|cmpxchg) ptr addrspace\(1\) (?:(?!syncscope)[^\n])*?"
                            r"\b(monotonic|acquire|release|acq_rel|seq_cst)\b")
 
 
@@ -97,8 +97,7 @@ def test_compiles_for_gfx942_with_its_ordering(key, capfd):
     assert "error" not in llvm_said, f"{key}: LLVM reported\n{llvm_said}"
     left = [s for s in NVIDIA_ONLY if s in llir or s in asm]
     assert not left, f"{key}: NVIDIA instructions left for gfx942: {left}"
-    # every bounded wait reads the real-time counter, and the compiler kept each reading
-    assert llir.count("s_memrealtime") == asm.count("s_memrealtime"), key
+    # every bounded wait reads the real-time counter
     assert "s_memrealtime" in asm or key.endswith("_send"), f"{key}: no timer under its waits"
     assert ("s_memtime" in asm) == key.endswith("_prof"), f"{key}: profiling clock"
     wrong = check_ordering(asm, llir)
@@ -118,12 +117,13 @@ VOLATILE_DROPPED = {k for k in VARIANTS
                                reason="Triton's AMD buffer loads drop volatile"))
     for k in VARIANTS])
 def test_polls_stay_volatile_on_gfx942(key):
-    """A poll must read memory, not a cache line a peer's store does not reach: every volatile
-    load of the Triton IR stays one (on gfx942 a load with ``sc0 sc1``)."""
+    """A poll must read memory, not a cache line a peer's store does not reach: the volatile
+    loads of the Triton IR stay volatile in the LLVM IR (as many or more: LLVM may split a
+    vector load) and on gfx942 (a load with ``sc0 sc1``)."""
     k = _compile(key)
     asked = k.asm["ttir"].count("isVolatile = true")
-    kept = k.asm["ttgir"].count("isVolatile = true")
-    assert kept == asked, f"{key}: {asked - kept} of {asked} volatile loads lost"
+    kept = len(re.findall(r"= load volatile ", k.asm["llir"]))
+    assert kept >= asked, f"{key}: {asked} volatile loads in Triton's IR, {kept} in LLVM's"
     if asked:
         assert re.search(r"_load\w* [^;\n]*\bsc0 sc1\b", k.asm["amdgcn"]), key
 
@@ -199,6 +199,6 @@ def test_fp8_pack_on_the_bits_is_the_convert():
     got = torch.tensor(run_in_interpreter("test_amd_compile", "plain_pack_words", q.tolist()),
                        dtype=torch.int32)
     want = _convert_model(q)
-    bad = (got != want).nonzero().flatten()
-    assert bad.numel() == 0, \
-        f"{bad.numel()} words differ, first {[(q[4 * i:4 * i + 4].tolist(), hex(got[i]), hex(want[i])) for i in bad[:3].tolist()]}"
+    bad = (got != want).nonzero().flatten().tolist()
+    first = [(q[4 * i:4 * i + 4].tolist(), hex(got[i]), hex(want[i])) for i in bad[:3]]
+    assert not bad, f"{len(bad)} words differ, first (quotients, got, want): {first}"
