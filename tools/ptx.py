@@ -1,6 +1,6 @@
 """Compile llcomm's kernels for sm_90 on any machine (no GPU needed) and report what matters.
 
-    python tools/ptx.py [--dump DIR] [--pdl] [--same-as DIR]
+    python tools/ptx.py [--dump DIR] [--pdl] [--same-as DIR] [--target gfx942]
 
 ``--same-as DIR`` compares each kernel's code with a ``--dump`` made before a change (debug
 sections, ``.loc`` lines, comments and the kernel's own name left out, so a kernel renamed or
@@ -9,6 +9,8 @@ for every kernel.
 
 Prints, per kernel, whether the peer loads/stores are 16 bytes wide (ld/st.global.v4), the
 system-scope atomics, and register use when known. PTX reading costs no device time.
+``--target gfx942`` compiles for AMD's MI300X instead and prints the system-scope ordering of
+the AMDGCN (``tools/amdgcn.py``).
 """
 import argparse
 import contextlib

@@ -1,7 +1,7 @@
 """Compile the EP kernels for sm_90 on any machine (no GPU needed) and report what matters.
 
     python tools/ptx_ep.py [--dump DIR] [--same-as DIR] [--pdl] [--hidden 7168] [--experts 256]
-                           [--ranks 2] [--tokens 128]
+                           [--ranks 2] [--tokens 128] [--target gfx942]
 
 Compiles the dispatch (bf16 / fp32 rows, and FP8: ``ll_dispatch_kernel`` or
 ``flag_dispatch_kernel``, whichever ``EPBuffer`` runs for ``--tokens``, and the flag one for rank
