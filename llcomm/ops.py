@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .runtime.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from .runtime.fp8_format import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .runtime.registry import handle_of as _handle_of, lookup as _lookup, register
 
 if TYPE_CHECKING:

@@ -559,11 +559,11 @@ def test_bench_ep_fp8_option_errors(tmp_path):
 
 @pytest.mark.parametrize("round_scale", [False, True])
 def test_bench_ep_fp8_oracle_matches_ep_fp8(round_scale):
-    """The bench's own quantiser and llcomm.ep.fp8 (what the reference backend sends) agree
-    byte for byte, on blocks that reach the corners: zeros, -0.0, tiny (subnormal scales),
+    """The bench's own quantiser and llcomm.runtime.fp8_format (what the reference backend sends)
+    agree byte for byte, on blocks that reach the corners: zeros, -0.0, tiny (subnormal scales),
     huge, e4m3 ties and subnormal codes."""
     from llcomm.bench import ep_oracle
-    from llcomm.ep.fp8 import quantize
+    from llcomm.runtime.fp8_format import quantize
     g = torch.Generator().manual_seed(3)
     H = 128
     rows = [torch.randn(64, H, generator=g) * 10.0 ** torch.randint(-6, 6, (64, 1), generator=g),
@@ -586,7 +586,7 @@ def test_bench_ep_fp8_check_catches_a_wrong_byte():
     x = torch.randn(T, H).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
     exp = _expected_both_ranks_alike(x, idx, W, T, E)
-    from llcomm.ep.fp8 import quantize
+    from llcomm.runtime.fp8_format import quantize
     q, s = quantize(exp.rows, round_scale=True)
     codes = torch.zeros(E // W, W * T, H, dtype=torch.float8_e4m3fn)
     scales = torch.zeros(E // W, W * T, 1)

@@ -202,7 +202,7 @@ def _tp_results(rank: int, ws: int, out: dict) -> None:
 def _ep_results(rank: int, ws: int, out: dict) -> None:
     import llcomm
     import llcomm.ops as ops
-    from llcomm.runtime.fp8 import dequantize
+    from llcomm.runtime.fp8_format import dequantize
     from torch.library import opcheck
 
     g = torch.Generator(device=CPU).manual_seed(SEED + 7 * rank)

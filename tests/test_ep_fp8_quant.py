@@ -1,6 +1,6 @@
 """The LL dispatch's FP8 quantiser arithmetic (one GPU or the interpreter, no peers).
 
-``llcomm/ep/kernels/fp8.py _div_by`` replaces a division per element by one correctly rounded
+``llcomm/ep/kernels/fp8_rows.py _div_by`` replaces a division per element by one correctly rounded
 reciprocal per scale and a correction by the exact remainder. It must give the very quotients
 of IEEE division (torch's ``/`` on CUDA, and ``div_rn``) wherever the quantiser uses it:
 ``|x| <= 448 s`` (every element of a block is at most its amax = 448 s). Checked over every
@@ -10,8 +10,8 @@ and a few below 2**-89 (which ``_div_by`` lifts by 2**64 first): on the GPU, and
 scales) under ``TRITON_INTERPRET=1`` in CI, whose fma rounds once as well.
 
 Then, on the GPU only (the interpreter cannot run the inline PTX convert), ``_pack_row_fp8`` as
-the LL dispatch runs it (the convert and the reciprocal) against ``llcomm.ep.fp8.quantize`` on
-rows of mixed magnitudes: the same words, byte for byte.
+the LL dispatch runs it (the convert and the reciprocal) against
+``llcomm.runtime.fp8_format.quantize`` on rows of mixed magnitudes: the same words, byte for byte.
 
 Run on a GPU host: ``python -m pytest tests/test_ep_fp8_quant.py -m gpu -q``.
 """
@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from _interp import run_in_interpreter
-from llcomm.ep import fp8 as ep_fp8
-from llcomm.ep.fp8 import FP8_BLOCK
-from llcomm.ep.kernels.fp8 import RCP_MIN_SCALE, _div_by, _pack_row_fp8
+from llcomm.runtime import fp8_format as ep_fp8
+from llcomm.runtime.fp8_format import FP8_BLOCK
+from llcomm.ep.kernels.fp8_rows import RCP_MIN_SCALE, _div_by, _pack_row_fp8
 
 ROWS = 64                   # 128-channel blocks per program of the division kernel
 SCALES_GPU = 512            # random scales of each kind, against every finite bf16 value

@@ -370,7 +370,7 @@ def _fp8_body(rank, W):
                         assert torch.equal(_bits(q[e, :c]), _bits(wq[e, :c])), (what, e)
                         assert torch.equal(_bits(sc[e, :c]), _bits(wsc[e, :c])), (what, e)
                         assert torch.equal(h.src_info[e, :c], wh.src_info[e, :c]), (what, e)
-                    from llcomm.ep.fp8 import dequantize
+                    from llcomm.runtime.fp8_format import dequantize
                     eo = _experts(dequantize(wq, wsc), rank)
                     y = peer.combine(eo, idx, w, h)
                     assert torch.equal(_bits(y), _bits(ref.combine(eo, idx, w, wh))), what
@@ -387,7 +387,7 @@ def test_fp8_dispatch_matches_reference():
 def _hook_body(rank, W):
     """return_recv_hook: the send half, unrelated GPU work, then the hook; results byte / bit
     equal to the reference, eagerly, for bf16 and FP8, and inside a captured CUDA graph."""
-    from llcomm.ep.fp8 import dequantize
+    from llcomm.runtime.fp8_format import dequantize
     cfg = SMALL
     E, H, T, topk = cfg["E"], cfg["H"], cfg["T"], cfg["topk"]
     peer, ref = _buffers(E, H, T)

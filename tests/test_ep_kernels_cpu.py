@@ -9,7 +9,7 @@ contraction either); in bf16 within two bf16 ulps, since the interpreter's fp32 
 truncates where the GPU rounds to nearest even (the GPU tests compare bf16 bit for bit).
 Consecutive calls alternate buffer sets through the kernels' own counters, as on the GPU.
 FP8 dispatches are checked byte for byte (e4m3 codes and fp32 scales) against the oracle's
-quantiser and against ``llcomm.ep.fp8.quantize`` (what the reference backend sends).
+quantiser and against ``llcomm.runtime.fp8_format.quantize`` (what the reference backend sends).
 
 The interpreter is chosen when Triton is imported, so the simulation runs in a subprocess.
 """
@@ -97,7 +97,7 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
     handling is exercised, not the timing (which the GPU tests check)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep import kernels as K
-    from llcomm.ep.fp8 import dequantize, quantize
+    from llcomm.runtime.fp8_format import dequantize, quantize
     from llcomm.ep.layout import ARM_BYTE, ep_layout
     from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_row_consts
     from test_ep_oracle import (expert_fn, make_case, oracle_combine, oracle_dispatch,
@@ -178,7 +178,8 @@ def simulate(W, E, T, H, topk, NB, dtype_name, seeds, kinds, fp8=0, signals=Fals
                             if not (torch.equal(recv[r][e, j], q.view(torch.uint8))
                                     and torch.equal(scales[r][e, j], sc)):
                                 fails.append(f"{tag} rank {r} expert {e} row {j} differs from "
-                                             "llcomm.ep.fp8.quantize (the reference backend)")
+                                             "llcomm.runtime.fp8_format.quantize (the reference "
+                                             "backend)")
                 # the rest of the checks and the combine run on the dequantised rows
                 recv = [dequantize(recv[r].view(torch.float8_e4m3fn), scales[r], dtype)
                         for r in range(W)]
@@ -330,7 +331,7 @@ def _e4m3_exhaustive():
     subnormal range, the saturation edge and random values."""
     import triton
     import triton.language as tl
-    from llcomm.ep.kernels import fp8 as F
+    from llcomm.ep.kernels import fp8_rows as F
     globals()["_E4M3_BITS"] = F._e4m3_bits      # a jit function resolves module globals
 
     @triton.jit

@@ -2,7 +2,7 @@
 
 What the LL dispatch is for, checked where it lives: no system-scope atomic or fence (no flag,
 no release; the data is its own flag), volatile polls of its words, and FP8 rows rounded by the
-GPU's ``cvt.rn.satfinite.e4m3x2.f32`` (``kernels/fp8.py`` E4M3X4_PTX). The flag dispatch,
+GPU's ``cvt.rn.satfinite.e4m3x2.f32`` (``kernels/fp8_rows.py`` E4M3X4_PTX). The flag dispatch,
 which a buffer for more than ``LL_MAX_TOKENS`` tokens runs, keeps its release and its bit
 rounding.
 """

@@ -307,7 +307,7 @@ def _fp8_body(rank, W, configs):
     """FP8 dispatch on the reference backend against the oracle: e4m3 codes and scales exact,
     dequantised rows within FP8 tolerance of the input, combine after an FP8 dispatch."""
     import llcomm.ep as ep
-    from llcomm.ep.fp8 import dequantize
+    from llcomm.runtime.fp8_format import dequantize
     from test_ep_oracle import oracle_dispatch_fp8
     fails = []
     for (E, T, H, topk, dtype, seeds, fp8_only) in configs:
@@ -457,7 +457,7 @@ def _hook_body(rank, W):
 
 
 def ep_fp8_dequant(pair):
-    from llcomm.ep.fp8 import dequantize
+    from llcomm.runtime.fp8_format import dequantize
     return dequantize(*pair)
 
 

@@ -4,8 +4,8 @@
 Against the same communicator's other ops and the fp32 oracle of ``tests/_norm_oracle.py``:
 ``residual_out`` bit for bit ``all_reduce`` (+ residual); the no-residual ``out`` bit for bit
 ``all_reduce_residual_rmsnorm`` with a zero residual, and within tolerance of torch's RMSNorm;
-FP8 codes and scales byte for byte the oracle's (and ``llcomm.runtime.fp8``'s) quantisation of
-the ``y`` that ``all_reduce_residual_rmsnorm`` returns for the same inputs, and within one e4m3
+FP8 codes and scales byte for byte the oracle's (and ``llcomm.runtime.fp8_format``'s) quantisation
+of the ``y`` that ``all_reduce_residual_rmsnorm`` returns for the same inputs, and within one e4m3
 step of the unfused torch sequence (llcomm all_reduce + torch add + RMSNorm + quantisation).
 Every output bitwise equal across ranks. Fresh random inputs per case, outputs poisoned first,
 both algorithms, CUDA-graph capture and replay with a new static scale value each replay, ranks
@@ -59,23 +59,24 @@ def _unfused_y(comm, x, res, w, algo):
 
 
 def _check_static(q, yp, y_unfused, scale, case):
-    from llcomm.runtime import fp8 as F8
+    from llcomm.runtime import fp8_format as F8
     codes = q.view(torch.uint8).cpu()
     assert torch.equal(codes, O.static_codes(yp.cpu(), scale.cpu())), f"{case}: codes != oracle"
     assert torch.equal(codes, F8.quantize_static(yp, scale).view(torch.uint8).cpu()), \
-        f"{case}: codes != llcomm.runtime.fp8.quantize_static of y"
+        f"{case}: codes != llcomm.runtime.fp8_format.quantize_static of y"
     unfused = (y_unfused.float() * (1 / scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert int(O.step_distance(codes, unfused.view(torch.uint8).cpu()).max()) <= 1, \
         f"{case}: more than one e4m3 step from the unfused sequence"
 
 
 def _check_group(q, s, yp, y_unfused, round_scale, case):
-    from llcomm.runtime import fp8 as F8
+    from llcomm.runtime import fp8_format as F8
     want_q, want_s = O.group_codes(yp.cpu(), round_scale)
     assert torch.equal(s.cpu(), want_s), f"{case}: scales != oracle"
     assert torch.equal(q.view(torch.uint8).cpu(), want_q), f"{case}: codes != oracle"
     lq, ls = F8.quantize(yp, round_scale)
-    assert _same_bits(q, lq) and _same_bits(s, ls), f"{case}: != llcomm.runtime.fp8.quantize of y"
+    assert _same_bits(q, lq) and _same_bits(s, ls), \
+        f"{case}: != llcomm.runtime.fp8_format.quantize of y"
     if not round_scale:
         uq, us = O.group_codes(y_unfused.cpu())
         assert ((s.cpu() - us).abs() <= 2.0 ** -5 * us).all(), f"{case}: scales off the unfused"

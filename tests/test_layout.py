@@ -120,7 +120,7 @@ def test_imports_point_down():
     # FP8 format), the argument checks and the errors, and the runtime's backend choice (shrink
     # mode asks it as EPBuffer will); only the tools above it import it (``import llcomm``
     # does not load it)
-    adapter_may_import = {"llcomm.ep", "llcomm.ep.fp8", "llcomm.runtime",
+    adapter_may_import = {"llcomm.ep", "llcomm.runtime.fp8_format", "llcomm.runtime",
                           "llcomm.runtime.validate", "llcomm.runtime.backend", "llcomm.errors"}
     wrong = []
     for src, targets in graph.items():

@@ -147,7 +147,7 @@ H8 = 128          # FP8 dispatch needs hidden a multiple of 128
 def _fp8_body(rank, ws, compilers):
     import llcomm
     import llcomm.ops as ops
-    from llcomm.ep.fp8 import dequantize
+    from llcomm.runtime.fp8_format import dequantize
     from torch.library import opcheck
     buf = llcomm.EPBuffer(num_experts=E, hidden=H8, num_max_dispatch_tokens_per_rank=T,
                           dtype=torch.float32, backend="reference")

@@ -29,7 +29,7 @@ from _checkout import argument_parser, use_llcomm_dir
 use_llcomm_dir()
 
 from llcomm.bench import spawn  # noqa: E402  (--llcomm DIR first)
-from llcomm.ep.fp8 import dequantize  # noqa: E402  (--llcomm DIR first)
+from llcomm.runtime.fp8_format import dequantize  # noqa: E402  (--llcomm DIR first)
 from llcomm.ep.layout import ERR_PROF, PROF_WORDS  # noqa: E402  (--llcomm DIR first)
 
 def stage_names(ll: int) -> dict:

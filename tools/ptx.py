@@ -1,6 +1,6 @@
 """Compile llcomm's kernels for sm_90 on any machine (no GPU needed) and report what matters.
 
-    python tools/ptx.py [--dump DIR] [--pdl] [--same-as DIR]
+    python tools/ptx.py [--dump DIR] [--pdl] [--same-as DIR] [--target gfx942]
 
 ``--same-as DIR`` compares each kernel's code with a ``--dump`` made before a change (debug
 sections, ``.loc`` lines, comments and the kernel's own name left out, so a kernel renamed or
@@ -9,8 +9,11 @@ for every kernel.
 
 Prints, per kernel, whether the peer loads/stores are 16 bytes wide (ld/st.global.v4), the
 system-scope atomics, and register use when known. PTX reading costs no device time.
+``--target gfx942`` compiles for AMD's MI300X instead and prints the system-scope ordering of
+the AMDGCN (``tools/amdgcn.py``).
 """
 import argparse
+import contextlib
 import inspect
 import os
 import re
@@ -18,14 +21,45 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime import driver
 
+import amdgcn       # tools/amdgcn.py, beside this file
 from llcomm.runtime import protocol as P
 from llcomm.runtime.launch import FP_FUSION
 from llcomm.runtime.kernels.lamport import ALL_STAGES
 from llcomm.tp.kernels import (all_reduce, fused_norm, lamport_all_reduce, ll, movement,
                                reduce_scatter)
 
-TARGET = GPUTarget("cuda", 90, 32)
+#: What ``--target`` compiles for: NVIDIA H100/H200 (PTX) or AMD MI300X (AMDGCN, ``--target
+#: gfx942``: amdgcn.py reads it).
+TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
+TARGET = TARGETS["sm_90"]
+
+
+class _TargetDriver:
+    """Stands in for the driver of a GPU this machine need not have: ``tl.target_info``, which
+    the kernels ask whether they compile for AMD, reads the active driver's target."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+
+@contextlib.contextmanager
+def compiling_for(target):
+    """While compiling for ``target``, the kernels see it as the process's GPU, as they do
+    when a launch compiles them on that GPU."""
+    try:
+        before = driver.active
+    except RuntimeError:        # no GPU driver on this machine
+        before = None
+    driver.set_active(_TargetDriver(target))
+    try:
+        yield
+    finally:
+        driver.set_active(before)
 
 
 def _sig(names, overrides):
@@ -149,9 +183,9 @@ KERNELS = {
 }
 
 
-def compile_one(fn, sig, consts, num_warps=4, pdl=False):
-    """Compile ``fn`` for sm_90: ``sig`` the argument types, ``consts`` the constexprs (those
-    left out keep their defaults); ``pdl``: as launched with LLCOMM_PDL=1."""
+def compile_one(fn, sig, consts, num_warps=4, pdl=False, target=TARGET):
+    """Compile ``fn`` for ``target`` (sm_90): ``sig`` the argument types, ``consts`` the
+    constexprs (those left out keep their defaults); ``pdl``: as launched with LLCOMM_PDL=1."""
     import triton.language as tl
     cs = {k: (getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[v])
               if isinstance(v, str) else v) for k, v in consts.items()}
@@ -169,8 +203,9 @@ def compile_one(fn, sig, consts, num_warps=4, pdl=False):
              if v.startswith("*") or k in ("n", "cap", "shard", "m_out", "part", "hidden")}
     src = ASTSource(fn, signature=full, constexprs={(list(full).index(k),): v for k, v in cs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "launch_pdl": pdl,
-                                                       "enable_fp_fusion": FP_FUSION})
+    with compiling_for(target):
+        return triton.compile(src, target=target, options={
+            "num_warps": num_warps, "launch_pdl": pdl, "enable_fp_fusion": FP_FUSION})
 
 
 def ptxas_usage(ptx: str) -> str:
@@ -240,8 +275,14 @@ def main():
     ap.add_argument("--dump", default=None)
     ap.add_argument("--pdl", action="store_true", help="compile as LLCOMM_PDL=1 launches them")
     ap.add_argument("--same-as", default=None, help="a --dump folder to compare the code with")
+    ap.add_argument("--target", choices=TARGETS, default="sm_90",
+                    help="gfx942: AMDGCN, summarised by tools/amdgcn.py")
     args = ap.parse_args()
     for name, (fn, sig, consts, *warps) in KERNELS.items():
+        if args.target != "sm_90":
+            code = compile_one(fn, sig, consts, *warps, target=TARGETS[args.target]).asm["amdgcn"]
+            print(f"{name:16s} {amdgcn.summary(name, code, args.dump)}")
+            continue
         ptx = compile_one(fn, sig, consts, *warps, pdl=args.pdl).asm["ptx"]
         print(f"{name:16s} {ptx_summary(name, ptx, args.dump)}  {ptxas_usage(ptx)}"
               f"{same_as(args.same_as, name, ptx)}")

@@ -1,7 +1,7 @@
 """Compile the EP kernels for sm_90 on any machine (no GPU needed) and report what matters.
 
     python tools/ptx_ep.py [--dump DIR] [--same-as DIR] [--pdl] [--hidden 7168] [--experts 256]
-                           [--ranks 2] [--tokens 128]
+                           [--ranks 2] [--tokens 128] [--target gfx942]
 
 Compiles the dispatch (bf16 / fp32 rows, and FP8: ``ll_dispatch_kernel`` or
 ``flag_dispatch_kernel``, whichever ``EPBuffer`` runs for ``--tokens``, and the flag one for rank
@@ -21,7 +21,6 @@ import re
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,14 +30,17 @@ from llcomm.ep.layout import DEFAULT_NUM_BLOCKS, ep_layout  # noqa: E402
 from llcomm.ep.peer import dispatch_kernel, kernel_consts, ll_dispatch, ll_row_consts  # noqa: E402
 from llcomm.runtime.launch import FP_FUSION  # noqa: E402
 from llcomm.runtime.settings import EPSettings  # noqa: E402
-from ptx import code_only, ptx_summary, ptxas_usage  # noqa: E402  (tools/ptx.py, beside this file)
+from ptx import (TARGETS, code_only, compiling_for, ptx_summary,  # noqa: E402  (tools/ptx.py,
+                 ptxas_usage)                                      # beside this file)
+import amdgcn  # noqa: E402  (tools/amdgcn.py)
 
-TARGET = GPUTarget("cuda", 90, 32)
+TARGET = TARGETS["sm_90"]
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def compile_one(fn, sig, consts, num_warps, options=None, pdl=False):
-    """``pdl``: as launched with LLCOMM_PDL=1 (llcomm/runtime/launch.py sets PDL, not the caller)."""
+def compile_one(fn, sig, consts, num_warps, options=None, pdl=False, target=TARGET):
+    """``pdl``: as launched with LLCOMM_PDL=1 (llcomm/runtime/launch.py sets PDL, not the caller);
+    ``target``: tools/ptx.py's TARGETS."""
     if "PDL" in fn.arg_names:
         consts = {**consts, "PDL": int(pdl)}
     names = list(fn.arg_names)          # the kernel's parameter order
@@ -53,7 +55,8 @@ def compile_one(fn, sig, consts, num_warps, options=None, pdl=False):
                     attrs=attrs)
     opts = {"num_warps": num_warps, "launch_pdl": pdl, "enable_fp_fusion": FP_FUSION}
     opts.update(options or {})      # as the launcher: a kernel's own option wins
-    return triton.compile(src, target=TARGET, options=opts)
+    with compiling_for(target):
+        return triton.compile(src, target=target, options=opts)
 
 
 def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
@@ -201,6 +204,8 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="compile as LLCOMM_PDL=1 launches them")
     ap.add_argument("--same-as", default=None, help="a --dump folder to compare the code with "
                     "(tools/ptx.py --same-as)")
+    ap.add_argument("--target", choices=TARGETS, default="sm_90",
+                    help="gfx942: AMDGCN, summarised by tools/amdgcn.py")
     args = ap.parse_args()
     every = {}
     for dt in args.dtypes.split(","):
@@ -208,6 +213,11 @@ def main():
                              args.blocks))
     for name, (fn, sig, consts, warps, opts) in every.items():
         warps = args.warps or warps
+        if args.target != "sm_90":
+            code = compile_one(fn, sig, consts, warps, opts,
+                               target=TARGETS[args.target]).asm["amdgcn"]
+            print(f"{name:18s} warps {warps:2d}  {amdgcn.summary(name, code, args.dump)}")
+            continue
         ptx = compile_one(fn, sig, consts, warps, opts, args.pdl).asm["ptx"]
         fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
         print(f"{name:18s} warps {warps:2d}  {ptx_summary(name, ptx, args.dump)}  "

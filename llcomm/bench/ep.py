@@ -30,9 +30,9 @@ Correctness (``wrong``, summed over ranks), from every rank's inputs gathered by
 ``round_scale=True``) on the same buffers and inputs, timed alone (a combine after it would be the
 bf16 combine above, fed by dequantised rows). Checked byte for byte: ``recv_count``,
 ``src_info``, and each row's e4m3 codes and fp32 scales against ``ep_oracle.fp8_oracle``, a
-quantiser written independently of ``llcomm.ep.fp8`` (a nearest-value search over the e4m3 table,
-ties to the even code, ``frexp`` for the power-of-two scales), so both backends are held to the
-same bytes. ``bytes`` counts ``hidden + hidden / 32`` per (token, destination rank).
+quantiser written independently of ``llcomm.runtime.fp8_format`` (a nearest-value search over
+the e4m3 table, ties to the even code, ``frexp`` for the power-of-two scales), so both backends
+are held to the same bytes. ``bytes`` counts ``hidden + hidden / 32`` per (token, destination rank).
 
 ``--ranks-per-host N`` declares hosts of N consecutive ranks (``LLCOMM_EP_RANKS_PER_HOST``, set in
 every rank before its buffers are made), so that one machine runs the multi-host path: where that

@@ -1,7 +1,7 @@
 """The expected results of ``llcomm bench ep``, from every rank's inputs (the correctness part of
 ``llcomm.bench.ep``'s module doc): uniform routing, the stand-in experts, an FP8 quantiser written
-independently of ``llcomm.ep.fp8``, and ``Expected``, what each rank's dispatch and combine must
-return.
+independently of ``llcomm.runtime.fp8_format``, and ``Expected``, what each rank's dispatch and
+combine must return.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ep.fp8 import FP8_BLOCK
+from ..runtime.fp8_format import FP8_BLOCK
 
 #: Scales per UE8M0 word.
 UE8M0_PER_WORD = 4

@@ -1,8 +1,8 @@
 """MoE expert-parallel dispatch / combine: ``EPBuffer`` (``api``; its argument checks in
 ``checks``, ``EPHandle`` in ``handle``), the peer backend (``peer``, kernels in ``kernels/``), the
 reference backend (``reference``; across hosts its two-level exchange, ``reference_hosts``), the
-buffer layout and size hint (``layout``: a handle lives for ``HANDLE_SLOTS`` dispatches), the FP8
-format (``fp8``) and ``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``)."""
+buffer layout and size hint (``layout``: a handle lives for ``HANDLE_SLOTS`` dispatches) and
+``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``)."""
 from .api import EPBuffer, EPHandle
 from .deep_layouts import DeepEPOutputs
 from .layout import HANDLE_SLOTS

@@ -24,7 +24,7 @@ from ..runtime.backend import choose_backend_hosts, reference_device
 from ..runtime.bounded import default_check_calls
 from ..runtime.registry import register
 from ..runtime.settings import EPSettings
-from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from ..runtime.fp8_format import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .layout import HANDLE_SLOTS, check_shape_args, default_num_blocks, ep_layout
 from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
@@ -238,8 +238,9 @@ class EPBuffer(RankMasks):
                 ``(recv_x_fp8, recv_scales)``); allocated when not given.
             use_fp8: quantise on the sender to float8_e4m3fn with one fp32 scale per 128
                 channels (``hidden`` a multiple of 128): half the bytes of bf16 cross the
-                links. The format is defined in ``llcomm/ep/fp8.py`` (amax / 448 per block,
-                round to nearest even, saturating); both backends give the same bytes.
+                links. The format is defined in ``llcomm/runtime/fp8_format.py`` (amax / 448
+                per block, round to nearest even, saturating); both backends give the same
+                bytes.
             round_scale: with ``use_fp8``, round each scale up to a power of two.
             return_recv_hook: issue only the send half (rows leave for their ranks; ``x`` may
                 be reused as soon as the send half has run on the stream) and return a fourth
@@ -267,7 +268,7 @@ class EPBuffer(RankMasks):
                 then by source token index; the remaining rows are unspecified (not zeroed).
                 With ``use_fp8``: the pair ``(recv_x_fp8, recv_scales)``, float8_e4m3fn of that
                 shape and float32 ``[num_local_experts, num_ranks * max_tokens, hidden // 128]``
-                (``llcomm.ep.fp8.dequantize(recv_x_fp8, recv_scales)`` gives bf16 back).
+                (``llcomm.runtime.fp8_format.dequantize(recv_x_fp8, recv_scales)`` gives bf16 back).
             recv_count: ``[num_local_experts]`` int32 (lives in the handle's slot: see EPHandle).
             handle: an ``EPHandle`` for ``combine``; valid for two dispatches.
             hook: only with ``return_recv_hook=True`` (see there).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import validate as V
-from .fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
+from ..runtime.fp8_format import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .handle import EPHandle
 from .layout import HANDLE_SLOTS, MAX_TOPK
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime import validate as V
-from .fp8 import FP8_BLOCK
+from ..runtime.fp8_format import FP8_BLOCK
 
 #: Scales per UE8M0 word (DeepEP's ``use_ue8m0``).
 UE8M0_PER_WORD = 4

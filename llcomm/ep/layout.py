@@ -79,7 +79,7 @@ ERR_MASK = 3
 #: dispatch's blocks first, then the combine's.
 ERR_PROF = 8
 PROF_WORDS = 8
-#: FP8 dispatch: channels per fp32 scale (llcomm/runtime/fp8.py defines the format).
+#: FP8 dispatch: channels per fp32 scale (llcomm/runtime/fp8_format.py defines the format).
 FP8_BLOCK = 128
 #: Bytes of a metadata, count or ntok word: room for an LL word (epoch in the high half).
 LL_WORD = 8

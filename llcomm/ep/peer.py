@@ -8,7 +8,7 @@ import torch
 from ..errors import UnsupportedConfigError
 from ..runtime import protocol as P
 from ..runtime.settings import EPSettings
-from .fp8 import FP8_BLOCK
+from ..runtime.fp8_format import FP8_BLOCK
 from .masks import update_mask_word
 from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, PROF_WORDS,
                      default_num_blocks, ep_layout)

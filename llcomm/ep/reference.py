@@ -22,7 +22,7 @@ ranks that disagree about the op, ``topk``, FP8 mode, carried weights or the buf
 (``enable_masks=True``) are peer-backend only: ``EPBuffer`` refuses them here, since a collective
 cannot leave a member out.
 
-FP8 dispatch quantises on the sender (``ep_fp8.quantize``, the documented arithmetic) and moves
+FP8 dispatch quantises on the sender (``fp8_format.quantize``, the documented arithmetic) and moves
 the e4m3 bytes and fp32 scales of each slot in one exchange, as the peer kernel does.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .fp8 import FP8_BLOCK, quantize
+from ..runtime.fp8_format import FP8_BLOCK, quantize
 from ..runtime.bounded import BoundedCalls
 
 

@@ -67,6 +67,8 @@ def pdl_unavailable(device: torch.device) -> str | None:
     """Why this GPU or this Triton cannot launch with PDL (``LLCOMM_PDL`` aside), or None."""
     if device.type != "cuda":
         return "not a CUDA device"
+    if torch.version.hip:       # ROCm's GPUs are "cuda" devices to torch
+        return "an AMD GPU (ROCm): PDL is NVIDIA's"
     try:
         import triton.language.extra.cuda as tl_cuda
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime import fp8 as F8
+from ..runtime import fp8_format as F8
 from ..runtime import validate as V
 
 #: all_reduce_residual_rmsnorm algorithms (auto: lamport while x fits a Lamport slot).
@@ -21,7 +21,8 @@ FUSED_ALGOS = ("auto", "one_shot", "lamport")
 #: registers (32 fp32 per thread at 16 warps); the reference backend enforces the same bound so
 #: code that runs on one backend runs on the other.
 FUSED_MAX_HIDDEN = 16384
-#: Channels per scale of ``all_reduce_residual_rmsnorm_fp8_per_group`` (llcomm/runtime/fp8.py).
+#: Channels per scale of ``all_reduce_residual_rmsnorm_fp8_per_group``
+#: (llcomm/runtime/fp8_format.py).
 FP8_GROUP = F8.FP8_BLOCK
 
 
@@ -165,7 +166,7 @@ class FusedJoins:
 
         ``1 / scale`` is rounded once to fp32 and multiplied, as vLLM's static FP8 quantisation
         does; values past +-448 saturate. ``out`` is byte for byte
-        ``llcomm.runtime.fp8.quantize_static(y, scale)`` of the ``y`` that
+        ``llcomm.runtime.fp8_format.quantize_static(y, scale)`` of the ``y`` that
         ``all_reduce_residual_rmsnorm`` returns for the same inputs.
 
         Args:
@@ -214,7 +215,7 @@ class FusedJoins:
             out[t, c]   = e4m3(clamp(float(y[t, c]) / scale[t, c // 128], -448, 448))
 
         IEEE division, round to nearest even: ``(out, scales)`` are byte for byte
-        ``llcomm.runtime.fp8.quantize(y, round_scale)`` of the ``y`` that
+        ``llcomm.runtime.fp8_format.quantize(y, round_scale)`` of the ``y`` that
         ``all_reduce_residual_rmsnorm`` returns for the same inputs.
 
         Args:

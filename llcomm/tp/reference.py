@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime import fp8 as F8
+from ..runtime import fp8_format as F8
 from ..runtime.bounded import BoundedCalls
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work but warn).
@@ -67,7 +67,7 @@ class ReferenceBackend:
               round_scale=False) -> None:
         """Every fused norm (``variant``: the Communicator method). The peer kernels'
         arithmetic (round the sum, add the residual in fp32 and round, normalise the rounded h
-        in fp32, round y, quantise the rounded y by ``llcomm/runtime/fp8.py``); only the
+        in fp32, round y, quantise the rounded y by ``llcomm/runtime/fp8_format.py``); only the
         all-reduce itself is the library's."""
         self.calls.agree(variant, x.dtype, *x.shape)
         s = x.clone()

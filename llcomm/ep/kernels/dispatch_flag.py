@@ -33,7 +33,7 @@ from .common import (EP_RANK_VARYING, ERR_MASK, META_MASK, META_SHIFT, OP_DISPAT
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
                              _poison_layout, _scales_to_column)
 from .dispatch_common import Out, _send_routing
-from .fp8 import FP8_BLOCK, _quantize_row
+from .fp8_rows import FP8_BLOCK, _quantize_row
 
 
 @triton.jit

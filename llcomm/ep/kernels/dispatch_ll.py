@@ -37,7 +37,7 @@ from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
                              _poison_layout, _scales_to_column)
 from .dispatch_common import Out, _send_routing
-from .fp8 import FP8_BLOCK, _pack_row_fp8
+from .fp8_rows import FP8_BLOCK, _pack_row_fp8
 
 
 @triton.jit

@@ -4,6 +4,10 @@ Numbers mirror ``llcomm/runtime/protocol.py``. Every wait here is bounded by ``t
 the GPU's global nanosecond timer); on expiry it writes an error word to host-visible memory and
 reports failure, so a missing peer becomes an exception on the host, never a hung GPU.
 
+The clocks are read by inline assembly, PTX on NVIDIA and AMDGCN on AMD, picked when the kernel
+is compiled: ``tl.target_info.is_hip()`` asks the driver Triton compiles for (no driver, as in
+the interpreter: not AMD).
+
 Signal timeline of one barrier between ranks A and B (block b of each)::
 
     A: stores to B's staging ... bar.sync; atom.release.sys B.flag[b][A] = word
@@ -44,21 +48,41 @@ def global_time_ns(WIDTH: tl.constexpr = 2):
     return tl.max(global_time_lanes(WIDTH), axis=0)
 
 
+#: AMD: ``s_memrealtime`` counts the GPU's constant 100 MHz clock (CDNA3), so 10 ns a tick.
+REALTIME_NS_PER_TICK = tl.constexpr(10)
+#: AMD: the scalar memory reads of a counter, each followed by the wait for its result (the
+#: compiler does not track what inline assembly leaves outstanding). Triton's own
+#: ``tl.extra.hip.memrealtime`` waits on vector memory instead (3.9), so it is not used.
+AMD_REALTIME = tl.constexpr("s_memrealtime $0\ns_waitcnt lgkmcnt(0)")
+AMD_CYCLES = tl.constexpr("s_memtime $0\ns_waitcnt lgkmcnt(0)")
+
+
 @triton.jit
 def global_time_lanes(WIDTH: tl.constexpr):
     """``[WIDTH]`` readings of the global timer in ns, one per lane (not reduced): for callers
-    that fold them into a reduction of their own (EP's waits, one shared-memory round)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l",
-                                     [tl.zeros([WIDTH], tl.int64)], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+    that fold them into a reduction of their own (EP's waits, one shared-memory round). On AMD
+    the real-time counter, one reading per wavefront (a scalar register)."""
+    if tl.target_info.is_hip():
+        return tl.inline_asm_elementwise(AMD_REALTIME, "=s,s", [tl.zeros([WIDTH], tl.int64)],
+                                         dtype=tl.int64, is_pure=False,
+                                         pack=1) * REALTIME_NS_PER_TICK
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l",
+                                         [tl.zeros([WIDTH], tl.int64)], dtype=tl.int64,
+                                         is_pure=False, pack=1)
 
 
 @triton.jit
 def sm_cycles():
-    """This SM's cycle counter (%clock64): fine-grained, but per SM, so only differences taken
-    within one block mean anything (profiling stamps, EP's PROFILE)."""
-    t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [tl.zeros([2], tl.int64)],
-                                  dtype=tl.int64, is_pure=False, pack=1)
+    """This SM's cycle counter (%clock64; on AMD the shader clock, ``s_memtime``): fine-grained,
+    but per SM, so only differences taken within one block mean anything (profiling stamps, EP's
+    PROFILE)."""
+    if tl.target_info.is_hip():
+        t = tl.inline_asm_elementwise(AMD_CYCLES, "=s,s", [tl.zeros([2], tl.int64)],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [tl.zeros([2], tl.int64)],
+                                      dtype=tl.int64, is_pure=False, pack=1)
     return tl.max(t, axis=0)
 
 

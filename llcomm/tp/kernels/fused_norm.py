@@ -17,8 +17,8 @@ the first layer's join: ``residual`` is not read). ``OUT`` says what ``out`` rec
 ``scale`` the one fp32 at ``qscale``; ``FP8_GROUP`` the codes of ``float(y) / scale`` per
 128-channel group, scale = amax / 448 (``ROUND``: up to a power of two) stored to
 ``qscale [tokens, hidden // 128]``. Both FP8 outputs quantise the *rounded* y, so they are
-byte for byte ``llcomm/runtime/fp8.py`` applied to the PLAIN output (e4m3: round to nearest
-even, saturated to +-448; ``llcomm/runtime/kernels/fp8.py``). ``OP`` is the op code the tags
+byte for byte ``llcomm/runtime/fp8_format.py`` applied to the PLAIN output (e4m3: round to nearest
+even, saturated to +-448; ``llcomm/runtime/kernels/e4m3.py``). ``OP`` is the op code the tags
 and error words carry, one per variant and algorithm, so ranks that call different variants in
 one round report a mismatch.
 
@@ -47,7 +47,7 @@ import triton.language as tl
 from ...runtime.kernels.lamport import NO_SPECIALIZE as LAMPORT_NO_SPECIALIZE
 from ...runtime.kernels.lamport import (STAGE_ALL, STAGE_PUSH, STAGE_REDUCE, limit_ticks,
                                         own_words, push_tag, receive, tag_slots)
-from ...runtime.kernels.fp8 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
+from ...runtime.kernels.e4m3 import FP8_BLOCK, div_by, e4m3_clamped, fp8_scales
 from ...runtime.kernels.sync import RANK_VARYING, op_start, poison, ptr_from_table
 from ...runtime import protocol as P
 from .flag_round import barrier, half_of, round_end, round_start, slot_of

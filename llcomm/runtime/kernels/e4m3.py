@@ -1,14 +1,14 @@
-"""float8_e4m3fn on the device: the arithmetic of ``llcomm/runtime/fp8.py`` in Triton, byte-equal
-to torch's ``.to(torch.float8_e4m3fn)``.
+"""float8_e4m3fn on the device: the arithmetic of ``llcomm/runtime/fp8_format.py`` in Triton,
+byte-equal to torch's ``.to(torch.float8_e4m3fn)``.
 
-Used by the EP dispatch's quantiser (``llcomm/ep/kernels/fp8.py``: one scale per 128-channel
+Used by the EP dispatch's quantiser (``llcomm/ep/kernels/fp8_rows.py``: one scale per 128-channel
 group, scale = amax / 448) and by the TP fused norm's FP8 outputs
 (``llcomm/tp/kernels/fused_norm.py``: the same groups, or one static scale per tensor).
 """
 import triton
 import triton.language as tl
 
-from .. import fp8 as F8
+from .. import fp8_format as F8
 
 FP8_MAX = tl.constexpr(F8.FP8_MAX)      # largest finite float8_e4m3fn
 FP8_BLOCK = tl.constexpr(F8.FP8_BLOCK)  # channels per scale of the per-group format
@@ -84,7 +84,7 @@ def div_by(v2, sc):
 @triton.jit
 def fp8_scales(v2, ROUND: tl.constexpr):
     """Scales of the 128-channel blocks ``v2`` ``[HP // 128, 128]``: amax / 448 (1 where amax
-    is 0), ROUND: rounded up to a power of two (on the bits, as llcomm/runtime/fp8.py)."""
+    is 0), ROUND: rounded up to a power of two (on the bits, as llcomm/runtime/fp8_format.py)."""
     amax = tl.max(tl.abs(v2), axis=1)
     sc = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FP8_MAX))
     if ROUND:

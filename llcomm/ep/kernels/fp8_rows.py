@@ -1,7 +1,8 @@
-"""The FP8 dispatch's quantiser on the device: the arithmetic of ``llcomm/ep/fp8.py`` (scales =
-amax / 448 per 128-channel block, or rounded up to a power of two; x / scale clamped to +-448 and
-rounded to nearest even), byte-equal to torch's ``.to(torch.float8_e4m3fn)``. The e4m3 rounding,
-the scales and the division are ``llcomm/runtime/kernels/fp8.py``'s.
+"""The FP8 dispatch's token-row quantisers on the device: the arithmetic of
+``llcomm/runtime/fp8_format.py`` (scales = amax / 448 per 128-channel block, or rounded up to a
+power of two; x / scale clamped to +-448 and rounded to nearest even), byte-equal to torch's
+``.to(torch.float8_e4m3fn)``. The e4m3 rounding, the scales and the division are
+``llcomm/runtime/kernels/e4m3.py``'s.
 
 Each token row is quantised once, on the sender, and crosses NVLink as ``H`` bytes of e4m3 plus
 ``H // 128`` fp32 scales. ``_quantize_row`` is the flag dispatch's quantiser, ``_pack_row_fp8``
@@ -14,20 +15,26 @@ from triton import knobs
 from .. import layout as EL
 from .common import _row_words
 # the e4m3 arithmetic is shared with the TP fused norm's FP8 outputs: one definition
-from ...runtime.kernels.fp8 import RCP_MIN_SCALE  # noqa: F401  (tests/test_ep_fp8_quant.py)
-from ...runtime.kernels.fp8 import div_by as _div_by
-from ...runtime.kernels.fp8 import e4m3_bits as _e4m3_bits  # noqa: F401  (tests)
-from ...runtime.kernels.fp8 import e4m3_clamped as _e4m3_clamped
-from ...runtime.kernels.fp8 import fp8_scales as _fp8_scales
+from ...runtime.kernels.e4m3 import RCP_MIN_SCALE  # noqa: F401  (tests/test_ep_fp8_quant.py)
+from ...runtime.kernels.e4m3 import div_by as _div_by
+from ...runtime.kernels.e4m3 import e4m3_bits as _e4m3_bits  # noqa: F401  (tests)
+from ...runtime.kernels.e4m3 import e4m3_clamped as _e4m3_clamped
+from ...runtime.kernels.e4m3 import fp8_scales as _fp8_scales
 
 FP8_BLOCK = tl.constexpr(EL.FP8_BLOCK)
 
 
+@triton.constexpr_function
+def _ptx_convert():
+    """Whether ``_pack_row_fp8`` packs by the GPU's convert (E4M3X4_PTX): compiled for NVIDIA.
+    Triton's interpreter (``TRITON_INTERPRET=1``) cannot run inline PTX, and AMD's gfx942
+    converts to its own e4m3 (e4m3fnuz, another bias) where the wire format is OCP's e4m3fn:
+    there it rounds on the bits instead (the same bytes)."""
+    return not knobs.runtime.interpret and not tl.target_info.is_hip()
+
+
 #: fp32 -> e4m3 by the GPU's convert, round to nearest even, four values to one register (byte
-#: i from operand i: ``cvt`` puts its first operand in the high byte of a pair). Triton's
-#: interpreter (``TRITON_INTERPRET=1``, read when Triton and this module are imported) cannot
-#: run inline PTX: there ``_pack_row_fp8`` rounds on the bits instead (the same bytes).
-PTX_CONVERT = tl.constexpr(not knobs.runtime.interpret)
+#: i from operand i: ``cvt`` puts its first operand in the high byte of a pair).
 E4M3X4_PTX = tl.constexpr("""{
     .reg .b16 lo, hi;
     cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
@@ -62,10 +69,18 @@ def _pack_row_fp8(v, HP: tl.constexpr, HPW: tl.constexpr, ROUND: tl.constexpr):
     even, odd = tl.split(tl.reshape(q, (HPW, 2, 2)))        # [w, j] of i = 0 and i = 1
     e0, e2 = tl.split(even)
     e1, e3 = tl.split(odd)
-    if PTX_CONVERT:
-        words = tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [e0, e1, e2, e3],
-                                          dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        words = (_e4m3_clamped(e0) | (_e4m3_clamped(e1) << 8) | (_e4m3_clamped(e2) << 16)
-                 | (_e4m3_clamped(e3) << 24))
+    words = _e4m3x4(e0, e1, e2, e3, _ptx_convert())
     return _row_words(words), _row_words(sc.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _e4m3x4(e0, e1, e2, e3, CONVERT: tl.constexpr):
+    """Four fp32 quotients (``|e| <= 448`` to within an ulp) -> one int32 word of their e4m3
+    bytes, byte i from ``ei``: by the GPU's convert (CONVERT, NVIDIA) or on the bits, clamped
+    (the same bytes: tests/test_amd_compile.py)."""
+    if CONVERT:
+        return tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [e0, e1, e2, e3],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (_e4m3_clamped(e0) | (_e4m3_clamped(e1) << 8) | (_e4m3_clamped(e2) << 16)
+                | (_e4m3_clamped(e3) << 24))

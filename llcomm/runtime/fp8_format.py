@@ -1,5 +1,5 @@
 """llcomm's FP8 formats, in plain torch: one definition, used by the reference backends and
-offered to callers; the kernels (``llcomm/runtime/kernels/fp8.py``) evaluate the same
+offered to callers; the kernels (``llcomm/runtime/kernels/e4m3.py``) evaluate the same
 arithmetic in Triton and the tests hold them to byte equality.
 
 **Per-group** (the EP dispatch's ``use_fp8=True``, the TP ``*_fp8_per_group`` joins): for each
