@@ -26,17 +26,17 @@ from llcomm.ep.kernels.fp8_rows import _e4m3x4
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 
-import amdgcn  # noqa: E402  (tools/amdgcn.py)
-import ptx as ptx_tool  # noqa: E402  (tools/ptx.py)
-import ptx_ep as ptx_ep_tool  # noqa: E402  (tools/ptx_ep.py)
+import amdgcn
+import ptx as ptx_tool
+import ptx_ep as ptx_ep_tool
 
 GFX942 = ptx_tool.TARGETS["gfx942"]
 #: The EP buffers compiled: the LL dispatch (128 tokens) and the flag dispatch (512).
 EP_TOKENS = (128, 512)
 NVIDIA_ONLY = ("%globaltimer", "%clock64", "cvt.rn.satfinite", "griddepcontrol")
 #: A system-scope atomic in LLVM IR (no syncscope: the system) and its ordering.
-IR_SYS_ATOMIC = re.compile(r"= (?:atomicrmw \w+|cmpxchg) ptr addrspace\(1\) (?:(?!syncscope)[^\n])*?"
-                           r"\b(monotonic|acquire|release|acq_rel|seq_cst)\b")
+IR_SYS_ATOMIC = re.compile(r"= (?:atomicrmw \w+|cmpxchg) ptr addrspace\(1\) "
+                           r"(?:(?!syncscope)[^\n])*?\b(monotonic|acquire|release|acq_rel|seq_cst)\b")
 
 
 def _ep_kernels(tokens: int, dt: str) -> dict:

@@ -1,8 +1,8 @@
 """Device-side protocol helpers shared by every kernel: clock, bounded waits, signals.
 
-Numbers mirror ``llcomm/runtime/protocol.py``. Every wait here is bounded by ``timeout_us`` (read from
-the GPU's global nanosecond timer); on expiry it writes an error word to host-visible memory and
-reports failure, so a missing peer becomes an exception on the host, never a hung GPU.
+Numbers mirror ``llcomm/runtime/protocol.py``. Every wait here is bounded by ``timeout_us``
+(read from the GPU's nanosecond timer); on expiry it writes an error word to host-visible
+memory and reports failure, so a missing peer becomes an exception on the host, never a hung GPU.
 
 The clocks are read by inline assembly, PTX on NVIDIA and AMDGCN on AMD, picked when the kernel
 is compiled: ``tl.target_info.is_hip()`` asks the driver Triton compiles for (no driver, as in
@@ -41,7 +41,7 @@ def global_time_ns(WIDTH: tl.constexpr = 2):
     whose loop holds block-wide reductions must make the block agree: pass WIDTH >= the block's
     threads (the maximum then goes through shared memory), or fold the per-thread reading into
     a block-wide reduction the loop does anyway (EP's waits and the Lamport waits in
-    ``_lamport.py`` fold it, with the poll's verdict, into one maximum). That costs a
+    ``lamport.py`` fold it, with the poll's verdict, into one maximum). That costs a
     shared-memory round per reading, so TP's flag waits keep the default until it is measured
     (docs/failures.md, known gap).
     """
