@@ -104,28 +104,28 @@ def test_compiles_for_gfx942_with_its_ordering(key, capfd):
     assert not wrong, f"{key}: " + "; ".join(wrong)
 
 
-#: Kernels whose flag polls Triton's AMD backend turns into ordinary cached loads: the buffer-
-#: load conversion (on by default; AMDGCN_USE_BUFFER_OPS=0 turns it off) drops ``volatile``
-#: from a poll of a kernel argument's memory (EP's flags, its error word's mask); polls of an
-#: address read from a table (TP) keep it. The dispatch's send halves poll nothing.
-VOLATILE_DROPPED = {k for k in VARIANTS
-                    if k.startswith("ep") and not re.search(r"/dispatch_\w+_send$", k)}
+#: The EP variants that wait (the dispatch's send halves poll nothing).
+EP_WAITS = {k for k in VARIANTS
+            if k.startswith("ep") and not re.search(r"/dispatch_\w+_send$", k)}
 
 
-@pytest.mark.parametrize("key", [pytest.param(
-    k, marks=pytest.mark.xfail(k in VOLATILE_DROPPED, strict=True,
-                               reason="Triton's AMD buffer loads drop volatile"))
-    for k in VARIANTS])
+@pytest.mark.parametrize("key", list(VARIANTS))
 def test_polls_stay_volatile_on_gfx942(key):
     """A poll must read memory, not a cache line a peer's store does not reach: the volatile
     loads of the Triton IR stay volatile in the LLVM IR (as many or more: LLVM may split a
-    vector load) and on gfx942 (a load with ``sc0 sc1``)."""
+    vector load) and on gfx942 (a load with ``sc0 sc1``). EP polls with acquire atomics at
+    system scope on AMD instead (``sync.poll_read``: Triton's AMD backend drops ``volatile``
+    from their loads), so its waits must have some, each followed by its invalidate
+    (``check_ordering``)."""
     k = _compile(key)
     asked = k.asm["ttir"].count("isVolatile = true")
     kept = len(re.findall(r"= load volatile ", k.asm["llir"]))
     assert kept >= asked, f"{key}: {asked} volatile loads in Triton's IR, {kept} in LLVM's"
     if asked:
         assert re.search(r"_load\w* [^;\n]*\bsc0 sc1\b", k.asm["amdgcn"]), key
+    if key in EP_WAITS:
+        assert any(a["acquire"] for a in amdgcn.sys_atomics(k.asm["amdgcn"])), \
+            f"{key}: no acquire atomic polls"
 
 
 def test_ordering_check_fails_without_the_release():

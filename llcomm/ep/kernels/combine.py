@@ -26,7 +26,7 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound
+from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poll_read, wait_bound
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_ENTRY, PHASE_EXIT, PROF_LAST,
                      SIG_PARTIALS, SIG_WEIGHTS, STAGE_REDUCE, STAGE_SIGNAL_PARTIALS, STAGE_SUM,
                      STAGE_SYNC_WEIGHTS, STAGE_WAIT_PARTIALS, STAGE_WEIGHTS, Region, _at,
@@ -150,7 +150,7 @@ def combine_kernel(
         _stamp(err, 1, PROFILE, 1, NB)  # weights pushed
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
-        msk = tl.load(err + ERR_MASK, volatile=True)
+        msk = poll_read(err + ERR_MASK)
     ok = 1
     if (STAGE_SYNC_WEIGHTS & STAGES) and not CARRIED:   # (the dispatch's signal carried them)
         tl.debug_barrier()

@@ -4,7 +4,9 @@ waits, rank masks, profiling stamps, the token ownership rule and LL words.
 A flag is one int64 word ``((op counter + 1) << EPOCH_SHIFT) | tag`` per (phase, block, source
 rank) in every rank's signal region. A sender's block stores its rows, then (after a barrier)
 writes its flag on every rank with a system-scope release; a receiver's block polls every flag
-it needs with volatile loads, then makes one acquire pass over them before reading the data.
+it needs with volatile loads, then makes one acquire pass over them before reading the data. On
+AMD every poll is a system-scope acquire atomic instead (``sync.poll_read``: Triton's AMD
+backend does not keep these loads volatile).
 """
 from collections import namedtuple
 
@@ -13,7 +15,7 @@ import triton.language as tl
 
 from ...runtime import protocol as P
 from ...runtime.kernels.sync import (EPOCH_SHIFT, RANK_VARYING, global_time_lanes, global_time_ns,
-                                     poison, report_error, sm_cycles)
+                                     poison, poll_read, report_error, sm_cycles)
 from .. import layout as EL
 
 #: The sizes every EP kernel is compiled for (its ``SIZES`` constexpr; the host builds it:
@@ -153,9 +155,10 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
                 skip, MASKS: tl.constexpr, stats=None,
                 STATS: tl.constexpr = 0):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
-    fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads, then one
-    acquire pass over the flags orders the reads that follow. Returns 1, or 0 after writing the
-    error word (its mask names the source ranks that were late or disagreed).
+    fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads (on AMD
+    acquire atomics: ``poll_read``), then one acquire pass over the flags orders the reads that
+    follow. Returns 1, or 0 after writing the error word (its mask names the source ranks that
+    were late or disagreed).
 
     ``go == 0`` (an earlier wait of this op failed) skips the wait and returns 0. Every thread
     reaches the closing barrier either way; callers keep their barriers outside ``if ok`` all
@@ -195,7 +198,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
         was_waiting = live & (skipped == 0)
         last_ns = tl.full([], 0, tl.int64)     # elapsed ns of the latest poll
     while status == 0:
-        got = tl.load(ptrs, mask=live, other=0, volatile=True)
+        got = poll_read(ptrs, live, 0)
         waiting = live & (got != word) & (skipped == 0)
         wrong = waiting & ((got >> EPOCH_SHIFT) >= epoch)
         # what each lane saw, above its elapsed ns: the block's maximum is SEEN_WRONG if any

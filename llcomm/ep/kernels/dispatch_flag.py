@@ -24,7 +24,7 @@ depend on every earlier source's counts); masked sources count as having sent no
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, wait_bound
+from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poll_read, wait_bound
 from .common import (EP_RANK_VARYING, ERR_MASK, META_MASK, META_SHIFT, OP_DISPATCH, PHASE_ENTRY,
                      PROF_LAST, SIG_DISPATCH, STAGE_RECV, STAGE_SEND, STAGE_SIGNAL, STAGE_WAIT,
                      Region, _agree_mask, _at, _first_entries, _first_token, _masked,
@@ -201,7 +201,7 @@ def flag_dispatch_kernel(
         _stamp(err, 3, PROFILE, 0, NB)
     msk = tl.full([], 0, tl.int64)     # ranks treated as absent (masks only)
     if MASKS:
-        msk = tl.load(err + ERR_MASK, volatile=True)
+        msk = poll_read(err + ERR_MASK)
     ok = 1
     if STAGE_WAIT & STAGES:
         flags = _at(tab, rank, set_off + REGIONS.SIGNAL, tl.int64) + SIG_DISPATCH * NB * W

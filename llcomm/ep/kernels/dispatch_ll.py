@@ -18,8 +18,9 @@ The send is the flag dispatch's (``dispatch_common``), but metadata, counts, the
 (with 15 tag bits of the call) and carried weights go as LL words ``(epoch << 32) | value``,
 and rows as int32 words into slots armed with ROW_SENTINEL (a row word equal to it is sent as
 ROW_ESCAPE). The receiver (``_expand_ll``) waits for each word where it reads it
-(``runtime/kernels/lamport._poll``: one block-wide verdict per poll, bounded by the timeout),
-copies it, and arms the row slot again. No fence, no flag.
+(``runtime/kernels/lamport._poll``: one block-wide verdict per poll, bounded by the timeout;
+on AMD each read an acquire atomic, ``sync.poll_read``), copies it, and arms the row slot
+again. No fence, no flag.
 
 Two buffer sets suffice here too: every receiver waits for every source's token-count word of
 the call, which the source writes only after its previous call (and its re-arming) ended.
@@ -97,7 +98,7 @@ def _take_ll(ptrs, m, srcs, epoch, failed, limit, err, POLL: tl.constexpr, LLW: 
     source rank, named in the error word if the wait runs out. Returns (words, failed); after a
     failure nothing is waited for (``failed`` stays 1)."""
     v, status = _poll(ptrs, m, err, 1, failed < 0, failed, limit, ROW_SENTINEL, POLL, epoch,
-                      LLW)
+                      LLW, 1)
     if status > 0:      # STATUS_TIMEOUT (the tag is not checked here); block-uniform
         late = _pending(v, m, ROW_SENTINEL, epoch, LLW)
         bad = tl.reduce(tl.where(late, tl.full(m.shape, 1, tl.int64) << srcs, 0), 0, _bit_or)

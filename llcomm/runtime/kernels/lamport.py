@@ -29,7 +29,7 @@ have: the CPU tests run virtual ranks in turn under ``TRITON_INTERPRET=1`` that 
 import triton
 import triton.language as tl
 
-from .sync import RANK_VARYING, global_time_ns, ptr_from_table, report_error
+from .sync import RANK_VARYING, global_time_ns, poll_read, ptr_from_table, report_error
 from .. import protocol as P
 
 #: Not specialised on, besides RANK_VARYING: the tag is only compared, so specialising on its
@@ -119,8 +119,17 @@ def _pending(v, m, SENTINEL: tl.constexpr, epoch, LL: tl.constexpr):
 
 
 @triton.jit
+def _read(ptrs, m, other, ACQUIRE: tl.constexpr):
+    """One read of ``_poll``: a volatile load, or ``sync.poll_read`` with ``ACQUIRE``."""
+    if ACQUIRE:
+        return poll_read(ptrs, m, other)
+    else:
+        return tl.load(ptrs, mask=m, other=other, volatile=True)
+
+
+@triton.jit
 def _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL: tl.constexpr,
-          POLL: tl.constexpr, epoch=0, LL: tl.constexpr = 0):
+          POLL: tl.constexpr, epoch=0, LL: tl.constexpr = 0, ACQUIRE: tl.constexpr = 0):
     """Read the words at ``src`` (lanes ``m``) until every one has arrived (``_pending``) and,
     if ``check_tag``, the tag at ``tag_ptr`` is written; bounded by ``limit`` ticks. Returns
     (words, status): status POLL_DONE, STATUS_MISMATCH (the tag is not ``tag``: the words are
@@ -131,9 +140,12 @@ def _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL: tl.constexpr
     (every warp holds its own part of BLOCK in peer's launch shapes; the PTX ends the maximum
     in a full-warp ``redux.sync.max``, after ``st.shared`` / ``bar.sync`` / ``ld.shared`` across
     warps). So all warps leave the loop at the same iteration and agree on the status, as the
-    barriers of the reduction inside the loop and of the code after it require."""
-    v = tl.load(src, mask=m, other=0, volatile=True)
-    got = tl.load(tag_ptr, mask=check_tag, other=tag, volatile=True)
+    barriers of the reduction inside the loop and of the code after it require.
+
+    ``ACQUIRE``: read through ``sync.poll_read`` (on AMD acquire atomics): EP's LL dispatch,
+    whose polled loads Triton's AMD backend does not keep volatile; TP's keep it."""
+    v = _read(src, m, 0, ACQUIRE)
+    got = _read(tag_ptr, check_tag, tag, ACQUIRE)
     t0 = _clock(POLL)
     now = t0
     status = tl.where(failed != 0, POLL_SKIPPED, 0)
@@ -151,8 +163,8 @@ def _poll(src, m, tag_ptr, tag, check_tag, failed, limit, SENTINEL: tl.constexpr
         elif (both & TICKS_MASK) > limit:
             status = STATUS_TIMEOUT
         else:
-            v = tl.load(src, mask=m, other=0, volatile=True)
-            got = tl.load(tag_ptr, mask=check_tag, other=tag, volatile=True)
+            v = _read(src, m, 0, ACQUIRE)
+            got = _read(tag_ptr, check_tag, tag, ACQUIRE)
             now = _clock(POLL)
     return v, status
 

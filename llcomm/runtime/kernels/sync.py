@@ -87,6 +87,22 @@ def sm_cycles():
 
 
 @triton.jit
+def poll_read(ptrs, m=None, other=None):
+    """One read of a poll: words a peer (or another block, or the host) stores while this
+    kernel spins on them, lanes ``m`` (``other`` elsewhere). A volatile load; on AMD an acquire
+    atomic at system scope that adds 0, because Triton's AMD backend drops ``volatile`` from
+    the loads it rewrites (buffer loads of a kernel argument's memory, and others), and a wait
+    could then spin on a cached value until its bound."""
+    if tl.target_info.is_hip():
+        got = tl.atomic_add(ptrs, 0, mask=m, sem="acquire", scope="sys")
+        if m is not None:   # a masked-off lane of an atomic returns no value
+            got = tl.where(m, got, other)
+        return got
+    else:
+        return tl.load(ptrs, mask=m, other=other, volatile=True)
+
+
+@triton.jit
 def after_previous_kernel(PDL: tl.constexpr):
     """First statement of every llcomm kernel. PDL (programmatic dependent launch, sm90+):
     the launch lets this kernel's blocks become resident while the kernel before it on the
