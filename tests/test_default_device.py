@@ -295,8 +295,8 @@ def _flat(out: dict) -> dict[str, torch.Tensor]:
 
 
 def _under_defaults_body(rank: int, ws: int) -> list[str]:
-    import sys
-    assert "llcomm" not in sys.modules      # imported below, under the defaults
+    # llcomm is already imported here (the process launcher is llcomm.multiproc): what its import
+    # allocates is checked by test_import_under_default_device_meta_and_bf16
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("meta")
     try:
@@ -323,3 +323,34 @@ def _under_defaults_body(rank: int, ws: int) -> list[str]:
 def test_public_api_under_default_device_meta_and_bf16():
     fails = [f for r in run_distributed(_under_defaults_body, 2) for f in r]
     assert not fails, "\n".join(fails)
+
+
+#: Imports every llcomm module under a meta default device and bf16, then names each module-level
+#: tensor that took a default (meta, where llcomm's own tensors live on the CPU or a GPU).
+_IMPORT_PROBE = """
+import importlib, pkgutil, torch
+torch.set_default_device("meta")
+torch.set_default_dtype(torch.bfloat16)
+import llcomm
+bad, n = [], 0
+for m in pkgutil.walk_packages(llcomm.__path__, "llcomm."):
+    mod = importlib.import_module(m.name)
+    for name, v in vars(mod).items():
+        if isinstance(v, torch.Tensor):
+            n += 1
+            if v.device.type == "meta":
+                bad.append(m.name + "." + name)
+print("modules checked; module-level tensors:", n)
+assert not bad, bad
+"""
+
+
+def test_import_under_default_device_meta_and_bf16():
+    """Importing llcomm under a default device and dtype that are not torch's allocates nothing
+    on them (an engine may set both before it imports llcomm)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "modules checked" in r.stdout

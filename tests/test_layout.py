@@ -117,11 +117,12 @@ def test_imports_point_down():
         (integrations, ("llcomm.ops",) + tools),
     ]
     # DeepEP's API sits on llcomm.ep's public API (EPBuffer, DeepEPOutputs, HANDLE_SLOTS and the
-    # FP8 format), the argument checks and the errors, and the runtime's backend choice (shrink
-    # mode asks it as EPBuffer will); only the tools above it import it (``import llcomm``
-    # does not load it)
+    # FP8 format), the argument checks and the errors, and the runtime's backend choice with the
+    # EP settings it takes (shrink mode asks it as EPBuffer will, hosts included); only the
+    # tools above it import it (``import llcomm`` does not load it)
     adapter_may_import = {"llcomm.ep", "llcomm.runtime.fp8_format", "llcomm.runtime",
-                          "llcomm.runtime.validate", "llcomm.runtime.backend", "llcomm.errors"}
+                          "llcomm.runtime.validate", "llcomm.runtime.backend",
+                          "llcomm.runtime.settings", "llcomm.errors"}
     wrong = []
     for src, targets in graph.items():
         for layer, banned in rules:
