@@ -21,7 +21,7 @@ import torch
 
 from _dist import run_distributed
 from test_ep_oracle import (KINDS, expert_fn, make_case, oracle_combine, oracle_combine_f64,
-                            oracle_dispatch, oracle_dispatch_fp8, oracle_rows)
+                            oracle_dispatch, oracle_dispatch_fp8, rank_partial, row_index)
 
 ENV = "LLCOMM_EP_RANKS_PER_HOST"
 #: (ranks per host, hosts) of the distributed runs.
@@ -40,9 +40,7 @@ def oracle_combine_hosts(expert_outs, topks, weights, W: int, E: int, R: int, dt
     its ranks' partials in rank order (rounded), then the fold of the hosts in host order
     (rounded); fp32 element-wise, one operation at a time."""
     L = E // W
-    rows = oracle_rows(topks, W, E)
-    where = [{(e,) + st: j for e in range(L) for j, st in enumerate(rows[q][e])}
-             for q in range(W)]
+    where = row_index(topks, W, E)
     H = expert_outs[0].shape[2]
     outs = []
     for s in range(W):
@@ -52,14 +50,9 @@ def oracle_combine_hosts(expert_outs, topks, weights, W: int, E: int, R: int, dt
             for g in range(W // R):
                 host_acc, hit = torch.zeros(H, dtype=torch.float32), False
                 for q in range(g * R, (g + 1) * R):
-                    ks = [k for k, v in enumerate(entry) if 0 <= v < E and v // L == q]
-                    if not ks:
+                    acc = rank_partial(expert_outs, weights, where, entry, s, t, q, L)
+                    if acc is None:
                         continue
-                    acc = torch.zeros(H, dtype=torch.float32)
-                    for k in ks:
-                        e = entry[k] % L
-                        acc = acc + weights[s][t, k:k + 1] * expert_outs[q][e, where[q][
-                            (e, s, t)]].float()
                     host_acc, hit = host_acc + acc.to(dtype).float(), True
                 if hit:
                     total = total + host_acc.to(dtype).float()

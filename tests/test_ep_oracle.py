@@ -183,13 +183,7 @@ def expert_fn(recv_x: torch.Tensor, recv_count: torch.Tensor, rank: int) -> torc
 
 def oracle_combine(expert_outs, topks, weights, W: int, E: int, dtype: torch.dtype):
     """Per rank: ``out [n, H]``, in the documented order, one fp32 element-wise op at a time."""
-    L = E // W
-    rows = oracle_rows(topks, W, E)
-    where = [{} for _ in range(W)]               # where[q][(e, s, t)] = row j
-    for q in range(W):
-        for e in range(L):
-            for j, st in enumerate(rows[q][e]):
-                where[q][(e,) + st] = j
+    where = row_index(topks, W, E)
     H = expert_outs[0].shape[2]
     outs = []
     for s in range(W):
@@ -199,18 +193,32 @@ def oracle_combine(expert_outs, topks, weights, W: int, E: int, dtype: torch.dty
             entry = topks[s][t].tolist()
             total = torch.zeros(H, dtype=torch.float32)
             for q in range(W):
-                ks = [k for k, v in enumerate(entry) if 0 <= v < E and v // L == q]
-                if not ks:
-                    continue
-                acc = torch.zeros(H, dtype=torch.float32)
-                for k in ks:
-                    e = entry[k] % L
-                    y = expert_outs[q][e, where[q][(e, s, t)]].float()
-                    acc = acc + weights[s][t, k:k + 1] * y
-                total = total + acc.to(dtype).float()
+                acc = rank_partial(expert_outs, weights, where, entry, s, t, q, E // W)
+                if acc is not None:
+                    total = total + acc.to(dtype).float()
             out[t] = total.to(dtype)
         outs.append(out)
     return outs
+
+
+def row_index(topks, W: int, E: int) -> list[dict]:
+    """``where[q][(e, s, t)]``: the row of expert e on rank q that holds source s's token t."""
+    rows = oracle_rows(topks, W, E)
+    return [{(e,) + st: j for e in range(E // W) for j, st in enumerate(rows[q][e])}
+            for q in range(W)]
+
+
+def rank_partial(expert_outs, weights, where, entry, s: int, t: int, q: int, L: int):
+    """Rank q's fp32 fold, in k order, of token (s, t)'s weighted expert rows (``entry``: its
+    top-k ids), unrounded; None when the token has no expert on q."""
+    ks = [k for k, v in enumerate(entry) if 0 <= v and v // L == q]
+    if not ks:
+        return None
+    acc = torch.zeros(expert_outs[q].shape[2], dtype=torch.float32)
+    for k in ks:
+        e = entry[k] % L
+        acc = acc + weights[s][t, k:k + 1] * expert_outs[q][e, where[q][(e, s, t)]].float()
+    return acc
 
 
 def oracle_combine_f64(expert_outs, topks, weights, W: int, E: int):

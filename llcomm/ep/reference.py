@@ -79,6 +79,15 @@ class ReferenceEP:
         self.calls.agree(op, self.dtype, topk, *modes, self.hidden, self.max_tokens,
                          self.num_experts)
 
+    def _checked_routing(self, topk_idx: torch.Tensor, fp8: int, weights: bool) -> torch.Tensor:
+        """A dispatch's call check; returns its valid top-k entries (the out-of-range ones are
+        counted on the device for ``take_bad_count``, never synchronised here)."""
+        E = self.num_experts
+        self._agree("dispatch", topk_idx.shape[1], fp8, int(weights))
+        if self.device.type == "cuda":
+            self._bad += ((topk_idx < -1) | (topk_idx >= E)).sum()
+        return (topk_idx >= 0) & (topk_idx < E)
+
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_x: torch.Tensor,
                       fp8: int = 0, recv_scales: torch.Tensor | None = None,
                       weights: bool = False):
@@ -90,13 +99,10 @@ class ReferenceEP:
         ``(s, t)``'s entry k on this rank, or -1 (what combine needs).
         """
         W, T = self.world_size, self.max_tokens
-        L, E = self.num_local_experts, self.num_experts
+        L = self.num_local_experts
         n, K = topk_idx.shape
         dev = self.device
-        self._agree("dispatch", K, fp8, int(weights))
-        if dev.type == "cuda":
-            self._bad += ((topk_idx < -1) | (topk_idx >= E)).sum()
-        valid = (topk_idx >= 0) & (topk_idx < E)
+        valid = self._checked_routing(topk_idx, fp8, weights)
         # Token rows: slot (dest, t) = x[t] for every dest (the exchange has fixed size). FP8:
         # the slot is the row's e4m3 bytes followed by its fp32 scales' bytes.
         rows = token_rows(x, fp8)

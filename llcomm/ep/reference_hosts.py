@@ -147,14 +147,11 @@ class TwoLevelReferenceEP(ReferenceEP):
                       weights: bool = False):
         """The send half: call check, quantise, the rail's counts, start the rail exchange.
         Returns the receive half (the host exchange and the placement)."""
-        T, E, L = self.max_tokens, self.num_experts, self.num_local_experts
+        T, L = self.max_tokens, self.num_local_experts
         N, R = self.hosts.num_hosts, self.hosts.ranks_per_host
         n, K = topk_idx.shape
         dev = self.device
-        self._agree("dispatch", K, fp8, int(weights))
-        if dev.type == "cuda":
-            self._bad += ((topk_idx < -1) | (topk_idx >= E)).sum()
-        valid = (topk_idx >= 0) & (topk_idx < E)
+        valid = self._checked_routing(topk_idx, fp8, weights)
         ids = torch.where(valid, topk_idx, -1)
         pair = self.rank * T + torch.arange(n, dtype=torch.int64, device=dev)
         own = _pack(token_rows(x, fp8), torch.cat([pair.view(n, 1), ids], 1))
