@@ -1,0 +1,268 @@
+"""The two-level combine: the dispatch's route backwards, one host sum per (token, host) on
+the rail.
+
+Rank ``r`` is local rank ``l`` of host ``h`` (as in ``hosts_dispatch.py``, whose handle it
+reads: ``row_of`` and ``ntok`` of the expert rank, ``fwd_ids`` and ``fwd_ntok`` of the
+forwarder). One launch of NB blocks; stages (``HC_*`` bits), each after a bounded wait:
+
+1. weights out (``HC_WEIGHTS``, block 0): the top-k weights of every own token, staged and put
+   to the rail rank of every other host (``c_rail_w[h]``), then ``c_rail_sig[h]``.
+2. weights in (``HC_FORWARD``, after ``HC_FORWARD_WAIT``): for each host g of its rail, the
+   weights of source ``s = g * R + l``'s tokens to every rank of this host (``c_host_w[s]``),
+   then ``c_host_sig[b, l]`` on each.
+3. partials (``HC_PARTIALS``, after ``HC_PARTIALS_WAIT``): for each pair (s, t) with entries
+   here, ``partial = dtype(fold over k in order: acc = acc + w[k] * fp32(y[row_of[s, t, k]]))``
+   (fp32 from +0.0, rounded once), into ``c_part[me, s // R, t]`` of the forwarder of s on
+   this host (local rank ``s % R``), then ``c_part_sig[b, me]`` on every rank of the host.
+4. host sums (``HC_HOST_SUM``, after ``HC_HOST_SUM_WAIT``): for each forwarded token, the
+   partials of this host's ranks **in rank order**, ``acc = acc + fp32(partial)``, rounded
+   once; a sum for an own token stays here (``c_back[h, t]``), the others are staged and put
+   to the token's rank (``c_back[h, t]`` there); then ``c_back_sig[b, h]`` on every rail rank.
+5. out (``HC_OUT``, after ``HC_OUT_WAIT``): each own token's host sums **in host order**,
+   ``acc = acc + fp32(host_sum)``, rounded once into ``out``.
+
+That is the order ``reference_hosts.py`` defines (docs/multihost.md, "Combine order"). The
+counter ``ctrl[b]`` picks the set and advances at the end of stage 5.
+"""
+from collections import namedtuple
+
+import triton
+import triton.language as tl
+
+from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poison, wait_bound
+from .common import (EP_RANK_VARYING, OP_COMBINE, PHASE_DATA, PHASE_ENTRY, PHASE_EXIT, _at,
+                     _rank_bits, _wait_flags, symbol)
+from .rail import copy_words, host_signal, rail_put, rail_signal
+
+HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
+HC_HOST_SUM_WAIT, HC_HOST_SUM, HC_OUT_WAIT, HC_OUT = 32, 64, 128, 256
+HOSTS_COMBINE_ALL = 511
+#: ``return_recv_hook``: the send half puts the weights; the rest waits for peers.
+HOSTS_COMBINE_SEND_HALF = HC_WEIGHTS
+HOSTS_COMBINE_RECV_HALF = HOSTS_COMBINE_ALL & ~HC_WEIGHTS
+STAGE_WEIGHTS = tl.constexpr(HC_WEIGHTS)
+STAGE_FORWARD_WAIT = tl.constexpr(HC_FORWARD_WAIT)
+STAGE_FORWARD = tl.constexpr(HC_FORWARD)
+STAGE_PARTIALS_WAIT = tl.constexpr(HC_PARTIALS_WAIT)
+STAGE_PARTIALS = tl.constexpr(HC_PARTIALS)
+STAGE_HOST_SUM_WAIT = tl.constexpr(HC_HOST_SUM_WAIT)
+STAGE_HOST_SUM = tl.constexpr(HC_HOST_SUM)
+STAGE_OUT_WAIT = tl.constexpr(HC_OUT_WAIT)
+STAGE_OUT = tl.constexpr(HC_OUT)
+
+#: Byte offsets of the combine's regions in set 0 (``hosts_layout``) and the set's size.
+HostCombineRegions = namedtuple("HostCombineRegions", [
+    "SET_BYTES", "RAIL_SIG", "HOST_SIG", "PART_SIG", "BACK_SIG", "STAGE_W", "RAIL_W", "HOST_W",
+    "PART", "STAGE_BACK", "BACK"])
+#: Where this call's data lives (runtime values), as in the dispatch.
+Where = namedtuple("Where", ["tab", "rank", "host", "local", "set_off"])
+
+
+@triton.jit
+def _weights_out(wts, n_tok, wh, word, S, RG, SHMEM: tl.constexpr):
+    """Stage 1 (block 0). Returns the inter-host bytes it put."""
+    sent = tl.full([], 0, tl.int64)
+    n_words = n_tok * S.K
+    copy_words(_at(wh.tab, wh.rank, wh.set_off + RG.STAGE_W, tl.int32),
+               wts.to(tl.pointer_type(tl.int32)), n_words, 1024)
+    tl.debug_barrier()
+    put_bytes = (n_words * 4 + 15) // 16 * 16
+    for g in range(S.N):
+        if g != wh.host:
+            pe = g * S.R + wh.local
+            rail_put(wh.tab, wh.rank, pe, wh.set_off + RG.RAIL_W + wh.host * S.T * S.K * 4,
+                     wh.set_off + RG.STAGE_W, put_bytes, SHMEM)
+            rail_signal(wh.tab, wh.rank, pe, wh.set_off + RG.RAIL_SIG + wh.host * 8, word, SHMEM)
+            sent += put_bytes + 8
+    return sent
+
+
+@triton.jit
+def _weights_in(wts, fwd_ntok, wh, word, S, RG):
+    """Stage 2 (module doc)."""
+    b = tl.program_id(0)
+    ks = tl.arange(0, S.KP)
+    km = ks < S.K
+    for g in range(S.N):
+        s = g * S.R + wh.local
+        if g == wh.host:
+            src = wts
+        else:
+            src = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_W, tl.float32) + g * S.T * S.K
+        for t in range(b, tl.load(fwd_ntok + g), S.NB):
+            w = tl.load(src + t * S.K + ks, mask=km)
+            for q in tl.static_range(S.R):
+                tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_W, tl.float32)
+                         + (s * S.T + t) * S.K + ks, w, mask=km)
+    for q in tl.static_range(S.R):
+        host_signal(wh.tab, wh.host * S.R + q,
+                    wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * 8, word)
+
+
+@triton.jit
+def _partials(eo, row_of, ntok_in, wh, word, S, RG):
+    """Stage 3 (module doc)."""
+    b = tl.program_id(0)
+    DT = eo.dtype.element_ty
+    hs = tl.arange(0, S.HP)
+    hm = hs < S.H
+    wp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_W, tl.float32)
+    for s in range(S.W):
+        fwd = wh.host * S.R + s % S.R               # the forwarder of source s on this host
+        part = (_at(wh.tab, fwd, wh.set_off + RG.PART, DT)
+                + ((wh.local * S.N + s // S.R) * S.T) * S.H)
+        for t in range(b, tl.load(ntok_in + s), S.NB):
+            acc = tl.zeros([S.HP], tl.float32)
+            here = tl.full([], 0, tl.int32)
+            for k in tl.static_range(S.K):
+                r = tl.load(row_of + (s * S.T + t) * S.K + k)
+                if r >= 0:
+                    w = tl.load(wp + (s * S.T + t) * S.K + k)
+                    y = tl.load(eo + r.to(tl.int64) * S.H + hs, mask=hm, other=0.0)
+                    acc = acc + w * y.to(tl.float32)
+                    here = here | 1
+            if here != 0:
+                tl.store(part + t * S.H + hs, acc.to(DT), mask=hm)
+    for q in tl.static_range(S.R):
+        host_signal(wh.tab, wh.host * S.R + q,
+                    wh.set_off + RG.PART_SIG + (b * S.R + wh.local) * 8, word)
+
+
+@triton.jit
+def _host_sums(fwd_ids, fwd_ntok, wh, word, DT: tl.constexpr, S, RG, SHMEM: tl.constexpr):
+    """Stage 4 (module doc). Returns the inter-host bytes this block put."""
+    b = tl.program_id(0)
+    hs = tl.arange(0, S.HP)
+    hm = hs < S.H
+    ks = tl.arange(0, S.KP)
+    row_bytes = S.H * DT.primitive_bitwidth // 8
+    sent = tl.full([], 0, tl.int64)
+    part = _at(wh.tab, wh.rank, wh.set_off + RG.PART, DT)
+    for g in range(S.N):
+        for t in range(b, tl.load(fwd_ntok + g), S.NB):
+            ids = tl.load(fwd_ids + (g * S.T + t) * S.K + ks, mask=ks < S.K, other=-1)
+            dest = tl.where(ids >= 0, ids // S.L - wh.host * S.R, -1)  # local rank, or none
+            acc = tl.zeros([S.HP], tl.float32)
+            went = tl.full([], 0, tl.int32)
+            for q in tl.static_range(S.R):
+                if tl.max((dest == q).to(tl.int32), 0) > 0:
+                    p = tl.load(part + ((q * S.N + g) * S.T + t) * S.H + hs, mask=hm, other=0.0)
+                    acc = acc + p.to(tl.float32)
+                    went = went | 1
+            if went != 0:
+                if g == wh.host:
+                    tl.store(_at(wh.tab, wh.rank, wh.set_off + RG.BACK, DT)
+                             + (g * S.T + t) * S.H + hs, acc.to(DT), mask=hm)
+                else:
+                    at = wh.set_off + RG.STAGE_BACK + (g * S.T + t) * row_bytes
+                    tl.store(_at(wh.tab, wh.rank, at, DT) + hs, acc.to(DT), mask=hm)
+                    tl.debug_barrier()      # staged before the block puts it
+                    rail_put(wh.tab, wh.rank, g * S.R + wh.local,
+                             wh.set_off + RG.BACK + (wh.host * S.T + t) * row_bytes, at,
+                             row_bytes, SHMEM)
+                    sent += row_bytes
+    for g in range(S.N):
+        if g != wh.host:
+            rail_signal(wh.tab, wh.rank, g * S.R + wh.local,
+                        wh.set_off + RG.BACK_SIG + (b * S.N + wh.host) * 8, word, SHMEM)
+            sent += 8
+    return sent
+
+
+@triton.jit
+def _out(topk, n_tok, out, wh, S, RG):
+    """Stage 5 (module doc)."""
+    b = tl.program_id(0)
+    DT = out.dtype.element_ty
+    hs = tl.arange(0, S.HP)
+    hm = hs < S.H
+    back = _at(wh.tab, wh.rank, wh.set_off + RG.BACK, DT)
+    for t in range(b, n_tok, S.NB):
+        hosts = _rank_bits(topk + t * S.K, S.K, S.E, S.L * S.R)
+        acc = tl.zeros([S.HP], tl.float32)
+        for g in tl.static_range(S.N):
+            if ((hosts >> g) & 1) != 0:
+                acc = acc + tl.load(back + (g * S.T + t) * S.H + hs, mask=hm,
+                                    other=0.0).to(tl.float32)
+        tl.store(out + t * S.H + hs, acc.to(DT), mask=hm)
+
+
+@triton.jit
+def _poison_out(out, n_tok, S):
+    """What a failed combine leaves: ``out`` poisoned (NaN)."""
+    b = tl.program_id(0)
+    hs = tl.arange(0, S.HP)
+    for t in range(b, n_tok, S.NB):
+        poison(out, t * S.H + hs, hs < S.H)
+
+
+@triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("hosts_combine"))
+def hosts_combine_kernel(
+        eo,             # [L, W * T, H] expert outputs (buffer dtype)
+        topk,           # [n_tok, K] int64, as given to the dispatch
+        wts,            # [n_tok, K] fp32 top-k weights
+        n_tok,          # tokens of this rank
+        out,            # [n_tok, H] output
+        row_of,         # [W, T, K] int32 handle (expert rank)
+        ntok_in,        # [W] int32 handle: tokens of each source rank
+        fwd_ids,        # [N, T, K] int32 handle (forwarder)
+        fwd_ntok,       # [N] int32 handle (forwarder)
+        tab, ctrl, err, rank, tag, timeout_us,
+        nbytes,         # [NB] int64: inter-host bytes each block put in the latest call
+        SIZES: tl.constexpr,        # hosts_dispatch.HostSizes
+        REGIONS: tl.constexpr,      # HostCombineRegions
+        STAGES: tl.constexpr,       # HC_* bits
+        SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
+        PDL: tl.constexpr = 0):
+    after_previous_kernel(PDL)
+    b = tl.program_id(0)
+    S = SIZES
+    DT = out.dtype.element_ty
+    timeout_us, broken = wait_bound(timeout_us, err)
+    seq = tl.load(ctrl + b)
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    wh = Where(tab, rank, rank // S.R, rank % S.R, (seq % 2) * REGIONS.SET_BYTES)
+    own_host = tl.full([], 1, tl.int64) << wh.host
+    sent = tl.full([], 0, tl.int64)
+    if STAGE_WEIGHTS & STAGES:
+        if b == 0:
+            sent += _weights_out(wts, n_tok, wh, word, S, REGIONS, SHMEM)
+    ok = 1
+    if STAGE_FORWARD_WAIT & STAGES:
+        ok, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
+                            timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, S.N, S.RAIL_FLAGS_P2,
+                            S.N, own_host, 0)
+    if STAGE_FORWARD & STAGES:
+        if ok:
+            _weights_in(wts, fwd_ntok, wh, word, S, REGIONS)
+    if STAGE_PARTIALS_WAIT & STAGES:
+        ok2, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
+                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, S.NB * S.R,
+                             S.HOST_FLAGS_P2, S.R, tl.full([], 0, tl.int64), 0)
+        ok = ok & ok2
+    if STAGE_PARTIALS & STAGES:
+        if ok:
+            _partials(eo, row_of, ntok_in, wh, word, S, REGIONS)
+    if STAGE_HOST_SUM_WAIT & STAGES:
+        ok3, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
+                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, S.NB * S.R,
+                             S.HOST_FLAGS_P2, S.R, tl.full([], 0, tl.int64), 0)
+        ok = ok & ok3
+    if STAGE_HOST_SUM & STAGES:
+        if ok:
+            sent += _host_sums(fwd_ids, fwd_ntok, wh, word, DT, S, REGIONS, SHMEM)
+    if STAGE_WEIGHTS & STAGES:
+        tl.store(nbytes + b, sent)
+    elif STAGE_HOST_SUM & STAGES:
+        tl.atomic_add(nbytes + b, sent, sem="relaxed", scope="gpu")
+    if STAGE_OUT_WAIT & STAGES:
+        ok4, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.BACK_SIG, tl.int64), word,
+                             timeout_us, err, OP_COMBINE, PHASE_EXIT, ok, S.NB * S.N,
+                             S.RAIL_FLAGS_P2, S.N, own_host, 0)
+        ok = ok & ok4
+    if STAGE_OUT & STAGES:
+        if (ok != 0) & (broken == 0):
+            _out(topk, n_tok, out, wh, S, REGIONS)
+        else:
+            _poison_out(out, n_tok, S)
+        tl.store(ctrl + b, seq + 1)

@@ -1,0 +1,313 @@
+"""The two-level dispatch: a token crosses to each other host once, on its rail, and is
+forwarded inside that host to the ranks that hold its experts.
+
+Rank ``r`` is local rank ``l = r % R`` of host ``h = r // R``. One launch of NB blocks; block b
+owns tokens ``b, b + NB, ...`` of every list it walks, and local experts ``b, b + NB, ...``.
+Stages (``STAGES`` bits, ``HD_*``), each separated from the next by a bounded wait:
+
+1. send (``HD_SEND``): stage each own token's row in the heap (FP8: quantised here, once) and
+   put it once to every *other* host holding one of its experts, at the rank of local index l
+   there (its rail rank): ``d_rail_rows[h, t]``. Block 0 puts the token count and every
+   token's top-k ids to every other host (``d_rail_ids[h]``). Each block then signals
+   ``d_rail_sig[b, h]`` on each rail rank.
+2. forward (``HD_FORWARD``, after the wait ``HD_FORWARD_WAIT`` for every other host's
+   signals): for each host g of its rail (own tokens for g = h), the tokens of source
+   ``s = g * R + l`` go to the ranks of this host that hold their experts,
+   ``d_host_rows[s, t]`` there, and the ids of every token of s to every rank of this host;
+   the ids also go into the handle (``fwd_ids``: the combine retraces the route). Each block
+   then signals ``d_host_sig[b, l]`` on every rank of the host.
+3. expand (``HD_EXPAND``, after ``HD_EXPAND_WAIT`` for every forwarder's signals): for each
+   local expert, the rows routed to it, sources in rank order, tokens in order, packed from 0
+   into ``recv_x``, with ``src_info``, ``row_of`` and ``recv_count``: the single-host layout.
+
+The rail puts and signals go through ``rail.py`` (SHMEM, or plain stores with ``SHMEM`` = 0);
+everything inside a host is stores through the region table. Flags are int64 words
+``((counter + 1) << EPOCH_SHIFT) | tag`` as in the single-host kernels; the block counter
+``ctrl[b]`` picks the buffer set and advances at the end of the expand.
+"""
+from collections import namedtuple
+
+import triton
+import triton.language as tl
+
+from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poison, wait_bound
+from .common import (EP_RANK_VARYING, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at, _rank_bits,
+                     _wait_flags, symbol)
+from .fp8_rows import _quantize_row
+from .rail import copy_words, host_signal, rail_put, rail_signal
+
+HD_SEND, HD_FORWARD_WAIT, HD_FORWARD, HD_EXPAND_WAIT, HD_EXPAND = 1, 2, 4, 8, 16
+HOSTS_DISPATCH_ALL = 31
+#: ``return_recv_hook``: the send half is the rail puts; the rest waits for peers.
+HOSTS_DISPATCH_SEND_HALF = HD_SEND
+HOSTS_DISPATCH_RECV_HALF = HD_FORWARD_WAIT | HD_FORWARD | HD_EXPAND_WAIT | HD_EXPAND
+STAGE_SEND = tl.constexpr(HD_SEND)
+STAGE_FORWARD_WAIT = tl.constexpr(HD_FORWARD_WAIT)
+STAGE_FORWARD = tl.constexpr(HD_FORWARD)
+STAGE_EXPAND_WAIT = tl.constexpr(HD_EXPAND_WAIT)
+STAGE_EXPAND = tl.constexpr(HD_EXPAND)
+
+#: Words of an id block before the ids (hosts_layout.ID_HEADER_WORDS): the token count first.
+ID_HEADER = tl.constexpr(4)
+#: Tokens per tile of the expand's scan, and int32 words per step of its row copies.
+EXPAND_TILE = tl.constexpr(8)
+COPY_CHUNK = tl.constexpr(512)
+
+#: Sizes of the two-level kernels (constexpr ``SIZES``): hosts N, ranks per host R, ranks W,
+#: max tokens T, hidden H and pow2 HP, top-k K and pow2 KP, experts E, local experts L, blocks
+#: NB, and a row slot: bytes, int32 words to recv_x (``RX_WORDS``) and FP8 scales (``SCALES``,
+#: pow2 ``SCALES_P2``; 0 without FP8).
+#: Also the pow2 of the flags each wait polls: rail waits ``NB * N`` (``RAIL_FLAGS_P2``),
+#: host waits ``NB * R`` (``HOST_FLAGS_P2``).
+HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
+                                     "ROW_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
+                                     "RAIL_FLAGS_P2", "HOST_FLAGS_P2"])
+#: Byte offsets of the dispatch's regions in set 0 (``hosts_layout``), the set's size and an
+#: id block's size.
+HostDispatchRegions = namedtuple("HostDispatchRegions", [
+    "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "HOST_SIG", "STAGE_IDS", "STAGE", "RAIL_IDS",
+    "RAIL_ROWS", "HOST_NTOK", "HOST_IDS", "HOST_ROWS"])
+#: Where this call's data lives (runtime values): region table, this rank, its host and local
+#: index, the set's byte offset.
+Where = namedtuple("Where", ["tab", "rank", "host", "local", "set_off"])
+
+
+@triton.jit
+def _stage_row(x, t, at, S, FP8: tl.constexpr):
+    """Token t's row into this rank's heap at ``at`` (an int32 pointer): the buffer-dtype row,
+    or (FP8) its e4m3 bytes then its fp32 scales."""
+    hs = tl.arange(0, S.HP)
+    hm = hs < S.H
+    if FP8:
+        v = tl.load(x + t * S.H + hs, mask=hm, other=0.0).to(tl.float32)
+        qb, sc = _quantize_row(v, S.HP, FP8 == 2)
+        tl.store(at.to(tl.pointer_type(tl.uint8)) + hs, qb, mask=hm)
+        ns = tl.arange(0, S.HP // 128)
+        tl.store((at + S.RX_WORDS).to(tl.pointer_type(tl.float32)) + ns, sc, mask=ns < S.SCALES)
+    else:
+        copy_words(at, (x + t * S.H).to(tl.pointer_type(tl.int32)), S.RX_WORDS, COPY_CHUNK)
+
+
+@triton.jit
+def _ids_row(ptr, valid, S):
+    """``[KP]`` int32 top-k ids at ``ptr`` (int32 or int64), out-of-range ids as -1."""
+    ks = tl.arange(0, S.KP)
+    ids = tl.load(ptr + ks, mask=(ks < S.K) & valid, other=-1)
+    return tl.where((ids >= 0) & (ids < S.E), ids, -1).to(tl.int32)
+
+
+@triton.jit
+def _send(x, topk, n_tok, err, wh, word, nbytes, S, RG, FP8: tl.constexpr, SHMEM: tl.constexpr):
+    """Stage 1 (module doc). Stores this block's inter-host bytes into ``nbytes[b]``."""
+    b = tl.program_id(0)
+    sent = tl.full([], 0, tl.int64)
+    for t in range(b, n_tok, S.NB):
+        row_off = wh.set_off + RG.STAGE + t * S.ROW_BYTES
+        _stage_row(x, t, _at(wh.tab, wh.rank, row_off, tl.int32), S, FP8)
+        tl.debug_barrier()          # the row is staged before the block puts it
+        hosts = _rank_bits(topk + t * S.K, S.K, S.E, S.L * S.R)
+        for g in range(S.N):
+            if (g != wh.host) & (((hosts >> g) & 1) != 0):
+                rail_put(wh.tab, wh.rank, g * S.R + wh.local,
+                         wh.set_off + RG.RAIL_ROWS + (wh.host * S.T + t) * S.ROW_BYTES,
+                         row_off, S.ROW_BYTES, SHMEM)
+                sent += S.ROW_BYTES
+    if b == 0:      # the token count and every token's ids, to every other host
+        idp = _at(wh.tab, wh.rank, wh.set_off + RG.STAGE_IDS, tl.int32)
+        tl.store(idp, n_tok)
+        ks = tl.arange(0, S.KP)
+        nbad = tl.full([], 0, tl.int32)
+        for t0 in range(0, n_tok, EXPAND_TILE):
+            ts = t0 + tl.arange(0, EXPAND_TILE)
+            m2 = (ts < n_tok)[:, None] & (ks < S.K)[None, :]
+            ids = tl.load(topk + ts[:, None] * S.K + ks[None, :], mask=m2, other=-1)
+            nbad += tl.sum(tl.sum((m2 & ((ids < -1) | (ids >= S.E))).to(tl.int32), 1), 0)
+            ids = tl.where((ids >= 0) & (ids < S.E), ids, -1).to(tl.int32)
+            tl.store(idp + ID_HEADER + ts[:, None] * S.K + ks[None, :], ids, mask=m2)
+        if nbad > 0:        # out-of-range top-k entries, for the host to report
+            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
+        tl.debug_barrier()
+        ids_bytes = (ID_HEADER * 4 + n_tok * S.K * 4 + 15) // 16 * 16
+        for g in range(S.N):
+            if g != wh.host:
+                rail_put(wh.tab, wh.rank, g * S.R + wh.local,
+                         wh.set_off + RG.RAIL_IDS + wh.host * RG.IDS_BYTES,
+                         wh.set_off + RG.STAGE_IDS, ids_bytes, SHMEM)
+                sent += ids_bytes
+    for g in range(S.N):
+        if g != wh.host:
+            rail_signal(wh.tab, wh.rank, g * S.R + wh.local,
+                        wh.set_off + RG.RAIL_SIG + (b * S.N + wh.host) * 8, word, SHMEM)
+            sent += 8
+    tl.store(nbytes + b, sent)
+
+
+@triton.jit
+def _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, S, RG):
+    """Stage 2 (module doc)."""
+    b = tl.program_id(0)
+    ks = tl.arange(0, S.KP)
+    km = ks < S.K
+    for g in range(S.N):
+        s = g * S.R + wh.local
+        own = g == wh.host
+        if own:
+            ng = n_tok
+        else:
+            ng = tl.load(_at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
+                             tl.int32))
+        if b == 0:
+            tl.store(fwd_ntok + g, ng)
+            for q in tl.static_range(S.R):
+                tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK, tl.int32) + s,
+                         ng)
+        for t in range(b, ng, S.NB):
+            if own:
+                ids = _ids_row(topk + t * S.K, True, S)
+                src = wh.set_off + RG.STAGE + t * S.ROW_BYTES
+            else:
+                ids = _ids_row(_at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
+                                   tl.int32) + ID_HEADER + t * S.K, True, S)
+                src = wh.set_off + RG.RAIL_ROWS + (g * S.T + t) * S.ROW_BYTES
+            tl.store(fwd_ids + (g * S.T + t) * S.K + ks, ids, mask=km)
+            dest = tl.where(ids >= 0, ids // S.L - wh.host * S.R, -1)   # local rank, or none
+            for q in tl.static_range(S.R):
+                qr = wh.host * S.R + q
+                tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_IDS, tl.int32)
+                         + (s * S.T + t) * S.K + ks, ids, mask=km)
+                if tl.max((dest == q).to(tl.int32), 0) > 0:
+                    copy_words(_at(wh.tab, qr, wh.set_off + RG.HOST_ROWS, tl.int32)
+                               + (s * S.T + t) * (S.ROW_BYTES // 4),
+                               _at(wh.tab, wh.rank, src, tl.int32), S.ROW_BYTES // 4,
+                               COPY_CHUNK)
+    for q in tl.static_range(S.R):
+        host_signal(wh.tab, wh.host * S.R + q,
+                    wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * 8, word)
+
+
+@triton.jit
+def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, S, RG,
+            FP8: tl.constexpr):
+    """Stage 3 (module doc)."""
+    b = tl.program_id(0)
+    ks = tl.arange(0, S.KP)
+    km = ks < S.K
+    ntp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_NTOK, tl.int32)
+    idp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_IDS, tl.int32)
+    rows = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_ROWS, tl.int32)
+    rx = recv_x.to(tl.pointer_type(tl.int32))
+    ROW_WORDS: tl.constexpr = S.ROW_BYTES // 4
+    if b == 0:
+        ws = tl.arange(0, 64)
+        for s0 in range(0, S.W, 64):
+            tl.store(ntok_out + s0 + ws, tl.load(ntp + s0 + ws, mask=s0 + ws < S.W),
+                     mask=s0 + ws < S.W)
+    # row_of of the entries whose expert is not here: -1 (the expert blocks write the rest)
+    for s in range(S.W):
+        for t in range(b, tl.load(ntp + s), S.NB):
+            ids = tl.load(idp + (s * S.T + t) * S.K + ks, mask=km, other=-1)
+            here = (ids >= 0) & (ids // S.L == wh.rank)
+            tl.store(row_of + (s * S.T + t) * S.K + ks, tl.full([S.KP], -1, tl.int32),
+                     mask=km & ~here)
+    cs = tl.arange(0, COPY_CHUNK)
+    for e in range(b, S.L, S.NB):
+        eg = wh.rank * S.L + e
+        pos = tl.full([], 0, tl.int32)
+        for s in range(S.W):
+            ns = tl.load(ntp + s)
+            for t0 in range(0, ns, EXPAND_TILE):
+                ts = t0 + tl.arange(0, EXPAND_TILE)
+                m2 = (ts < ns)[:, None] & km[None, :]
+                ids = tl.load(idp + (s * S.T + ts[:, None]) * S.K + ks[None, :], mask=m2,
+                              other=-1)
+                hit = (ids == eg) & m2
+                routed = tl.max(hit.to(tl.int32), 1)       # a token listing e twice: one row
+                pre = pos + tl.cumsum(routed, 0) - routed
+                go = routed != 0
+                tl.store(src_info + e * S.W * S.T + pre, s * S.T + ts, mask=go)
+                tl.store(row_of + (s * S.T + ts[:, None]) * S.K + ks[None, :],
+                         (e * S.W * S.T + pre)[:, None] + tl.zeros([1, S.KP], tl.int32),
+                         mask=hit)
+                src = rows + (s * S.T + ts) * ROW_WORDS
+                dst = rx + (e * S.W * S.T + pre) * S.RX_WORDS
+                for w0 in range(0, S.RX_WORDS, COPY_CHUNK):
+                    wm = go[:, None] & ((w0 + cs) < S.RX_WORDS)[None, :]
+                    tl.store(dst[:, None] + w0 + cs[None, :],
+                             tl.load(src[:, None] + w0 + cs[None, :], mask=wm), mask=wm)
+                if FP8:
+                    ns_ = tl.arange(0, S.SCALES_P2)
+                    sm = go[:, None] & (ns_ < S.SCALES)[None, :]
+                    sc = tl.load((src + S.RX_WORDS)[:, None] + ns_[None, :], mask=sm)
+                    tl.store(recv_scales.to(tl.pointer_type(tl.int32))
+                             + ((e * S.W * S.T + pre) * S.SCALES)[:, None] + ns_[None, :], sc,
+                             mask=sm)
+                pos += tl.sum(routed, 0)
+        tl.store(recv_count + e, pos)
+
+
+@triton.jit
+def _poison_counts(recv_count, ntok_out, S):
+    """What a failed dispatch leaves: every count and token count poisoned (-1)."""
+    b = tl.program_id(0)
+    for e in range(b, S.L, S.NB):
+        poison(recv_count, e, True)
+    if b == 0:
+        for s in range(S.W):
+            poison(ntok_out, s, True)
+
+
+@triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("hosts_dispatch"))
+def hosts_dispatch_kernel(
+        x,              # [n_tok, H] this rank's tokens (buffer dtype, 16-byte aligned rows)
+        topk,           # [n_tok, K] int64 global expert ids, -1 = none
+        n_tok,          # tokens of this rank (<= T)
+        recv_x,         # [L, W * T, H] output (FP8: its uint8 view)
+        recv_scales,    # [L, W * T, SCALES] fp32 output (FP8; any pointer otherwise)
+        row_of,         # [W, T, K] int32 handle: flat row e * W * T + row of (s, t, k), or -1
+        src_info,       # [L, W * T] int32 handle: s * T + t of each row
+        recv_count,     # [L] int32 output
+        ntok_out,       # [W] int32 handle: tokens of each source rank
+        fwd_ids,        # [N, T, K] int32 handle: ids of the tokens this rank forwarded
+        fwd_ntok,       # [N] int32 handle: tokens of each rail source
+        tab,            # [W] int64: region base of every rank (this host's; own for SHMEM)
+        ctrl,           # [NB] int64: block counters
+        err,            # int64: device error word, host error address, host input-error address
+        rank, tag, timeout_us,
+        nbytes,         # [NB] int64: inter-host bytes each block put in the latest call
+        SIZES: tl.constexpr,        # HostSizes
+        REGIONS: tl.constexpr,      # HostDispatchRegions
+        FP8: tl.constexpr,          # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
+        STAGES: tl.constexpr,       # HD_* bits
+        SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
+        PDL: tl.constexpr = 0):
+    after_previous_kernel(PDL)
+    b = tl.program_id(0)
+    S = SIZES
+    timeout_us, broken = wait_bound(timeout_us, err)
+    seq = tl.load(ctrl + b)
+    word = ((seq + 1) << EPOCH_SHIFT) | tag
+    wh = Where(tab, rank, rank // S.R, rank % S.R, (seq % 2) * REGIONS.SET_BYTES)
+    if STAGE_SEND & STAGES:
+        _send(x, topk, n_tok, err, wh, word, nbytes, S, REGIONS, FP8, SHMEM)
+    ok = 1
+    if STAGE_FORWARD_WAIT & STAGES:
+        ok, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
+                            timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, S.NB * S.N,
+                            S.RAIL_FLAGS_P2, S.N,
+                            tl.full([], 1, tl.int64) << wh.host, 0)
+    if STAGE_FORWARD & STAGES:
+        if ok:
+            _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, S, REGIONS)
+    if STAGE_EXPAND_WAIT & STAGES:
+        ok2, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
+                             timeout_us, err, OP_DISPATCH, PHASE_DATA, ok, S.NB * S.R,
+                             S.HOST_FLAGS_P2, S.R, tl.full([], 0, tl.int64),
+                             0)
+        ok = ok & ok2
+    if STAGE_EXPAND & STAGES:
+        if (ok != 0) & (broken == 0):
+            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, S, REGIONS,
+                    FP8)
+        else:
+            _poison_counts(recv_count, ntok_out, S)
+        tl.store(ctrl + b, seq + 1)

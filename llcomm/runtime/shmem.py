@@ -1,0 +1,84 @@
+"""PyTorch's SHMEM layer, as the two-level EP kernels use it: the device functions (puts,
+signals, quiet) and the decorator that links SHMEM's device library into a kernel.
+
+torch 2.13 has a backend-neutral module, ``torch.distributed._symmetric_memory._shmem_triton``,
+that routes to ``_nvshmem_triton`` on CUDA builds and to ``_rocshmem_triton`` on ROCm builds;
+torch 2.11 and 2.12 have ``_nvshmem_triton`` only. Both define their Triton device functions only
+where torch finds Triton and a GPU (``torch.utils._triton.has_triton``), so on a machine without
+one ``shmem_device`` returns a stand-in whose functions refuse to compile: a kernel compiled
+with ``SHMEM`` = 0 never reaches them. Of the device functions the kernels use only the
+neutral ones, which both backends define: ``put``, ``signal_op`` and ``quiet``.
+"""
+from __future__ import annotations
+
+import types
+
+#: The device functions the kernels call (``llcomm/ep/kernels/rail.py``).
+DEVICE_FUNCTIONS = ("put", "signal_op", "quiet")
+
+
+def _backend_module():
+    """torch's SHMEM Triton module for this build, or None."""
+    try:
+        from torch.distributed._symmetric_memory import _shmem_triton
+        return _shmem_triton.get_shmem_backend_module()
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._symmetric_memory import _nvshmem_triton
+        return _nvshmem_triton
+    except ImportError:
+        return None
+
+
+def layer_name() -> str:
+    """Which SHMEM Triton layer this torch has, for messages and docs."""
+    try:
+        from torch.distributed._symmetric_memory import _shmem_triton  # noqa: F401  (probe)
+        return "torch.distributed._symmetric_memory._shmem_triton"
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._symmetric_memory import _nvshmem_triton  # noqa: F401  (probe)
+        return "torch.distributed._symmetric_memory._nvshmem_triton"
+    except ImportError:
+        return "none"
+
+
+def _unavailable_functions():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def unavailable(*args):
+        tl.static_assert(False, "this torch has no SHMEM Triton device functions "
+                                "(llcomm/runtime/shmem.py)")
+
+    return types.SimpleNamespace(**{name: unavailable for name in DEVICE_FUNCTIONS})
+
+
+def shmem_device():
+    """The module whose ``put`` / ``signal_op`` / ``quiet`` the kernels call: torch's, or a
+    stand-in that fails to compile (module doc)."""
+    mod = _backend_module()
+    if mod is not None and all(hasattr(mod, n) for n in DEVICE_FUNCTIONS):
+        return mod
+    return _unavailable_functions()
+
+
+def device_functions_available() -> bool:
+    """Whether torch defined its SHMEM Triton device functions in this process."""
+    mod = _backend_module()
+    return mod is not None and all(hasattr(mod, n) for n in DEVICE_FUNCTIONS)
+
+
+def requires_shmem(kernel):
+    """torch's decorator for a kernel that calls SHMEM device functions: it links the device
+    library (``extern_libs``) into the kernel and initialises SHMEM in each module it loads.
+    Returns what ``kernel[grid](...)`` launches through."""
+    try:
+        from torch.distributed._symmetric_memory import _shmem_triton
+        return _shmem_triton.requires_shmem(kernel)
+    except ImportError:
+        from torch.distributed._symmetric_memory import _nvshmem_triton
+        return _nvshmem_triton.requires_nvshmem(kernel)

@@ -1,0 +1,233 @@
+"""The two-level EP kernels (``llcomm/ep/kernels/hosts_*.py``) on the CPU, under
+``TRITON_INTERPRET=1``: virtual ranks grouped into virtual hosts (2x2, 2x3, 3x2: ranks per host
+x hosts), the inter-host puts simulated (``SHMEM`` = 0) as stores into a simulated symmetric
+heap, one CPU region per virtual rank, with the same signals and waits.
+
+Two ways to run a call. *Concurrent*: every rank's whole kernel at once, one thread per rank,
+one block each (the interpreter runs a launch's blocks one after another, so a block waiting
+for a peer's second block would wait for ever), through every bounded wait. *Staged*: two
+blocks per rank, the stages grouped between waits run for every rank in turn (send, forward,
+expand; weights, forward, partials, host sums, out), each group's waits finding their signals
+set, so the blocks' division of the work is exercised too.
+
+Outputs are poisoned first. Dispatch is checked byte for byte against the single-level oracle
+(``test_ep_oracle``: the same rows, counts and ``src_info`` whatever the hosts; FP8 against its
+quantiser), combine against ``test_ep_hosts.oracle_combine_hosts`` (the documented order: bit
+for bit in fp32 and fp16, within interpreter rounding in bf16), and the bytes each rank put on
+the rail against their formula here: a row once per (token, other host holding one of its
+experts), so a kernel that sent a copy per expert (or per rank) fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _interp import run_in_interpreter
+
+#: (ranks per host, hosts).
+SHAPES = [(2, 2), (2, 3), (3, 2)]
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def rail_bytes(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: int, itemsize: int,
+               K: int, NB: int) -> tuple[int, int]:
+    """(dispatch, combine) bytes ``rank`` puts on the rail in one call, from every rank's
+    routing: rows out = (token, other host holding one of its experts) of this rank; host sums
+    back = such pairs of the other hosts' same local rank that name this host; per other host
+    one id block (count and ids), one weights block and a signal per block each way."""
+    L, N = E // W, W // R
+    host, local = divmod(rank, R)
+    n = topks[rank].shape[0]
+
+    def hosts(entry):
+        return {v // L // R for v in entry if 0 <= v < E}
+    rows_out = sum(len(hosts(e) - {host}) for e in topks[rank].tolist())
+    sums_back = sum(host in hosts(e) for s in range(W) if s % R == local and s // R != host
+                    for e in topks[s].tolist())
+    dispatch = rows_out * row_bytes + (N - 1) * (_align16(4 * (4 + n * K)) + 8 * NB)
+    combine = (N - 1) * (_align16(4 * n * K) + 8) + sums_back * H * itemsize + (N - 1) * 8 * NB
+    return dispatch, combine
+
+
+def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged=False):
+    """Dispatch + combine for each (seed, kind) in turn on N hosts of R virtual ranks; return
+    a list of failures (empty: all right)."""
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from _interp import concurrent_kernels, run_ranks
+    from llcomm.ep.hosts_peer import hosts_consts, size_tag
+    from llcomm.ep.hosts_layout import hosts_layout
+    from llcomm.ep.kernels import hosts_combine as HC
+    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.runtime import protocol as P
+    from llcomm.runtime.fp8_format import dequantize
+    from test_ep_hosts import oracle_combine_hosts
+    from test_ep_oracle import (expert_fn, make_case, oracle_dispatch, oracle_dispatch_fp8)
+
+    dtype = getattr(torch, dtype_name)
+    W = N * R
+    L = E // W
+    isz = torch.tensor([], dtype=dtype).element_size()
+    lay = hosts_layout(T, H, N, R, K, isz, NB, bool(fp8))
+    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
+    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64)
+           for h in host_words]
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    nbytes = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    dc, cc, _ = hosts_consts(lay, E, K, fp8)
+    timeout_us = 20_000_000
+    d_tag = size_tag(P.OP_DISPATCH, H, K, fp8, dtype)
+    c_tag = size_tag(P.OP_COMBINE, H, K, 0, dtype)
+    if staged:
+        d_groups = (HD.HD_SEND, HD.HD_FORWARD_WAIT | HD.HD_FORWARD,
+                    HD.HD_EXPAND_WAIT | HD.HD_EXPAND)
+        c_groups = (HC.HC_WEIGHTS, HC.HC_FORWARD_WAIT | HC.HC_FORWARD,
+                    HC.HC_PARTIALS_WAIT | HC.HC_PARTIALS, HC.HC_HOST_SUM_WAIT | HC.HC_HOST_SUM,
+                    HC.HC_OUT_WAIT | HC.HC_OUT)
+    else:
+        d_groups, c_groups = (HD.HOSTS_DISPATCH_ALL,), (HC.HOSTS_COMBINE_ALL,)
+
+    def run(groups, launch):
+        if staged:
+            with concurrent_kernels():
+                for stages in groups:
+                    for r in range(W):
+                        launch(r, stages)
+        else:
+            run_ranks([lambda r=r: launch(r, groups[0]) for r in range(W)])
+
+    fails = []
+    for seed in seeds:
+        for kind in kinds:
+            tag = f"[{N} hosts x {R} ranks, NB={NB} {dtype_name} fp8={fp8} seed={seed} {kind}]"
+            xs, topks, weights = make_case(W, E, T, H, K, seed, kind, dtype)
+            if fp8:
+                recv = [torch.full((L, W * T, H), 0x7F, dtype=torch.uint8) for _ in range(W)]
+            else:
+                recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+            scales = [torch.full((L, W * T, max(H // 128, 1)), float("nan")) for _ in range(W)]
+            row_of = [torch.full((W, T, K), -7, dtype=torch.int32) for _ in range(W)]
+            src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
+            cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
+            ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+            fwd_ids = [torch.full((N, T, K), -7, dtype=torch.int32) for _ in range(W)]
+            fwd_ntok = [torch.full((N,), -7, dtype=torch.int32) for _ in range(W)]
+
+            def dispatch(r, stages):
+                HD.hosts_dispatch_kernel[(NB,)](
+                    xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
+                    cnt[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r, d_tag,
+                    timeout_us, nbytes[r][0], **dict(dc, STAGES=stages, SHMEM=0))
+            run(d_groups, dispatch)
+
+            if fp8:
+                exp8 = oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)
+                for r in range(W):
+                    ec = exp8[r][2]
+                    if not torch.equal(cnt[r], ec):
+                        fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != "
+                                     f"{ec.tolist()}")
+                        continue
+                    for e in range(L):
+                        c = int(ec[e])
+                        if not (torch.equal(recv[r][e, :c], exp8[r][0][e, :c])
+                                and torch.equal(scales[r][e, :c], exp8[r][1][e, :c])
+                                and torch.equal(src[r][e, :c], exp8[r][3][e, :c])):
+                            fails.append(f"{tag} rank {r} fp8 rows, scales or src_info of "
+                                         f"local expert {e} differ from the oracle")
+                recv = [dequantize(recv[r].view(torch.float8_e4m3fn), scales[r], dtype)
+                        for r in range(W)]
+            else:
+                exp = oracle_dispatch(xs, topks, W, E, T)
+                for r in range(W):
+                    ex, ec, es = exp[r]
+                    if not torch.equal(cnt[r], ec):
+                        fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != "
+                                     f"{ec.tolist()}")
+                        continue
+                    for e in range(L):
+                        c = int(ec[e])
+                        if not torch.equal(recv[r][e, :c].view(torch.uint8),
+                                           ex[e, :c].view(torch.uint8)):
+                            fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
+                        if not torch.equal(src[r][e, :c], es[e, :c]):
+                            fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+            for r in range(W):
+                if ntok[r].tolist() != [x.shape[0] for x in xs]:
+                    fails.append(f"{tag} rank {r} ntok {ntok[r].tolist()}")
+            if fails:
+                return fails
+
+            outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
+            outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+
+            def combine(r, stages):
+                HC.hosts_combine_kernel[(NB,)](
+                    outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
+                    ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][1], err[r], r, c_tag,
+                    timeout_us, nbytes[r][1], **dict(cc, STAGES=stages, SHMEM=0))
+            run(c_groups, combine)
+
+            want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, dtype)
+            for r in range(W):
+                if not _same_up_to_interpreter_rounding(outs[r], want[r]):
+                    d = (outs[r].float() - want[r].float()).abs()
+                    worst = d.max() if d.numel() else 0
+                    fails.append(f"{tag} rank {r} combine differs (max {worst})")
+            for r in range(W):
+                got = (int(nbytes[r][0].sum()), int(nbytes[r][1].sum()))
+                want_b = rail_bytes(topks, W, E, R, r, lay.row_bytes, H, isz, K, NB)
+                if got != want_b:
+                    fails.append(f"{tag} rank {r} rail bytes {got} != formula {want_b}")
+    calls = len(seeds) * len(kinds)
+    for r in range(W):
+        if ctrl[r].tolist() != [[calls] * NB, [calls] * NB]:
+            fails.append(f"rank {r}: op counters {ctrl[r].tolist()}, expected {calls}")
+        if int(err[r][0]) or int(host_words[r][0]):
+            fails.append(f"rank {r}: error word {int(err[r][0]):#x}")
+    return fails
+
+
+def _same_up_to_interpreter_rounding(got, want):
+    """Bitwise for fp32 and fp16; bf16 within two bf16 ulps (the interpreter's fp32 -> bf16
+    cast truncates where the GPU rounds to nearest even; a wrong row or weight is far off)."""
+    if got.dtype != torch.bfloat16:
+        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if got.numel() == 0:
+        return True
+    scale = 1 + float(want.float().abs().max())
+    return torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale)
+
+
+@pytest.mark.parametrize("R,N", SHAPES)
+def test_two_level_kernels_concurrent(R, N):
+    """Whole kernels, every rank at once through every wait; three calls in one heap (the
+    buffer sets alternate)."""
+    fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 4 * R * N,
+                               5, 32, 3, 1, "float32", [1, 2], ["random"])
+    fails += run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
+                                4, 32, 2, 1, "float16", [3], ["dups"])
+    assert not fails, "\n".join(fails[:10])
+
+
+@pytest.mark.parametrize("R,N", SHAPES)
+def test_two_level_kernels_staged(R, N):
+    """Two blocks per rank, stage groups in turn: every kind of routing, bf16 and fp32."""
+    fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
+                               6, 32, 3, 2, "bfloat16", [4],
+                               ["random", "one_expert", "sparse", "zero_and_max", "none"],
+                               0, True)
+    assert not fails, "\n".join(fails[:10])
+
+
+@pytest.mark.parametrize("fp8", [1, 2])
+def test_two_level_kernels_fp8(fp8):
+    """FP8 dispatch (e4m3 bytes and scales, power-of-two scales): codes and scales byte for byte
+    against the oracle's quantiser, then the combine on the dequantised rows."""
+    fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", 2, 2, 8, 4, 256,
+                               3, 2, "bfloat16", [5], ["random"], fp8, True)
+    assert not fails, "\n".join(fails[:10])
