@@ -8,7 +8,9 @@ one block each (the interpreter runs a launch's blocks one after another, so a b
 for a peer's second block would wait for ever), through every bounded wait. *Staged*: two
 blocks per rank, the stages grouped between waits run for every rank in turn (send, forward,
 expand; weights, forward, partials, host sums, out), each group's waits finding their signals
-set, so the blocks' division of the work is exercised too.
+set, so the blocks' division of the work is exercised too; the ranks take their turns in
+descending order in one group, ascending in the next, so a put that reaches past its slot is
+caught whichever way it overlaps.
 
 Outputs are poisoned first. Dispatch is checked byte for byte against the single-level oracle
 (``test_ep_oracle``: the same rows, counts and ``src_info`` whatever the hosts; FP8 against its
@@ -94,8 +96,8 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     def run(groups, launch):
         if staged:
             with concurrent_kernels():
-                for stages in groups:
-                    for r in range(W):
+                for i, stages in enumerate(groups):      # ranks in turn, both ways round
+                    for r in (range(W) if i % 2 else reversed(range(W))):
                         launch(r, stages)
         else:
             run_ranks([lambda r=r: launch(r, groups[0]) for r in range(W)])

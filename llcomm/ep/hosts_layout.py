@@ -27,7 +27,7 @@ consecutive combines)::
       c_part_sig   int64 [NB, R]        partials from each rank of this host
       c_back_sig   int64 [NB, N]        host sums from each host
       c_stage_w    fp32  [T K]          own top-k weights                    (put source)
-      c_rail_w     fp32  [N, T K]       weights from each source host
+      c_rail_w     fp32  [N, T K]       weights from each source host (16-byte strides)
       c_host_w     fp32  [W, T K]       weights of each source rank
       c_part       dtype [R, N, T, H]   partials from each rank of this host, per rail source
       c_stage_back dtype [N, T, H]      host sums for each other host        (put source)
@@ -105,9 +105,9 @@ def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: i
         "d_stage": T * row, "d_rail_ids": N * ids, "d_rail_rows": N * T * row,
         "d_host_ntok": 4 * W, "d_host_ids": W * 4 * T * K, "d_host_rows": W * T * row,
         "c_rail_sig": 8 * N, "c_host_sig": 8 * NB * R, "c_part_sig": 8 * NB * R,
-        "c_back_sig": 8 * NB * N, "c_stage_w": 4 * T * K, "c_rail_w": N * 4 * T * K,
-        "c_host_w": W * 4 * T * K, "c_part": R * N * T * part, "c_stage_back": N * T * part,
-        "c_back": N * T * part,
+        "c_back_sig": 8 * NB * N, "c_stage_w": 4 * T * K,
+        "c_rail_w": N * _align(4 * T * K, ROW_ALIGN), "c_host_w": W * 4 * T * K,
+        "c_part": R * N * T * part, "c_stage_back": N * T * part, "c_back": N * T * part,
     }
     offsets, at = {}, 0
     for name in DISPATCH_REGIONS + COMBINE_REGIONS:

@@ -54,6 +54,13 @@ STAGE_OUT = tl.constexpr(HC_OUT)
 HostCombineRegions = namedtuple("HostCombineRegions", [
     "SET_BYTES", "RAIL_SIG", "HOST_SIG", "PART_SIG", "BACK_SIG", "STAGE_W", "RAIL_W", "HOST_W",
     "PART", "STAGE_BACK", "BACK"])
+@triton.jit
+def _weights_stride(S):
+    """Bytes between two hosts' weight blocks in ``c_rail_w``: a block rounded up to 16
+    bytes, as a put moves whole 16-byte units and must not reach into the next block."""
+    return (S.T * S.K * 4 + 15) // 16 * 16
+
+
 #: Where this call's data lives (runtime values), as in the dispatch.
 Where = namedtuple("Where", ["tab", "rank", "host", "local", "set_off"])
 
@@ -70,7 +77,7 @@ def _weights_out(wts, n_tok, wh, word, S, RG, SHMEM: tl.constexpr):
     for g in range(S.N):
         if g != wh.host:
             pe = g * S.R + wh.local
-            rail_put(wh.tab, wh.rank, pe, wh.set_off + RG.RAIL_W + wh.host * S.T * S.K * 4,
+            rail_put(wh.tab, wh.rank, pe, wh.set_off + RG.RAIL_W + wh.host * _weights_stride(S),
                      wh.set_off + RG.STAGE_W, put_bytes, SHMEM)
             rail_signal(wh.tab, wh.rank, pe, wh.set_off + RG.RAIL_SIG + wh.host * 8, word, SHMEM)
             sent += put_bytes + 8
@@ -88,7 +95,8 @@ def _weights_in(wts, fwd_ntok, wh, word, S, RG):
         if g == wh.host:
             src = wts
         else:
-            src = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_W, tl.float32) + g * S.T * S.K
+            src = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_W + g * _weights_stride(S),
+                      tl.float32)
         for t in range(b, tl.load(fwd_ntok + g), S.NB):
             w = tl.load(src + t * S.K + ks, mask=km)
             for q in tl.static_range(S.R):
