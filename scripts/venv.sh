@@ -7,7 +7,8 @@
 # suite with), so that the torch build is the one you chose rather than whatever pip resolves
 # for llcomm's `torch>=2.11`: set LLCOMM_TORCH to your engine's release, and pip's own variables
 # (PIP_INDEX_URL, PIP_FIND_LINKS) to where its CPU or CUDA build comes from. Then llcomm itself,
-# editable, with the test, bench, gpu, docs and hf extras (test: pytest and ruff; docs: mkdocs,
+# editable, with the test, bench, gpu, shmem, docs and hf extras (test: pytest and ruff; shmem:
+# NVSHMEM's device bitcode, which tests/test_shmem_compile.py links; docs: mkdocs,
 # so the suite's `mkdocs build --strict` test runs; hf: transformers for llcomm.hf, `llcomm bench
 # decode`, tests/test_hf_models.py and examples/hf_*.py, which asks for no torch of its own, so
 # the pinned torch stays). A stamp in .venv records what was installed, so later calls return at
@@ -31,7 +32,7 @@ if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]] \
         && "$VENV/bin/python" -c 'import torch, llcomm' 2>/dev/null; then
     exit 0
 fi
-echo "scripts/venv.sh: installing $TORCH_SPEC and llcomm[test,bench,gpu,docs,hf] into $VENV" >&2
+echo "scripts/venv.sh: installing $TORCH_SPEC and llcomm[test,bench,gpu,shmem,docs,hf] into $VENV" >&2
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[test,bench,gpu,docs,hf]"
+"$VENV/bin/python" -m pip install -q -e ".[test,bench,gpu,shmem,docs,hf]"
 echo "$want" > "$STAMP"

@@ -183,9 +183,10 @@ KERNELS = {
 }
 
 
-def compile_one(fn, sig, consts, num_warps=4, pdl=False, target=TARGET):
+def compile_one(fn, sig, consts, num_warps=4, pdl=False, target=TARGET, extern_libs=None):
     """Compile ``fn`` for ``target`` (sm_90): ``sig`` the argument types, ``consts`` the
-    constexprs (those left out keep their defaults); ``pdl``: as launched with LLCOMM_PDL=1."""
+    constexprs (those left out keep their defaults); ``pdl``: as launched with LLCOMM_PDL=1;
+    ``extern_libs``: device bitcode to link, ``((name, path),)`` (SHMEM's)."""
     import triton.language as tl
     cs = {k: (getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[v])
               if isinstance(v, str) else v) for k, v in consts.items()}
@@ -204,8 +205,10 @@ def compile_one(fn, sig, consts, num_warps=4, pdl=False, target=TARGET):
     constexprs = {(list(full).index(k),): v for k, v in cs.items()}
     src = ASTSource(fn, signature=full, constexprs=constexprs, attrs=attrs)
     with compiling_for(target):
-        return triton.compile(src, target=target, options={
-            "num_warps": num_warps, "launch_pdl": pdl, "enable_fp_fusion": FP_FUSION})
+        options = {"num_warps": num_warps, "launch_pdl": pdl, "enable_fp_fusion": FP_FUSION}
+        if extern_libs:
+            options["extern_libs"] = tuple(extern_libs)
+        return triton.compile(src, target=target, options=options)
 
 
 def ptxas_usage(ptx: str) -> str:

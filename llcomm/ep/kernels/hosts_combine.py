@@ -224,53 +224,52 @@ def hosts_combine_kernel(
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)
-    S = SIZES
     DT = out.dtype.element_ty
     timeout_us, broken = wait_bound(timeout_us, err)
     seq = tl.load(ctrl + b)
     word = ((seq + 1) << EPOCH_SHIFT) | tag
-    wh = Where(tab, rank, rank // S.R, rank % S.R, (seq % 2) * REGIONS.SET_BYTES)
+    wh = Where(tab, rank, rank // SIZES.R, rank % SIZES.R, (seq % 2) * REGIONS.SET_BYTES)
     own_host = tl.full([], 1, tl.int64) << wh.host
     sent = tl.full([], 0, tl.int64)
     if STAGE_WEIGHTS & STAGES:
         if b == 0:
-            sent += _weights_out(wts, n_tok, wh, word, S, REGIONS, SHMEM)
+            sent += _weights_out(wts, n_tok, wh, word, SIZES, REGIONS, SHMEM)
     ok = 1
     if STAGE_FORWARD_WAIT & STAGES:
         ok, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                            timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, S.N, S.RAIL_FLAGS_P2,
-                            S.N, own_host, 0)
+                            timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, SIZES.N,
+                            SIZES.RAIL_FLAGS_P2, SIZES.N, own_host, 0)
     if STAGE_FORWARD & STAGES:
         if ok:
-            _weights_in(wts, fwd_ntok, wh, word, S, REGIONS)
+            _weights_in(wts, fwd_ntok, wh, word, SIZES, REGIONS)
     if STAGE_PARTIALS_WAIT & STAGES:
         ok2, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, S.NB * S.R,
-                             S.HOST_FLAGS_P2, S.R, tl.full([], 0, tl.int64), 0)
+                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                             SIZES.HOST_FLAGS_P2, SIZES.R, tl.full([], 0, tl.int64), 0)
         ok = ok & ok2
     if STAGE_PARTIALS & STAGES:
         if ok:
-            _partials(eo, row_of, ntok_in, wh, word, S, REGIONS)
+            _partials(eo, row_of, ntok_in, wh, word, SIZES, REGIONS)
     if STAGE_HOST_SUM_WAIT & STAGES:
         ok3, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
-                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, S.NB * S.R,
-                             S.HOST_FLAGS_P2, S.R, tl.full([], 0, tl.int64), 0)
+                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                             SIZES.HOST_FLAGS_P2, SIZES.R, tl.full([], 0, tl.int64), 0)
         ok = ok & ok3
     if STAGE_HOST_SUM & STAGES:
         if ok:
-            sent += _host_sums(fwd_ids, fwd_ntok, wh, word, DT, S, REGIONS, SHMEM)
+            sent += _host_sums(fwd_ids, fwd_ntok, wh, word, DT, SIZES, REGIONS, SHMEM)
     if STAGE_WEIGHTS & STAGES:
         tl.store(nbytes + b, sent)
     elif STAGE_HOST_SUM & STAGES:
         tl.atomic_add(nbytes + b, sent, sem="relaxed", scope="gpu")
     if STAGE_OUT_WAIT & STAGES:
         ok4, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.BACK_SIG, tl.int64), word,
-                             timeout_us, err, OP_COMBINE, PHASE_EXIT, ok, S.NB * S.N,
-                             S.RAIL_FLAGS_P2, S.N, own_host, 0)
+                             timeout_us, err, OP_COMBINE, PHASE_EXIT, ok, SIZES.NB * SIZES.N,
+                             SIZES.RAIL_FLAGS_P2, SIZES.N, own_host, 0)
         ok = ok & ok4
     if STAGE_OUT & STAGES:
         if (ok != 0) & (broken == 0):
-            _out(topk, n_tok, out, wh, S, REGIONS)
+            _out(topk, n_tok, out, wh, SIZES, REGIONS)
         else:
-            _poison_out(out, n_tok, S)
+            _poison_out(out, n_tok, SIZES)
         tl.store(ctrl + b, seq + 1)

@@ -282,32 +282,31 @@ def hosts_dispatch_kernel(
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)
-    S = SIZES
     timeout_us, broken = wait_bound(timeout_us, err)
     seq = tl.load(ctrl + b)
     word = ((seq + 1) << EPOCH_SHIFT) | tag
-    wh = Where(tab, rank, rank // S.R, rank % S.R, (seq % 2) * REGIONS.SET_BYTES)
+    wh = Where(tab, rank, rank // SIZES.R, rank % SIZES.R, (seq % 2) * REGIONS.SET_BYTES)
     if STAGE_SEND & STAGES:
-        _send(x, topk, n_tok, err, wh, word, nbytes, S, REGIONS, FP8, SHMEM)
+        _send(x, topk, n_tok, err, wh, word, nbytes, SIZES, REGIONS, FP8, SHMEM)
     ok = 1
     if STAGE_FORWARD_WAIT & STAGES:
         ok, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                            timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, S.NB * S.N,
-                            S.RAIL_FLAGS_P2, S.N,
+                            timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, SIZES.NB * SIZES.N,
+                            SIZES.RAIL_FLAGS_P2, SIZES.N,
                             tl.full([], 1, tl.int64) << wh.host, 0)
     if STAGE_FORWARD & STAGES:
         if ok:
-            _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, S, REGIONS)
+            _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, SIZES, REGIONS)
     if STAGE_EXPAND_WAIT & STAGES:
         ok2, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                             timeout_us, err, OP_DISPATCH, PHASE_DATA, ok, S.NB * S.R,
-                             S.HOST_FLAGS_P2, S.R, tl.full([], 0, tl.int64),
+                             timeout_us, err, OP_DISPATCH, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                             SIZES.HOST_FLAGS_P2, SIZES.R, tl.full([], 0, tl.int64),
                              0)
         ok = ok & ok2
     if STAGE_EXPAND & STAGES:
         if (ok != 0) & (broken == 0):
-            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, S, REGIONS,
+            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, SIZES, REGIONS,
                     FP8)
         else:
-            _poison_counts(recv_count, ntok_out, S)
+            _poison_counts(recv_count, ntok_out, SIZES)
         tl.store(ctrl + b, seq + 1)
