@@ -60,7 +60,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from _interp import concurrent_kernels, run_ranks
     from llcomm.ep.hosts_peer import hosts_consts, size_tag
-    from llcomm.ep.hosts_layout import hosts_layout
+    from llcomm.ep.hosts_layout import hosts_layout, row_bytes
     from llcomm.ep.kernels import hosts_combine as HC
     from llcomm.ep.kernels import hosts_dispatch as HD
     from llcomm.runtime import protocol as P
@@ -72,7 +72,8 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     W = N * R
     L = E // W
     isz = torch.tensor([], dtype=dtype).element_size()
-    lay = hosts_layout(T, H, N, R, K, isz, NB, bool(fp8))
+    # FP8 calls in a buffer sized for buffer-dtype rows, as an EPBuffer without fp8=True
+    lay = hosts_layout(T, H, N, R, K, isz, NB, False)
     heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
     tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
     host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
@@ -182,7 +183,8 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
                     fails.append(f"{tag} rank {r} combine differs (max {worst})")
             for r in range(W):
                 got = (int(nbytes[r][0].sum()), int(nbytes[r][1].sum()))
-                want_b = rail_bytes(topks, W, E, R, r, lay.row_bytes, H, isz, K, NB)
+                want_b = rail_bytes(topks, W, E, R, r, row_bytes(H, isz, bool(fp8)), H, isz, K,
+                                    NB)
                 if got != want_b:
                     fails.append(f"{tag} rank {r} rail bytes {got} != formula {want_b}")
     calls = len(seeds) * len(kinds)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import protocol as P
-from .hosts_layout import HostsLayout, hosts_layout
+from .hosts_layout import HostsLayout, hosts_layout, row_bytes
 from .layout import DEFAULT_NUM_BLOCKS, MAX_TOPK
 
 #: 16-byte vectors each thread keeps of a row (as the single-host kernels: peer.py).
@@ -39,6 +39,7 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     sizes = peer._bundle(
         HostSizes, N=N, R=R, W=W, T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=num_experts,
         L=num_experts // W, NB=NB, ROW_BYTES=lay.row_bytes,
+        PUT_BYTES=row_bytes(H, lay.itemsize, bool(fp8)),
         RX_WORDS=(H if fp8 else H * lay.itemsize) // 4, SCALES=scales,
         SCALES_P2=max(1, hp // 128), RAIL_FLAGS_P2=_pow2(NB * N), HOST_FLAGS_P2=_pow2(NB * R))
     o = lay.offsets
@@ -67,3 +68,164 @@ def make_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: in
 def size_tag(op: int, hidden: int, topk: int, fp8: int, dtype: torch.dtype) -> int:
     """The flags' tag of a call: ranks that disagree about the shape or FP8 mode mismatch."""
     return P.size_tag(op, (hidden * 4 + fp8) * 64 + topk, str(dtype).removeprefix("torch."))
+
+
+def _shmem_heap(nbytes: int, device: torch.device, group):
+    """``nbytes`` of symmetric memory on SHMEM (torch's NVSHMEM backend; rocSHMEM on ROCm
+    builds), zeroed on every rank before any rank's first kernel can write into it; returns
+    the tensor and torch's rendezvous handle."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+    symm_mem.set_backend("NVSHMEM")
+    heap = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    heap.zero_()
+    torch.cuda.synchronize(device)
+    hdl = symm_mem.rendezvous(heap, group.group_name)
+    dist.barrier(group=group)
+    return heap, hdl
+
+
+class HostsPeerEP:
+    """The two-level kernels across hosts on a SHMEM heap: launches, handle slots, counters.
+    ``buf`` is the ``EPBuffer`` (its group, sizes, dtype, FP8, timeout and ``hosts``)."""
+
+    def __init__(self, buf, num_blocks: int | None = None):
+        import torch.distributed as dist
+
+        from ..errors import UnsupportedConfigError
+        from ..runtime.shmem import device_functions_available, layer_name, requires_shmem
+        from .kernels import hosts_combine as HC
+        from .kernels import hosts_dispatch as HD
+        from .layout import HANDLE_SLOTS, MAX_WAIT_FLAGS
+
+        self.HD, self.HC = HD, HC
+        self.rank, self.W = buf.rank, buf.num_ranks
+        hosts = buf.hosts
+        self.N, self.R = hosts.num_hosts, hosts.ranks_per_host
+        if dist.get_rank() != self.rank:
+            raise UnsupportedConfigError(
+                "llcomm.EPBuffer: the two-level SHMEM kernels name a rank by its SHMEM PE, the "
+                f"rank in the default group; this group's rank {self.rank} is global rank "
+                f"{dist.get_rank()}. Create the buffer on the default group")
+        if not device_functions_available():
+            raise UnsupportedConfigError(
+                f"llcomm.EPBuffer: this torch's SHMEM Triton layer ({layer_name()}) has no "
+                "device functions here (docs/multihost.md, 'Which torch')")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        nb = num_blocks or min(DEFAULT_NUM_BLOCKS, sms, MAX_WAIT_FLAGS // max(self.N, self.R))
+        self.nb = nb
+        self.buf = buf
+        self.layout = lay = make_layout(buf.max_tokens, buf.hidden, self.N, self.R,
+                                        buf.dtype.itemsize, buf.fp8, nb)
+        self.heap, hdl = _shmem_heap(lay.total_bytes, self.device, buf.group)
+        # the region table: own base for the rail puts (a symmetric address), the peer
+        # addresses of this host's ranks for the stores inside the host
+        table = [0] * self.W
+        host = self.rank // self.R
+        for q in range(host * self.R, (host + 1) * self.R):
+            table[q] = self.heap.data_ptr() if q == self.rank else int(hdl.buffer_ptrs[q])
+        missing = [q for q in range(host * self.R, (host + 1) * self.R) if not table[q]]
+        if missing:
+            raise UnsupportedConfigError(
+                f"llcomm.EPBuffer: SHMEM gives no peer address of ranks {missing} of this "
+                "host; the two-level kernels store into them directly (peer memory)")
+        self.tab = torch.tensor(table, dtype=torch.int64, device=self.device)
+        self.timeout_us = buf.timeout_ms * P.US_PER_MS
+        self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
+        self.nbytes = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(2, dtype=torch.int64, device="cpu", pin_memory=True)
+        self._host_np = self._host.numpy()
+        self.err = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8],
+                                    dtype=torch.int64)
+        self._failure = P.FailureLatch(self.rank, "EPBuffer")
+        T, L, W, N = buf.max_tokens, buf.num_local_experts, self.W, self.N
+        dev = self.device
+        self.slots = [dict(row_of=torch.zeros(W * T * MAX_TOPK, dtype=torch.int32, device=dev),
+                           src_info=torch.zeros((L, W * T), dtype=torch.int32, device=dev),
+                           recv_count=torch.zeros(L, dtype=torch.int32, device=dev),
+                           ntok=torch.zeros(W, dtype=torch.int32, device=dev),
+                           fwd_ids=torch.zeros(N * T * MAX_TOPK, dtype=torch.int32, device=dev),
+                           fwd_ntok=torch.zeros(N, dtype=torch.int32, device=dev))
+                      for _ in range(HANDLE_SLOTS)]
+        self._dispatch = requires_shmem(HD.hosts_dispatch_kernel)
+        self._combine = requires_shmem(HC.hosts_combine_kernel)
+        self._consts: dict = {}
+
+    def _call_consts(self, topk: int, fp8: int):
+        hit = self._consts.get((topk, fp8))
+        if hit is None:
+            hit = self._consts[(topk, fp8)] = hosts_consts(self.layout, self.buf.num_experts,
+                                                           topk, fp8)
+        return hit
+
+    def _launch(self, kernel, args, consts, stages, num_warps):
+        kernel[(self.nb,)](*args, **consts, STAGES=stages, SHMEM=1, num_warps=num_warps)
+
+    def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
+                 split: bool = False):
+        """Launch the dispatch into handle slot ``slot`` (``split``: its send half, and return
+        the launch of its receive half as the fourth value). Returns (recv_count, src_info,
+        state, receive half or None)."""
+        HD = self.HD
+        n, K = topk_idx.shape
+        s = self.slots[slot]
+        T, W, N = self.buf.max_tokens, self.W, self.N
+        row_of = s["row_of"][:W * T * K].view(W, T, K)
+        fwd_ids = s["fwd_ids"][:N * T * K].view(N, T, K)
+        if fp8:
+            recv_x = recv_x.view(torch.uint8)
+        if x.data_ptr() % 16:
+            x = x.clone()           # rows are staged as aligned int32 words
+        dc, _, warps = self._call_consts(K, fp8)
+        tag = size_tag(P.OP_DISPATCH, self.buf.hidden, K, fp8, self.buf.dtype)
+        args = (x, topk_idx, n, recv_x, recv_scales if fp8 else recv_x, row_of, s["src_info"],
+                s["recv_count"], s["ntok"], fwd_ids, s["fwd_ntok"], self.tab, self.ctrl[0],
+                self.err, self.rank, tag, self.timeout_us, self.nbytes[0])
+        state = (row_of, s["ntok"], fwd_ids, s["fwd_ntok"])
+        if not split:
+            self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_ALL, warps)
+            return s["recv_count"], s["src_info"], state, None
+        self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_SEND_HALF, warps)
+        return s["recv_count"], s["src_info"], state, lambda: self._launch(
+            self._dispatch, args, dc, HD.HOSTS_DISPATCH_RECV_HALF, warps)
+
+    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
+        row_of, ntok, fwd_ids, fwd_ntok = state
+        K = topk_idx.shape[1]
+        _, cc, warps = self._call_consts(K, 0)
+        tag = size_tag(P.OP_COMBINE, self.buf.hidden, K, 0, self.buf.dtype)
+        args = (expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok,
+                fwd_ids, fwd_ntok, self.tab, self.ctrl[1], self.err, self.rank, tag,
+                self.timeout_us, self.nbytes[1])
+        return args, cc, warps
+
+    def combine(self, expert_out, topk_idx, topk_weights, state, out):
+        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_ALL, warps)
+        return out
+
+    def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
+        """Launch the combine's send half; return the launch of its receive half."""
+        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_SEND_HALF, warps)
+        return lambda: self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_RECV_HALF,
+                                    warps)
+
+    def inter_host_bytes(self, op: int) -> int:
+        """Bytes this rank put on the rail in the latest dispatch (op 0) or combine (op 1)
+        (synchronises with the device)."""
+        return int(self.nbytes[op].sum())
+
+    def take_bad_count(self) -> int:
+        bad = int(self._host_np[1])
+        if bad:
+            self._host_np[1] = 0
+        return bad
+
+    def precheck(self) -> None:
+        self._failure.check(self._host_np[0])
+
+    def close(self) -> None:
+        self.heap = None

@@ -55,12 +55,13 @@ COPY_CHUNK = tl.constexpr(512)
 
 #: Sizes of the two-level kernels (constexpr ``SIZES``): hosts N, ranks per host R, ranks W,
 #: max tokens T, hidden H and pow2 HP, top-k K and pow2 KP, experts E, local experts L, blocks
-#: NB, and a row slot: bytes, int32 words to recv_x (``RX_WORDS``) and FP8 scales (``SCALES``,
-#: pow2 ``SCALES_P2``; 0 without FP8).
+#: NB, and a row slot: its stride in bytes (``ROW_BYTES``), the bytes a call's row fills and
+#: sends (``PUT_BYTES``: an FP8 row in a buffer sized for bf16 is about half), its int32 words to
+#: recv_x (``RX_WORDS``) and FP8 scales (``SCALES``, pow2 ``SCALES_P2``; 0 without FP8).
 #: Also the pow2 of the flags each wait polls: rail waits ``NB * N`` (``RAIL_FLAGS_P2``),
 #: host waits ``NB * R`` (``HOST_FLAGS_P2``).
 HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
-                                     "ROW_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
+                                     "ROW_BYTES", "PUT_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
                                      "RAIL_FLAGS_P2", "HOST_FLAGS_P2"])
 #: Byte offsets of the dispatch's regions in set 0 (``hosts_layout``), the set's size and an
 #: id block's size.
@@ -110,8 +111,8 @@ def _send(x, topk, n_tok, err, wh, word, nbytes, S, RG, FP8: tl.constexpr, SHMEM
             if (g != wh.host) & (((hosts >> g) & 1) != 0):
                 rail_put(wh.tab, wh.rank, g * S.R + wh.local,
                          wh.set_off + RG.RAIL_ROWS + (wh.host * S.T + t) * S.ROW_BYTES,
-                         row_off, S.ROW_BYTES, SHMEM)
-                sent += S.ROW_BYTES
+                         row_off, S.PUT_BYTES, SHMEM)
+                sent += S.PUT_BYTES
     if b == 0:      # the token count and every token's ids, to every other host
         idp = _at(wh.tab, wh.rank, wh.set_off + RG.STAGE_IDS, tl.int32)
         tl.store(idp, n_tok)
@@ -178,7 +179,7 @@ def _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, S, RG):
                 if tl.max((dest == q).to(tl.int32), 0) > 0:
                     copy_words(_at(wh.tab, qr, wh.set_off + RG.HOST_ROWS, tl.int32)
                                + (s * S.T + t) * (S.ROW_BYTES // 4),
-                               _at(wh.tab, wh.rank, src, tl.int32), S.ROW_BYTES // 4,
+                               _at(wh.tab, wh.rank, src, tl.int32), S.PUT_BYTES // 4,
                                COPY_CHUNK)
     for q in tl.static_range(S.R):
         host_signal(wh.tab, wh.host * S.R + q,

@@ -1,0 +1,217 @@
+"""The two-level EP kernels on SHMEM, several PEs on one GPU (a development aid).
+
+    python tools/shmem_check.py [--pes 2] [--ranks-per-host 1] [--json PATH]
+
+Starts ``--pes`` processes (a gloo group) that all use cuda:0, declared as hosts of
+``--ranks-per-host`` ranks, and runs ``HostsPeerEP`` on one heap from torch's symmetric memory
+with its NVSHMEM backend: with one rank per host every exchange is an NVSHMEM put and signal.
+NVSHMEM runs several PEs on one GPU only under CUDA MPS (start ``nvidia-cuda-mps-control -d``
+first and export ``NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1``; docs/development.md).
+Its timings are not speed figures: the PEs share one GPU.
+
+Checks, per PE, against the CPU oracles of ``tests/test_ep_oracle.py`` and
+``tests/test_ep_hosts.py`` (outputs poisoned first):
+
+- dispatch (bf16, FP8, FP8 with power-of-two scales) byte for byte, combine bit for bit in
+  the documented order, over several calls in one heap (the buffer sets alternate), with the
+  split halves (``return_recv_hook``) once;
+- the bytes each PE put on the inter-host path against their formula
+  (``tests/test_ep_hosts_kernels_cpu.rail_bytes``);
+- a dispatch + combine captured in a CUDA graph (after one launch outside the capture) and
+  replayed with fresh inputs;
+- a bounded wait: the last PE stays away from one dispatch, and every other PE must raise
+  ``CommTimeoutError`` from it, none hang.
+
+Prints one line per check and a summary; exits 1 if any check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+E, T, H, K = 32, 16, 1024, 4
+#: blocks per kernel: every PE's blocks must be resident at once on the one GPU
+BLOCKS = 8
+TIMEOUT_MS = 60_000
+#: the bounded-wait check's bound
+SHORT_TIMEOUT_MS = 2_000
+
+
+def _buf(rank, W, R, fp8):
+    import torch.distributed as dist
+
+    from llcomm.runtime.hosts import Hosts
+    return types.SimpleNamespace(
+        group=dist.group.WORLD, rank=rank, num_ranks=W, hosts=Hosts(W // R, R, "declared"),
+        max_tokens=T, hidden=H, num_experts=E, num_local_experts=E // W, dtype=torch.bfloat16,
+        fp8=fp8, timeout_ms=TIMEOUT_MS)
+
+
+def _rank_body(rank, W, R):
+    import torch.distributed as dist
+
+    from llcomm.ep.hosts_layout import row_bytes
+    from llcomm.ep.hosts_peer import HostsPeerEP
+    from llcomm.errors import CommTimeoutError
+    from llcomm.runtime.fp8_format import dequantize
+    from test_ep_hosts import oracle_combine_hosts
+    from test_ep_hosts_kernels_cpu import rail_bytes
+    from test_ep_oracle import expert_fn, make_case, oracle_dispatch, oracle_dispatch_fp8
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    L = E // W
+    lines, fails = [], 0
+
+    def report(name, ok, extra=""):
+        nonlocal fails
+        fails += not ok
+        lines.append(f"rank {rank} {'ok  ' if ok else 'FAIL'} {name} {extra}")
+
+    ep = HostsPeerEP(_buf(rank, W, R, False), num_blocks=BLOCKS)
+    bf = torch.bfloat16
+    calls = [(seed, kind, fp8) for seed, kind, fp8 in
+             ((1, "random", 0), (2, "dups", 0), (3, "random", 1), (4, "sparse", 2),
+              (5, "zero_and_max", 0), (6, "random", 0))]
+    for i, (seed, kind, fp8) in enumerate(calls):
+        xs, topks, weights = make_case(W, E, T, H, K, seed, kind, bf)
+        x, idx, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+        if fp8:
+            recv = torch.full((L, W * T, H), 0x7F, dtype=torch.uint8, device=dev)
+        else:
+            recv = torch.full((L, W * T, H), float("nan"), dtype=bf, device=dev)
+        scales = torch.full((L, W * T, H // 128), float("nan"), device=dev)
+        split = i == 1
+        cnt, src, state, rest = ep.dispatch(x, idx, recv, i % 2, fp8, scales, split=split)
+        if rest is not None:
+            rest()
+        torch.cuda.synchronize()
+        ep.precheck()
+        name = f"call {i} dispatch {kind} fp8={fp8}{' split' if split else ''}"
+        if fp8:
+            codes, sc, ec, es = [t.to(dev) for t in
+                                 oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)[rank]]
+            ok = torch.equal(cnt, ec) and all(
+                torch.equal(recv[e, :c], codes[e, :c]) and torch.equal(scales[e, :c], sc[e, :c])
+                and torch.equal(src[e, :c], es[e, :c]) for e, c in enumerate(ec.tolist()))
+            recv = dequantize(recv.view(torch.float8_e4m3fn), scales, bf)
+            all_recv = [dequantize(a.view(torch.float8_e4m3fn), b, bf)
+                        for a, b, _, _ in oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)]
+            all_cnt = [c for _, _, c, _ in oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)]
+        else:
+            ex, ec, es = [t.to(dev) for t in oracle_dispatch(xs, topks, W, E, T)[rank]]
+            ok = torch.equal(cnt, ec) and all(
+                torch.equal(recv[e, :c].view(torch.int16), ex[e, :c].view(torch.int16))
+                and torch.equal(src[e, :c], es[e, :c]) for e, c in enumerate(ec.tolist()))
+            all_recv = [a for a, _, _ in oracle_dispatch(xs, topks, W, E, T)]
+            all_cnt = [c for _, c, _ in oracle_dispatch(xs, topks, W, E, T)]
+        report(name, ok)
+        outs_e = [expert_fn(all_recv[q], all_cnt[q], q) for q in range(W)]
+        mine = expert_fn(recv.cpu(), cnt.cpu(), rank).to(dev)
+        out = torch.full((x.shape[0], H), float("nan"), dtype=bf, device=dev)
+        if split:
+            ep.combine_send(mine, idx, w, state, out)()
+        else:
+            ep.combine(mine, idx, w, state, out)
+        torch.cuda.synchronize()
+        ep.precheck()
+        want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, bf)[rank]
+        report(f"call {i} combine", torch.equal(out.cpu().view(torch.int16),
+                                                  want.view(torch.int16)))
+        got_b = (ep.inter_host_bytes(0), ep.inter_host_bytes(1))
+        want_b = rail_bytes(topks, W, E, R, rank, row_bytes(H, 2, bool(fp8)), H, 2, K, BLOCKS)
+        report(f"call {i} rail bytes", got_b == want_b, f"{got_b} (formula {want_b})")
+
+    # a CUDA graph: one launch outside the capture first (module loading is not capturable)
+    xs, topks, weights = make_case(W, E, T, H, K, 7, "random", bf)
+    n = T
+    sx = torch.zeros(n, H, dtype=bf, device=dev)
+    sidx = torch.full((n, K), -1, dtype=torch.int64, device=dev)
+    sw = torch.zeros(n, K, dtype=torch.float32, device=dev)
+    recv = torch.zeros((L, W * T, H), dtype=bf, device=dev)
+    out = torch.zeros(n, H, dtype=bf, device=dev)
+    eo = torch.zeros_like(recv)
+
+    def step():
+        cnt_, src_, state_, _ = ep.dispatch(sx, sidx, recv, 0, 0, None)
+        eo.copy_(recv * 2)
+        ep.combine(eo, sidx, sw, state_, out)
+        return cnt_
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cnt = step()
+    for seed in (8, 9):
+        xs, topks, weights = make_case(W, E, T, H, K, seed, "random", bf)
+        m = xs[rank].shape[0]
+        sx.zero_()
+        sidx.fill_(-1)
+        sw.zero_()
+        # every rank sends T rows slots; the ones past its count route nowhere
+        sx[:m], sidx[:m], sw[:m] = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+        g.replay()
+        torch.cuda.synchronize()
+        ep.precheck()
+        pad = [torch.cat([t, torch.full((T - t.shape[0], K), -1, dtype=t.dtype)]) for t in topks]
+        padx = [torch.cat([t, torch.zeros(T - t.shape[0], H, dtype=bf)]) for t in xs]
+        padw = [torch.cat([t, torch.zeros(T - t.shape[0], K)]) for t in weights]
+        ex, ec, _ = oracle_dispatch(padx, pad, W, E, T)[rank]
+        outs_e = [(a.float() * 2).to(bf) for a, _, _ in oracle_dispatch(padx, pad, W, E, T)]
+        want = oracle_combine_hosts(outs_e, pad, padw, W, E, R, bf)[rank]
+        report(f"graph replay seed {seed}", torch.equal(cnt.cpu(), ec) and
+               torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)))
+
+    # a bounded wait: the last PE stays away from one dispatch
+    dist.barrier()
+    ep.timeout_us = SHORT_TIMEOUT_MS * 1000
+    if rank != W - 1:
+        xs, topks, _ = make_case(W, E, T, H, K, 10, "random", bf)
+        t0 = time.monotonic()
+        try:
+            ep.dispatch(xs[rank].to(dev), topks[rank].to(dev), recv, 1, 0, None)
+            torch.cuda.synchronize()
+            ep.precheck()
+            report("absent PE: CommTimeoutError", False, "returned normally")
+        except CommTimeoutError as e:
+            report("absent PE: CommTimeoutError", True,
+                   f"after {time.monotonic() - t0:.1f} s: {str(e)[:80]}")
+    dist.barrier()
+    return {"rank": rank, "lines": lines, "failed": fails}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pes", type=int, default=2)
+    ap.add_argument("--ranks-per-host", type=int, default=1)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from llcomm.multiproc import run
+    t0 = time.monotonic()
+    results = run(_rank_body, a.pes, a.ranks_per_host, backend="gloo", timeout=600)
+    failed = sum(r["failed"] for r in results)
+    for r in results:
+        print("\n".join(r["lines"]))
+    checks = sum(len(r["lines"]) for r in results)
+    print(f"# shmem_check: {a.pes} PEs as {a.pes // a.ranks_per_host} hosts of "
+          f"{a.ranks_per_host}: {checks - failed} of {checks} checks ok in "
+          f"{time.monotonic() - t0:.0f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"pes": a.pes, "ranks_per_host": a.ranks_per_host, "results": results}, f,
+                      indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
