@@ -68,3 +68,38 @@ def test_doctor_predicts_the_reference_backend_without_a_usable_triton():
     backend, why = doctor.predict_backend(2, [[True, True], [True, True]], False)
     assert backend == "reference" and "triton" in why
     assert doctor.predict_backend(2, [[True, True], [True, True]], True)[0] == "peer"
+
+
+def _hosts_choice_body(rank, world_size, shmem, backend):
+    import torch.distributed as dist
+
+    import llcomm
+    B.this_place = lambda: (f"host-{rank}", f"gpu-{rank}", 0)   # a GPU each, a host each
+    B.this_host = lambda: (f"host-{rank}", 1)
+    B.shmem_problem = lambda: shmem[rank]
+    try:
+        return B.choose_backend_hosts(dist.group.WORLD, backend, "Test", (), None)[:2]
+    except llcomm.UnsupportedConfigError as e:
+        return "refused", str(e)
+
+
+SPAN = "the ranks span 2 hosts of 1 rank (detected from the host names)"
+
+
+@pytest.mark.parametrize("shmem, backend, want", [
+    ([None, None], "auto", ("shmem", f"{SPAN}: the two-level kernels on SHMEM")),
+    ([None, None], "peer", ("shmem", f"{SPAN}: the two-level kernels on SHMEM")),
+    ([None, "no NVSHMEM here"], "auto",
+     ("reference", f"{SPAN}: the two-level reference exchange (rank 1: no NVSHMEM here, so the "
+                   "two-level kernels on SHMEM cannot run)")),
+    (["no NVSHMEM here", None], "peer",
+     ("refused", f"llcomm.Test(backend='peer'): {SPAN}, and the two-level kernels on SHMEM "
+                 "cannot run: rank 0: no NVSHMEM here. Use backend='reference' "
+                 "(torch.distributed) for this configuration.")),
+    ([None, None], "reference", ("reference", f"requested; {SPAN}: the two-level exchange")),
+])
+def test_ranks_on_several_hosts_choose_alike(shmem, backend, want):
+    """Across hosts every rank picks the two-level kernels on SHMEM only when every rank can
+    run them (each rank's verdict travels in the one exchange), else the two-level reference
+    exchange, which backend='peer' refuses, naming the rank and why."""
+    assert run_distributed(_hosts_choice_body, 2, shmem, backend) == [want, want]

@@ -128,7 +128,7 @@ def _rank_body(rank, W, R):
         want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, bf)[rank]
         report(f"call {i} combine", torch.equal(out.cpu().view(torch.int16),
                                                   want.view(torch.int16)))
-        got_b = (ep.inter_host_bytes(0), ep.inter_host_bytes(1))
+        got_b = (ep.rail_bytes(0), ep.rail_bytes(1))
         want_b = rail_bytes(topks, W, E, R, rank, row_bytes(H, 2, bool(fp8)), H, 2, K, BLOCKS)
         report(f"call {i} rail bytes", got_b == want_b, f"{got_b} (formula {want_b})")
 

@@ -6,11 +6,13 @@
     expert_out = experts(recv_x, recv_count)                         # [L, W * T, hidden]
     y = buf.combine(expert_out, topk_idx, topk_weights, handle)       # [num_tokens, hidden]
 
-Backends: ``"peer"`` (Triton kernels over a symmetric NVLink region, one host), ``"reference"``
+Backends: ``"peer"`` (Triton kernels over a symmetric NVLink region, one host), ``"shmem"``
+(the two-level Triton kernels across hosts, on SHMEM: ``hosts_peer.py``), ``"reference"``
 (torch.distributed all-to-all: NCCL, or gloo on CPU; across hosts its two-level exchange,
 docs/multihost.md), ``"auto"`` (peer where every rank has its own GPU on one host and peer
-access works, reference otherwise). Both give the same ``recv_x`` bytes, the
-same ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md).
+access works, shmem across hosts where SHMEM runs, reference otherwise). All give the same
+``recv_x`` bytes, the same ``recv_count`` and handle, and the same combine arithmetic
+(docs/ep.md; across hosts the two-level order, docs/multihost.md).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
                      check_weights)
 from .handle import EPHandle
+from .hosts_peer import HostsPeerEP
 from .masks import RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
@@ -65,8 +68,11 @@ class EPBuffer(RankMasks):
         dtype: token dtype, bfloat16 (default), float16 or float32.
         backend: ``"auto"``, ``"peer"`` or ``"reference"``. Ranks that span several hosts
             (``self.hosts``: detected from the host names, or declared by
-            ``LLCOMM_EP_RANKS_PER_HOST``) run the reference backend's two-level exchange:
-            ``"auto"`` picks it, ``"peer"`` raises UnsupportedConfigError (docs/multihost.md).
+            ``LLCOMM_EP_RANKS_PER_HOST``) run a two-level exchange: the two-level kernels on
+            SHMEM (``self.backend == "shmem"``) where every rank has a GPU, torch's NVSHMEM
+            backend and its SHMEM Triton layer, and the group is the default one; else the
+            reference backend's. ``"auto"`` picks one, ``"peer"`` the kernels or
+            UnsupportedConfigError (docs/multihost.md).
         timeout_ms: bound of every device-side wait (default ``LLCOMM_TIMEOUT_MS`` or 10 000);
             on the reference backend over gloo, of every host-side wait (default
             ``LLCOMM_TIMEOUT_MS`` or 30000; docs/failures.md).
@@ -162,12 +168,15 @@ class EPBuffer(RankMasks):
         self.hosts = hosts
         if enable_masks and backend != "peer":
             raise UnsupportedConfigError(
-                "llcomm.EPBuffer: enable_masks=True: rank masks are peer-backend only, and this "
-                f"buffer would run on the reference backend ({self.backend_reason}); a "
-                "torch.distributed collective cannot leave a member out. Create it without "
-                "enable_masks (a missing peer then raises CommTimeoutError), or on a group "
-                "where backend='peer' runs.")
-        if backend == "peer":
+                "llcomm.EPBuffer: enable_masks=True: rank masks are single-host peer-backend "
+                f"only, and this buffer would run on the {backend} backend "
+                f"({self.backend_reason}). Create it without enable_masks (a missing peer then "
+                "raises CommTimeoutError), or on a group where backend='peer' runs.")
+        if backend == "shmem":
+            self._impl = HostsPeerEP(self)
+            self.device = self._impl.device
+            self.check_calls = True     # the kernels compare op, sizes and modes in every call
+        elif backend == "peer":
             self._impl = PeerEP(self)
             self.device = self._impl.device
             self.check_calls = True     # the kernels compare op, sizes and modes in every call
@@ -208,9 +217,15 @@ class EPBuffer(RankMasks):
     def last_inter_host_bytes(self) -> int:
         """Bytes this rank put on the inter-host path in its latest dispatch or combine (the
         receive hook's part included once it has run): rows, their tags and row counts sent to
-        other hosts (formula: docs/multihost.md, "Bytes"). 0 on one host. A plain attribute
-        read: no synchronisation, nothing exchanged."""
+        other hosts (formula: docs/multihost.md, "Bytes"). 0 on one host. On the reference
+        backend a plain attribute read; on the shmem backend the kernels count them on the
+        device, so reading it synchronises with the device."""
         return self._impl.inter_host_bytes if self.hosts.spans_hosts else 0
+
+    @property
+    def _kernels(self) -> bool:
+        """Device kernels run this buffer (peer or shmem): device-side checks and counters."""
+        return self.backend in ("peer", "shmem")
 
     # -- validation -----------------------------------------------------------------------------
     def _recv_shape(self) -> tuple[int, int, int]:
@@ -314,6 +329,9 @@ class EPBuffer(RankMasks):
             recv_count, src_info, state, recv = self._impl.dispatch(
                 x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
                 topk_weights, wait_stats, deep_ep)
+        elif self.backend == "shmem":
+            recv_count, src_info, state, recv = self._impl.dispatch(
+                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
                                                               topk_weights is not None)
@@ -422,9 +440,9 @@ class EPBuffer(RankMasks):
         self._precheck("combine")
         if out is None:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
-        if carried:         # peer: the kernel reads the handle slot's; reference: the copy
+        if carried:         # peer: the kernel reads the handle slot's; the others: the copy
             topk_weights = handle._weights
-        # reference: carried, for its call check; peer: the wait statistics
+        # reference: carried, for its call check (shmem ignores it); peer: the wait statistics
         more = (wait_stats,) if self.backend == "peer" else (carried,)
         if not return_recv_hook:
             return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out,
@@ -462,7 +480,7 @@ class EPBuffer(RankMasks):
 
     # -- errors and lifetime --------------------------------------------------------------------
     def _precheck(self, fn: str) -> None:
-        bad = self._impl.take_bad_count() if self.backend == "peer" else 0
+        bad = self._impl.take_bad_count() if self._kernels else 0
         if bad:
             raise ValueError(f"llcomm.EPBuffer.{fn}: an earlier dispatch got {bad} topk_idx "
                              f"entries outside [-1, {self.num_experts}); they were treated as -1 "
@@ -476,7 +494,7 @@ class EPBuffer(RankMasks):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         bad = self._impl.take_bad_count() \
-            if self.backend == "peer" or self.device.type == "cuda" else 0
+            if self._kernels or self.device.type == "cuda" else 0
         if bad:
             raise ValueError(f"llcomm.EPBuffer.check: {bad} topk_idx entries outside [-1, "
                              f"{self.num_experts}) were treated as -1 (no expert)")
@@ -486,7 +504,7 @@ class EPBuffer(RankMasks):
         """Release the symmetric region. A collective: every rank drains its work first.
         dispatch, combine and receive hooks called afterwards raise CommClosedError."""
         self._closed = True
-        if self.backend == "peer":
+        if self._kernels:
             self._impl.close()
 
     def __enter__(self):

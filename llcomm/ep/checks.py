@@ -116,6 +116,7 @@ def check_wait_stats(buf, fn: str, pr: V.Problems, t) -> None:
         pr.add(f"wait_stats has shape {tuple(t.shape)}; expected [num_ranks] = [{buf.num_ranks}]")
     elif buf.backend != "peer":
         raise NotImplementedError(
-            f"llcomm.EPBuffer.{fn}: wait_stats is peer-backend only: the reference backend moves "
-            "the data in one all_to_all_single collective, with no receive from one rank to time "
-            "apart from the others; pass wait_stats=None")
+            f"llcomm.EPBuffer.{fn}: wait_stats is single-host peer-backend only, and this buffer "
+            f"runs on the {buf.backend} backend (the reference backend moves the data in one "
+            "all_to_all_single collective, with no receive from one rank to time apart from the "
+            "others; the two-level kernels do not time their waits); pass wait_stats=None")

@@ -152,6 +152,7 @@ class HostsPeerEP:
         self._dispatch = requires_shmem(HD.hosts_dispatch_kernel)
         self._combine = requires_shmem(HC.hosts_combine_kernel)
         self._consts: dict = {}
+        self._last = 0          # the latest op: 0 dispatch, 1 combine
 
     def _call_consts(self, topk: int, fp8: int):
         hit = self._consts.get((topk, fp8))
@@ -169,6 +170,7 @@ class HostsPeerEP:
         the launch of its receive half as the fourth value). Returns (recv_count, src_info,
         state, receive half or None)."""
         HD = self.HD
+        self._last = 0
         n, K = topk_idx.shape
         s = self.slots[slot]
         T, W, N = self.buf.max_tokens, self.W, self.N
@@ -201,22 +203,31 @@ class HostsPeerEP:
                 self.timeout_us, self.nbytes[1])
         return args, cc, warps
 
-    def combine(self, expert_out, topk_idx, topk_weights, state, out):
+    def combine(self, expert_out, topk_idx, topk_weights, state, out, carried: bool = False):
+        """``carried``: EPBuffer passes the dispatch's copy of the weights as topk_weights."""
+        self._last = 1
         args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
         self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_ALL, warps)
         return out
 
-    def combine_send(self, expert_out, topk_idx, topk_weights, state, out):
+    def combine_send(self, expert_out, topk_idx, topk_weights, state, out,
+                     carried: bool = False):
         """Launch the combine's send half; return the launch of its receive half."""
+        self._last = 1
         args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
         self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_SEND_HALF, warps)
         return lambda: self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_RECV_HALF,
                                     warps)
 
-    def inter_host_bytes(self, op: int) -> int:
-        """Bytes this rank put on the rail in the latest dispatch (op 0) or combine (op 1)
-        (synchronises with the device)."""
+    def rail_bytes(self, op: int) -> int:
+        """Bytes this rank put on the rail in the latest dispatch (op 0) or combine (op 1),
+        as the kernels counted them (synchronises with the device)."""
         return int(self.nbytes[op].sum())
+
+    @property
+    def inter_host_bytes(self) -> int:
+        """``rail_bytes`` of the latest op (EPBuffer.last_inter_host_bytes)."""
+        return self.rail_bytes(self._last)
 
     def take_bad_count(self) -> int:
         bad = int(self._host_np[1])

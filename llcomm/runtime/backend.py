@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from .hosts import Hosts, resolve_hosts, this_host
 from .settings import check_agreement
+from .shmem import shmem_problem
 
 log = logging.getLogger("llcomm")
 
@@ -85,15 +86,19 @@ def peer_support(places: list[Place]) -> tuple[bool, str]:
     return True, "every rank has its own GPU on this host and peer access works"
 
 
-def _exchange(group: dist.ProcessGroup, backend: str, what: str, agreed: tuple) -> list:
+def _exchange(group: dist.ProcessGroup, backend: str, what: str, agreed: tuple,
+              shmem: bool = False) -> list:
     """The construction's one exchange: every rank's (place, agreed settings, Triton verdict,
-    host), by rank; raises on every rank where the agreed settings differ."""
+    host, SHMEM verdict), by rank; raises on every rank where the agreed settings differ.
+    ``shmem``: ask ``shmem_problem`` too (EPBuffer: the two-level kernels across hosts)."""
     place = this_place() if backend in ("auto", "peer") else None
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (place, tuple(agreed),
                                       triton_problem() if place is not None else None,
-                                      this_host()), group=group)
-    check_agreement(what, [a for _, a, _, _ in everyone])
+                                      this_host(),
+                                      shmem_problem() if shmem and place is not None else
+                                      "not asked"), group=group)
+    check_agreement(what, [a for _, a, _, _, _ in everyone])
     return everyone
 
 
@@ -106,11 +111,9 @@ def _decide(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
                                        "exchange" if hosts is not None and hosts.spans_hosts
                                        else "")
     if hosts is not None and hosts.spans_hosts:
-        ok, why = False, (f"the ranks span {hosts.describe()}: the two-level reference "
-                          "exchange (peer memory is one host only)")
-    else:
-        ok, why = peer_support([p for p, _, _, _ in everyone])
-    unusable = [(r, t) for r, (_, _, t, _) in enumerate(everyone) if t]   # Triton, by rank
+        return _decide_hosts(group, backend, what, everyone, hosts)
+    ok, why = peer_support([p for p, _, _, _, _ in everyone])
+    unusable = [(r, t) for r, (_, _, t, _, _) in enumerate(everyone) if t]  # Triton, by rank
     if ok and unusable:         # every rank sees every rank's verdict: they choose alike
         ok, why = False, f"rank {unusable[0][0]}: {unusable[0][1]}"
     if backend == "peer" and not ok:
@@ -121,6 +124,34 @@ def _decide(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
         log.info("llcomm: rank %d: %s uses the reference backend: %s", dist.get_rank(group),
                  what, why)
     return ("peer" if ok else "reference"), why
+
+
+def _decide_hosts(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
+                  hosts: Hosts) -> tuple[str, str]:
+    """``_decide`` for ranks that span hosts: ``"shmem"`` (the two-level kernels on SHMEM,
+    ``llcomm/ep/hosts_peer.py``) where every rank has a GPU, a usable Triton and SHMEM, and the
+    group is the default one (the kernels name ranks by SHMEM PE); else the two-level reference
+    exchange, which ``"peer"`` refuses."""
+    span = f"the ranks span {hosts.describe()}"
+    problems = [(r, "no CUDA device is available" if p is None else (t or s))
+                for r, (p, _, t, _, s) in enumerate(everyone) if p is None or t or s]
+    if not problems and group is not dist.group.WORLD and \
+            dist.get_world_size(group) != dist.get_world_size():
+        problems = [(0, "the group is not the default group (SHMEM names ranks by their rank "
+                        "in it)")]
+    if not problems:
+        return "shmem", f"{span}: the two-level kernels on SHMEM"
+    r, why = problems[0]
+    reason = (f"{span}: the two-level reference exchange (rank {r}: {why}, so the two-level "
+              "kernels on SHMEM cannot run)")
+    if backend == "peer":
+        raise UnsupportedConfigError(
+            f"llcomm.{what}(backend='peer'): {span}, and the two-level kernels on SHMEM cannot "
+            f"run: rank {r}: {why}. Use backend='reference' (torch.distributed) for this "
+            "configuration.")
+    log.info("llcomm: rank %d: %s uses the reference backend: %s", dist.get_rank(group), what,
+             reason)
+    return "reference", reason
 
 
 def choose_backend(group: dist.ProcessGroup, backend: str, what: str,
@@ -138,11 +169,12 @@ def choose_backend_hosts(group: dist.ProcessGroup, backend: str, what: str, agre
                          ranks_per_host: int | None) -> tuple[str, str, Hosts]:
     """``choose_backend`` in the same one exchange, plus the group's host topology (declared by
     ``ranks_per_host``, the ``LLCOMM_EP_RANKS_PER_HOST`` setting, else detected from the host
-    names): returns (backend, reason, hosts). Ranks that span hosts never get the peer backend;
-    ``"auto"`` gives the reference one and the reason says so. A topology that is not regular
-    raises UnsupportedConfigError on every rank."""
-    everyone = _exchange(group, backend, what, agreed)
-    hosts = resolve_hosts(what, [h for _, _, _, h in everyone], ranks_per_host)
+    names): returns (backend, reason, hosts). Ranks that span hosts never get the peer backend:
+    ``"shmem"`` where the two-level kernels can run (``_decide_hosts``), else ``"auto"`` gives
+    the reference one and the reason says why. A topology that is not regular raises
+    UnsupportedConfigError on every rank."""
+    everyone = _exchange(group, backend, what, agreed, shmem=True)
+    hosts = resolve_hosts(what, [h for _, _, _, h, _ in everyone], ranks_per_host)
     return (*_decide(group, backend, what, everyone, hosts), hosts)
 
 

@@ -82,3 +82,22 @@ def requires_shmem(kernel):
     except ImportError:
         from torch.distributed._symmetric_memory import _nvshmem_triton
         return _nvshmem_triton.requires_nvshmem(kernel)
+
+
+def shmem_problem() -> str | None:
+    """Why this process cannot run the two-level EP kernels on SHMEM, or None: it needs a CUDA
+    device, torch's symmetric memory with its NVSHMEM backend, and torch's SHMEM Triton device
+    functions (``DEVICE_FUNCTIONS``)."""
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as e:
+        return f"torch has no symmetric memory ({e})"
+    available = getattr(symm_mem, "is_nvshmem_available", None)
+    if available is None or not available():
+        return "this torch build has no NVSHMEM backend for symmetric memory"
+    if not device_functions_available():
+        return f"this torch's SHMEM Triton layer ({layer_name()}) defines no device functions"
+    return None
