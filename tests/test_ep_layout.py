@@ -169,3 +169,24 @@ def test_dispatch_choice_and_tiles(monkeypatch):
     assert kernel_consts(many, 8)[0]["TILING"].SCAN_TILE * 8 * 32 <= 8192
     tiling = kernel_consts(lay, 8, tile_tokens=8)[0]["TILING"]     # the small tile: at most it
     assert (tiling.SCAN_TILE, tiling.SMALL_SCAN_TILE) == (8, 8)
+
+
+def test_size_hint_across_hosts():
+    """``size_hint(num_ranks_per_host=R)`` is the two-level region the SHMEM kernels allocate
+    (the layout they index: every part inside it, none overlapping); R = num_ranks is one host
+    (the single-host region); R not a divisor is refused."""
+    import llcomm
+    from llcomm.ep.hosts_peer import default_num_blocks, make_layout
+    got = llcomm.EPBuffer.size_hint(128, 7168, 16, 256, num_ranks_per_host=8)
+    lay = make_layout(128, 7168, 2, 8, 2, False, default_num_blocks(2, 8))
+    assert got == lay.total_bytes == 2 * lay.set_bytes
+    spans = sorted(lay.offsets.items(), key=lambda kv: kv[1])
+    assert spans[0][1] == 0 and all(b[1] > a[1] for a, b in zip(spans, spans[1:]))
+    assert lay.offsets["c_back"] + 2 * 128 * 7168 * 2 <= lay.set_bytes
+    fp8 = llcomm.EPBuffer.size_hint(128, 7168, 16, 256, fp8=True, num_ranks_per_host=8)
+    assert fp8 < got
+    assert llcomm.EPBuffer.size_hint(64, 1024, 2, 8, num_ranks_per_host=2) == \
+        llcomm.EPBuffer.size_hint(64, 1024, 2, 8)
+    with pytest.raises(ValueError, match="num_ranks_per_host=3; expected a divisor of "
+                                         "num_ranks=16"):
+        llcomm.EPBuffer.size_hint(128, 7168, 16, 256, num_ranks_per_host=3)

@@ -32,7 +32,7 @@ from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
                      check_weights)
 from .handle import EPHandle
-from .hosts_peer import HostsPeerEP
+from .hosts_peer import HostsPeerEP, hosts_region_bytes
 from .masks import RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
@@ -194,7 +194,8 @@ class EPBuffer(RankMasks):
 
     @staticmethod
     def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                  num_experts: int, dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> int:
+                  num_experts: int, dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
+                  num_ranks_per_host: int | None = None) -> int:
         """Bytes of symmetric memory the peer backend allocates per rank for these arguments.
 
         Computed by the same ``ep_layout`` the constructor uses. About ``4 * num_ranks *
@@ -202,7 +203,23 @@ class EPBuffer(RankMasks):
         one slot per (rank, token)) plus small metadata; docs/ep.md has a table. ``fp8=True``
         (a buffer for FP8 dispatches only): the dispatch region holds ``hidden * 33 / 32`` bytes
         per slot in place of ``hidden * itemsize``, about 24% less in total for bf16.
+
+        ``num_ranks_per_host``: ranks on several hosts (fewer than ``num_ranks`` per host, a
+        divisor of it): the bytes of the SHMEM heap the two-level kernels take per rank
+        (``hosts_peer.make_layout``; docs/multihost.md), for GPUs of at least 128 SMs (fewer
+        SMs give fewer flags, a few KB less).
         """
+        if num_ranks_per_host is not None and num_ranks_per_host != num_ranks:
+            if not isinstance(num_ranks_per_host, int) or num_ranks_per_host < 1 \
+                    or num_ranks % num_ranks_per_host:
+                raise ValueError(f"llcomm.EPBuffer.size_hint: num_ranks_per_host="
+                                 f"{num_ranks_per_host!r}; expected a divisor of num_ranks="
+                                 f"{num_ranks}")
+            if dtype not in EP_DTYPES:
+                raise TypeError(f"llcomm.EPBuffer.size_hint: dtype={dtype}; expected one of "
+                                f"{', '.join(map(_name, EP_DTYPES))}")
+            return hosts_region_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                      num_ranks_per_host, dtype.itemsize, bool(fp8))
         if dtype not in EP_DTYPES:
             raise TypeError(f"llcomm.EPBuffer.size_hint: dtype={dtype}; expected one of "
                             f"{', '.join(map(_name, EP_DTYPES))}")

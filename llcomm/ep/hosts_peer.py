@@ -65,6 +65,23 @@ def make_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: in
                         num_blocks, fp8)
 
 
+def default_num_blocks(num_hosts: int, ranks_per_host: int, sms: int | None = None) -> int:
+    """Blocks of the two-level kernels: DEFAULT_NUM_BLOCKS, fewer when a wait would poll more
+    than MAX_WAIT_FLAGS flags or the GPU has fewer SMs (``sms``)."""
+    from .layout import MAX_WAIT_FLAGS
+    nb = min(DEFAULT_NUM_BLOCKS, MAX_WAIT_FLAGS // max(num_hosts, ranks_per_host))
+    return nb if sms is None else min(nb, sms)
+
+
+def hosts_region_bytes(max_tokens: int, hidden: int, num_ranks: int, ranks_per_host: int,
+                       itemsize: int, fp8: bool) -> int:
+    """Bytes of the two-level region per rank (``EPBuffer.size_hint(num_ranks_per_host=...)``),
+    at ``default_num_blocks`` without an SM bound."""
+    N = num_ranks // ranks_per_host
+    return make_layout(max_tokens, hidden, N, ranks_per_host, itemsize, fp8,
+                       default_num_blocks(N, ranks_per_host)).total_bytes
+
+
 def size_tag(op: int, hidden: int, topk: int, fp8: int, dtype: torch.dtype) -> int:
     """The flags' tag of a call: ranks that disagree about the shape or FP8 mode mismatch."""
     return P.size_tag(op, (hidden * 4 + fp8) * 64 + topk, str(dtype).removeprefix("torch."))
@@ -76,7 +93,16 @@ def _shmem_heap(nbytes: int, device: torch.device, group):
     the tensor and torch's rendezvous handle."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
-    symm_mem.set_backend("NVSHMEM")
+
+    from ..errors import UnsupportedConfigError
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError as e:       # torch: the backend is fixed by a process's first tensor
+        raise UnsupportedConfigError(
+            "llcomm.EPBuffer: the two-level kernels need torch's symmetric memory on NVSHMEM, "
+            "and this process already allocated symmetric memory on another backend (a "
+            "Communicator or a single-host EPBuffer made first?): create the EPBuffer across "
+            f"hosts first, or use backend='reference' ({e})") from e
     heap = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     heap.zero_()
     torch.cuda.synchronize(device)
@@ -96,7 +122,7 @@ class HostsPeerEP:
         from ..runtime.shmem import device_functions_available, layer_name, requires_shmem
         from .kernels import hosts_combine as HC
         from .kernels import hosts_dispatch as HD
-        from .layout import HANDLE_SLOTS, MAX_WAIT_FLAGS
+        from .layout import HANDLE_SLOTS
 
         self.HD, self.HC = HD, HC
         self.rank, self.W = buf.rank, buf.num_ranks
@@ -113,7 +139,7 @@ class HostsPeerEP:
                 "device functions here (docs/multihost.md, 'Which torch')")
         self.device = torch.device("cuda", torch.cuda.current_device())
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        nb = num_blocks or min(DEFAULT_NUM_BLOCKS, sms, MAX_WAIT_FLAGS // max(self.N, self.R))
+        nb = num_blocks or default_num_blocks(self.N, self.R, sms)
         self.nb = nb
         self.buf = buf
         self.layout = lay = make_layout(buf.max_tokens, buf.hidden, self.N, self.R,
