@@ -16,7 +16,7 @@ Checks, per PE, against the CPU oracles of ``tests/test_ep_oracle.py`` and
   the documented order, over several calls in one heap (the buffer sets alternate), with the
   split halves (``return_recv_hook``) once;
 - the bytes each PE put on the inter-host path against their formula
-  (``tests/test_ep_hosts_kernels_cpu.rail_bytes``);
+  (``rail_bytes`` of ``tests/test_ep_hosts_kernels_cpu.py``);
 - a dispatch + combine captured in a CUDA graph (after one launch outside the capture) and
   replayed with fresh inputs;
 - a bounded wait: the last PE stays away from one dispatch, and every other PE must raise
