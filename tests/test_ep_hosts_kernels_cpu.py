@@ -235,3 +235,55 @@ def test_two_level_kernels_fp8(fp8):
     fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", 2, 2, 8, 4, 256,
                                3, 2, "bfloat16", [5], ["random"], fp8, True)
     assert not fails, "\n".join(fails[:10])
+
+
+def simulate_absent_host(R, N, timeout_us):
+    """One dispatch with the ranks of the last host absent (never launched); returns, per
+    surviving rank, (its error word, its recv_count, its ntok) after the bounded waits."""
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from _interp import run_ranks
+    from llcomm.ep.hosts_layout import hosts_layout
+    from llcomm.ep.hosts_peer import hosts_consts, size_tag
+    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.runtime import protocol as P
+    from test_ep_oracle import make_case
+
+    W, E, T, H, K, NB = N * R, 2 * N * R, 4, 32, 2, 1
+    L = E // W
+    dtype = torch.float32
+    lay = hosts_layout(T, H, N, R, K, 4, NB, False)
+    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
+    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64)
+           for h in host_words]
+    dc, _, _ = hosts_consts(lay, E, K, 0)
+    xs, topks, _ = make_case(W, E, T, H, K, 11, "random", dtype)
+    cnt = [torch.full((L,), 7, dtype=torch.int32) for _ in range(W)]
+    ntok = [torch.full((W,), 7, dtype=torch.int32) for _ in range(W)]
+    alive = range(W - R)
+
+    def dispatch(r):
+        HD.hosts_dispatch_kernel[(NB,)](
+            xs[r], topks[r], xs[r].shape[0], torch.zeros(L, W * T, H), torch.zeros(1),
+            torch.zeros(W, T, K, dtype=torch.int32), torch.zeros(L, W * T, dtype=torch.int32),
+            cnt[r], ntok[r], torch.zeros(N, T, K, dtype=torch.int32),
+            torch.zeros(N, dtype=torch.int32), tab, torch.zeros(NB, dtype=torch.int64), err[r],
+            r, size_tag(P.OP_DISPATCH, H, K, 0, dtype), timeout_us,
+            torch.zeros(NB, dtype=torch.int64), **dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, SHMEM=0))
+    run_ranks([lambda r=r: dispatch(r) for r in alive])
+    return [(int(host_words[r][0]), cnt[r].tolist(), ntok[r].tolist()) for r in alive]
+
+
+@pytest.mark.parametrize("R,N", [(2, 2), (1, 3)])
+def test_an_absent_host_times_out_every_other_rank(R, N):
+    """The ranks of one host never come: every other rank's dispatch ends by its bounded waits
+    (its rail peers' at the rail wait, the rest of their hosts' at the host wait), reports a
+    timeout in its host error word and leaves its counts poisoned (-1)."""
+    from llcomm.runtime import protocol as P
+    got = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_absent_host", R, N, 300_000)
+    assert len(got) == (N - 1) * R
+    for r, (word, cnt, ntok) in enumerate(got):
+        assert word != 0, f"rank {r}: no error reported"
+        assert P.decode_error(word, r).__class__.__name__ == "CommTimeoutError", (r, hex(word))
+        assert set(cnt) == {-1} and set(ntok) == {-1}, (r, cnt, ntok)

@@ -248,13 +248,13 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, S, 
 
 @triton.jit
 def _poison_counts(recv_count, ntok_out, S):
-    """What a failed dispatch leaves: every count and token count poisoned (-1)."""
-    b = tl.program_id(0)
-    for e in range(b, S.L, S.NB):
-        poison(recv_count, e, True)
-    if b == 0:
-        for s in range(S.W):
-            poison(ntok_out, s, True)
+    """What a failed dispatch leaves: every count and token count poisoned (-1); block 0."""
+    if tl.program_id(0) == 0:
+        cs = tl.arange(0, 64)
+        for i0 in range(0, S.L, 64):
+            poison(recv_count, i0 + cs, i0 + cs < S.L)
+        for i0 in range(0, S.W, 64):
+            poison(ntok_out, i0 + cs, i0 + cs < S.W)
 
 
 @triton.jit(do_not_specialize=EP_RANK_VARYING, repr=symbol("hosts_dispatch"))
