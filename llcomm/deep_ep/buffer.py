@@ -135,10 +135,12 @@ class Buffer(ShrinkMasks):
                                                   EPSettings.read().ranks_per_host)[:2])
             if resolved != "peer":
                 raise UnsupportedConfigError(
-                    f"{PREFIX}: enable_shrink=True needs rank masks, which are peer-backend "
-                    f"only, and this buffer would run on the reference backend ({why}; "
+                    f"{PREFIX}: enable_shrink=True needs rank masks, which are single-host "
+                    f"peer-backend only, and this buffer would run on the {resolved} backend "
+                    f"({why}; "
                     f"backend={backend!r}): a torch.distributed collective cannot leave a "
-                    "member out. Create it without enable_shrink.")
+                    "member out, and the two-level kernels have no masks. Create it without "
+                    "enable_shrink.")
 
     # -- sizes and the EPBuffer -----------------------------------------------------------------
     @staticmethod

@@ -27,19 +27,19 @@ from ..runtime.bounded import default_check_calls
 from ..runtime.registry import register
 from ..runtime.settings import EPSettings
 from ..runtime.fp8_format import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .layout import HANDLE_SLOTS, check_shape_args, default_num_blocks, ep_layout
+from .layout import HANDLE_SLOTS, check_shape_args
 from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
                      check_weights)
 from .handle import EPHandle
-from .hosts_peer import HostsPeerEP, hosts_region_bytes
+from .hosts_peer import HostsPeerEP
 from .masks import RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
 from .reference_hosts import TwoLevelReferenceEP
+from .sizes import EP_DTYPES, size_hint
 
 BACKENDS = ("auto", "peer", "reference")
-EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
 MAX_MASK_RANKS = 32
 
@@ -192,43 +192,7 @@ class EPBuffer(RankMasks):
                           if hosts.spans_hosts else ReferenceEP(self.group, **kw))
         register(self)          # self.op_handle: names this object to torch.ops.llcomm.*
 
-    @staticmethod
-    def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                  num_experts: int, dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
-                  num_ranks_per_host: int | None = None) -> int:
-        """Bytes of symmetric memory the peer backend allocates per rank for these arguments.
-
-        Computed by the same ``ep_layout`` the constructor uses. About ``4 * num_ranks *
-        max_tokens * hidden * itemsize`` (two sets of a dispatch and a combine receive region of
-        one slot per (rank, token)) plus small metadata; docs/ep.md has a table. ``fp8=True``
-        (a buffer for FP8 dispatches only): the dispatch region holds ``hidden * 33 / 32`` bytes
-        per slot in place of ``hidden * itemsize``, about 24% less in total for bf16.
-
-        ``num_ranks_per_host``: ranks on several hosts (fewer than ``num_ranks`` per host, a
-        divisor of it): the bytes of the SHMEM heap the two-level kernels take per rank
-        (``hosts_peer.make_layout``; docs/multihost.md), for GPUs of at least 128 SMs (fewer
-        SMs give fewer flags, a few KB less).
-        """
-        if num_ranks_per_host is not None and num_ranks_per_host != num_ranks:
-            if not isinstance(num_ranks_per_host, int) or num_ranks_per_host < 1 \
-                    or num_ranks % num_ranks_per_host:
-                raise ValueError(f"llcomm.EPBuffer.size_hint: num_ranks_per_host="
-                                 f"{num_ranks_per_host!r}; expected a divisor of num_ranks="
-                                 f"{num_ranks}")
-            if dtype not in EP_DTYPES:
-                raise TypeError(f"llcomm.EPBuffer.size_hint: dtype={dtype}; expected one of "
-                                f"{', '.join(map(_name, EP_DTYPES))}")
-            return hosts_region_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                      num_ranks_per_host, dtype.itemsize, bool(fp8))
-        if dtype not in EP_DTYPES:
-            raise TypeError(f"llcomm.EPBuffer.size_hint: dtype={dtype}; expected one of "
-                            f"{', '.join(map(_name, EP_DTYPES))}")
-        if not isinstance(fp8, bool):
-            raise TypeError(f"llcomm.EPBuffer.size_hint: fp8={fp8!r}; expected True or False")
-        itemsize = dtype.itemsize
-        return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
-                         itemsize, fp8=fp8,
-                         num_blocks=default_num_blocks(EPSettings.read().num_blocks)).total_bytes
+    size_hint = staticmethod(size_hint)
 
     @property
     def last_inter_host_bytes(self) -> int:

@@ -164,7 +164,7 @@ class HostsPeerEP:
         self._host_np = self._host.numpy()
         self.err = torch.zeros(3, dtype=torch.int64, device=self.device)
         self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8],
-                                    dtype=torch.int64)
+                                    dtype=torch.int64, device="cpu")
         self._failure = P.FailureLatch(self.rank, "EPBuffer")
         T, L, W, N = buf.max_tokens, buf.num_local_experts, self.W, self.N
         dev = self.device
