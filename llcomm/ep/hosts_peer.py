@@ -119,7 +119,7 @@ class HostsPeerEP:
         import torch.distributed as dist
 
         from ..errors import UnsupportedConfigError
-        from ..runtime.shmem import device_functions_available, layer_name, requires_shmem
+        from ..runtime.shmem import ShmemLauncher, device_functions_available, layer_name
         from .kernels import hosts_combine as HC
         from .kernels import hosts_dispatch as HD
         from .layout import HANDLE_SLOTS
@@ -175,8 +175,8 @@ class HostsPeerEP:
                            fwd_ids=torch.zeros(N * T * MAX_TOPK, dtype=torch.int32, device=dev),
                            fwd_ntok=torch.zeros(N, dtype=torch.int32, device=dev))
                       for _ in range(HANDLE_SLOTS)]
-        self._dispatch = requires_shmem(HD.hosts_dispatch_kernel)
-        self._combine = requires_shmem(HC.hosts_combine_kernel)
+        self._dispatch = ShmemLauncher(HD.hosts_dispatch_kernel)
+        self._combine = ShmemLauncher(HC.hosts_combine_kernel)
         self._consts: dict = {}
         self._last = 0          # the latest op: 0 dispatch, 1 combine
 
@@ -187,8 +187,8 @@ class HostsPeerEP:
                                                            topk, fp8)
         return hit
 
-    def _launch(self, kernel, args, consts, stages, num_warps):
-        kernel[(self.nb,)](*args, **consts, STAGES=stages, SHMEM=1, num_warps=num_warps)
+    def _launch(self, launcher, args, consts, stages, num_warps):
+        launcher((self.nb,), args, dict(consts, STAGES=stages, SHMEM=1, num_warps=num_warps))
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
                  split: bool = False):

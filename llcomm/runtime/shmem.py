@@ -72,16 +72,31 @@ def device_functions_available() -> bool:
     return mod is not None and all(hasattr(mod, n) for n in DEVICE_FUNCTIONS)
 
 
-def requires_shmem(kernel):
-    """torch's decorator for a kernel that calls SHMEM device functions: it links the device
-    library (``extern_libs``) into the kernel and initialises SHMEM in each module it loads.
-    Returns what ``kernel[grid](...)`` launches through."""
-    try:
-        from torch.distributed._symmetric_memory import _shmem_triton
-        return _shmem_triton.requires_shmem(kernel)
-    except ImportError:
-        from torch.distributed._symmetric_memory import _nvshmem_triton
-        return _nvshmem_triton.requires_nvshmem(kernel)
+class ShmemLauncher:
+    """Launches a kernel that calls SHMEM device functions: compiled with NVSHMEM's device
+    library linked (``extern_libs``), and SHMEM initialised in each module the kernel loads
+    before that module's first launch. torch's decorator (``requires_nvshmem``) does the same
+    from Triton's post-compile hook, which under Triton 3.6 serialises the constexprs to JSON
+    and fails on llcomm's constexpr bundles; so each launch first asks Triton for the compiled
+    kernel (``warmup``: a cache lookup, or the compile), initialises a module it has not seen,
+    then launches. NVIDIA only: torch's rocSHMEM layer initialises modules its own way, and no
+    ROCm machine has run this."""
+
+    def __init__(self, kernel):
+        from torch._C._distributed_c10d import _nvshmemx_cumodule_init
+        from torch.distributed._symmetric_memory._nvshmem_triton import NvshmemLibFinder
+        self.kernel = kernel
+        self.libs = {"libnvshmem_device": NvshmemLibFinder.find_device_library()}
+        self._module_init = _nvshmemx_cumodule_init
+        self._initialised: set[int] = set()
+
+    def __call__(self, grid, args, consts: dict) -> None:
+        compiled = self.kernel.warmup(*args, grid=grid, extern_libs=self.libs, **consts)
+        if id(compiled) not in self._initialised:
+            compiled._init_handles()            # load the module
+            self._module_init(compiled.module)
+            self._initialised.add(id(compiled))
+        self.kernel[grid](*args, extern_libs=self.libs, **consts)
 
 
 def shmem_problem() -> str | None:
