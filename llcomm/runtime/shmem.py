@@ -93,8 +93,11 @@ class ShmemLauncher:
     def __call__(self, grid, args, consts: dict) -> None:
         compiled = self.kernel.warmup(*args, grid=grid, extern_libs=self.libs, **consts)
         if id(compiled) not in self._initialised:
-            compiled._init_handles()            # load the module
-            self._module_init(compiled.module)
+            # a variant whose stages make no SHMEM call (a receive half) links none of
+            # NVSHMEM's device state, and NVSHMEM refuses to initialise such a module
+            if "nvshmemi_device_state" in compiled.asm.get("ptx", ""):
+                compiled._init_handles()        # load the module
+                self._module_init(compiled.module)
             self._initialised.add(id(compiled))
         self.kernel[grid](*args, extern_libs=self.libs, **consts)
 

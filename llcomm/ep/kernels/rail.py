@@ -24,8 +24,10 @@ import triton.language as tl
 from ...runtime.shmem import shmem_device
 from .common import _at
 
-#: SHMEM's signal operation that stores the value (NVSHMEM_SIGNAL_SET; rocSHMEM's is the same).
-SIGNAL_SET = tl.constexpr(0)
+#: NVSHMEM's signal operation that stores the value: NVSHMEM_SIGNAL_SET is 9 in NVSHMEM's
+#: enum (ADD is 10). torch's docstrings give 0, which NVSHMEM takes for another operation: the
+#: flags then arrive wrong (seen on the GPU as a mismatch at the first wait).
+SIGNAL_SET = tl.constexpr(9)
 #: int32 words a plain-store put moves per step.
 PUT_CHUNK = tl.constexpr(1024)
 
