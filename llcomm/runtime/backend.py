@@ -86,24 +86,20 @@ def peer_support(places: list[Place]) -> tuple[bool, str]:
     return True, "every rank has its own GPU on this host and peer access works"
 
 
-def _exchange(group: dist.ProcessGroup, backend: str, what: str, agreed: tuple,
-              shmem: bool = False) -> list:
+def _exchange(group: dist.ProcessGroup, backend: str, what: str, agreed: tuple) -> list:
     """The construction's one exchange: every rank's (place, agreed settings, Triton verdict,
-    host, SHMEM verdict), by rank; raises on every rank where the agreed settings differ.
-    ``shmem``: ask ``shmem_problem`` too (EPBuffer: the two-level kernels across hosts)."""
+    host), by rank; raises on every rank where the agreed settings differ."""
     place = this_place() if backend in ("auto", "peer") else None
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (place, tuple(agreed),
                                       triton_problem() if place is not None else None,
-                                      this_host(),
-                                      shmem_problem() if shmem and place is not None else
-                                      "not asked"), group=group)
-    check_agreement(what, [a for _, a, _, _, _ in everyone])
+                                      this_host()), group=group)
+    check_agreement(what, [a for _, a, _, _ in everyone])
     return everyone
 
 
 def _decide(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
-            hosts: Hosts | None = None) -> tuple[str, str]:
+            hosts: Hosts | None = None, shmem: list | None = None) -> tuple[str, str]:
     """The backend and its reason from the exchanged values (the same on every rank). A
     topology of several ``hosts`` (detected or declared) rules the peer backend out."""
     if backend == "reference":
@@ -111,9 +107,9 @@ def _decide(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
                                        "exchange" if hosts is not None and hosts.spans_hosts
                                        else "")
     if hosts is not None and hosts.spans_hosts:
-        return _decide_hosts(group, backend, what, everyone, hosts)
-    ok, why = peer_support([p for p, _, _, _, _ in everyone])
-    unusable = [(r, t) for r, (_, _, t, _, _) in enumerate(everyone) if t]  # Triton, by rank
+        return _decide_hosts(group, backend, what, everyone, hosts, shmem)
+    ok, why = peer_support([p for p, _, _, _ in everyone])
+    unusable = [(r, t) for r, (_, _, t, _) in enumerate(everyone) if t]   # Triton, by rank
     if ok and unusable:         # every rank sees every rank's verdict: they choose alike
         ok, why = False, f"rank {unusable[0][0]}: {unusable[0][1]}"
     if backend == "peer" and not ok:
@@ -127,14 +123,14 @@ def _decide(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
 
 
 def _decide_hosts(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
-                  hosts: Hosts) -> tuple[str, str]:
+                  hosts: Hosts, shmem: list) -> tuple[str, str]:
     """``_decide`` for ranks that span hosts: ``"shmem"`` (the two-level kernels on SHMEM,
-    ``llcomm/ep/hosts_peer.py``) where every rank has a GPU, a usable Triton and SHMEM, and the
-    group is the default one (the kernels name ranks by SHMEM PE); else the two-level reference
-    exchange, which ``"peer"`` refuses."""
+    ``llcomm/ep/hosts_peer.py``) where every rank has a GPU, a usable Triton and SHMEM (``shmem``:
+    each rank's ``shmem_problem()``), and the group is the default one (the kernels name ranks by
+    SHMEM PE); else the two-level reference exchange, which ``"peer"`` refuses."""
     span = f"the ranks span {hosts.describe()}"
     problems = [(r, "no CUDA device is available" if p is None else (t or s))
-                for r, (p, _, t, _, s) in enumerate(everyone) if p is None or t or s]
+                for r, ((p, _, t, _), s) in enumerate(zip(everyone, shmem)) if p is None or t or s]
     if not problems and group is not dist.group.WORLD and \
             dist.get_world_size(group) != dist.get_world_size():
         problems = [(0, "the group is not the default group (SHMEM names ranks by their rank "
@@ -170,12 +166,20 @@ def choose_backend_hosts(group: dist.ProcessGroup, backend: str, what: str, agre
     """``choose_backend`` in the same one exchange, plus the group's host topology (declared by
     ``ranks_per_host``, the ``LLCOMM_EP_RANKS_PER_HOST`` setting, else detected from the host
     names): returns (backend, reason, hosts). Ranks that span hosts never get the peer backend:
-    ``"shmem"`` where the two-level kernels can run (``_decide_hosts``), else ``"auto"`` gives
-    the reference one and the reason says why. A topology that is not regular raises
-    UnsupportedConfigError on every rank."""
-    everyone = _exchange(group, backend, what, agreed, shmem=True)
-    hosts = resolve_hosts(what, [h for _, _, _, h, _ in everyone], ranks_per_host)
-    return (*_decide(group, backend, what, everyone, hosts), hosts)
+    ``"shmem"`` where the two-level kernels can run (``_decide_hosts``; each rank's SHMEM verdict
+    travels in a second exchange, only across hosts), else ``"auto"`` gives the reference one and
+    the reason says why. A topology that is not regular raises UnsupportedConfigError on every
+    rank."""
+    everyone = _exchange(group, backend, what, agreed)
+    hosts = resolve_hosts(what, [h for _, _, _, h in everyone], ranks_per_host)
+    shmem = None
+    if hosts.spans_hosts and backend != "reference":
+        # only across hosts (a second, small exchange): a one-host group never touches SHMEM
+        shmem = [None] * dist.get_world_size(group)
+        place = everyone[dist.get_rank(group)][0]
+        dist.all_gather_object(shmem, shmem_problem() if place is not None else
+                               "no CUDA device is available", group=group)
+    return (*_decide(group, backend, what, everyone, hosts, shmem), hosts)
 
 
 def reference_device(group: dist.ProcessGroup) -> torch.device:
