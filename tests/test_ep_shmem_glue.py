@@ -128,3 +128,38 @@ def test_epbuffer_hands_the_two_level_kernels_their_arguments():
     for problems, n in run_distributed(_glue_body, 2):
         assert not problems, problems
         assert n == 6
+
+
+def test_shmem_launcher_initialises_each_new_module_once_and_raises_its_first_bound():
+    """``ShmemLauncher``: SHMEM is initialised in a compiled kernel's module before its first
+    launch, only where the module links NVSHMEM's device state and only once; the first launch
+    of each compiled kernel runs with the long wait bound (a peer may be compiling), later ones
+    with the caller's; every launch links the device library."""
+    import types
+
+    from llcomm.runtime.launch import FIRST_LAUNCH_TIMEOUT_US
+    from llcomm.runtime.shmem import ShmemLauncher
+
+    variants = {1: types.SimpleNamespace(asm={"ptx": "ld nvshmemi_device_state_d"}, module="m1",
+                                         _init_handles=lambda: None),
+                2: types.SimpleNamespace(asm={"ptx": "no shmem here"}, module="m2",
+                                         _init_handles=lambda: None)}
+    launched, initialised = [], []
+
+    class FakeKernel:
+        arg_names = ["x", "timeout_us", "STAGES"]
+
+        def warmup(self, *args, grid, extern_libs, **consts):
+            assert extern_libs == {"libnvshmem_device": "lib.bc"}
+            return variants[consts["STAGES"]]
+
+        def __getitem__(self, grid):
+            return lambda *args, extern_libs, **consts: launched.append((args, consts))
+
+    launch = ShmemLauncher(FakeKernel(), module_init=initialised.append,
+                           libs={"libnvshmem_device": "lib.bc"})
+    for stages in (1, 1, 2, 2, 1):
+        launch((4,), ("x", 1000), {"STAGES": stages})
+    assert initialised == ["m1"]
+    assert [a[1] for a, _ in launched] == [FIRST_LAUNCH_TIMEOUT_US, 1000,
+                                           FIRST_LAUNCH_TIMEOUT_US, 1000, 1000]

@@ -131,7 +131,7 @@ def direct_unavailable(kernel) -> str | None:
 def _long_bound(seq: tuple, i: int) -> tuple:
     """``seq`` with the wait bound at index ``i`` raised to ``FIRST_LAUNCH_TIMEOUT_US`` (as it
     is inside a graph capture)."""
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return seq
     return (*seq[:i], max(seq[i], FIRST_LAUNCH_TIMEOUT_US), *seq[i + 1:])
 

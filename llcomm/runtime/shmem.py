@@ -79,26 +79,33 @@ class ShmemLauncher:
     from Triton's post-compile hook, which under Triton 3.6 serialises the constexprs to JSON
     and fails on llcomm's constexpr bundles; so each launch first asks Triton for the compiled
     kernel (``warmup``: a cache lookup, or the compile), initialises a module it has not seen,
-    then launches. NVIDIA only: torch's rocSHMEM layer initialises modules its own way, and no
-    ROCm machine has run this."""
+    then launches. A compiled kernel's first launch runs with its ``timeout_us`` raised as
+    ``runtime/launch.py`` raises it (a peer may still be compiling). NVIDIA only: torch's
+    rocSHMEM layer initialises modules its own way, and no ROCm machine has run this."""
 
-    def __init__(self, kernel):
-        from torch._C._distributed_c10d import _nvshmemx_cumodule_init
-        from torch.distributed._symmetric_memory._nvshmem_triton import NvshmemLibFinder
+    def __init__(self, kernel, module_init=None, libs=None):
         self.kernel = kernel
-        self.libs = {"libnvshmem_device": NvshmemLibFinder.find_device_library()}
-        self._module_init = _nvshmemx_cumodule_init
-        self._initialised: set[int] = set()
+        if module_init is None:
+            from torch._C._distributed_c10d import _nvshmemx_cumodule_init as module_init
+        if libs is None:
+            from torch.distributed._symmetric_memory._nvshmem_triton import NvshmemLibFinder
+            libs = {"libnvshmem_device": NvshmemLibFinder.find_device_library()}
+        self.libs = libs
+        self._module_init = module_init
+        self._timeout_index = kernel.arg_names.index("timeout_us")
+        self._seen: set[int] = set()
 
     def __call__(self, grid, args, consts: dict) -> None:
+        from .launch import _long_bound
         compiled = self.kernel.warmup(*args, grid=grid, extern_libs=self.libs, **consts)
-        if id(compiled) not in self._initialised:
+        if id(compiled) not in self._seen:
             # a variant whose stages make no SHMEM call (a receive half) links none of
             # NVSHMEM's device state, and NVSHMEM refuses to initialise such a module
             if "nvshmemi_device_state" in compiled.asm.get("ptx", ""):
                 compiled._init_handles()        # load the module
                 self._module_init(compiled.module)
-            self._initialised.add(id(compiled))
+            self._seen.add(id(compiled))
+            args = _long_bound(tuple(args), self._timeout_index)
         self.kernel[grid](*args, extern_libs=self.libs, **consts)
 
 
