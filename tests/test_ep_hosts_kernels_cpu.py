@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from _interp import run_in_interpreter
+from test_ep_kernels_cpu import _rows_fails, _same_up_to_interpreter_rounding
 
 #: (ranks per host, hosts).
 SHAPES = [(2, 2), (2, 3), (3, 2)]
@@ -147,18 +148,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
             else:
                 exp = oracle_dispatch(xs, topks, W, E, T)
                 for r in range(W):
-                    ex, ec, es = exp[r]
-                    if not torch.equal(cnt[r], ec):
-                        fails.append(f"{tag} rank {r} recv_count {cnt[r].tolist()} != "
-                                     f"{ec.tolist()}")
-                        continue
-                    for e in range(L):
-                        c = int(ec[e])
-                        if not torch.equal(recv[r][e, :c].view(torch.uint8),
-                                           ex[e, :c].view(torch.uint8)):
-                            fails.append(f"{tag} rank {r} recv_x of local expert {e} differs")
-                        if not torch.equal(src[r][e, :c], es[e, :c]):
-                            fails.append(f"{tag} rank {r} src_info of local expert {e} differs")
+                    fails += _rows_fails(tag, r, exp[r], cnt, recv, src, L)
             for r in range(W):
                 if ntok[r].tolist() != [x.shape[0] for x in xs]:
                     fails.append(f"{tag} rank {r} ntok {ntok[r].tolist()}")
@@ -194,17 +184,6 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
         if int(err[r][0]) or int(host_words[r][0]):
             fails.append(f"rank {r}: error word {int(err[r][0]):#x}")
     return fails
-
-
-def _same_up_to_interpreter_rounding(got, want):
-    """Bitwise for fp32 and fp16; bf16 within two bf16 ulps (the interpreter's fp32 -> bf16
-    cast truncates where the GPU rounds to nearest even; a wrong row or weight is far off)."""
-    if got.dtype != torch.bfloat16:
-        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    if got.numel() == 0:
-        return True
-    scale = 1 + float(want.float().abs().max())
-    return torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale)
 
 
 @pytest.mark.parametrize("R,N", SHAPES)

@@ -14,21 +14,13 @@ import torch
 from ..runtime import protocol as P
 from .hosts_layout import HostsLayout, hosts_layout, row_bytes
 from .layout import DEFAULT_NUM_BLOCKS, MAX_TOPK
-
-#: 16-byte vectors each thread keeps of a row (as the single-host kernels: peer.py).
-VECTORS_PER_THREAD = 4
-MAX_WARPS = 16
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+from .peer import MAX_WARPS, VECTORS_PER_THREAD, PeerEP, _bundle, _pow2
 
 
 def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     """(dispatch constexprs, combine constexprs, num_warps) of the two-level kernels for a
     layout, the experts, a call's top-k and FP8 mode (0, 1, 2); STAGES and SHMEM are the
     caller's."""
-    from . import peer
     from .kernels.hosts_combine import HostCombineRegions
     from .kernels.hosts_dispatch import HostDispatchRegions, HostSizes
     N, R, T, H, NB = (lay.num_hosts, lay.ranks_per_host, lay.max_tokens, lay.hidden,
@@ -36,19 +28,19 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     W = N * R
     hp = _pow2(H)
     scales = H // 128 if fp8 else 0
-    sizes = peer._bundle(
+    sizes = _bundle(
         HostSizes, N=N, R=R, W=W, T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=num_experts,
         L=num_experts // W, NB=NB, ROW_BYTES=lay.row_bytes,
         PUT_BYTES=row_bytes(H, lay.itemsize, bool(fp8)),
         RX_WORDS=(H if fp8 else H * lay.itemsize) // 4, SCALES=scales,
         SCALES_P2=max(1, hp // 128), RAIL_FLAGS_P2=_pow2(NB * N), HOST_FLAGS_P2=_pow2(NB * R))
     o = lay.offsets
-    d_regions = peer._bundle(
+    d_regions = _bundle(
         HostDispatchRegions, SET_BYTES=lay.set_bytes, IDS_BYTES=lay.ids_block_bytes(),
         RAIL_SIG=o["d_rail_sig"], HOST_SIG=o["d_host_sig"], STAGE_IDS=o["d_stage_ids"],
         STAGE=o["d_stage"], RAIL_IDS=o["d_rail_ids"], RAIL_ROWS=o["d_rail_rows"],
         HOST_NTOK=o["d_host_ntok"], HOST_IDS=o["d_host_ids"], HOST_ROWS=o["d_host_rows"])
-    c_regions = peer._bundle(
+    c_regions = _bundle(
         HostCombineRegions, SET_BYTES=lay.set_bytes, RAIL_SIG=o["c_rail_sig"],
         HOST_SIG=o["c_host_sig"], PART_SIG=o["c_part_sig"], BACK_SIG=o["c_back_sig"],
         STAGE_W=o["c_stage_w"], RAIL_W=o["c_rail_w"], HOST_W=o["c_host_w"], PART=o["c_part"],
@@ -255,14 +247,9 @@ class HostsPeerEP:
         """``rail_bytes`` of the latest op (EPBuffer.last_inter_host_bytes)."""
         return self.rail_bytes(self._last)
 
-    def take_bad_count(self) -> int:
-        bad = int(self._host_np[1])
-        if bad:
-            self._host_np[1] = 0
-        return bad
-
-    def precheck(self) -> None:
-        self._failure.check(self._host_np[0])
+    # the error words are laid out as the single-host peer backend's, and read the same way
+    take_bad_count = PeerEP.take_bad_count
+    precheck = PeerEP.precheck
 
     def close(self) -> None:
         self.heap = None

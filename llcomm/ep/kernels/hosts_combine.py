@@ -32,7 +32,8 @@ import triton.language as tl
 from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poison, wait_bound
 from .common import (EP_RANK_VARYING, OP_COMBINE, PHASE_DATA, PHASE_ENTRY, PHASE_EXIT, _at,
                      _rank_bits, _wait_flags, symbol)
-from .rail import copy_words, host_signal, rail_put, rail_signal
+from .hosts_dispatch import Where
+from .rail import PUT_CHUNK, copy_words, host_signal, rail_put, rail_signal
 
 HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
 HC_HOST_SUM_WAIT, HC_HOST_SUM, HC_OUT_WAIT, HC_OUT = 32, 64, 128, 256
@@ -61,17 +62,13 @@ def _weights_stride(S):
     return (S.T * S.K * 4 + 15) // 16 * 16
 
 
-#: Where this call's data lives (runtime values), as in the dispatch.
-Where = namedtuple("Where", ["tab", "rank", "host", "local", "set_off"])
-
-
 @triton.jit
 def _weights_out(wts, n_tok, wh, word, S, RG, SHMEM: tl.constexpr):
     """Stage 1 (block 0). Returns the inter-host bytes it put."""
     sent = tl.full([], 0, tl.int64)
     n_words = n_tok * S.K
     copy_words(_at(wh.tab, wh.rank, wh.set_off + RG.STAGE_W, tl.int32),
-               wts.to(tl.pointer_type(tl.int32)), n_words, 1024)
+               wts.to(tl.pointer_type(tl.int32)), n_words, PUT_CHUNK)
     tl.debug_barrier()
     put_bytes = (n_words * 4 + 15) // 16 * 16
     for g in range(S.N):

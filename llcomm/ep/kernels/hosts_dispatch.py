@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poison, wait_bound
+from ..hosts_layout import ID_HEADER_WORDS
 from .common import (EP_RANK_VARYING, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at, _rank_bits,
                      _wait_flags, symbol)
 from .fp8_rows import _quantize_row
@@ -47,8 +48,8 @@ STAGE_FORWARD = tl.constexpr(HD_FORWARD)
 STAGE_EXPAND_WAIT = tl.constexpr(HD_EXPAND_WAIT)
 STAGE_EXPAND = tl.constexpr(HD_EXPAND)
 
-#: Words of an id block before the ids (hosts_layout.ID_HEADER_WORDS): the token count first.
-ID_HEADER = tl.constexpr(4)
+#: Words of an id block before the ids: the token count first.
+ID_HEADER = tl.constexpr(ID_HEADER_WORDS)
 #: Tokens per tile of the expand's scan, and int32 words per step of its row copies.
 EXPAND_TILE = tl.constexpr(8)
 COPY_CHUNK = tl.constexpr(512)
