@@ -269,15 +269,16 @@ def _add_stats_by_rank(stats, acc, WP: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _agree_mask(err, epoch, m):
+def _agree_mask(err, epoch, m, AT: tl.constexpr):
     """Masks, dispatch: the mask every block of this call uses. The first block to get here
-    (after its wait) installs ``m`` with the call's epoch in ``err[ERR_VERDICT]``; every other
-    block adopts it. Blocks must agree: the row of a token depends on the counts of every
-    source before it, so one block skipping a source another one keeps would misplace rows."""
+    (after its wait) installs ``m`` with the call's epoch in ``err[AT]`` (``ERR_VERDICT``, or
+    one word per agreement where a call agrees twice); every other block adopts it. Blocks must
+    agree: the row of a token depends on the counts of every source before it, so one block
+    skipping a source another one keeps would misplace rows."""
     key = (epoch & VERDICT_EPOCH) << VERDICT_SHIFT
-    cur = tl.atomic_add(err + ERR_VERDICT, tl.full([], 0, tl.int64), sem="relaxed", scope="gpu")
+    cur = tl.atomic_add(err + AT, tl.full([], 0, tl.int64), sem="relaxed", scope="gpu")
     while (cur >> VERDICT_SHIFT) != (key >> VERDICT_SHIFT):
-        old = tl.atomic_cas(err + ERR_VERDICT, cur, key | m, sem="relaxed", scope="gpu")
+        old = tl.atomic_cas(err + AT, cur, key | m, sem="relaxed", scope="gpu")
         cur = tl.where(old == cur, key | m, old)
     return cur & VERDICT_RANKS
 

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poll_read, wait_bound
-from .common import (EP_RANK_VARYING, ERR_MASK, META_MASK, META_SHIFT, OP_DISPATCH, PHASE_ENTRY,
-                     PROF_LAST, SIG_DISPATCH, STAGE_RECV, STAGE_SEND, STAGE_SIGNAL, STAGE_WAIT,
-                     Region, _agree_mask, _at, _first_entries, _first_token, _masked,
+from .common import (EP_RANK_VARYING, ERR_MASK, ERR_VERDICT, META_MASK, META_SHIFT, OP_DISPATCH,
+                     PHASE_ENTRY, PROF_LAST, SIG_DISPATCH, STAGE_RECV, STAGE_SEND, STAGE_SIGNAL,
+                     STAGE_WAIT, Region, _agree_mask, _at, _first_entries, _first_token, _masked,
                      _poison_received, _push_weights, _rank_bits, _signal, _stamp, _wait_flags,
                      symbol)
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
@@ -208,7 +208,7 @@ def flag_dispatch_kernel(
         ok, late = _wait_flags(flags, word, timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, NB * W,
                                TILING.FLAGS_P2, W, msk, MASKS, stats, STATS)
         if MASKS:
-            agreed = _agree_mask(err, seq + 1, msk | late)
+            agreed = _agree_mask(err, seq + 1, msk | late, ERR_VERDICT)
             # a rank late here but seen by the deciding block has arrived: wait for it again
             # (uniform condition; an error if it does not come)
             need = (late & ~agreed) != 0

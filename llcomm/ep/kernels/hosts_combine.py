@@ -29,10 +29,12 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poison, wait_bound
-from .common import (EP_RANK_VARYING, OP_COMBINE, PHASE_DATA, PHASE_ENTRY, PHASE_EXIT, _at,
-                     _rank_bits, _wait_flags, symbol)
+from ...runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
+                                     wait_bound)
+from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA, PHASE_ENTRY, PHASE_EXIT,
+                     _at, _masked, _rank_bits, symbol)
 from .hosts_dispatch import Where
+from .hosts_masks import HOST, RAIL, fed, masked_wait
 from .rail import PUT_CHUNK, copy_words, host_signal, rail_put, rail_signal
 
 HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
@@ -82,8 +84,8 @@ def _weights_out(wts, n_tok, wh, word, S, RG, SHMEM: tl.constexpr):
 
 
 @triton.jit
-def _weights_in(wts, fwd_ntok, wh, word, S, RG):
-    """Stage 2 (module doc)."""
+def _weights_in(wts, fwd_ntok, msk, wh, word, S, RG):
+    """Stage 2 (module doc); none for a masked source (``msk``)."""
     b = tl.program_id(0)
     ks = tl.arange(0, S.KP)
     km = ks < S.K
@@ -94,7 +96,7 @@ def _weights_in(wts, fwd_ntok, wh, word, S, RG):
         else:
             src = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_W + g * _weights_stride(S),
                       tl.float32)
-        for t in range(b, tl.load(fwd_ntok + g), S.NB):
+        for t in range(b, tl.where(_masked(msk, s), 0, tl.load(fwd_ntok + g)), S.NB):
             w = tl.load(src + t * S.K + ks, mask=km)
             for q in tl.static_range(S.R):
                 tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_W, tl.float32)
@@ -105,8 +107,8 @@ def _weights_in(wts, fwd_ntok, wh, word, S, RG):
 
 
 @triton.jit
-def _partials(eo, row_of, ntok_in, wh, word, S, RG):
-    """Stage 3 (module doc)."""
+def _partials(eo, row_of, ntok_in, msk, wh, word, S, RG):
+    """Stage 3 (module doc); none for a source that is masked or whose forwarder is."""
     b = tl.program_id(0)
     DT = eo.dtype.element_ty
     hs = tl.arange(0, S.HP)
@@ -116,7 +118,7 @@ def _partials(eo, row_of, ntok_in, wh, word, S, RG):
         fwd = wh.host * S.R + s % S.R               # the forwarder of source s on this host
         part = (_at(wh.tab, fwd, wh.set_off + RG.PART, DT)
                 + ((wh.local * S.N + s // S.R) * S.T) * S.H)
-        for t in range(b, tl.load(ntok_in + s), S.NB):
+        for t in range(b, tl.where(fed(msk, s, wh, S), tl.load(ntok_in + s), 0), S.NB):
             acc = tl.zeros([S.HP], tl.float32)
             here = tl.full([], 0, tl.int32)
             for k in tl.static_range(S.K):
@@ -134,8 +136,11 @@ def _partials(eo, row_of, ntok_in, wh, word, S, RG):
 
 
 @triton.jit
-def _host_sums(fwd_ids, fwd_ntok, wh, word, DT: tl.constexpr, S, RG, SHMEM: tl.constexpr):
-    """Stage 4 (module doc). Returns the inter-host bytes this block put."""
+def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM: tl.constexpr):
+    """Stage 4 (module doc). Returns the inter-host bytes this block put. Masks (``msk``): no
+    sums for a masked source; a masked rank's partial counts as zero, and a host sum is sent
+    for every token routed here all the same (zeros when all its experts here are masked), so
+    the token's rank never reads a stale slot."""
     b = tl.program_id(0)
     hs = tl.arange(0, S.HP)
     hm = hs < S.H
@@ -144,16 +149,19 @@ def _host_sums(fwd_ids, fwd_ntok, wh, word, DT: tl.constexpr, S, RG, SHMEM: tl.c
     sent = tl.full([], 0, tl.int64)
     part = _at(wh.tab, wh.rank, wh.set_off + RG.PART, DT)
     for g in range(S.N):
-        for t in range(b, tl.load(fwd_ntok + g), S.NB):
+        ng = tl.where(_masked(msk, g * S.R + wh.local), 0, tl.load(fwd_ntok + g))
+        for t in range(b, ng, S.NB):
             ids = tl.load(fwd_ids + (g * S.T + t) * S.K + ks, mask=ks < S.K, other=-1)
             dest = tl.where(ids >= 0, ids // S.L - wh.host * S.R, -1)  # local rank, or none
             acc = tl.zeros([S.HP], tl.float32)
             went = tl.full([], 0, tl.int32)
             for q in tl.static_range(S.R):
                 if tl.max((dest == q).to(tl.int32), 0) > 0:
-                    p = tl.load(part + ((q * S.N + g) * S.T + t) * S.H + hs, mask=hm, other=0.0)
-                    acc = acc + p.to(tl.float32)
                     went = went | 1
+                    if ((msk >> (wh.host * S.R + q)) & 1) == 0:     # q not masked
+                        p = tl.load(part + ((q * S.N + g) * S.T + t) * S.H + hs, mask=hm,
+                                    other=0.0)
+                        acc = acc + p.to(tl.float32)
             if went != 0:
                 if g == wh.host:
                     tl.store(_at(wh.tab, wh.rank, wh.set_off + RG.BACK, DT)
@@ -175,8 +183,9 @@ def _host_sums(fwd_ids, fwd_ntok, wh, word, DT: tl.constexpr, S, RG, SHMEM: tl.c
 
 
 @triton.jit
-def _out(topk, n_tok, out, wh, S, RG):
-    """Stage 5 (module doc)."""
+def _out(topk, n_tok, out, msk, wh, S, RG):
+    """Stage 5 (module doc). Masks (``msk``): a host whose rail rank is masked counts as
+    zero, and every host does when this rank is masked (its tokens were skipped)."""
     b = tl.program_id(0)
     DT = out.dtype.element_ty
     hs = tl.arange(0, S.HP)
@@ -186,7 +195,7 @@ def _out(topk, n_tok, out, wh, S, RG):
         hosts = _rank_bits(topk + t * S.K, S.K, S.E, S.L * S.R)
         acc = tl.zeros([S.HP], tl.float32)
         for g in tl.static_range(S.N):
-            if ((hosts >> g) & 1) != 0:
+            if (((hosts >> g) & 1) != 0) & fed(msk, g * S.R + wh.local, wh, S):
                 acc = acc + tl.load(back + (g * S.T + t) * S.H + hs, mask=hm,
                                     other=0.0).to(tl.float32)
         tl.store(out + t * S.H + hs, acc.to(DT), mask=hm)
@@ -218,6 +227,7 @@ def hosts_combine_kernel(
         REGIONS: tl.constexpr,      # HostCombineRegions
         STAGES: tl.constexpr,       # HC_* bits
         SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
+        MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; hosts_masks.py)
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -231,42 +241,52 @@ def hosts_combine_kernel(
     if STAGE_WEIGHTS & STAGES:
         if b == 0:
             sent += _weights_out(wts, n_tok, wh, word, SIZES, REGIONS, SHMEM)
+    # masks: each block uses its own waits' view, as on one host (a block's tokens depend on
+    # its own waits only)
+    msk = tl.full([], 0, tl.int64)
+    if MASKS:
+        msk = poll_read(err + ERR_MASK)
+    no_rank = tl.full([], 0, tl.int64)
     ok = 1
     if STAGE_FORWARD_WAIT & STAGES:
-        ok, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                            timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, SIZES.N,
-                            SIZES.RAIL_FLAGS_P2, SIZES.N, own_host, 0)
+        ok, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
+                              timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, SIZES.N,
+                              SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
+                              SIZES, MASKS, 0)
     if STAGE_FORWARD & STAGES:
         if ok:
-            _weights_in(wts, fwd_ntok, wh, word, SIZES, REGIONS)
+            _weights_in(wts, fwd_ntok, msk, wh, word, SIZES, REGIONS)
     if STAGE_PARTIALS_WAIT & STAGES:
-        ok2, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
-                             SIZES.HOST_FLAGS_P2, SIZES.R, tl.full([], 0, tl.int64), 0)
+        ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
+                               timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                               SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
+                               SIZES, MASKS, 0)
         ok = ok & ok2
     if STAGE_PARTIALS & STAGES:
         if ok:
-            _partials(eo, row_of, ntok_in, wh, word, SIZES, REGIONS)
+            _partials(eo, row_of, ntok_in, msk, wh, word, SIZES, REGIONS)
     if STAGE_HOST_SUM_WAIT & STAGES:
-        ok3, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
-                             timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
-                             SIZES.HOST_FLAGS_P2, SIZES.R, tl.full([], 0, tl.int64), 0)
+        ok3, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
+                               timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                               SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
+                               SIZES, MASKS, 0)
         ok = ok & ok3
     if STAGE_HOST_SUM & STAGES:
         if ok:
-            sent += _host_sums(fwd_ids, fwd_ntok, wh, word, DT, SIZES, REGIONS, SHMEM)
+            sent += _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT, SIZES, REGIONS, SHMEM)
     if STAGE_WEIGHTS & STAGES:
         tl.store(nbytes + b, sent)
     elif STAGE_HOST_SUM & STAGES:
         tl.atomic_add(nbytes + b, sent, sem="relaxed", scope="gpu")
     if STAGE_OUT_WAIT & STAGES:
-        ok4, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.BACK_SIG, tl.int64), word,
-                             timeout_us, err, OP_COMBINE, PHASE_EXIT, ok, SIZES.NB * SIZES.N,
-                             SIZES.RAIL_FLAGS_P2, SIZES.N, own_host, 0)
+        ok4, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.BACK_SIG, tl.int64), word,
+                               timeout_us, err, OP_COMBINE, PHASE_EXIT, ok, SIZES.NB * SIZES.N,
+                               SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
+                               SIZES, MASKS, 0)
         ok = ok & ok4
     if STAGE_OUT & STAGES:
         if (ok != 0) & (broken == 0):
-            _out(topk, n_tok, out, wh, SIZES, REGIONS)
+            _out(topk, n_tok, out, msk, wh, SIZES, REGIONS)
         else:
             _poison_out(out, n_tok, SIZES)
         tl.store(ctrl + b, seq + 1)

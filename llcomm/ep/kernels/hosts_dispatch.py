@@ -30,11 +30,13 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poison, wait_bound
+from ...runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
+                                     wait_bound)
 from ..hosts_layout import ID_HEADER_WORDS
-from .common import (EP_RANK_VARYING, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at, _rank_bits,
-                     _wait_flags, symbol)
+from .common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at,
+                     _masked, _rank_bits, symbol)
 from .fp8_rows import _quantize_row
+from .hosts_masks import ERR_HOST_VERDICT, ERR_RAIL_VERDICT, HOST, RAIL, fed, masked_wait
 from .rail import copy_words, host_signal, rail_put, rail_signal
 
 HD_SEND, HD_FORWARD_WAIT, HD_FORWARD, HD_EXPAND_WAIT, HD_EXPAND = 1, 2, 4, 8, 16
@@ -145,8 +147,8 @@ def _send(x, topk, n_tok, err, wh, word, nbytes, S, RG, FP8: tl.constexpr, SHMEM
 
 
 @triton.jit
-def _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, S, RG):
-    """Stage 2 (module doc)."""
+def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, S, RG):
+    """Stage 2 (module doc). A masked source (``msk``) forwards no token."""
     b = tl.program_id(0)
     ks = tl.arange(0, S.KP)
     km = ks < S.K
@@ -158,6 +160,7 @@ def _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, S, RG):
         else:
             ng = tl.load(_at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
                              tl.int32))
+        ng = tl.where(_masked(msk, s), 0, ng)
         if b == 0:
             tl.store(fwd_ntok + g, ng)
             for q in tl.static_range(S.R):
@@ -188,9 +191,10 @@ def _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, S, RG):
 
 
 @triton.jit
-def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, S, RG,
+def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh, S, RG,
             FP8: tl.constexpr):
-    """Stage 3 (module doc)."""
+    """Stage 3 (module doc). A source that is masked or whose forwarder here is masked
+    (``msk``) counts as having sent nothing."""
     b = tl.program_id(0)
     ks = tl.arange(0, S.KP)
     km = ks < S.K
@@ -202,11 +206,12 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, S, 
     if b == 0:
         ws = tl.arange(0, 64)
         for s0 in range(0, S.W, 64):
-            tl.store(ntok_out + s0 + ws, tl.load(ntp + s0 + ws, mask=s0 + ws < S.W),
+            nts = tl.load(ntp + s0 + ws, mask=s0 + ws < S.W)
+            tl.store(ntok_out + s0 + ws, tl.where(fed(msk, s0 + ws, wh, S), nts, 0),
                      mask=s0 + ws < S.W)
     # row_of of the entries whose expert is not here: -1 (the expert blocks write the rest)
     for s in range(S.W):
-        for t in range(b, tl.load(ntp + s), S.NB):
+        for t in range(b, tl.where(fed(msk, s, wh, S), tl.load(ntp + s), 0), S.NB):
             ids = tl.load(idp + (s * S.T + t) * S.K + ks, mask=km, other=-1)
             here = (ids >= 0) & (ids // S.L == wh.rank)
             tl.store(row_of + (s * S.T + t) * S.K + ks, tl.full([S.KP], -1, tl.int32),
@@ -216,7 +221,7 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, S, 
         eg = wh.rank * S.L + e
         pos = tl.full([], 0, tl.int32)
         for s in range(S.W):
-            ns = tl.load(ntp + s)
+            ns = tl.where(fed(msk, s, wh, S), tl.load(ntp + s), 0)
             for t0 in range(0, ns, EXPAND_TILE):
                 ts = t0 + tl.arange(0, EXPAND_TILE)
                 m2 = (ts < ns)[:, None] & km[None, :]
@@ -281,6 +286,7 @@ def hosts_dispatch_kernel(
         FP8: tl.constexpr,          # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
         STAGES: tl.constexpr,       # HD_* bits
         SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
+        MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; hosts_masks.py)
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -290,25 +296,29 @@ def hosts_dispatch_kernel(
     wh = Where(tab, rank, rank // SIZES.R, rank % SIZES.R, (seq % 2) * REGIONS.SET_BYTES)
     if STAGE_SEND & STAGES:
         _send(x, topk, n_tok, err, wh, word, nbytes, SIZES, REGIONS, FP8, SHMEM)
+    msk = tl.full([], 0, tl.int64)     # masked ranks (MASKS only)
+    if MASKS:
+        msk = poll_read(err + ERR_MASK)
     ok = 1
     if STAGE_FORWARD_WAIT & STAGES:
-        ok, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                            timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, SIZES.NB * SIZES.N,
-                            SIZES.RAIL_FLAGS_P2, SIZES.N,
-                            tl.full([], 1, tl.int64) << wh.host, 0)
+        ok, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
+                              timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, SIZES.NB * SIZES.N,
+                              SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL,
+                              tl.full([], 1, tl.int64) << wh.host, msk, seq + 1, wh, SIZES,
+                              MASKS, ERR_RAIL_VERDICT)
     if STAGE_FORWARD & STAGES:
         if ok:
-            _forward(topk, n_tok, fwd_ids, fwd_ntok, wh, word, SIZES, REGIONS)
+            _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, SIZES, REGIONS)
     if STAGE_EXPAND_WAIT & STAGES:
-        ok2, _ = _wait_flags(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                             timeout_us, err, OP_DISPATCH, PHASE_DATA, ok, SIZES.NB * SIZES.R,
-                             SIZES.HOST_FLAGS_P2, SIZES.R, tl.full([], 0, tl.int64),
-                             0)
+        ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
+                               timeout_us, err, OP_DISPATCH, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                               SIZES.HOST_FLAGS_P2, SIZES.R, HOST, tl.full([], 0, tl.int64),
+                               msk, seq + 1, wh, SIZES, MASKS, ERR_HOST_VERDICT)
         ok = ok & ok2
     if STAGE_EXPAND & STAGES:
         if (ok != 0) & (broken == 0):
-            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, wh, SIZES, REGIONS,
-                    FP8)
+            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh, SIZES,
+                    REGIONS, FP8)
         else:
             _poison_counts(recv_count, ntok_out, SIZES)
         tl.store(ctrl + b, seq + 1)

@@ -1,0 +1,82 @@
+"""Rank masks in the two-level kernels (``MASKS`` = 1; docs/multihost.md, "Rank masks").
+
+The mask word ``err[ERR_MASK]`` holds global rank bits, as on one host, while each wait of the
+two-level kernels polls one level: a *rail* wait one source per host (the rank of this local
+index there), a *host* wait one source per local rank of this host. ``masked_wait`` runs such a
+wait with the masked sources skipped and adds the ones it gives up on to the mask word.
+
+Across hosts a rank relays for its rail, so masking it drops more than its own tokens: a
+forwarder skips the tokens of masked sources, and a rank skips every source whose forwarder on
+its host is masked (``fed``). A host that stops answering is masked by the rail waits of the
+ranks that wait for it, so its tokens are skipped and its experts count as absent.
+"""
+import triton
+import triton.language as tl
+
+from .common import ERR_MASK, _agree_mask, _wait_flags
+
+#: A wait's level (``masked_wait``'s LEVEL).
+RAIL = tl.constexpr(0)
+HOST = tl.constexpr(1)
+#: The two dispatch waits' agreements (``_agree_mask``): one word of ``err`` each.
+ERR_RAIL_VERDICT = tl.constexpr(4)
+ERR_HOST_VERDICT = tl.constexpr(5)
+
+
+@triton.jit
+def level_bits(msk, wh, LEVEL: tl.constexpr, S):
+    """The masked ranks (global bits ``msk``) a wait of this level polls, as its source bits:
+    rail, bit g for rank ``g * R + local``; host, bit q for rank ``host * R + q``."""
+    if LEVEL == RAIL:
+        bits = tl.full([], 0, tl.int64)
+        for g in tl.static_range(S.N):
+            bits = bits | (((msk >> (g * S.R + wh.local)) & 1) << g)
+    else:
+        bits = (msk >> (wh.host * S.R)) & ((tl.full([], 1, tl.int64) << S.R) - 1)
+    return bits
+
+
+@triton.jit
+def global_bits(bits, wh, LEVEL: tl.constexpr, S):
+    """``level_bits`` backwards: a wait's source bits as global rank bits."""
+    if LEVEL == RAIL:
+        out = tl.full([], 0, tl.int64)
+        for g in tl.static_range(S.N):
+            out = out | (((bits >> g) & 1) << (g * S.R + wh.local))
+    else:
+        out = bits << (wh.host * S.R)
+    return out
+
+
+@triton.jit
+def fed(msk, s, wh, S):
+    """Source rank s reaches this rank: neither s nor its forwarder on this host (local rank
+    ``s % R``) is masked."""
+    return (((msk >> s) | (msk >> (wh.host * S.R + s % S.R))) & 1) == 0
+
+
+@triton.jit
+def masked_wait(flags, word, timeout_us, err, op, phase, go, NFLAGS: tl.constexpr,
+                NP: tl.constexpr, NSRC: tl.constexpr, LEVEL: tl.constexpr, skip, msk, epoch,
+                wh, S, MASKS: tl.constexpr, AGREE: tl.constexpr):
+    """A bounded wait of level LEVEL (``common._wait_flags``: NFLAGS flags, one per block and
+    source of the NSRC, source fastest) that skips the sources in ``skip`` (level bits) and,
+    with MASKS, the masked ranks. Returns ``(ok, msk)``: with MASKS a timeout masks the late
+    ranks (added to ``err[ERR_MASK]``) instead of failing. ``AGREE`` (0, or the err word of
+    the agreement): every block of the call takes one block's mask, as the dispatch's rows
+    need; a rank late here but seen by the deciding block is waited for again."""
+    ok, late = _wait_flags(flags, word, timeout_us, err, op, phase, go, NFLAGS, NP, NSRC,
+                           skip | level_bits(msk, wh, LEVEL, S), MASKS)
+    if MASKS:
+        late_g = global_bits(late, wh, LEVEL, S)
+        new = msk | late_g
+        if AGREE:
+            new = _agree_mask(err, epoch, new, AGREE)
+            need = (late_g & ~new) != 0
+            ok2, _ = _wait_flags(flags, word, timeout_us, err, op, phase, need, NFLAGS, NP,
+                                 NSRC, skip | level_bits(new, wh, LEVEL, S), 0)
+            ok = ok & (ok2 | (need == 0))
+        if new != msk:
+            tl.atomic_or(err + ERR_MASK, new, sem="relaxed", scope="gpu")
+        msk = new
+    return ok, msk

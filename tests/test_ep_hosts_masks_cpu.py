@@ -1,0 +1,181 @@
+"""Rank masks in the two-level EP kernels (``MASKS`` = 1; ``kernels/hosts_masks.py``) on the
+CPU, under ``TRITON_INTERPRET=1``, on virtual hosts with a simulated heap (as
+``test_ep_hosts_kernels_cpu``).
+
+The rule checked (docs/multihost.md, "Rank masks"), for a mask M that every rank holds: a
+token of source s reaches rank q, and q's experts serve it, only if s, q and the forwarder of
+s on q's host (its local rank ``s % R``) are all unmasked; a masked rank's own tokens get
+zeros. Two ways to get a mask:
+
+- *by hand*: every rank sets M in its mask word (``EPBuffer.set_mask``), all ranks run, the
+  masked ones included (their rows and partials land and must be ignored); then the mask is
+  cleared and the next round must match the full oracle on every rank;
+- *a host that stops coming*: after two full rounds (both buffer sets hold its data), the
+  ranks of the last host are not launched; every other rank masks its rail rank there at the
+  dispatch's rail wait (one timeout), reports no error, and the combine then runs without
+  waiting for it.
+
+Outputs are poisoned first; dispatch is checked byte for byte against the single-level oracle
+fed only the sources that reach each rank, combine against the two-level oracle with the
+dropped top-k entries removed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _interp import run_in_interpreter
+from test_ep_kernels_cpu import _rows_fails, _same_up_to_interpreter_rounding
+
+
+#: The wait bound of a round in which every rank runs (no wait may run out).
+FULL_ROUND_US = 20_000_000
+
+
+def reaches(s: int, q: int, R: int, M) -> bool:
+    """Source s's tokens reach rank q under mask M (module doc)."""
+    return s not in M and q not in M and (q // R) * R + s % R not in M
+
+
+def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent, staged,
+                          timeout_us):
+    """By hand: one round with ``masked`` masked, then one with the mask cleared. ``absent``:
+    two full rounds, then one without the last host. Returns failures."""
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from _interp import concurrent_kernels, run_ranks
+    from llcomm.ep.hosts_layout import hosts_layout
+    from llcomm.ep.hosts_peer import hosts_consts, size_tag
+    from llcomm.ep.kernels import hosts_combine as HC
+    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep.layout import ERR_MASK
+    from llcomm.runtime import protocol as P
+    from test_ep_hosts import oracle_combine_hosts
+    from test_ep_oracle import expert_fn, make_case, oracle_dispatch
+
+    dtype = getattr(torch, dtype_name)
+    W = N * R
+    L = E // W
+    isz = torch.tensor([], dtype=dtype).element_size()
+    lay = hosts_layout(T, H, N, R, K, isz, NB, False)
+    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
+    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    bits = sum(1 << r for r in masked)
+    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8, bits, 0, 0], dtype=torch.int64)
+           for h in host_words]
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    nbytes = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    dc, cc, _ = hosts_consts(lay, E, K, 0)
+    d_tag = size_tag(P.OP_DISPATCH, H, K, 0, dtype)
+    c_tag = size_tag(P.OP_COMBINE, H, K, 0, dtype)
+    everyone, survivors = list(range(W)), list(range(W - R))
+    if staged:
+        d_groups = (HD.HD_SEND, HD.HD_FORWARD_WAIT | HD.HD_FORWARD,
+                    HD.HD_EXPAND_WAIT | HD.HD_EXPAND)
+        c_groups = (HC.HC_WEIGHTS, HC.HC_FORWARD_WAIT | HC.HC_FORWARD,
+                    HC.HC_PARTIALS_WAIT | HC.HC_PARTIALS, HC.HC_HOST_SUM_WAIT | HC.HC_HOST_SUM,
+                    HC.HC_OUT_WAIT | HC.HC_OUT)
+    else:
+        d_groups, c_groups = (HD.HOSTS_DISPATCH_ALL,), (HC.HOSTS_COMBINE_ALL,)
+
+    def run(groups, launch):
+        if staged:
+            with concurrent_kernels():
+                for i, stages in enumerate(groups):
+                    for r in (launched if i % 2 else launched[::-1]):
+                        launch(r, stages)
+        else:
+            run_ranks([lambda r=r: launch(r, groups[0]) for r in launched])
+
+    fails = []
+    if absent:      # (mask, ranks launched, the mask words expected after the round)
+        rounds = [([], everyone, [0] * W)] * 2 + [
+            (list(range(W - R, W)), survivors, [1 << ((N - 1) * R + r % R) for r in range(W)])]
+    else:
+        rounds = [(masked, everyone, [bits] * W), ([], everyone, [0] * W)]
+    for round_, (M, launched, want_masks) in enumerate(rounds):
+        sd = seed + round_
+        bound = timeout_us if launched != everyone else FULL_ROUND_US
+        tag = f"[{N} hosts x {R} ranks, NB={NB} {dtype_name} seed={sd} mask={M} absent={absent}]"
+        if round_ and not absent:
+            for r in launched:
+                err[r][ERR_MASK] = 0
+        xs, topks, weights = make_case(W, E, T, H, K, sd, "random", dtype)
+        recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
+        row_of = [torch.full((W, T, K), -7, dtype=torch.int32) for _ in range(W)]
+        src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
+        cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
+        ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+        fwd_ids = [torch.full((N, T, K), -7, dtype=torch.int32) for _ in range(W)]
+        fwd_ntok = [torch.full((N,), -7, dtype=torch.int32) for _ in range(W)]
+
+        def dispatch(r, stages):
+            HD.hosts_dispatch_kernel[(NB,)](
+                xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
+                ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r, d_tag, bound,
+                nbytes[r][0], **dict(dc, STAGES=stages, SHMEM=0, MASKS=1))
+        run(d_groups, dispatch)
+
+        checked = [r for r in launched if r not in M]
+        for r in checked:
+            keep = [s for s in range(W) if s not in M and (r // R) * R + s % R not in M]
+            xs_r = [x if s in keep else x[:0] for s, x in enumerate(xs)]
+            tk_r = [t if s in keep else t[:0] for s, t in enumerate(topks)]
+            fails += _rows_fails(tag, r, oracle_dispatch(xs_r, tk_r, W, E, T)[r], cnt, recv,
+                                 src, L, ntok, [x.shape[0] for x in xs_r])
+        if fails:
+            return fails
+
+        outs_e = [expert_fn(recv[r], cnt[r], r) if r in launched
+                  else torch.zeros(L, W * T, H, dtype=dtype) for r in range(W)]
+        outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+
+        def combine(r, stages):
+            HC.hosts_combine_kernel[(NB,)](
+                outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r], ntok[r],
+                fwd_ids[r], fwd_ntok[r], tab, ctrl[r][1], err[r], r, c_tag, bound,
+                nbytes[r][1], **dict(cc, STAGES=stages, SHMEM=0, MASKS=1))
+        run(c_groups, combine)
+
+        # the top-k entries whose expert the token does not reach count as absent
+        cut = []
+        for s, tk in enumerate(topks):
+            q = torch.where((tk >= 0) & (tk < E), tk // L, -1)
+            gone = torch.tensor([[q_ < 0 or not reaches(s, q_, R, M) for q_ in row]
+                                 for row in q.tolist()], dtype=torch.bool).view(tk.shape)
+            cut.append(torch.where(gone, -1, tk))
+        want = oracle_combine_hosts(outs_e, cut, weights, W, E, R, dtype)
+        for r in checked:
+            if not _same_up_to_interpreter_rounding(outs[r], want[r]):
+                d = (outs[r].float() - want[r].float()).abs()
+                fails.append(f"{tag} rank {r} combine differs (max {d.max() if d.numel() else 0})")
+        for r in launched:
+            want_mask = want_masks[r]
+            if int(err[r][0]) or int(host_words[r][0]) or int(err[r][ERR_MASK]) != want_mask:
+                fails.append(f"{tag} rank {r}: error words {int(err[r][0]):#x} / "
+                             f"{int(host_words[r][0]):#x}, mask {int(err[r][ERR_MASK]):#x} "
+                             f"(expected 0, 0, {want_mask:#x})")
+    return fails
+
+
+CASES = [  # R, N, E, T, H, K, NB, dtype, seed, masked by hand, staged
+    (2, 2, 8, 5, 32, 3, 2, "float32", 1, [1], True),
+    (2, 3, 12, 4, 32, 3, 2, "bfloat16", 2, [2, 5], True),
+    (3, 2, 12, 4, 32, 4, 1, "float16", 3, [0], False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1]}x{c[0]}-m{''.join(map(str, c[9]))}"
+                                             for c in CASES])
+def test_ranks_masked_by_hand_are_skipped_on_both_levels(case):
+    R, N, E, T, H, K, NB, dt, seed, masked, staged = case
+    fails = run_in_interpreter("test_ep_hosts_masks_cpu", "simulate_masked_hosts", R, N, E, T,
+                               H, K, NB, dt, seed, masked, False, staged, FULL_ROUND_US)
+    assert not fails, "\n".join(fails[:10])
+
+
+@pytest.mark.parametrize("R,N", [(2, 2), (1, 3)])
+def test_a_host_that_stops_coming_is_masked_not_fatal(R, N):
+    fails = run_in_interpreter("test_ep_hosts_masks_cpu", "simulate_masked_hosts", R, N,
+                               4 * R * N, 4, 32, 2, 1, "float32", 4, [], True, False, 300_000)
+    assert not fails, "\n".join(fails[:10])
