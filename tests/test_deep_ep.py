@@ -198,7 +198,7 @@ def _refusals_body(rank, W):
            lambda: B(None, allow_nvlink_for_low_latency_mode=False))
     expect("fabric", NotImplementedError, ["use_fabric=True"], lambda: B(None, use_fabric=True))
     expect("mpi comm", NotImplementedError, ["comm"], lambda: B(None, comm=object()))
-    expect("shrink on gloo", UnsupportedConfigError, ["enable_shrink=True", "peer-backend"],
+    expect("shrink on gloo", UnsupportedConfigError, ["enable_shrink=True", "reference backend"],
            lambda: B(None, enable_shrink=True))
     expect("negative budget", ValueError, ["num_rdma_bytes=-1"], lambda: B(None, 0, -1))
     expect("qps type", TypeError, ["num_qps_per_rank"], lambda: B(None, num_qps_per_rank="8"))
@@ -303,7 +303,7 @@ def _refusals_body(rank, W):
                        ("query", lambda: buf.low_latency_query_mask_buffer(
                            torch.zeros(W, dtype=torch.int32))),
                        ("clean", lambda: buf.low_latency_clean_mask_buffer())):
-        expect(f"mask {name} on reference", UnsupportedConfigError, ["peer-backend"], call)
+        expect(f"mask {name} on reference", UnsupportedConfigError, ["reference backend"], call)
     for name in ("dispatch", "combine", "get_dispatch_layout"):
         expect(f"normal {name}", NotImplementedError, ["high-throughput"],
                lambda name=name: getattr(buf, name)(x))

@@ -10,10 +10,13 @@ zeros. Two ways to get a mask:
 - *by hand*: every rank sets M in its mask word (``EPBuffer.set_mask``), all ranks run, the
   masked ones included (their rows and partials land and must be ignored); then the mask is
   cleared and the next round must match the full oracle on every rank;
-- *a host that stops coming*: after two full rounds (both buffer sets hold its data), the
-  ranks of the last host are not launched; every other rank masks its rail rank there at the
-  dispatch's rail wait (one timeout), reports no error, and the combine then runs without
-  waiting for it.
+- *a host or a rank that stops coming*: after two full rounds (both buffer sets hold its
+  data), the ranks of the last host, or only the last rank, are not launched; each other rank
+  that polls one of them (same rail: the rail wait; same host: the wait for the host's ranks to
+  begin the call) masks it in the dispatch's first waits (one timeout), none reports an error,
+  and the combine then runs without waiting for them. A rank that polls none of them masks
+  nothing, and gets the same results: its tokens reach the absent rank only through ranks that
+  masked it.
 
 Outputs are poisoned first; dispatch is checked byte for byte against the single-level oracle
 fed only the sources that reach each rank, combine against the two-level oracle with the
@@ -37,10 +40,34 @@ def reaches(s: int, q: int, R: int, M) -> bool:
     return s not in M and q not in M and (q // R) * R + s % R not in M
 
 
+def masked_dispatch_oracle(xs, topks, W: int, E: int, T: int, R: int, M, r: int):
+    """Rank r's expected dispatch under mask M: ``oracle_dispatch``'s (rows, counts, src_info)
+    fed only the sources that reach r, and the token counts r records per source."""
+    from test_ep_oracle import oracle_dispatch
+    keep = [s not in M and (r // R) * R + s % R not in M for s in range(W)]
+    xs_r = [x if k else x[:0] for k, x in zip(keep, xs)]
+    tk_r = [t if k else t[:0] for k, t in zip(keep, topks)]
+    return oracle_dispatch(xs_r, tk_r, W, E, T)[r], [x.shape[0] for x in xs_r]
+
+
+def cut_topks(topks, W: int, E: int, R: int, M):
+    """The top-k ids with every entry whose expert the token does not reach under mask M set
+    to -1: fed to ``oracle_combine_hosts``, the expected combine."""
+    L = E // W
+    cut = []
+    for s, tk in enumerate(topks):
+        q = torch.where((tk >= 0) & (tk < E), tk // L, -1)
+        gone = torch.tensor([[q_ < 0 or not reaches(s, q_, R, M) for q_ in row]
+                             for row in q.tolist()], dtype=torch.bool).view(tk.shape)
+        cut.append(torch.where(gone, -1, tk))
+    return cut
+
+
 def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent, staged,
                           timeout_us):
-    """By hand: one round with ``masked`` masked, then one with the mask cleared. ``absent``:
-    two full rounds, then one without the last host. Returns failures."""
+    """By hand: one round with ``masked`` masked, then one with the mask cleared. ``absent``
+    ("host" or "rank"): two full rounds, then one without the last host or the last rank.
+    Returns failures."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from _interp import concurrent_kernels, run_ranks
     from llcomm.ep.hosts_layout import hosts_layout
@@ -50,7 +77,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
     from llcomm.ep.layout import ERR_MASK
     from llcomm.runtime import protocol as P
     from test_ep_hosts import oracle_combine_hosts
-    from test_ep_oracle import expert_fn, make_case, oracle_dispatch
+    from test_ep_oracle import expert_fn, make_case
 
     dtype = getattr(torch, dtype_name)
     W = N * R
@@ -68,7 +95,12 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
     dc, cc, _ = hosts_consts(lay, E, K, 0)
     d_tag = size_tag(P.OP_DISPATCH, H, K, 0, dtype)
     c_tag = size_tag(P.OP_COMBINE, H, K, 0, dtype)
-    everyone, survivors = list(range(W)), list(range(W - R))
+    everyone = list(range(W))
+    dead = list(range(W - R, W)) if absent == "host" else [W - 1]
+    survivors = [r for r in everyone if r not in dead]
+
+    def polled(r):      # the mask word rank r should end with: the dead ranks it polls
+        return sum(1 << d for d in dead if d % R == r % R or d // R == r // R)
     if staged:
         d_groups = (HD.HD_SEND, HD.HD_FORWARD_WAIT | HD.HD_FORWARD,
                     HD.HD_EXPAND_WAIT | HD.HD_EXPAND)
@@ -89,8 +121,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
 
     fails = []
     if absent:      # (mask, ranks launched, the mask words expected after the round)
-        rounds = [([], everyone, [0] * W)] * 2 + [
-            (list(range(W - R, W)), survivors, [1 << ((N - 1) * R + r % R) for r in range(W)])]
+        rounds = [([], everyone, [0] * W)] * 2 + [(dead, survivors, [polled(r) for r in everyone])]
     else:
         rounds = [(masked, everyone, [bits] * W), ([], everyone, [0] * W)]
     for round_, (M, launched, want_masks) in enumerate(rounds):
@@ -118,11 +149,8 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
 
         checked = [r for r in launched if r not in M]
         for r in checked:
-            keep = [s for s in range(W) if s not in M and (r // R) * R + s % R not in M]
-            xs_r = [x if s in keep else x[:0] for s, x in enumerate(xs)]
-            tk_r = [t if s in keep else t[:0] for s, t in enumerate(topks)]
-            fails += _rows_fails(tag, r, oracle_dispatch(xs_r, tk_r, W, E, T)[r], cnt, recv,
-                                 src, L, ntok, [x.shape[0] for x in xs_r])
+            exp_r, want_ntok = masked_dispatch_oracle(xs, topks, W, E, T, R, M, r)
+            fails += _rows_fails(tag, r, exp_r, cnt, recv, src, L, ntok, want_ntok)
         if fails:
             return fails
 
@@ -138,13 +166,8 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
         run(c_groups, combine)
 
         # the top-k entries whose expert the token does not reach count as absent
-        cut = []
-        for s, tk in enumerate(topks):
-            q = torch.where((tk >= 0) & (tk < E), tk // L, -1)
-            gone = torch.tensor([[q_ < 0 or not reaches(s, q_, R, M) for q_ in row]
-                                 for row in q.tolist()], dtype=torch.bool).view(tk.shape)
-            cut.append(torch.where(gone, -1, tk))
-        want = oracle_combine_hosts(outs_e, cut, weights, W, E, R, dtype)
+        want = oracle_combine_hosts(outs_e, cut_topks(topks, W, E, R, M), weights, W, E, R,
+                                    dtype)
         for r in checked:
             if not _same_up_to_interpreter_rounding(outs[r], want[r]):
                 d = (outs[r].float() - want[r].float()).abs()
@@ -170,12 +193,13 @@ CASES = [  # R, N, E, T, H, K, NB, dtype, seed, masked by hand, staged
 def test_ranks_masked_by_hand_are_skipped_on_both_levels(case):
     R, N, E, T, H, K, NB, dt, seed, masked, staged = case
     fails = run_in_interpreter("test_ep_hosts_masks_cpu", "simulate_masked_hosts", R, N, E, T,
-                               H, K, NB, dt, seed, masked, False, staged, FULL_ROUND_US)
+                               H, K, NB, dt, seed, masked, "", staged, FULL_ROUND_US)
     assert not fails, "\n".join(fails[:10])
 
 
-@pytest.mark.parametrize("R,N", [(2, 2), (1, 3)])
-def test_a_host_that_stops_coming_is_masked_not_fatal(R, N):
+@pytest.mark.parametrize("R,N,absent", [(2, 2, "host"), (1, 3, "host"), (2, 2, "rank"),
+                                        (3, 2, "rank")])
+def test_a_host_or_rank_that_stops_coming_is_masked_not_fatal(R, N, absent):
     fails = run_in_interpreter("test_ep_hosts_masks_cpu", "simulate_masked_hosts", R, N,
-                               4 * R * N, 4, 32, 2, 1, "float32", 4, [], True, False, 300_000)
+                               4 * R * N, 4, 32, 2, 1, "float32", 4, [], absent, False, 300_000)
     assert not fails, "\n".join(fails[:10])

@@ -19,10 +19,10 @@ E, T, H, K = 8, 6, 256, 2
 
 def _glue_body(rank, world):
     import llcomm
-    from llcomm.ep import api, hosts_peer
+    from llcomm.ep import api, hosts_layout, hosts_peer
     from llcomm.ep.kernels import hosts_combine as HC
     from llcomm.ep.kernels import hosts_dispatch as HD
-    from llcomm.ep.layout import HANDLE_SLOTS, MAX_TOPK
+    from llcomm.ep.layout import ERR_MASK, HANDLE_SLOTS, MAX_TOPK
     from llcomm.runtime import protocol as P
     from llcomm.runtime.hosts import Hosts
 
@@ -49,7 +49,8 @@ def _glue_body(rank, world):
         self.ctrl = torch.zeros((2, self.nb), dtype=torch.int64)
         self.nbytes = torch.zeros((2, self.nb), dtype=torch.int64)
         self._host_np = torch.zeros(2, dtype=torch.int64).numpy()
-        self.err = torch.zeros(3, dtype=torch.int64)
+        self.err = torch.zeros(hosts_layout.ERR_WORDS, dtype=torch.int64)
+        self.masks = int(buf.enable_masks)
         self._failure = P.FailureLatch(self.rank, "EPBuffer")
         L = buf.num_local_experts
         self.slots = [dict(row_of=torch.zeros(self.W * T * MAX_TOPK, dtype=torch.int32),
@@ -74,8 +75,11 @@ def _glue_body(rank, world):
     w = torch.rand(T - rank, K)
     problems = []
 
-    def check(launch, stages, fp8=0):
+    def check(launch, stages, fp8=0, masks=0):
         kernel, grid, args, consts = launch
+        if consts.get("MASKS") != masks:
+            problems.append(f"{kernel.fn.__name__}: MASKS={consts.get('MASKS')}, expected "
+                            f"{masks}")
         names = [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
         if len(args) != len(names):
             problems.append(f"{kernel.fn.__name__}: {len(args)} arguments for {names}")
@@ -121,13 +125,29 @@ def _glue_body(rank, world):
         problems.append("combine: the carried weights were not passed")
     hook()
     check(launches[-1], HC.HOSTS_COMBINE_RECV_HALF)
+    # rank masks: the kernels get MASKS=1; the mask methods change err[ERR_MASK] only
+    mbuf = llcomm.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                           enable_masks=True)
+    recv_x, cnt, handle = mbuf.dispatch(x, idx)
+    check(launches[-1], HD.HOSTS_DISPATCH_ALL, masks=1)
+    mbuf.combine(recv_x, idx, w, handle)
+    check(launches[-1], HC.HOSTS_COMBINE_ALL, masks=1)
+    mbuf.set_mask(1 - rank, True)
+    if mbuf.query_mask().tolist() != [int(q != rank) for q in range(world)]:
+        problems.append(f"query_mask after set_mask({1 - rank}): {mbuf.query_mask().tolist()}")
+    before = mbuf._impl.err.clone()
+    mbuf.clean_mask()
+    changed = (mbuf._impl.err != before).nonzero().flatten().tolist()
+    if mbuf.query_mask().tolist() != [0] * world or changed != [ERR_MASK]:
+        problems.append(f"clean_mask: mask {mbuf.query_mask().tolist()}, words changed "
+                        f"{changed}")
     return problems, len(launches)
 
 
 def test_epbuffer_hands_the_two_level_kernels_their_arguments():
     for problems, n in run_distributed(_glue_body, 2):
         assert not problems, problems
-        assert n == 6
+        assert n == 8
 
 
 def test_shmem_launcher_initialises_each_new_module_once_and_raises_its_first_bound():

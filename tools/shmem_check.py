@@ -19,6 +19,11 @@ Checks, per PE, against the CPU oracles of ``tests/test_ep_oracle.py`` and
   (``rail_bytes`` of ``tests/test_ep_hosts_kernels_cpu.py``);
 - a dispatch + combine captured in a CUDA graph (after one launch outside the capture) and
   replayed with fresh inputs;
+- rank masks (a second heap, ``MASKS`` = 1): every PE masks the last one by hand, and the
+  others' dispatch and combine must match the oracle without it (``tests/
+  test_ep_hosts_masks_cpu.py``); then the mask is cleared and the last PE stays away from one
+  dispatch + combine: no other PE may fail, each whose rail or host wait polls it must mask
+  it, and none may mask another PE;
 - a bounded wait: the last PE stays away from one dispatch, and every other PE must raise
   ``CommTimeoutError`` from it, none hang.
 
@@ -47,14 +52,14 @@ TIMEOUT_MS = 60_000
 SHORT_TIMEOUT_MS = 2_000
 
 
-def _buf(rank, W, R, fp8):
+def _buf(rank, W, R, fp8, masks=False):
     import torch.distributed as dist
 
     from llcomm.runtime.hosts import Hosts
     return types.SimpleNamespace(
         group=dist.group.WORLD, rank=rank, num_ranks=W, hosts=Hosts(W // R, R, "declared"),
         max_tokens=T, hidden=H, num_experts=E, num_local_experts=E // W, dtype=torch.bfloat16,
-        fp8=fp8, timeout_ms=TIMEOUT_MS)
+        fp8=fp8, timeout_ms=TIMEOUT_MS, enable_masks=masks)
 
 
 def _rank_body(rank, W, R):
@@ -172,6 +177,8 @@ def _rank_body(rank, W, R):
         report(f"graph replay seed {seed}", torch.equal(cnt.cpu(), ec) and
                torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)))
 
+    _mask_checks(rank, W, R, dev, report)
+
     # a bounded wait: the last PE stays away from one dispatch
     dist.barrier()
     ep.timeout_us = SHORT_TIMEOUT_MS * 1000
@@ -188,6 +195,60 @@ def _rank_body(rank, W, R):
                    f"after {time.monotonic() - t0:.1f} s: {str(e)[:80]}")
     dist.barrier()
     return {"rank": rank, "lines": lines, "failed": fails}
+
+
+def _mask_checks(rank, W, R, dev, report):
+    """Rank masks on a second heap (module doc)."""
+    import torch.distributed as dist
+
+    from llcomm.ep.hosts_peer import HostsPeerEP
+    from test_ep_hosts import oracle_combine_hosts
+    from test_ep_hosts_masks_cpu import cut_topks, masked_dispatch_oracle
+    from test_ep_oracle import expert_fn, make_case
+
+    bf, L, last = torch.bfloat16, E // W, W - 1
+    mep = HostsPeerEP(_buf(rank, W, R, False, masks=True), num_blocks=BLOCKS)
+    xs, topks, weights = make_case(W, E, T, H, K, 11, "random", bf)
+    x, idx, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+    recv = torch.full((L, W * T, H), float("nan"), dtype=bf, device=dev)
+    out = torch.full((x.shape[0], H), float("nan"), dtype=bf, device=dev)
+    M = [last]
+    mep.set_mask(last, True)
+    cnt, src, state, _ = mep.dispatch(x, idx, recv, 0)
+    mine = expert_fn(recv.cpu(), cnt.cpu(), rank).to(dev)
+    mep.combine(mine, idx, w, state, out)
+    torch.cuda.synchronize()
+    mep.precheck()
+    if rank != last:
+        (ex, ec, es), want_ntok = masked_dispatch_oracle(xs, topks, W, E, T, R, M, rank)
+        ok = (cnt.cpu().tolist() == ec.tolist() and state[1].cpu().tolist() == want_ntok
+              and all(torch.equal(recv[e, :c].cpu().view(torch.int16), ex[e, :c].view(torch.int16))
+                      and torch.equal(src[e, :c].cpu(), es[e, :c])
+                      for e, c in enumerate(ec.tolist())))
+        report(f"masked by hand {M}: dispatch", ok)
+        outs_e = [expert_fn(*masked_dispatch_oracle(xs, topks, W, E, T, R, M, q)[0][:2], q)
+                  for q in range(W)]
+        want = oracle_combine_hosts(outs_e, cut_topks(topks, W, E, R, M), weights, W, E, R,
+                                    bf)[rank]
+        report(f"masked by hand {M}: combine",
+               torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)))
+    # the mask cleared; the last PE stays away from one dispatch + combine
+    mep.clean_mask()
+    dist.barrier()
+    mep.timeout_us = SHORT_TIMEOUT_MS * 1000
+    if rank != last:
+        xs, topks, weights = make_case(W, E, T, H, K, 12, "random", bf)
+        x, idx, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
+        cnt, src, state, _ = mep.dispatch(x, idx, recv, 1)
+        mep.combine(recv, idx, w, state, out[:x.shape[0]])
+        torch.cuda.synchronize()
+        mep.precheck()
+        mask = mep.query_mask().cpu().tolist()
+        polls = rank % R == last % R or rank // R == last // R   # its rail, or its host
+        want = [int(q == last and polls) for q in range(W)]
+        ok = mask == want and int(mep.err[0]) == 0
+        report("absent PE with masks: masked, no error", ok, f"mask {mask}, expected {want}")
+    dist.barrier()
 
 
 def main(argv=None) -> int:

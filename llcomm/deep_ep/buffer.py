@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ..ep import HANDLE_SLOTS, DeepEPOutputs, EPBuffer
+from ..ep.api import MASK_BACKENDS
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
 from ..runtime.backend import choose_backend_hosts
@@ -58,20 +59,22 @@ class Buffer(ShrinkMasks):
             computed for other shapes is caught before anything is allocated. llcomm allocates
             ``EPBuffer.size_hint`` of the shapes and dtype (twice the hint for float32 tokens).
         low_latency_mode: must be True (the high-throughput mode is not implemented).
-        num_qps_per_rank: RDMA queue pairs: accepted, unused (llcomm moves data over NVLink peer
-            memory or torch.distributed, not RDMA).
+        num_qps_per_rank: RDMA queue pairs: accepted, unused (across hosts NVSHMEM's own
+            settings govern its transport; docs/multihost.md).
         allow_nvlink_for_low_latency_mode: must be True (llcomm's peer backend is NVLink).
         allow_mnnvl: accepted, no effect: the peer backend serves the GPUs of one host;
-            across hosts the reference backend (torch.distributed) runs.
+            across hosts the two-level kernels on SHMEM run, or the two-level reference
+            exchange on torch.distributed (docs/multihost.md).
         use_fabric: must be False.
         explicitly_destroy: accepted; ``destroy()`` works either way.
-        enable_shrink: rank masks (``EPBuffer(enable_masks=True)``), **peer backend only**: a
-            rank that misses a bounded wait is masked, ``low_latency_query_mask_buffer`` reports
-            it, ``low_latency_update_mask_buffer`` masks or unmasks one rank by hand,
-            ``low_latency_clean_mask_buffer`` unmasks every rank. On a gloo group (where
-            only the reference backend runs) or with ``backend="reference"`` the constructor
-            raises UnsupportedConfigError; where ``"auto"`` picks the reference backend on an
-            NCCL group, the EPBuffer's creation raises it.
+        enable_shrink: rank masks (``EPBuffer(enable_masks=True)``; peer backend, or the
+            two-level kernels across hosts): a rank that misses a bounded wait is masked,
+            ``low_latency_query_mask_buffer`` reports it, ``low_latency_update_mask_buffer``
+            masks or unmasks one rank by hand, ``low_latency_clean_mask_buffer`` unmasks every
+            rank. On a gloo group (where only the reference backend runs) or with
+            ``backend="reference"`` the constructor raises UnsupportedConfigError; where
+            ``"auto"`` picks the reference backend on an NCCL group, the EPBuffer's creation
+            raises it.
         comm: an mpi4py communicator: not supported (pass ``group``).
         backend: llcomm's backend of the EPBuffer (``"auto"``, ``"peer"`` or ``"reference"``).
         timeout_ms: bound of every device-side wait of the EPBuffer (its default otherwise).
@@ -133,14 +136,12 @@ class Buffer(ShrinkMasks):
             resolved, why = ((backend, "requested") if backend == "reference" else
                              choose_backend_hosts(self.group, backend, "deep_ep.Buffer", (),
                                                   EPSettings.read().ranks_per_host)[:2])
-            if resolved != "peer":
+            if resolved not in MASK_BACKENDS:
                 raise UnsupportedConfigError(
-                    f"{PREFIX}: enable_shrink=True needs rank masks, which are single-host "
-                    f"peer-backend only, and this buffer would run on the {resolved} backend "
-                    f"({why}; "
-                    f"backend={backend!r}): a torch.distributed collective cannot leave a "
-                    "member out, and the two-level kernels have no masks. Create it without "
-                    "enable_shrink.")
+                    f"{PREFIX}: enable_shrink=True needs rank masks, which the peer backend and "
+                    "the two-level kernels on SHMEM have, and this buffer would run on the "
+                    f"{resolved} backend ({why}; backend={backend!r}): a torch.distributed "
+                    "collective cannot leave a member out. Create it without enable_shrink.")
 
     # -- sizes and the EPBuffer -----------------------------------------------------------------
     @staticmethod

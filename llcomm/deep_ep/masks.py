@@ -22,8 +22,9 @@ class ShrinkMasks:
         if (self._ep.backend if self._ep is not None else self._backend) == "reference" \
                 or dist.get_backend(self.group) != "nccl":
             raise UnsupportedConfigError(
-                f"{PREFIX}.{fn}: rank masks are peer-backend only and this buffer runs on the "
-                "reference backend: a torch.distributed collective cannot leave a member out")
+                f"{PREFIX}.{fn}: rank masks need the peer backend or the two-level kernels, and "
+                "this buffer runs on the reference backend: a torch.distributed collective "
+                "cannot leave a member out")
         raise ValueError(f"{PREFIX}.{fn}: this Buffer was created without enable_shrink=True "
                          "(rank masks)")
 

@@ -40,6 +40,8 @@ from .reference_hosts import TwoLevelReferenceEP
 from .sizes import EP_DTYPES, size_hint
 
 BACKENDS = ("auto", "peer", "reference")
+#: Backends with rank masks: a torch.distributed collective cannot leave a member out.
+MASK_BACKENDS = ("peer", "shmem")
 #: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
 MAX_MASK_RANKS = 32
 
@@ -81,17 +83,18 @@ class EPBuffer(RankMasks):
             The default (False) sizes it for the buffer dtype, which also holds FP8 rows and
             scales, so both kinds of dispatch work. ``size_hint(..., fp8=True)`` says how much
             this saves (about a quarter in bf16; docs/ep.md).
-        enable_masks: rank masks for fault tolerance, **peer backend only** (at most 32
-            ranks). A rank that misses a bounded wait is *masked* instead of failing the call:
-            this rank goes on without it (dispatch: its rows are not received and
-            ``recv_count`` excludes them; combine: its partials count as zero, a token routed
-            only to masked ranks gets zeros) and later calls do not wait for it, so a dead peer
-            costs one timeout. ``query_mask()`` says who is masked, ``clean_mask()`` forgets
-            it, ``set_mask(rank, masked)`` masks or unmasks one rank by hand (llcomm/ep/masks.py).
-            Mismatches still raise. Where the buffer would run on the reference backend
-            (requested, or chosen by ``"auto"``) the constructor raises
-            ``UnsupportedConfigError``: a collective cannot leave a member out. docs/ep.md has
-            the exact semantics and limits.
+        enable_masks: rank masks for fault tolerance, on the peer backend and across hosts on
+            the two-level kernels (``"shmem"``); at most 32 ranks. A rank that misses a bounded
+            wait is *masked* instead of failing the call: this rank goes on without it
+            (dispatch: its rows are not received and ``recv_count`` excludes them; combine: its
+            partials count as zero, a token routed only to masked ranks gets zeros) and later
+            calls do not wait for it, so a dead peer costs one timeout. ``query_mask()`` says
+            who is masked, ``clean_mask()`` forgets it, ``set_mask(rank, masked)`` masks or
+            unmasks one rank by hand (llcomm/ep/masks.py). Across hosts a masked rank also
+            stops relaying for its rail (docs/multihost.md, "Rank masks"). Mismatches still
+            raise. Where the buffer would run on the reference backend (requested, or chosen by
+            ``"auto"``) the constructor raises ``UnsupportedConfigError``: a collective cannot
+            leave a member out. docs/ep.md has the exact semantics and limits.
         check_calls: reference backend: before each dispatch and combine, the ranks exchange a
             64-byte header (op, dtype, hidden, ``topk``, FP8 mode, carried weights, the
             buffer's shapes) and raise ``CommMismatchError`` on every rank where they differ,
@@ -166,12 +169,13 @@ class EPBuffer(RankMasks):
         #: the group's hosts (``llcomm.runtime.hosts.Hosts``): detected, or declared by
         #: LLCOMM_EP_RANKS_PER_HOST; several hosts run the two-level exchange
         self.hosts = hosts
-        if enable_masks and backend != "peer":
+        if enable_masks and backend not in MASK_BACKENDS:
             raise UnsupportedConfigError(
-                "llcomm.EPBuffer: enable_masks=True: rank masks are single-host peer-backend "
-                f"only, and this buffer would run on the {backend} backend "
-                f"({self.backend_reason}). Create it without enable_masks (a missing peer then "
-                "raises CommTimeoutError), or on a group where backend='peer' runs.")
+                "llcomm.EPBuffer: enable_masks=True: rank masks need the peer backend (one "
+                "host) or the two-level kernels on SHMEM (across hosts), and this buffer would "
+                f"run on the {backend} backend ({self.backend_reason}). Create it without "
+                "enable_masks (a missing peer then raises CommTimeoutError), or on a group "
+                "where one of those runs.")
         if backend == "shmem":
             self._impl = HostsPeerEP(self)
             self.device = self._impl.device

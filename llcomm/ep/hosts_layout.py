@@ -14,6 +14,7 @@ consecutive combines)::
     dispatch
       d_rail_sig   int64 [NB, N]        from each source host, per block of its rail rank
       d_host_sig   int64 [NB, R]        from each forwarder of this host, per block
+      d_host_entry int64 [R]            each rank of this host has begun the call (masks)
       d_stage_ids  int32 [HEADER + T K] own token count, then own top-k ids  (put source)
       d_stage      [T, row]             own rows, quantised for FP8          (put source)
       d_rail_ids   int32 [N, HEADER + T K]  each source host's d_stage_ids
@@ -24,6 +25,7 @@ consecutive combines)::
     combine
       c_rail_sig   int64 [N]            weights from each source host (one block sends)
       c_host_sig   int64 [NB, R]        weights forwarded inside the host
+      c_host_entry int64 [R]            each rank of this host has begun the call (masks)
       c_part_sig   int64 [NB, R]        partials from each rank of this host
       c_back_sig   int64 [NB, N]        host sums from each host
       c_stage_w    fp32  [T K]          own top-k weights                    (put source)
@@ -44,11 +46,18 @@ from .layout import ALIGN, FP8_BLOCK, MAX_WAIT_FLAGS, NUM_SETS
 ID_HEADER_WORDS = 4
 #: Row slots are padded to this many bytes (16-byte vector access).
 ROW_ALIGN = 16
+#: Words of the two-level kernels' private ``err`` tensor: 0-2 as on one host (device error
+#: word, host error and input-error addresses), ``layout.ERR_MASK`` (3) the rank mask, then one
+#: word for each of the dispatch's three mask agreements (``kernels/hosts_masks.py``).
+ERR_RAIL_VERDICT = 4
+ERR_ENTRY_VERDICT = 5
+ERR_HOST_VERDICT = 6
+ERR_WORDS = 7
 
-DISPATCH_REGIONS = ("d_rail_sig", "d_host_sig", "d_stage_ids", "d_stage", "d_rail_ids",
-                    "d_rail_rows", "d_host_ntok", "d_host_ids", "d_host_rows")
-COMBINE_REGIONS = ("c_rail_sig", "c_host_sig", "c_part_sig", "c_back_sig", "c_stage_w",
-                   "c_rail_w", "c_host_w", "c_part", "c_stage_back", "c_back")
+DISPATCH_REGIONS = ("d_rail_sig", "d_host_sig", "d_host_entry", "d_stage_ids", "d_stage",
+                    "d_rail_ids", "d_rail_rows", "d_host_ntok", "d_host_ids", "d_host_rows")
+COMBINE_REGIONS = ("c_rail_sig", "c_host_sig", "c_host_entry", "c_part_sig", "c_back_sig",
+                   "c_stage_w", "c_rail_w", "c_host_w", "c_part", "c_stage_back", "c_back")
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -101,10 +110,12 @@ def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: i
     ids = _align(4 * (ID_HEADER_WORDS + T * K))
     part = hidden * itemsize
     sizes = {
-        "d_rail_sig": 8 * NB * N, "d_host_sig": 8 * NB * R, "d_stage_ids": ids,
+        "d_rail_sig": 8 * NB * N, "d_host_sig": 8 * NB * R, "d_host_entry": 8 * R,
+        "d_stage_ids": ids,
         "d_stage": T * row, "d_rail_ids": N * ids, "d_rail_rows": N * T * row,
         "d_host_ntok": 4 * W, "d_host_ids": W * 4 * T * K, "d_host_rows": W * T * row,
-        "c_rail_sig": 8 * N, "c_host_sig": 8 * NB * R, "c_part_sig": 8 * NB * R,
+        "c_rail_sig": 8 * N, "c_host_sig": 8 * NB * R, "c_host_entry": 8 * R,
+        "c_part_sig": 8 * NB * R,
         "c_back_sig": 8 * NB * N, "c_stage_w": 4 * T * K,
         "c_rail_w": N * _align(4 * T * K, ROW_ALIGN), "c_host_w": W * 4 * T * K,
         "c_part": R * N * T * part, "c_stage_back": N * T * part, "c_back": N * T * part,

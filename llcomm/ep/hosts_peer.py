@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..runtime import protocol as P
-from .hosts_layout import HostsLayout, hosts_layout, row_bytes
-from .layout import DEFAULT_NUM_BLOCKS, MAX_TOPK
+from .hosts_layout import ERR_WORDS, HostsLayout, hosts_layout, row_bytes
+from .layout import DEFAULT_NUM_BLOCKS, ERR_MASK, MAX_TOPK
+from .masks import update_mask_word
 from .peer import MAX_WARPS, VECTORS_PER_THREAD, PeerEP, _bundle, _pow2
 
 
@@ -37,12 +38,14 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     o = lay.offsets
     d_regions = _bundle(
         HostDispatchRegions, SET_BYTES=lay.set_bytes, IDS_BYTES=lay.ids_block_bytes(),
-        RAIL_SIG=o["d_rail_sig"], HOST_SIG=o["d_host_sig"], STAGE_IDS=o["d_stage_ids"],
+        RAIL_SIG=o["d_rail_sig"], HOST_SIG=o["d_host_sig"], HOST_ENTRY=o["d_host_entry"],
+        STAGE_IDS=o["d_stage_ids"],
         STAGE=o["d_stage"], RAIL_IDS=o["d_rail_ids"], RAIL_ROWS=o["d_rail_rows"],
         HOST_NTOK=o["d_host_ntok"], HOST_IDS=o["d_host_ids"], HOST_ROWS=o["d_host_rows"])
     c_regions = _bundle(
         HostCombineRegions, SET_BYTES=lay.set_bytes, RAIL_SIG=o["c_rail_sig"],
-        HOST_SIG=o["c_host_sig"], PART_SIG=o["c_part_sig"], BACK_SIG=o["c_back_sig"],
+        HOST_SIG=o["c_host_sig"], HOST_ENTRY=o["c_host_entry"], PART_SIG=o["c_part_sig"],
+        BACK_SIG=o["c_back_sig"],
         STAGE_W=o["c_stage_w"], RAIL_W=o["c_rail_w"], HOST_W=o["c_host_w"], PART=o["c_part"],
         STAGE_BACK=o["c_stage_back"], BACK=o["c_back"])
     num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
@@ -154,7 +157,8 @@ class HostsPeerEP:
         self.nbytes = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
         self._host = torch.zeros(2, dtype=torch.int64, device="cpu", pin_memory=True)
         self._host_np = self._host.numpy()
-        self.err = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=self.device)
+        self.masks = int(buf.enable_masks)
         self.err[1:3] = torch.tensor([self._host.data_ptr(), self._host.data_ptr() + 8],
                                     dtype=torch.int64, device="cpu")
         self._failure = P.FailureLatch(self.rank, "EPBuffer")
@@ -180,7 +184,8 @@ class HostsPeerEP:
         return hit
 
     def _launch(self, launcher, args, consts, stages, num_warps):
-        launcher((self.nb,), args, dict(consts, STAGES=stages, SHMEM=1, num_warps=num_warps))
+        launcher((self.nb,), args, dict(consts, STAGES=stages, SHMEM=1, MASKS=self.masks,
+                                        num_warps=num_warps))
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
                  split: bool = False):
@@ -246,6 +251,17 @@ class HostsPeerEP:
     def inter_host_bytes(self) -> int:
         """``rail_bytes`` of the latest op (EPBuffer.last_inter_host_bytes)."""
         return self.rail_bytes(self._last)
+
+    # rank masks (EPBuffer(enable_masks=True)): err[ERR_MASK], as on one host
+    def query_mask(self) -> torch.Tensor:
+        ranks = torch.arange(self.W, dtype=torch.int64, device=self.device)
+        return ((self.err[ERR_MASK] >> ranks) & 1).to(torch.int32)
+
+    def clean_mask(self) -> None:
+        self.err[ERR_MASK].zero_()
+
+    def set_mask(self, rank: int, masked: bool) -> None:
+        update_mask_word(self.err, rank, masked)
 
     # the error words are laid out as the single-host peer backend's, and read the same way
     take_bad_count = PeerEP.take_bad_count

@@ -1,8 +1,8 @@
-"""Rank masks of ``EPBuffer`` (``enable_masks=True``, peer backend): the methods that read and
-change this rank's mask, as a mixin of ``EPBuffer``, and the one device-side update of the mask
-word that the peer backend and the interpreter tests share.
+"""Rank masks of ``EPBuffer`` (``enable_masks=True``; peer backend, or SHMEM across hosts): the
+methods that read and change this rank's mask, as a mixin of ``EPBuffer``, and the one
+device-side update of the mask word that both kernel backends and the interpreter tests share.
 
-The mask is word ``layout.ERR_MASK`` of the peer backend's private ``err`` tensor (bit s: rank
+The mask is word ``layout.ERR_MASK`` of the kernels' private ``err`` tensor (bit s: rank
 s is masked; ``kernels/common.py``). The kernels read it at the start of each call and OR in the
 ranks a wait gives up on; the host changes it only with small torch ops on the caller's stream,
 so every change is ordered with the calls around it and is captured by a CUDA graph.
@@ -41,8 +41,8 @@ def check_mask_args(fn: str, num_ranks: int, rank, masked, rank_name: str = "ran
 
 class RankMasks:
     """``EPBuffer``'s rank-mask methods (docs/ep.md, "Rank masks"). Each raises ValueError
-    unless the buffer has ``enable_masks=True`` (peer backend only); none is a collective or
-    synchronises the host."""
+    unless the buffer has ``enable_masks=True`` (not on the reference backend); none is a
+    collective or synchronises the host."""
 
     def query_mask(self) -> torch.Tensor:
         """The ranks this rank treats as absent: a new ``[num_ranks]`` int32 tensor on the
@@ -50,7 +50,7 @@ class RankMasks:
 
         Stream-ordered, no host synchronisation: it reflects every call queued before it on the
         current stream (``.tolist()`` waits for them). Not a collective. Raises ValueError unless
-        the buffer has ``enable_masks=True`` (peer backend only).
+        the buffer has ``enable_masks=True`` (not on the reference backend).
         """
         self._check_masks("query_mask")
         return self._impl.query_mask()

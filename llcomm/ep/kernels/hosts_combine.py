@@ -34,7 +34,7 @@ from ...runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison,
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA, PHASE_ENTRY, PHASE_EXIT,
                      _at, _masked, _rank_bits, symbol)
 from .hosts_dispatch import Where
-from .hosts_masks import HOST, RAIL, fed, masked_wait
+from .hosts_masks import HOST, RAIL, announce, entry_wait, fed, later_bound, masked_wait
 from .rail import PUT_CHUNK, copy_words, host_signal, rail_put, rail_signal
 
 HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
@@ -55,8 +55,8 @@ STAGE_OUT = tl.constexpr(HC_OUT)
 
 #: Byte offsets of the combine's regions in set 0 (``hosts_layout``) and the set's size.
 HostCombineRegions = namedtuple("HostCombineRegions", [
-    "SET_BYTES", "RAIL_SIG", "HOST_SIG", "PART_SIG", "BACK_SIG", "STAGE_W", "RAIL_W", "HOST_W",
-    "PART", "STAGE_BACK", "BACK"])
+    "SET_BYTES", "RAIL_SIG", "HOST_SIG", "HOST_ENTRY", "PART_SIG", "BACK_SIG", "STAGE_W",
+    "RAIL_W", "HOST_W", "PART", "STAGE_BACK", "BACK"])
 @triton.jit
 def _weights_stride(S):
     """Bytes between two hosts' weight blocks in ``c_rail_w``: a block rounded up to 16
@@ -239,6 +239,8 @@ def hosts_combine_kernel(
     own_host = tl.full([], 1, tl.int64) << wh.host
     sent = tl.full([], 0, tl.int64)
     if STAGE_WEIGHTS & STAGES:
+        if MASKS:
+            announce(wh, wh.set_off + REGIONS.HOST_ENTRY, word, SIZES)
         if b == 0:
             sent += _weights_out(wts, n_tok, wh, word, SIZES, REGIONS, SHMEM)
     # masks: each block uses its own waits' view, as on one host (a block's tokens depend on
@@ -253,12 +255,18 @@ def hosts_combine_kernel(
                               timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, SIZES.N,
                               SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
                               SIZES, MASKS, 0)
+        if MASKS:
+            ok_e, msk = entry_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_ENTRY, tl.int64),
+                                   word, timeout_us, err, OP_COMBINE, ok, msk, seq + 1, wh, SIZES,
+                                   0)
+            ok = ok & ok_e
+    later_us = later_bound(timeout_us, MASKS)
     if STAGE_FORWARD & STAGES:
         if ok:
             _weights_in(wts, fwd_ntok, msk, wh, word, SIZES, REGIONS)
     if STAGE_PARTIALS_WAIT & STAGES:
         ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                               timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                               later_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
                                SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
                                SIZES, MASKS, 0)
         ok = ok & ok2
@@ -267,7 +275,7 @@ def hosts_combine_kernel(
             _partials(eo, row_of, ntok_in, msk, wh, word, SIZES, REGIONS)
     if STAGE_HOST_SUM_WAIT & STAGES:
         ok3, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
-                               timeout_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                               later_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
                                SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
                                SIZES, MASKS, 0)
         ok = ok & ok3
@@ -280,7 +288,7 @@ def hosts_combine_kernel(
         tl.atomic_add(nbytes + b, sent, sem="relaxed", scope="gpu")
     if STAGE_OUT_WAIT & STAGES:
         ok4, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.BACK_SIG, tl.int64), word,
-                               timeout_us, err, OP_COMBINE, PHASE_EXIT, ok, SIZES.NB * SIZES.N,
+                               later_us, err, OP_COMBINE, PHASE_EXIT, ok, SIZES.NB * SIZES.N,
                                SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
                                SIZES, MASKS, 0)
         ok = ok & ok4

@@ -36,7 +36,8 @@ from ..hosts_layout import ID_HEADER_WORDS
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at,
                      _masked, _rank_bits, symbol)
 from .fp8_rows import _quantize_row
-from .hosts_masks import ERR_HOST_VERDICT, ERR_RAIL_VERDICT, HOST, RAIL, fed, masked_wait
+from .hosts_masks import (ERR_ENTRY_VERDICT, ERR_HOST_VERDICT, ERR_RAIL_VERDICT, HOST, RAIL,
+                          announce, entry_wait, fed, later_bound, masked_wait)
 from .rail import copy_words, host_signal, rail_put, rail_signal
 
 HD_SEND, HD_FORWARD_WAIT, HD_FORWARD, HD_EXPAND_WAIT, HD_EXPAND = 1, 2, 4, 8, 16
@@ -69,8 +70,8 @@ HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "
 #: Byte offsets of the dispatch's regions in set 0 (``hosts_layout``), the set's size and an
 #: id block's size.
 HostDispatchRegions = namedtuple("HostDispatchRegions", [
-    "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "HOST_SIG", "STAGE_IDS", "STAGE", "RAIL_IDS",
-    "RAIL_ROWS", "HOST_NTOK", "HOST_IDS", "HOST_ROWS"])
+    "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "HOST_SIG", "HOST_ENTRY", "STAGE_IDS", "STAGE",
+    "RAIL_IDS", "RAIL_ROWS", "HOST_NTOK", "HOST_IDS", "HOST_ROWS"])
 #: Where this call's data lives (runtime values): region table, this rank, its host and local
 #: index, the set's byte offset.
 Where = namedtuple("Where", ["tab", "rank", "host", "local", "set_off"])
@@ -295,6 +296,8 @@ def hosts_dispatch_kernel(
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     wh = Where(tab, rank, rank // SIZES.R, rank % SIZES.R, (seq % 2) * REGIONS.SET_BYTES)
     if STAGE_SEND & STAGES:
+        if MASKS:
+            announce(wh, wh.set_off + REGIONS.HOST_ENTRY, word, SIZES)
         _send(x, topk, n_tok, err, wh, word, nbytes, SIZES, REGIONS, FP8, SHMEM)
     msk = tl.full([], 0, tl.int64)     # masked ranks (MASKS only)
     if MASKS:
@@ -306,12 +309,18 @@ def hosts_dispatch_kernel(
                               SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL,
                               tl.full([], 1, tl.int64) << wh.host, msk, seq + 1, wh, SIZES,
                               MASKS, ERR_RAIL_VERDICT)
+        if MASKS:
+            ok_e, msk = entry_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_ENTRY, tl.int64),
+                                   word, timeout_us, err, OP_DISPATCH, ok, msk, seq + 1, wh, SIZES,
+                                   ERR_ENTRY_VERDICT)
+            ok = ok & ok_e
     if STAGE_FORWARD & STAGES:
         if ok:
             _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, SIZES, REGIONS)
     if STAGE_EXPAND_WAIT & STAGES:
         ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                               timeout_us, err, OP_DISPATCH, PHASE_DATA, ok, SIZES.NB * SIZES.R,
+                               later_bound(timeout_us, MASKS), err, OP_DISPATCH, PHASE_DATA, ok,
+                               SIZES.NB * SIZES.R,
                                SIZES.HOST_FLAGS_P2, SIZES.R, HOST, tl.full([], 0, tl.int64),
                                msk, seq + 1, wh, SIZES, MASKS, ERR_HOST_VERDICT)
         ok = ok & ok2

@@ -5,6 +5,14 @@ two-level kernels polls one level: a *rail* wait one source per host (the rank o
 index there), a *host* wait one source per local rank of this host. ``masked_wait`` runs such a
 wait with the masked sources skipped and adds the ones it gives up on to the mask word.
 
+Detection in one place: a rank that stops is polled by its rail ranks (rail waits) and by the
+ranks of its host (host waits), and a wait that gives up on it delays the rank that waited by
+one bound, so a later wait of another rank would give up on that live rank too if it had the
+same bound. So each call's first wait detects both levels at once: the rail wait, then a wait
+for every rank of this host to have *begun* the call (``announce``, ``entry_wait``; one flag
+per rank, set at its start), both within one bound of the call's start; the waits after them
+allow twice the bound (``later_bound``), the most a live peer can be late by then.
+
 Across hosts a rank relays for its rail, so masking it drops more than its own tokens: a
 forwarder skips the tokens of masked sources, and a rank skips every source whose forwarder on
 its host is masked (``fed``). A host that stops answering is masked by the rail waits of the
@@ -13,14 +21,16 @@ ranks that wait for it, so its tokens are skipped and its experts count as absen
 import triton
 import triton.language as tl
 
-from .common import ERR_MASK, _agree_mask, _wait_flags
+from .. import hosts_layout as HL
+from .common import ERR_MASK, PHASE_ENTRY, _agree_mask, _at, _wait_flags
 
 #: A wait's level (``masked_wait``'s LEVEL).
 RAIL = tl.constexpr(0)
 HOST = tl.constexpr(1)
-#: The two dispatch waits' agreements (``_agree_mask``): one word of ``err`` each.
-ERR_RAIL_VERDICT = tl.constexpr(4)
-ERR_HOST_VERDICT = tl.constexpr(5)
+#: The three dispatch waits' agreements (``_agree_mask``): one word of ``err`` each.
+ERR_RAIL_VERDICT = tl.constexpr(HL.ERR_RAIL_VERDICT)
+ERR_ENTRY_VERDICT = tl.constexpr(HL.ERR_ENTRY_VERDICT)
+ERR_HOST_VERDICT = tl.constexpr(HL.ERR_HOST_VERDICT)
 
 
 @triton.jit
@@ -80,3 +90,32 @@ def masked_wait(flags, word, timeout_us, err, op, phase, go, NFLAGS: tl.constexp
             tl.atomic_or(err + ERR_MASK, new, sem="relaxed", scope="gpu")
         msk = new
     return ok, msk
+
+
+@triton.jit
+def announce(wh, entry_off, word, S):
+    """Block 0: ``word`` into this rank's entry flag (byte ``entry_off``, one int64 per local
+    rank) on every rank of this host: this rank has begun the call."""
+    if tl.program_id(0) == 0:
+        tl.debug_barrier()
+        for q in tl.static_range(S.R):
+            tl.atomic_xchg(_at(wh.tab, wh.host * S.R + q, entry_off, tl.int64) + wh.local, word,
+                           sem="release", scope="sys")
+
+
+@triton.jit
+def entry_wait(flags, word, timeout_us, err, op, go, msk, epoch, wh, S, AGREE: tl.constexpr):
+    """Masks: wait (one bound) for every unmasked rank of this host to have begun the call
+    (``announce``); one that has not is masked. Returns ``(ok, msk)``."""
+    return masked_wait(flags, word, timeout_us, err, op, PHASE_ENTRY, go, S.R, S.HOST_FLAGS_P2,
+                       S.R, HOST, tl.full([], 1, tl.int64) << wh.local, msk, epoch, wh, S, 1,
+                       AGREE)
+
+
+@triton.jit
+def later_bound(timeout_us, MASKS: tl.constexpr):
+    """The bound of the waits after a call's first ones: twice the bound with masks (a live
+    peer may have spent one bound detecting a dead one first), else the bound."""
+    if MASKS:
+        return timeout_us.to(tl.int64) * 2
+    return timeout_us.to(tl.int64)
