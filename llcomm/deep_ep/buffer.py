@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ep import HANDLE_SLOTS, DeepEPOutputs, EPBuffer
-from ..ep.api import MASK_BACKENDS
+from ..ep import HANDLE_SLOTS, MASK_BACKENDS, DeepEPOutputs, EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
 from ..runtime.backend import choose_backend_hosts
