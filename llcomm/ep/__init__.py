@@ -2,8 +2,9 @@
 ``checks``, ``EPHandle`` in ``handle``), the peer backend (``peer``, kernels in ``kernels/``), the
 reference backend (``reference``; across hosts its two-level exchange, ``reference_hosts``), the
 two-level kernels across hosts (``hosts_peer``, ``hosts_layout``), the backends with rank masks
-(``MASK_BACKENDS``), the buffer layout and size hint (``layout``: a handle lives for ``HANDLE_SLOTS`` dispatches) and
-``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``)."""
+(``MASK_BACKENDS``), the buffer layout and size hint (``layout``: a handle lives for
+``HANDLE_SLOTS`` dispatches) and ``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``).
+"""
 from .api import MASK_BACKENDS, EPBuffer, EPHandle
 from .deep_layouts import DeepEPOutputs
 from .layout import HANDLE_SLOTS
