@@ -7,8 +7,8 @@ torch's SHMEM Triton layer defines its device functions only where torch sees a 
 (``llcomm/runtime/shmem.py``), so this tool first tells torch it has one, then compiles
 ``hosts_dispatch_kernel`` (bf16 rows, FP8, FP8 with power-of-two scales) and
 ``hosts_combine_kernel`` with ``SHMEM`` = 1, linking NVSHMEM's device bitcode from the
-``nvidia-nvshmem-cu13`` (or ``-cu12``) wheel, and the same kernels with ``SHMEM`` = 0 for
-comparison. Prints per kernel the NVSHMEM functions it calls (read from its TTGIR; in the
+``nvidia-nvshmem-cu13`` (or ``-cu12``) wheel, the bf16 dispatch and the combine with rank
+masks (``MASKS`` = 1) too, and the kernels with ``SHMEM`` = 0 for comparison. Prints per kernel the NVSHMEM functions it calls (read from its TTGIR; in the
 PTX they are inlined from the bitcode), the system-scope atomics (the signals inside a host
 and the acquires after the waits), and the PTX size; exits 1 when a SHMEM kernel misses a
 put, signal or quiet, or leaves one undefined in its PTX, or a SHMEM = 0 kernel calls any.
@@ -107,12 +107,17 @@ def main(argv=None) -> int:
         cc = dict(cc)
         cc.pop("enable_fp_fusion")
         kernels = [(f"hosts_dispatch_{name}", HD.hosts_dispatch_kernel, dsig,
-                    dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL))]
+                    dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL), (1, 0))]
         if fp8 == 0:
-            kernels.append(("hosts_combine", HC.hosts_combine_kernel, csig,
-                            dict(cc, STAGES=HC.HOSTS_COMBINE_ALL)))
-        for kname, fn, sig, consts in kernels:
-            for shmem in (1, 0):
+            kernels += [("hosts_combine", HC.hosts_combine_kernel, csig,
+                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL), (1, 0)),
+                        # rank masks: SHMEM only (the plain stores are the same code)
+                        ("hosts_dispatch_bf16_masks", HD.hosts_dispatch_kernel, dsig,
+                         dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, MASKS=1), (1,)),
+                        ("hosts_combine_masks", HC.hosts_combine_kernel, csig,
+                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL, MASKS=1), (1,))]
+        for kname, fn, sig, consts, variants in kernels:
+            for shmem in variants:
                 k = compile_one(fn, sig, dict(consts, SHMEM=shmem), warps,
                                 extern_libs=libs if shmem else None)
                 ptx = k.asm["ptx"]
