@@ -256,13 +256,20 @@ def simulate_absent_host(R, N, timeout_us):
 
 @pytest.mark.parametrize("R,N", [(2, 2), (1, 3)])
 def test_an_absent_host_times_out_every_other_rank(R, N):
-    """The ranks of one host never come: every other rank's dispatch ends by its bounded waits
-    (its rail peers' at the rail wait, the rest of their hosts' at the host wait), reports a
-    timeout in its host error word and leaves its counts poisoned (-1)."""
+    """The ranks of one host never come: every other rank's dispatch ends by its bounded rail
+    wait, reports a timeout in its host error word, naming its rail rank on that host (as
+    ``HostsPeerEP.precheck`` decodes it), and leaves its counts poisoned (-1)."""
     from llcomm.runtime import protocol as P
+    import types
+
+    from llcomm.ep.hosts_peer import HostsPeerEP
     got = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_absent_host", R, N, 300_000)
     assert len(got) == (N - 1) * R
     for r, (word, cnt, ntok) in enumerate(got):
         assert word != 0, f"rank {r}: no error reported"
-        assert P.decode_error(word, r).__class__.__name__ == "CommTimeoutError", (r, hex(word))
+        me = types.SimpleNamespace(rank=r, R=R)
+        e = P.decode_error(word, r, lambda phase, i: HostsPeerEP.source_rank(me, phase, i))
+        assert e.__class__.__name__ == "CommTimeoutError", (r, hex(word))
+        # named by global rank: its rail rank on the absent host
+        assert list(e.ranks) == [(N - 1) * R + r % R], (r, e.ranks, str(e))
         assert set(cnt) == {-1} and set(ntok) == {-1}, (r, cnt, ntok)

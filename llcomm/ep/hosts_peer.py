@@ -263,9 +263,17 @@ class HostsPeerEP:
     def set_mask(self, rank: int, masked: bool) -> None:
         update_mask_word(self.err, rank, masked)
 
+    def source_rank(self, phase: int, i: int) -> int:
+        """The rank a wait's source index i names in an error word: host waits ("data poll")
+        number this host's ranks, rail waits (entry and exit barriers) the hosts."""
+        host, local = divmod(self.rank, self.R)
+        return host * self.R + i if phase == P.PHASE_DATA else i * self.R + local
+
+    def precheck(self) -> None:
+        self._failure.check(self._host_np[0], self.source_rank)
+
     # the error words are laid out as the single-host peer backend's, and read the same way
     take_bad_count = PeerEP.take_bad_count
-    precheck = PeerEP.precheck
 
     def close(self) -> None:
         self.heap = None

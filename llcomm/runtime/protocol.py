@@ -142,15 +142,18 @@ def lamport_tag(op: int, numel: int, dtype_name: str) -> int:
     return LAMPORT_TAG_BIT | size_tag(op, numel, dtype_name)
 
 
-def decode_error(word: int, rank: int) -> LLCommError | None:
-    """Turn an error word written by a kernel into the exception to raise, or None if clear."""
+def decode_error(word: int, rank: int, rank_of=None) -> LLCommError | None:
+    """Turn an error word written by a kernel into the exception to raise, or None if clear.
+    ``rank_of(phase, i)``: the rank that bit i of the word's mask names, where a kernel's waits
+    number their sources otherwise (the two-level EP kernels); default: rank i."""
     if word == 0:
         return None
     status = (word >> 48) & 0xFF
     op = OPS.get((word >> 40) & 0xFF, f"op#{(word >> 40) & 0xFF}")
-    phase = PHASES.get((word >> 32) & 0xFF, f"phase#{(word >> 32) & 0xFF}")
+    phase_id = (word >> 32) & 0xFF
+    phase = PHASES.get(phase_id, f"phase#{phase_id}")
     mask = word & 0xFFFFFFFF
-    ranks = [r for r in range(32) if mask >> r & 1]
+    ranks = [r if rank_of is None else rank_of(phase_id, r) for r in range(32) if mask >> r & 1]
     if status not in (STATUS_TIMEOUT, STATUS_MISMATCH):
         return LLCommError(
             f"llcomm: rank {rank}: unrecognised error word {word:#x} (status {status}, {op}, "
@@ -190,10 +193,11 @@ class FailureLatch:
         return CommBrokenError(f"llcomm: rank {self.rank}: this {self.what} failed earlier "
                                f"({self.error}); destroy it and create a new one.")
 
-    def check(self, word: int) -> None:
-        """Raise if ``word`` (the host copy of the error word) is set or an error came earlier."""
+    def check(self, word: int, rank_of=None) -> None:
+        """Raise if ``word`` (the host copy of the error word) is set or an error came earlier.
+        ``rank_of``: as ``decode_error``'s."""
         if self.error is None and word != 0:
-            self.error = decode_error(int(word), self.rank)
+            self.error = decode_error(int(word), self.rank, rank_of)
             raise self.error
         if self.error is not None:
             raise self._broken()
