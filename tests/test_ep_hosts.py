@@ -332,10 +332,17 @@ def test_deep_ep_on_declared_hosts():
     assert not fails, "\n".join(fails[:20])
 
 
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
 def test_bench_ep_ranks_per_host(tmp_path):
     """``llcomm bench ep --cpu --ranks-per-host 1``: two gloo ranks as two hosts, every result
-    right, the bytes table printed, and with one rank per host the dispatch's bytes are one
-    row and its tag per (token, GPU) on the other host plus the row count."""
+    right (the reference's and the two-level kernels' in the interpreter), the bytes table
+    printed, and with one rank per host the bytes as each counts them: the reference's dispatch
+    one row and its tag per (token, GPU) on the other host plus the row count; the kernels' one
+    row per (token, other host) plus an id block (dispatch) or a weights block and a tag
+    (combine) and a signal per block."""
     import json
     import subprocess
     import sys
@@ -355,12 +362,19 @@ def test_bench_ep_ranks_per_host(tmp_path):
     assert "bytes put across hosts" in p.stdout
     rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
     assert {r["op"] for r in rows} == {"dispatch", "combine"}
+    assert {r["impl"] for r in rows} == {"reference", "interpreter"}
     for r in rows:
         assert r["wrong"] == 0 and r["ranks_per_host"] == 1, r
         assert 0 < r["per_gpu_bytes"] <= r["per_expert_bytes"], r
-        if r["op"] == "dispatch":       # means over the 2 ranks: the sums are exact
+        n, got = r["tokens_per_rank"], r["inter_host_bytes"]
+        if r["impl"] == "interpreter":  # the kernels' own count: rows, then per other host an
+            nb = r["num_blocks"]        # id block or a weights block and the signals
+            extra = (_align16(4 * (4 + n * K)) if r["op"] == "dispatch"
+                     else _align16(4 * n * K) + 8)
+            assert got == r["per_gpu_bytes"] + extra + 8 * nb, r
+        elif r["op"] == "dispatch":     # means over the 2 ranks: the sums are exact
             rows = 2 * r["per_gpu_bytes"] // (H * 2)
-            assert 2 * r["inter_host_bytes"] == rows * (H * 2 + WORD * (1 + K)) + 2 * WORD, r
+            assert 2 * got == rows * (H * 2 + WORD * (1 + K)) + 2 * WORD, r
     p = bench("--ranks-per-host", "3")
     assert p.returncode == 2 and "--ranks-per-host 3 does not divide" in p.stdout, p.stdout
 

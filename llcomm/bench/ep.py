@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import console, options, result_files, spawn, timing, verify
+from . import console, ep_interp, options, result_files, spawn, timing, verify
 from .ep_oracle import FP8_BLOCK, Expected, expert_affine, run_experts, uniform_routing
 from .ep_report import OVERLAP_OP, print_result
 from .timing import Impl
@@ -293,6 +293,9 @@ def run_tokens(R: Rank, n: int) -> list[dict]:
                                 cfg.hidden + cfg.hidden // FP8_BLOCK * 4)
         if name == "reference" and R.cuda:
             ref_out = _reference_combine(buf, x, idx, w, R)
+    if not R.cuda and R.hosts.spans_hosts:      # the two-level kernels' own byte counts
+        rows += ep_interp.interpreter_rows(
+            R, x, idx, w, exp, base, lambda b, rs, ix, rb: _with_bytes(R, b, rs, ix, rb))
     if cfg.overlap:
         rows += run_overlap(R, n, {**base, "bytes": nbytes})
     return rows

@@ -5,18 +5,27 @@ Numbers mirror ``llcomm/runtime/protocol.py``. Every wait here is bounded by ``t
 memory and reports failure, so a missing peer becomes an exception on the host, never a hung GPU.
 
 The clocks are read by inline assembly, PTX on NVIDIA and AMDGCN on AMD, picked when the kernel
-is compiled: ``tl.target_info.is_hip()`` asks the driver Triton compiles for (no driver, as in
-the interpreter: not AMD).
+is compiled: ``tl.target_info.is_hip()`` asks the driver Triton compiles for. Triton's
+interpreter (``TRITON_INTERPRET=1``, read at import) runs no assembly: there the global timer is
+the host's monotonic clock, and each reading yields to other threads, so a rank spinning in a
+wait lets the ranks it waits for run (the interpreter tests and ``llcomm bench ep``'s
+interpreter rows run several virtual ranks in one process).
 
 Signal timeline of one barrier between ranks A and B (block b of each)::
 
     A: stores to B's staging ... bar.sync; atom.release.sys B.flag[b][A] = word
     B: spin on acquire loads of B.flag[b][A] == word ... bar.sync; read staging
 """
+import os
+import time
+
 import triton
 import triton.language as tl
 
 from .. import protocol as P
+
+#: Triton's interpreter runs the kernels (module doc: the clock).
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 EPOCH_SHIFT = tl.constexpr(P.EPOCH_SHIFT)
 TAG_MASK = tl.constexpr(P.TAG_MASK)
@@ -62,7 +71,9 @@ def global_time_lanes(WIDTH: tl.constexpr):
     """``[WIDTH]`` readings of the global timer in ns, one per lane (not reduced): for callers
     that fold them into a reduction of their own (EP's waits, one shared-memory round). On AMD
     the real-time counter, one reading per wavefront (a scalar register)."""
-    if tl.target_info.is_hip():
+    if INTERPRETED:
+        return _host_clock_lanes(WIDTH)
+    elif tl.target_info.is_hip():
         return tl.inline_asm_elementwise(AMD_REALTIME, "=s,s", [tl.zeros([WIDTH], tl.int64)],
                                          dtype=tl.int64, is_pure=False,
                                          pack=1) * REALTIME_NS_PER_TICK
@@ -72,12 +83,28 @@ def global_time_lanes(WIDTH: tl.constexpr):
                                          is_pure=False, pack=1)
 
 
+if INTERPRETED:
+    @triton.jit
+    def _host_clock_lanes(WIDTH: tl.constexpr):
+        """The interpreter's global timer (module doc)."""
+        time.sleep(0)
+        return tl.full([WIDTH], time.monotonic_ns(), tl.int64)
+else:
+    @triton.jit
+    def _host_clock_lanes(WIDTH: tl.constexpr):
+        """Compiled kernels read the GPU's clocks; this stand-in is never called there (the
+        compiler's dependency scan refuses host functions such as ``time``'s)."""
+        return tl.zeros([WIDTH], tl.int64)
+
+
 @triton.jit
 def sm_cycles():
     """This SM's cycle counter (%clock64; on AMD the shader clock, ``s_memtime``): fine-grained,
     but per SM, so only differences taken within one block mean anything (profiling stamps, EP's
     PROFILE)."""
-    if tl.target_info.is_hip():
+    if INTERPRETED:
+        t = _host_clock_lanes(2)
+    elif tl.target_info.is_hip():
         t = tl.inline_asm_elementwise(AMD_CYCLES, "=s,s", [tl.zeros([2], tl.int64)],
                                       dtype=tl.int64, is_pure=False, pack=1)
     else:
