@@ -35,11 +35,14 @@ the e4m3 table, ties to the even code, ``frexp`` for the power-of-two scales), s
 are held to the same bytes. ``bytes`` counts ``hidden + hidden / 32`` per (token, destination rank).
 
 ``--ranks-per-host N`` declares hosts of N consecutive ranks (``LLCOMM_EP_RANKS_PER_HOST``, set in
-every rank before its buffers are made), so that one machine runs the multi-host path: where that
-makes several hosts only the reference backend runs, on its two-level exchange (docs/multihost.md),
-and its combine is checked against the two-level order. Its rows then carry ``inter_host_bytes``
-(what ``EPBuffer.last_inter_host_bytes`` reported for the call, mean over ranks) beside what one
-copy per (token, GPU) and per (token, expert) would have put across hosts (``per_gpu_bytes``,
+every rank before its buffers are made), so that one machine runs the multi-host path
+(docs/multihost.md): the reference backend on its two-level exchange, with its combine checked
+against the two-level order; on GPUs the ``llcomm`` rows are the two-level kernels on SHMEM
+(``backend="peer"`` across hosts; where they cannot run, the reason is printed and only the
+reference runs); on CPU the kernels run in Triton's interpreter (``ep_interp``: ``interpreter``
+rows, checked, not timed). Those rows carry ``inter_host_bytes`` (what the call put across hosts
+as the backend counted it: ``EPBuffer.last_inter_host_bytes``, mean over ranks) beside what one
+copy per (token, GPU) and per (token, expert) would have put (``per_gpu_bytes``,
 ``per_expert_bytes``: payload rows only, counted from the routing), and a table of them is
 printed.
 
@@ -72,6 +75,7 @@ from . import console, ep_interp, options, result_files, spawn, timing, verify
 from .ep_oracle import FP8_BLOCK, Expected, expert_affine, run_experts, uniform_routing
 from .ep_report import OVERLAP_OP, print_result
 from .timing import Impl
+from ..errors import UnsupportedConfigError
 from ..runtime.hosts import RANKS_PER_HOST_ENV
 
 DEFAULT_ITERS = 50
@@ -242,8 +246,14 @@ class Rank:
                   num_max_dispatch_tokens_per_rank=cfg.buffer_tokens, dtype=DTYPE)
         self.bufs = {"reference": EPBuffer(backend="reference", **kw)}
         self.hosts = self.bufs["reference"].hosts
-        if self.cuda and not self.hosts.spans_hosts:    # peer memory is one host only
-            self.bufs = {"llcomm": EPBuffer(backend="peer", **kw), **self.bufs}
+        if self.cuda:   # across hosts "peer" is the two-level kernels on SHMEM, or refuses
+            try:
+                self.bufs = {"llcomm": EPBuffer(backend="peer", **kw), **self.bufs}
+            except UnsupportedConfigError as e:     # on every rank alike (a collective)
+                if not self.hosts.spans_hosts:
+                    raise
+                if rank == 0:
+                    print(f"llcomm bench ep: no llcomm rows, only the reference's: {e}")
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(cfg.seed * 1_000_003 + rank)
         self.scale, self.bias = expert_affine(cfg.experts, self.device)
