@@ -41,35 +41,19 @@ def run_in_interpreter(module: str, fn_name: str, *args):
 #   - a scalar comparison splat over a block (``(offs < n) & (s != rank)``) stays a boolean
 #     block: the interpreter keeps the operands' type in a comparison's scalar result and
 #     splats it as that type, which loads and stores then refuse as a mask;
-#   - the inline PTX reads of the GPU clocks (``%globaltimer``, ``%clock64``), which the
-#     interpreter refuses, return the host's monotonic clock in ns, so bounded waits run and
-#     time out; each read also yields the other threads their turn, so a spinning rank lets
-#     the rank it waits for make progress.
+#   - (the clocks need nothing here: under the interpreter the kernels read the host's
+#     monotonic clock and yield to other threads at each reading, llcomm/runtime/kernels/sync.py)
 
 def _interp_module():
     import triton.runtime.interpreter as I
     return I
 
 
-class _ClockRead:
-    """What ``create_inline_asm`` returns for a clock read: one int64 result."""
-
-    def __init__(self, handle):
-        self._handle = handle
-
-    def get_result(self, i):
-        assert i == 0
-        return self._handle
-
-
 class concurrent_kernels:
     """Context manager: while it is active, threads may run interpreted kernels at once."""
 
-    _CLOCKS = ("%globaltimer", "%clock64")
-
     def __enter__(self):
         import threading
-        import time
         import types
 
         import numpy as np
@@ -79,7 +63,7 @@ class concurrent_kernels:
         B = interp.InterpreterBuilder
         local = threading.local()
         self._saved = [(B, name, B.__dict__.get(name)) for name in
-                       ("grid_idx", "grid_dim", "create_inline_asm", "create_splat")]
+                       ("grid_idx", "grid_dim", "create_splat")]
         self._saved.append((interp, "_patch_lang", interp._patch_lang))
         self._scope = interp._patch_lang(
             types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
@@ -87,15 +71,6 @@ class concurrent_kernels:
         def per_thread(name):
             return property(lambda self: getattr(local, name, None),
                             lambda self, value: setattr(local, name, value))
-
-        refuse = B.create_inline_asm
-
-        def create_inline_asm(builder, asm, constraints, values, type, is_pure, pack):
-            if not any(c in asm for c in concurrent_kernels._CLOCKS):
-                return refuse(builder, asm, constraints, values, type, is_pure, pack)
-            time.sleep(0)                           # let the other ranks' threads run
-            now = np.full(values[0].data.shape, time.monotonic_ns(), dtype=np.int64)
-            return _ClockRead(interp.TensorHandle(now, tl.int64))
 
         splat = B.create_splat
 
@@ -106,7 +81,6 @@ class concurrent_kernels:
 
         B.grid_idx = per_thread("grid_idx")
         B.grid_dim = per_thread("grid_dim")
-        B.create_inline_asm = create_inline_asm
         B.create_splat = create_splat
         # already patched, restored on exit
         interp._patch_lang = lambda fn: interp._LangPatchScope()

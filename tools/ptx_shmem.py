@@ -8,9 +8,10 @@ torch's SHMEM Triton layer defines its device functions only where torch sees a 
 ``hosts_dispatch_kernel`` (bf16 rows, FP8, FP8 with power-of-two scales) and
 ``hosts_combine_kernel`` with ``SHMEM`` = 1, linking NVSHMEM's device bitcode from the
 ``nvidia-nvshmem-cu13`` (or ``-cu12``) wheel, the bf16 dispatch and the combine with rank
-masks (``MASKS`` = 1) too, and the kernels with ``SHMEM`` = 0 for comparison. Prints per kernel the NVSHMEM functions it calls (read from its TTGIR; in the
-PTX they are inlined from the bitcode), the system-scope atomics (the signals inside a host
-and the acquires after the waits), and the PTX size; exits 1 when a SHMEM kernel misses a
+masks (``MASKS`` = 1) too, and the kernels with ``SHMEM`` = 0 for comparison. Prints per
+kernel the NVSHMEM functions it calls (read from its TTGIR; in the PTX they are inlined from the
+bitcode), the system-scope atomics (the signals inside a host and the acquires after the
+waits), and the PTX size; exits 1 when a SHMEM kernel misses a
 put, signal or quiet, or leaves one undefined in its PTX, or a SHMEM = 0 kernel calls any.
 tests/test_shmem_compile.py runs it.
 """
