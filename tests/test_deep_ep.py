@@ -240,7 +240,8 @@ def _refusals_body(rank, W):
     d = buf.low_latency_dispatch
     # wait-cost statistics: checked (named), then refused on the reference backend, before the
     # EPBuffer is made
-    expect("wait stats", NotImplementedError, ["dispatch_wait_recv_cost_stats", "peer-backend"],
+    expect("wait stats", NotImplementedError, ["dispatch_wait_recv_cost_stats",
+                                               "reference backend"],
            lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(W, dtype=torch.int64)))
     expect("wait stats dtype", TypeError, ["dispatch_wait_recv_cost_stats", "torch.int64"],
            lambda: d(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(W)))
@@ -276,7 +277,7 @@ def _refusals_body(rank, W):
     expect("logfmt", NotImplementedError, ["use_logfmt=True"],
            lambda: c(recv_x, idx, w, handle, use_logfmt=True))
     expect("combine wait stats", NotImplementedError, ["combine_wait_recv_cost_stats",
-                                                       "peer-backend"],
+                                                       "reference backend"],
            lambda: c(recv_x, idx, w, handle,
                      combine_wait_recv_cost_stats=torch.zeros(W, dtype=torch.int64)))
     expect("combine wait stats type", TypeError, ["combine_wait_recv_cost_stats",

@@ -125,7 +125,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
                 HD.hosts_dispatch_kernel[(NB,)](
                     xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                     cnt[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r, d_tag,
-                    timeout_us, nbytes[r][0], **dict(dc, STAGES=stages, SHMEM=0))
+                    timeout_us, nbytes[r][0], None, **dict(dc, STAGES=stages, SHMEM=0))
             run(d_groups, dispatch)
 
             if fp8:
@@ -162,7 +162,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
                 HC.hosts_combine_kernel[(NB,)](
                     outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
                     ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][1], err[r], r, c_tag,
-                    timeout_us, nbytes[r][1], **dict(cc, STAGES=stages, SHMEM=0))
+                    timeout_us, nbytes[r][1], None, **dict(cc, STAGES=stages, SHMEM=0))
             run(c_groups, combine)
 
             want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, dtype)
@@ -249,7 +249,8 @@ def simulate_absent_host(R, N, timeout_us):
             cnt[r], ntok[r], torch.zeros(N, T, K, dtype=torch.int32),
             torch.zeros(N, dtype=torch.int32), tab, torch.zeros(NB, dtype=torch.int64), err[r],
             r, size_tag(P.OP_DISPATCH, H, K, 0, dtype), timeout_us,
-            torch.zeros(NB, dtype=torch.int64), **dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, SHMEM=0))
+            torch.zeros(NB, dtype=torch.int64), None,
+            **dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, SHMEM=0))
     run_ranks([lambda r=r: dispatch(r) for r in alive])
     return [(int(host_words[r][0]), cnt[r].tolist(), ntok[r].tolist()) for r in alive]
 

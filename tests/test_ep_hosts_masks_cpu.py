@@ -144,7 +144,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
             HD.hosts_dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
                 ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r, d_tag, bound,
-                nbytes[r][0], **dict(dc, STAGES=stages, SHMEM=0, MASKS=1))
+                nbytes[r][0], None, **dict(dc, STAGES=stages, SHMEM=0, MASKS=1))
         run(d_groups, dispatch)
 
         checked = [r for r in launched if r not in M]
@@ -162,7 +162,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
             HC.hosts_combine_kernel[(NB,)](
                 outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r], ntok[r],
                 fwd_ids[r], fwd_ntok[r], tab, ctrl[r][1], err[r], r, c_tag, bound,
-                nbytes[r][1], **dict(cc, STAGES=stages, SHMEM=0, MASKS=1))
+                nbytes[r][1], None, **dict(cc, STAGES=stages, SHMEM=0, MASKS=1))
         run(c_groups, combine)
 
         # the top-k entries whose expert the token does not reach count as absent

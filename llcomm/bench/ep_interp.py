@@ -78,7 +78,7 @@ def simulate(case: dict) -> dict:
             HD.hosts_dispatch_kernel[(NB,)](
                 xs[r], idx[r], n, recv[r], recv[r], row_of[r], src[r], cnt[r], ntok[r],
                 fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r,
-                size_tag(P.OP_DISPATCH, H, K, 0, dtype), case["timeout_us"], nbytes[r][0],
+                size_tag(P.OP_DISPATCH, H, K, 0, dtype), case["timeout_us"], nbytes[r][0], None,
                 **dict(dc, STAGES=stages, SHMEM=0))
     # the stand-in experts: y = x * scale[g] + bias[g], g the row's global expert
     g = torch.arange(W * L).view(W, L, 1, 1)
@@ -90,7 +90,7 @@ def simulate(case: dict) -> dict:
             HC.hosts_combine_kernel[(NB,)](
                 eo[r], idx[r], w[r], n, out[r], row_of[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab,
                 ctrl[r][1], err[r], r, size_tag(P.OP_COMBINE, H, K, 0, dtype),
-                case["timeout_us"], nbytes[r][1], **dict(cc, STAGES=stages, SHMEM=0))
+                case["timeout_us"], nbytes[r][1], None, **dict(cc, STAGES=stages, SHMEM=0))
     failed = [r for r in range(W) if int(err[r][0]) or int(host_words[r][0])]
     return {"recv_count": cnt, "recv_x": recv, "src_info": src, "out": out, "failed": failed,
             "bytes": [(int(nbytes[r][0].sum()), int(nbytes[r][1].sum())) for r in range(W)]}

@@ -241,7 +241,7 @@ class Buffer(ShrinkMasks):
                 rows each local expert received are added to it on the device, when the
                 receive completes (after ``hook()`` with ``return_recv_hook``).
             dispatch_wait_recv_cost_stats: optional int64 ``[num_ranks]`` on the device,
-                **peer backend only** (NotImplementedError on the reference one): entry r grows
+                on the kernel backends (NotImplementedError on the reference one): entry r grows
                 by the nanoseconds the dispatch kernel's blocks waited for rank r's data
                 (``EPBuffer.dispatch(wait_stats=...)``; DeepEP counts SM clock cycles:
                 docs/deep_ep.md).

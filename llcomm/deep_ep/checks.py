@@ -100,6 +100,6 @@ def refuse_cost_stats(buf, fn: str, name: str, stats) -> None:
     if (ep.backend == "reference" if ep is not None else
             buf._backend == "reference" or (buf._backend == "auto"
                                             and not torch.cuda.is_available())):
-        refuse(fn, {name: "it is peer-backend only (the kernels time their waits per source "
-                    "rank), and this buffer runs on the reference backend, whose one "
-                    "all_to_all_single has no receive from one rank to time; pass None"})
+        refuse(fn, {name: "it needs the kernels (they time their waits per source rank), and "
+                    "this buffer runs on the reference backend, whose collectives have no "
+                    "receive from one rank to time; pass None"})

@@ -253,10 +253,12 @@ class EPBuffer(RankMasks):
                 so that combine skips its own weights exchange and the wait for it; pass
                 ``topk_weights=None`` to that combine. The values at the time of the dispatch
                 are used (on the stream, as for ``x``). The same choice on every rank.
-            wait_stats: optional ``[num_ranks]`` int64 tensor on the device, **peer backend
-                only** (NotImplementedError on the reference one): the kernel adds to entry r
-                the nanoseconds its blocks spent waiting for rank r's data (summed over the
-                blocks; docs/ep.md, "Wait statistics"). Per rank: others may pass None, but
+            wait_stats: optional ``[num_ranks]`` int64 tensor on the device, on the kernel
+                backends (peer; across hosts the two-level kernels: they wait directly only for
+                their rail ranks and the ranks of their host, docs/multihost.md;
+                NotImplementedError on the reference one): the kernel adds to entry r the
+                nanoseconds its blocks spent waiting for rank r's data (summed over the blocks;
+                docs/ep.md, "Wait statistics"). Per rank: others may pass None, but
                 start on every rank at the same call (the first one compiles a variant).
             deep_ep: optional ``DeepEPOutputs`` (``llcomm.ep.deep_layouts``), **peer backend
                 only** (NotImplementedError on the reference one): the receive stage also writes
@@ -316,7 +318,8 @@ class EPBuffer(RankMasks):
                 topk_weights, wait_stats, deep_ep)
         elif self.backend == "shmem":
             recv_count, src_info, state, recv = self._impl.dispatch(
-                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook)
+                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
+                wait_stats)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
                                                               topk_weights is not None)
@@ -427,8 +430,9 @@ class EPBuffer(RankMasks):
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
         if carried:         # peer: the kernel reads the handle slot's; the others: the copy
             topk_weights = handle._weights
-        # reference: carried, for its call check (shmem ignores it); peer: the wait statistics
-        more = (wait_stats,) if self.backend == "peer" else (carried,)
+        # peer: the wait statistics; reference: carried, for its call check; shmem: both
+        more = {"peer": (wait_stats,), "shmem": (carried, wait_stats)}.get(self.backend,
+                                                                          (carried,))
         if not return_recv_hook:
             return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out,
                                       *more)

@@ -106,7 +106,7 @@ def check_handle(buf, pr: V.Problems, handle) -> bool:
 
 def check_wait_stats(buf, fn: str, pr: V.Problems, t) -> None:
     """``wait_stats``: None, or an int64 ``[num_ranks]`` contiguous tensor on the buffer's
-    device; peer backend only (NotImplementedError on the reference one, for a tensor that
+    device; kernel backends only (NotImplementedError on the reference one, for a tensor that
     passes the other checks)."""
     if t is None:
         return
@@ -114,9 +114,9 @@ def check_wait_stats(buf, fn: str, pr: V.Problems, t) -> None:
         return
     if tuple(t.shape) != (buf.num_ranks,):
         pr.add(f"wait_stats has shape {tuple(t.shape)}; expected [num_ranks] = [{buf.num_ranks}]")
-    elif buf.backend != "peer":
+    elif buf.backend not in ("peer", "shmem"):
         raise NotImplementedError(
-            f"llcomm.EPBuffer.{fn}: wait_stats is single-host peer-backend only, and this buffer "
-            f"runs on the {buf.backend} backend (the reference backend moves the data in one "
-            "all_to_all_single collective, with no receive from one rank to time apart from the "
-            "others; the two-level kernels do not time their waits); pass wait_stats=None")
+            f"llcomm.EPBuffer.{fn}: wait_stats needs the kernels (peer, or the two-level "
+            f"kernels across hosts), and this buffer runs on the {buf.backend} backend (it "
+            "moves the data in torch.distributed collectives, with no receive from one rank to "
+            "time apart from the others); pass wait_stats=None")

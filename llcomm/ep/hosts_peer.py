@@ -184,14 +184,16 @@ class HostsPeerEP:
         return hit
 
     def _launch(self, launcher, args, consts, stages, num_warps):
+        stats = int(args[-1] is not None)       # wait statistics: the last argument
         launcher((self.nb,), args, dict(consts, STAGES=stages, SHMEM=1, MASKS=self.masks,
-                                        num_warps=num_warps))
+                                        STATS=stats, num_warps=num_warps))
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
-                 split: bool = False):
+                 split: bool = False, wait_stats=None):
         """Launch the dispatch into handle slot ``slot`` (``split``: its send half, and return
-        the launch of its receive half as the fourth value). Returns (recv_count, src_info,
-        state, receive half or None)."""
+        the launch of its receive half as the fourth value; ``wait_stats``: a ``[W]`` int64
+        tensor the waits add to). Returns (recv_count, src_info, state, receive half or
+        None)."""
         HD = self.HD
         self._last = 0
         n, K = topk_idx.shape
@@ -207,7 +209,7 @@ class HostsPeerEP:
         tag = size_tag(P.OP_DISPATCH, self.buf.hidden, K, fp8, self.buf.dtype)
         args = (x, topk_idx, n, recv_x, recv_scales if fp8 else recv_x, row_of, s["src_info"],
                 s["recv_count"], s["ntok"], fwd_ids, s["fwd_ntok"], self.tab, self.ctrl[0],
-                self.err, self.rank, tag, self.timeout_us, self.nbytes[0])
+                self.err, self.rank, tag, self.timeout_us, self.nbytes[0], wait_stats)
         state = (row_of, s["ntok"], fwd_ids, s["fwd_ntok"])
         if not split:
             self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_ALL, warps)
@@ -216,28 +218,31 @@ class HostsPeerEP:
         return s["recv_count"], s["src_info"], state, lambda: self._launch(
             self._dispatch, args, dc, HD.HOSTS_DISPATCH_RECV_HALF, warps)
 
-    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out):
+    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out, wait_stats):
         row_of, ntok, fwd_ids, fwd_ntok = state
         K = topk_idx.shape[1]
         _, cc, warps = self._call_consts(K, 0)
         tag = size_tag(P.OP_COMBINE, self.buf.hidden, K, 0, self.buf.dtype)
         args = (expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok,
                 fwd_ids, fwd_ntok, self.tab, self.ctrl[1], self.err, self.rank, tag,
-                self.timeout_us, self.nbytes[1])
+                self.timeout_us, self.nbytes[1], wait_stats)
         return args, cc, warps
 
-    def combine(self, expert_out, topk_idx, topk_weights, state, out, carried: bool = False):
+    def combine(self, expert_out, topk_idx, topk_weights, state, out, carried: bool = False,
+                wait_stats=None):
         """``carried``: EPBuffer passes the dispatch's copy of the weights as topk_weights."""
         self._last = 1
-        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out,
+                                             wait_stats)
         self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_ALL, warps)
         return out
 
     def combine_send(self, expert_out, topk_idx, topk_weights, state, out,
-                     carried: bool = False):
+                     carried: bool = False, wait_stats=None):
         """Launch the combine's send half; return the launch of its receive half."""
         self._last = 1
-        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out)
+        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out,
+                                             wait_stats)
         self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_SEND_HALF, warps)
         return lambda: self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_RECV_HALF,
                                     warps)

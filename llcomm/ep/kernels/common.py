@@ -153,7 +153,7 @@ def _signal(tab, word_idx, word, W: tl.constexpr, WP: tl.constexpr):
 def _wait_flags(flags, word, timeout_us, err, op, phase, go,
                 N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr,
                 skip, MASKS: tl.constexpr, stats=None,
-                STATS: tl.constexpr = 0):
+                STATS: tl.constexpr = 0, STATS_STRIDE: tl.constexpr = 1):
     """Spin until the ``N`` int64 flags at ``flags`` (laid out ``[N // W][W]``, source rank
     fastest) all equal ``word``; bounded by ``timeout_us``. Polls with volatile loads (on AMD
     acquire atomics: ``poll_read``), then one acquire pass over the flags orders the reads that
@@ -175,7 +175,9 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     one per source rank) the nanoseconds this block waited for source s's flags: from the
     wait's start to the poll that first saw the last of them (one read's latency when they were
     all there at once; 0 for ranks in ``skip``, never waited for, and when ``go == 0``). A wait
-    that runs out counts the time until then. ``_add_wait_stats`` adds them."""
+    that runs out counts the time until then. ``_add_wait_stats`` adds them; source s's entry is
+    ``stats[s * STATS_STRIDE]`` (the two-level kernels number a level's sources apart from the
+    ranks: ``hosts_masks.masked_wait``)."""
     # One lane per flag (NP of them), replicated across warps (each warp has its own view),
     # reduced first, then the block-wide maximum with the clock's BLOCK_WIDE lanes; where the
     # flags fill the block (NP = BLOCK_WIDE) the views go straight into that maximum. Polling
@@ -224,7 +226,8 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
             status = STATUS_TIMEOUT
             bad = waiting.to(tl.int64)
     if STATS:   # a lane still waiting when the wait ended (timeout) waited until then
-        _add_wait_stats(stats, tl.where(was_waiting & (status > 0), last_ns, seen_at), src, W)
+        _add_wait_stats(stats, tl.where(was_waiting & (status > 0), last_ns, seen_at), src, W,
+                        STATS_STRIDE)
     # the source ranks that were late or disagreed, by any lane of any warp (shared memory:
     # uniform); only on failure, so success costs no extra round
     bad_ranks = tl.full([], 0, tl.int64)
@@ -249,13 +252,13 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
 
 
 @triton.jit
-def _add_wait_stats(stats, ns, src, W: tl.constexpr):
-    """Wait statistics: ``stats[s] += max(ns[i] for lanes i of source s)`` for each source s of
-    the W ranks (one relaxed atomic per source and block; the block's lanes agree through the
-    maxima, so one thread adds for the block)."""
+def _add_wait_stats(stats, ns, src, W: tl.constexpr, STRIDE: tl.constexpr = 1):
+    """Wait statistics: ``stats[s * STRIDE] += max(ns[i] for lanes i of source s)`` for each
+    source s of the W ranks (one relaxed atomic per source and block; the block's lanes agree
+    through the maxima, so one thread adds for the block)."""
     for s in tl.static_range(W):
         t = tl.max(tl.where(src == s, ns, 0), axis=0)
-        tl.atomic_add(stats + s, t, sem="relaxed", scope="gpu")
+        tl.atomic_add(stats + s * STRIDE, t, sem="relaxed", scope="gpu")
 
 
 @triton.jit

@@ -223,11 +223,13 @@ def hosts_combine_kernel(
         fwd_ntok,       # [N] int32 handle (forwarder)
         tab, ctrl, err, rank, tag, timeout_us,
         nbytes,         # [NB] int64: inter-host bytes each block put in the latest call
+        stats,          # [W] int64 wait statistics (STATS), or None
         SIZES: tl.constexpr,        # hosts_dispatch.HostSizes
         REGIONS: tl.constexpr,      # HostCombineRegions
         STAGES: tl.constexpr,       # HC_* bits
         SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
         MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; hosts_masks.py)
+        STATS: tl.constexpr = 0,    # 1: wait statistics into stats (hosts_masks.masked_wait)
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -254,11 +256,11 @@ def hosts_combine_kernel(
         ok, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
                               timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, SIZES.N,
                               SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
-                              SIZES, MASKS, 0)
+                              SIZES, MASKS, 0, stats, STATS)
         if MASKS:
             ok_e, msk = entry_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_ENTRY, tl.int64),
                                    word, timeout_us, err, OP_COMBINE, ok, msk, seq + 1, wh, SIZES,
-                                   0)
+                                   0, stats, STATS)
             ok = ok & ok_e
     later_us = later_bound(timeout_us, MASKS)
     if STAGE_FORWARD & STAGES:
@@ -268,7 +270,7 @@ def hosts_combine_kernel(
         ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
                                later_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
                                SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
-                               SIZES, MASKS, 0)
+                               SIZES, MASKS, 0, stats, STATS)
         ok = ok & ok2
     if STAGE_PARTIALS & STAGES:
         if ok:
@@ -277,7 +279,7 @@ def hosts_combine_kernel(
         ok3, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
                                later_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
                                SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
-                               SIZES, MASKS, 0)
+                               SIZES, MASKS, 0, stats, STATS)
         ok = ok & ok3
     if STAGE_HOST_SUM & STAGES:
         if ok:
@@ -290,7 +292,7 @@ def hosts_combine_kernel(
         ok4, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.BACK_SIG, tl.int64), word,
                                later_us, err, OP_COMBINE, PHASE_EXIT, ok, SIZES.NB * SIZES.N,
                                SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
-                               SIZES, MASKS, 0)
+                               SIZES, MASKS, 0, stats, STATS)
         ok = ok & ok4
     if STAGE_OUT & STAGES:
         if (ok != 0) & (broken == 0):

@@ -282,12 +282,14 @@ def hosts_dispatch_kernel(
         err,            # int64: device error word, host error address, host input-error address
         rank, tag, timeout_us,
         nbytes,         # [NB] int64: inter-host bytes each block put in the latest call
+        stats,          # [W] int64 wait statistics (STATS), or None
         SIZES: tl.constexpr,        # HostSizes
         REGIONS: tl.constexpr,      # HostDispatchRegions
         FP8: tl.constexpr,          # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
         STAGES: tl.constexpr,       # HD_* bits
         SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
         MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; hosts_masks.py)
+        STATS: tl.constexpr = 0,    # 1: wait statistics into stats (hosts_masks.masked_wait)
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -308,11 +310,11 @@ def hosts_dispatch_kernel(
                               timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, SIZES.NB * SIZES.N,
                               SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL,
                               tl.full([], 1, tl.int64) << wh.host, msk, seq + 1, wh, SIZES,
-                              MASKS, ERR_RAIL_VERDICT)
+                              MASKS, ERR_RAIL_VERDICT, stats, STATS)
         if MASKS:
             ok_e, msk = entry_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_ENTRY, tl.int64),
                                    word, timeout_us, err, OP_DISPATCH, ok, msk, seq + 1, wh, SIZES,
-                                   ERR_ENTRY_VERDICT)
+                                   ERR_ENTRY_VERDICT, stats, STATS)
             ok = ok & ok_e
     if STAGE_FORWARD & STAGES:
         if ok:
@@ -322,7 +324,7 @@ def hosts_dispatch_kernel(
                                later_bound(timeout_us, MASKS), err, OP_DISPATCH, PHASE_DATA, ok,
                                SIZES.NB * SIZES.R,
                                SIZES.HOST_FLAGS_P2, SIZES.R, HOST, tl.full([], 0, tl.int64),
-                               msk, seq + 1, wh, SIZES, MASKS, ERR_HOST_VERDICT)
+                               msk, seq + 1, wh, SIZES, MASKS, ERR_HOST_VERDICT, stats, STATS)
         ok = ok & ok2
     if STAGE_EXPAND & STAGES:
         if (ok != 0) & (broken == 0):

@@ -68,15 +68,26 @@ def fed(msk, s, wh, S):
 @triton.jit
 def masked_wait(flags, word, timeout_us, err, op, phase, go, NFLAGS: tl.constexpr,
                 NP: tl.constexpr, NSRC: tl.constexpr, LEVEL: tl.constexpr, skip, msk, epoch,
-                wh, S, MASKS: tl.constexpr, AGREE: tl.constexpr):
+                wh, S, MASKS: tl.constexpr, AGREE: tl.constexpr, stats=None,
+                STATS: tl.constexpr = 0):
     """A bounded wait of level LEVEL (``common._wait_flags``: NFLAGS flags, one per block and
     source of the NSRC, source fastest) that skips the sources in ``skip`` (level bits) and,
     with MASKS, the masked ranks. Returns ``(ok, msk)``: with MASKS a timeout masks the late
     ranks (added to ``err[ERR_MASK]``) instead of failing. ``AGREE`` (0, or the err word of
     the agreement): every block of the call takes one block's mask, as the dispatch's rows
-    need; a rank late here but seen by the deciding block is waited for again."""
+    need; a rank late here but seen by the deciding block is waited for again.
+
+    Wait statistics (``STATS``): the time waited for each source is added to ``stats`` at its
+    global rank (a rail source g: rank ``g * R + local``; a host source q: ``host * R + q``)."""
+    st = stats
+    if STATS:
+        if LEVEL == RAIL:
+            st = stats + wh.local
+        else:
+            st = stats + wh.host * S.R
+    STRIDE: tl.constexpr = S.R * (1 - LEVEL) + LEVEL      # RAIL (0): R; HOST (1): 1
     ok, late = _wait_flags(flags, word, timeout_us, err, op, phase, go, NFLAGS, NP, NSRC,
-                           skip | level_bits(msk, wh, LEVEL, S), MASKS)
+                           skip | level_bits(msk, wh, LEVEL, S), MASKS, st, STATS, STRIDE)
     if MASKS:
         late_g = global_bits(late, wh, LEVEL, S)
         new = msk | late_g
@@ -84,7 +95,8 @@ def masked_wait(flags, word, timeout_us, err, op, phase, go, NFLAGS: tl.constexp
             new = _agree_mask(err, epoch, new, AGREE)
             need = (late_g & ~new) != 0
             ok2, _ = _wait_flags(flags, word, timeout_us, err, op, phase, need, NFLAGS, NP,
-                                 NSRC, skip | level_bits(new, wh, LEVEL, S), 0)
+                                 NSRC, skip | level_bits(new, wh, LEVEL, S), 0, st, STATS,
+                                 STRIDE)
             ok = ok & (ok2 | (need == 0))
         if new != msk:
             tl.atomic_or(err + ERR_MASK, new, sem="relaxed", scope="gpu")
@@ -104,14 +116,15 @@ def announce(wh, entry_off, word, S):
 
 
 @triton.jit
-def entry_wait(flags, word, timeout_us, err, op, go, msk, epoch, wh, S, AGREE: tl.constexpr):
+def entry_wait(flags, word, timeout_us, err, op, go, msk, epoch, wh, S, AGREE: tl.constexpr,
+               stats=None, STATS: tl.constexpr = 0):
     """Masks: wait (one bound) for every unmasked rank of this host to have begun the call
     (``announce``); one that has not is masked. Returns ``(ok, msk)``. Its errors say "data
     poll", the phase of every host-level wait (the host side names their ranks by it:
     ``hosts_peer.HostsPeerEP.precheck``)."""
     return masked_wait(flags, word, timeout_us, err, op, PHASE_DATA, go, S.R, S.HOST_FLAGS_P2,
                        S.R, HOST, tl.full([], 1, tl.int64) << wh.local, msk, epoch, wh, S, 1,
-                       AGREE)
+                       AGREE, stats, STATS)
 
 
 @triton.jit
