@@ -274,3 +274,55 @@ def test_an_absent_host_times_out_every_other_rank(R, N):
         # named by global rank: its rail rank on the absent host
         assert list(e.ranks) == [(N - 1) * R + r % R], (r, e.ranks, str(e))
         assert set(cnt) == {-1} and set(ntok) == {-1}, (r, cnt, ntok)
+
+
+def simulate_wait_stats(delay_s):
+    """One dispatch on 2 hosts of 2 with wait statistics (``STATS``), rank 3 starting
+    ``delay_s`` late; returns every rank's ``stats`` (ns per source rank)."""
+    import time
+
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from _interp import run_ranks
+    from llcomm.ep.hosts_layout import ERR_WORDS, hosts_layout
+    from llcomm.ep.hosts_peer import hosts_consts, size_tag
+    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.runtime import protocol as P
+    from test_ep_oracle import make_case
+
+    R, N, E, T, H, K, NB = 2, 2, 8, 4, 32, 2, 1
+    W, L, dtype = N * R, E // (N * R), torch.float32
+    lay = hosts_layout(T, H, N, R, K, 4, NB, False)
+    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
+    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.zeros(ERR_WORDS, dtype=torch.int64) for _ in range(W)]
+    for e, h in zip(err, host_words):
+        e[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8])
+    stats = [torch.zeros(W, dtype=torch.int64) for _ in range(W)]
+    dc, _, _ = hosts_consts(lay, E, K, 0)
+    xs, topks, _ = make_case(W, E, T, H, K, 12, "random", dtype)
+
+    def dispatch(r):
+        if r == W - 1:
+            time.sleep(delay_s)
+        HD.hosts_dispatch_kernel[(NB,)](
+            xs[r], topks[r], xs[r].shape[0], torch.zeros(L, W * T, H), torch.zeros(1),
+            torch.zeros(W, T, K, dtype=torch.int32), torch.zeros(L, W * T, dtype=torch.int32),
+            torch.zeros(L, dtype=torch.int32), torch.zeros(W, dtype=torch.int32),
+            torch.zeros(N, T, K, dtype=torch.int32), torch.zeros(N, dtype=torch.int32), tab,
+            torch.zeros(NB, dtype=torch.int64), err[r], r, size_tag(P.OP_DISPATCH, H, K, 0, dtype),
+            20_000_000, torch.zeros(NB, dtype=torch.int64), stats[r],
+            **dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, SHMEM=0, STATS=1))
+    run_ranks([lambda r=r: dispatch(r) for r in range(W)])
+    return [s.tolist() for s in stats]
+
+
+def test_wait_statistics_name_the_rank_each_level_waited_for():
+    """Rank 3 starts late. Its rail rank (1) and its host's other rank (2) wait for it
+    directly, so their entry 3 holds most of the delay; rank 0 never polls rank 3 (its waits
+    poll rank 2 on the rail and rank 1 in its host), so its entry 3 is 0 and the delay shows
+    at rank 1, the forwarder that relays rank 3's tokens to it."""
+    delay_ns = 400_000_000
+    got = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_wait_stats", delay_ns / 1e9)
+    assert got[1][3] > delay_ns // 2 and got[2][3] > delay_ns // 2, got
+    assert got[0][3] == 0 and got[0][1] > delay_ns // 2, got

@@ -19,6 +19,8 @@ Checks, per PE, against the CPU oracles of ``tests/test_ep_oracle.py`` and
   (``rail_bytes`` of ``tests/test_ep_hosts_kernels_cpu.py``);
 - a dispatch + combine captured in a CUDA graph (after one launch outside the capture) and
   replayed with fresh inputs;
+- wait statistics: the last PE starts a dispatch late; the PEs that poll it directly (its rail
+  and its host) must count most of the delay at its rank, the others nothing;
 - rank masks (a second heap, ``MASKS`` = 1): every PE masks the last one by hand, and the
   others' dispatch and combine must match the oracle without it (``tests/
   test_ep_hosts_masks_cpu.py``); then the mask is cleared and the last PE stays away from one
@@ -50,6 +52,8 @@ BLOCKS = 8
 TIMEOUT_MS = 60_000
 #: the bounded-wait check's bound
 SHORT_TIMEOUT_MS = 2_000
+#: how late the last PE starts the wait-statistics dispatch
+STATS_DELAY_S = 0.3
 
 
 def _buf(rank, W, R, fp8, masks=False):
@@ -177,6 +181,21 @@ def _rank_body(rank, W, R):
         report(f"graph replay seed {seed}", torch.equal(cnt.cpu(), ec) and
                torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)))
 
+    # wait statistics: the last PE starts one dispatch late; the PEs that poll it directly
+    # (its rail, its host) count the delay at its rank, the others nothing there
+    xs, topks, _ = make_case(W, E, T, H, K, 13, "random", bf)
+    stats = torch.zeros(W, dtype=torch.int64, device=dev)
+    dist.barrier()
+    if rank == W - 1:
+        time.sleep(STATS_DELAY_S)
+    ep.dispatch(xs[rank].to(dev), topks[rank].to(dev), recv, 0, 0, None, wait_stats=stats)
+    torch.cuda.synchronize()
+    ep.precheck()
+    if rank != W - 1:
+        polls = rank % R == (W - 1) % R or rank // R == (W - 1) // R
+        got = stats.tolist()
+        ok = got[W - 1] > STATS_DELAY_S * 0.5e9 if polls else got[W - 1] == 0
+        report("wait statistics", ok, f"{got} ns (polls the late PE: {polls})")
     _mask_checks(rank, W, R, dev, report)
 
     # a bounded wait: the last PE stays away from one dispatch
