@@ -29,6 +29,8 @@ from . import spawn, verify
 NUM_BLOCKS = 2
 #: The impl name of these rows.
 IMPL = "interpreter"
+#: Where the simulated heap and every tensor of the child live.
+CPU = torch.device("cpu")
 
 
 def _groups():
@@ -56,22 +58,22 @@ def simulate(case: dict) -> dict:
     N, (n, H), K, E = W // R, xs[0].shape, idx[0].shape[1], case["scale"].shape[0]
     L, dtype, NB = E // W, xs[0].dtype, NUM_BLOCKS
     lay = hosts_layout(T, H, N, R, K, dtype.itemsize, NB, False)
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
-    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
-    err = [torch.zeros(ERR_WORDS, dtype=torch.int64) for _ in range(W)]
+    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8, device=CPU) for _ in range(W)]
+    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64, device=CPU)
+    host_words = [torch.zeros(2, dtype=torch.int64, device=CPU) for _ in range(W)]
+    err = [torch.zeros(ERR_WORDS, dtype=torch.int64, device=CPU) for _ in range(W)]
     for e_, h in zip(err, host_words):
-        e_[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8])
-    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    nbytes = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+        e_[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64, device=CPU)
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
+    nbytes = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
     dc, cc, _ = hosts_consts(lay, E, K, 0)
-    recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
-    src = [torch.full((L, W * T), -1, dtype=torch.int32) for _ in range(W)]
-    cnt = [torch.full((L,), -1, dtype=torch.int32) for _ in range(W)]
-    row_of = [torch.zeros((W, T, K), dtype=torch.int32) for _ in range(W)]
-    ntok = [torch.zeros(W, dtype=torch.int32) for _ in range(W)]
-    fwd_ids = [torch.zeros((N, T, K), dtype=torch.int32) for _ in range(W)]
-    fwd_ntok = [torch.zeros(N, dtype=torch.int32) for _ in range(W)]
+    recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype, device=CPU) for _ in range(W)]
+    src = [torch.full((L, W * T), -1, dtype=torch.int32, device=CPU) for _ in range(W)]
+    cnt = [torch.full((L,), -1, dtype=torch.int32, device=CPU) for _ in range(W)]
+    row_of = [torch.zeros((W, T, K), dtype=torch.int32, device=CPU) for _ in range(W)]
+    ntok = [torch.zeros(W, dtype=torch.int32, device=CPU) for _ in range(W)]
+    fwd_ids = [torch.zeros((N, T, K), dtype=torch.int32, device=CPU) for _ in range(W)]
+    fwd_ntok = [torch.zeros(N, dtype=torch.int32, device=CPU) for _ in range(W)]
     d_groups, c_groups = _groups()
     for stages in d_groups:     # each group after the one before it on every rank
         for r in range(W):
@@ -81,10 +83,10 @@ def simulate(case: dict) -> dict:
                 size_tag(P.OP_DISPATCH, H, K, 0, dtype), case["timeout_us"], nbytes[r][0], None,
                 **dict(dc, STAGES=stages, SHMEM=0))
     # the stand-in experts: y = x * scale[g] + bias[g], g the row's global expert
-    g = torch.arange(W * L).view(W, L, 1, 1)
+    g = torch.arange(W * L, dtype=torch.int64, device=CPU).view(W, L, 1, 1)
     eo = [(recv[r].float() * case["scale"][g[r]] + case["bias"][g[r]]).to(dtype)
           for r in range(W)]
-    out = [torch.full((n, H), float("nan"), dtype=dtype) for _ in range(W)]
+    out = [torch.full((n, H), float("nan"), dtype=dtype, device=CPU) for _ in range(W)]
     for stages in c_groups:
         for r in range(W):
             HC.hosts_combine_kernel[(NB,)](
