@@ -8,11 +8,11 @@ torch's SHMEM Triton layer defines its device functions only where torch sees a 
 ``hosts_dispatch_kernel`` (bf16 rows, FP8, FP8 with power-of-two scales) and
 ``hosts_combine_kernel`` with ``SHMEM`` = 1, linking NVSHMEM's device bitcode from the
 ``nvidia-nvshmem-cu13`` (or ``-cu12``) wheel, the bf16 dispatch and the combine with rank
-masks (``MASKS`` = 1) too, and the kernels with ``SHMEM`` = 0 for comparison. Prints per
-kernel the NVSHMEM functions it calls (read from its TTGIR; in the PTX they are inlined from the
-bitcode), the system-scope atomics (the signals inside a host and the acquires after the
-waits), and the PTX size; exits 1 when a SHMEM kernel misses a
-put, signal or quiet, or leaves one undefined in its PTX, or a SHMEM = 0 kernel calls any.
+masks and wait statistics (``MASKS`` = ``STATS`` = 1) too, and the kernels with ``SHMEM`` = 0
+for comparison. Prints per kernel the NVSHMEM functions it calls (read from its TTGIR; in the
+PTX they are inlined from the bitcode), the system-scope atomics (the signals inside a host and
+the acquires after the waits), and the PTX size; exits 1 when a SHMEM kernel misses a put,
+signal or quiet, or leaves one undefined in its PTX, or a SHMEM = 0 kernel calls any.
 tests/test_shmem_compile.py runs it.
 """
 from __future__ import annotations
@@ -55,10 +55,11 @@ def signatures(dtype: str) -> tuple[dict, dict]:
     d = dict(x=f"*{dtype}", topk="*i64", n_tok="i32", recv_x=f"*{dtype}", recv_scales="*fp32",
              row_of="*i32", src_info="*i32", recv_count="*i32", ntok_out="*i32",
              fwd_ids="*i32", fwd_ntok="*i32", tab="*i64", ctrl="*i64", err="*i64", rank="i32",
-             tag="i32", timeout_us="i32", nbytes="*i64")
+             tag="i32", timeout_us="i32", nbytes="*i64", stats="*i64")
     c = dict(eo=f"*{dtype}", topk="*i64", wts="*fp32", n_tok="i32", out=f"*{dtype}",
              row_of="*i32", ntok_in="*i32", fwd_ids="*i32", fwd_ntok="*i32", tab="*i64",
-             ctrl="*i64", err="*i64", rank="i32", tag="i32", timeout_us="i32", nbytes="*i64")
+             ctrl="*i64", err="*i64", rank="i32", tag="i32", timeout_us="i32", nbytes="*i64",
+             stats="*i64")
     return d, c
 
 
@@ -112,11 +113,12 @@ def main(argv=None) -> int:
         if fp8 == 0:
             kernels += [("hosts_combine", HC.hosts_combine_kernel, csig,
                          dict(cc, STAGES=HC.HOSTS_COMBINE_ALL), (1, 0)),
-                        # rank masks: SHMEM only (the plain stores are the same code)
+                        # rank masks and wait statistics: SHMEM only (the plain stores
+                        # are the same code)
                         ("hosts_dispatch_bf16_masks", HD.hosts_dispatch_kernel, dsig,
-                         dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, MASKS=1), (1,)),
+                         dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, MASKS=1, STATS=1), (1,)),
                         ("hosts_combine_masks", HC.hosts_combine_kernel, csig,
-                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL, MASKS=1), (1,))]
+                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL, MASKS=1, STATS=1), (1,))]
         for kname, fn, sig, consts, variants in kernels:
             for shmem in variants:
                 k = compile_one(fn, sig, dict(consts, SHMEM=shmem), warps,

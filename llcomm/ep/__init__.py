@@ -5,8 +5,9 @@ two-level kernels across hosts (``hosts_peer``, ``hosts_layout``), the backends 
 (``MASK_BACKENDS``), the buffer layout and size hint (``layout``: a handle lives for
 ``HANDLE_SLOTS`` dispatches) and ``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``).
 """
-from .api import MASK_BACKENDS, EPBuffer, EPHandle
+from .api import EPBuffer, EPHandle
 from .deep_layouts import DeepEPOutputs
 from .layout import HANDLE_SLOTS
+from .masks import MASK_BACKENDS
 
 __all__ = ["EPBuffer", "EPHandle", "DeepEPOutputs", "HANDLE_SLOTS", "MASK_BACKENDS"]

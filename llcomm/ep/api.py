@@ -33,17 +33,13 @@ from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_
                      check_weights)
 from .handle import EPHandle
 from .hosts_peer import HostsPeerEP
-from .masks import RankMasks
+from .masks import MASK_BACKENDS, MAX_MASK_RANKS, RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
 from .reference_hosts import TwoLevelReferenceEP
 from .sizes import EP_DTYPES, size_hint
 
 BACKENDS = ("auto", "peer", "reference")
-#: Backends with rank masks: a torch.distributed collective cannot leave a member out.
-MASK_BACKENDS = ("peer", "shmem")
-#: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
-MAX_MASK_RANKS = 32
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -14,6 +14,11 @@ import torch
 from ..runtime import validate as V
 from .layout import ERR_MASK
 
+#: Backends with rank masks: a torch.distributed collective cannot leave a member out.
+MASK_BACKENDS = ("peer", "shmem")
+#: Most ranks a buffer with rank masks can have (the kernels keep the mask in 32 bits).
+MAX_MASK_RANKS = 32
+
 
 def update_mask_word(err: torch.Tensor, rank: int, masked: bool) -> None:
     """Set (``masked``) or clear bit ``rank`` of ``err[ERR_MASK]``: one in-place op on
