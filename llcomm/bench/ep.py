@@ -472,7 +472,7 @@ def run(a) -> int:
     print_result(result)
     result_files.write_outputs(result, a)
     bad = [r for r in result["rows"] if (r["wrong"] or 0) > 0
-           or (r.get("error") and r["impl"] == "llcomm")]
+           or (r.get("error") and r["impl"] in ("llcomm", ep_interp.IMPL))]
     if bad:
         print(f"llcomm bench ep: {len(bad)} result rows are wrong or failed")
     return 1 if bad else 0
