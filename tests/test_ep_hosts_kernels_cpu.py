@@ -55,11 +55,59 @@ def rail_bytes(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: int,
     return dispatch, combine
 
 
+def simulated_heap(lay, NB: int, mask_bits: int = 0):
+    """The simulated symmetric heap of ``lay``'s ranks (one CPU region each) and their private
+    words: (heap, region table, host error words, ``err`` with ``mask_bits`` as the rank mask,
+    block counters, byte counters). Keep ``heap`` alive while the table is used."""
+    from llcomm.ep.hosts_layout import ERR_WORDS
+    from llcomm.ep.layout import ERR_MASK
+    W = lay.world
+    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
+    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
+    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+    err = [torch.zeros(ERR_WORDS, dtype=torch.int64) for _ in range(W)]
+    for e, h in zip(err, host_words):
+        e[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64)
+        e[ERR_MASK] = mask_bits
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    nbytes = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    return heap, tab, host_words, err, ctrl, nbytes
+
+
+def poisoned_handles(N, R, L, T, K):
+    """Every rank's dispatch index outputs and handle slots, poisoned with -7: (row_of,
+    src_info, recv_count, ntok, fwd_ids, fwd_ntok)."""
+    W = N * R
+    shapes = ((W, T, K), (L, W * T), (L,), (W,), (N, T, K), (N,))
+    return tuple([torch.full(s, -7, dtype=torch.int32) for _ in range(W)] for s in shapes)
+
+
+def stage_groups(staged: bool):
+    """(dispatch, combine) stage groups: the stages between waits, or whole kernels."""
+    from llcomm.ep.kernels import hosts_combine as HC
+    from llcomm.ep.kernels import hosts_dispatch as HD
+    if staged:
+        return HD.HOSTS_DISPATCH_STEPS, HC.HOSTS_COMBINE_STEPS
+    return (HD.HOSTS_DISPATCH_ALL,), (HC.HOSTS_COMBINE_ALL,)
+
+
+def run_groups(groups, launch, ranks, staged: bool) -> None:
+    """``launch(r, stages)`` for every rank: staged, group by group with the ranks in turn
+    (descending in one group, ascending in the next); else every rank's whole kernel at once."""
+    from _interp import concurrent_kernels, run_ranks
+    if staged:
+        with concurrent_kernels():
+            for i, stages in enumerate(groups):
+                for r in (ranks if i % 2 else ranks[::-1]):
+                    launch(r, stages)
+    else:
+        run_ranks([lambda r=r: launch(r, groups[0]) for r in ranks])
+
+
 def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged=False):
     """Dispatch + combine for each (seed, kind) in turn on N hosts of R virtual ranks; return
     a list of failures (empty: all right)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from _interp import concurrent_kernels, run_ranks
     from llcomm.ep.hosts_peer import hosts_consts, size_tag
     from llcomm.ep.hosts_layout import hosts_layout, row_bytes
     from llcomm.ep.kernels import hosts_combine as HC
@@ -75,34 +123,15 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     isz = torch.tensor([], dtype=dtype).element_size()
     # FP8 calls in a buffer sized for buffer-dtype rows, as an EPBuffer without fp8=True
     lay = hosts_layout(T, H, N, R, K, isz, NB, False)
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
-    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
-    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64)
-           for h in host_words]
-    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    nbytes = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    heap, tab, host_words, err, ctrl, nbytes = simulated_heap(lay, NB)
     dc, cc, _ = hosts_consts(lay, E, K, fp8)
     timeout_us = 20_000_000
     d_tag = size_tag(P.OP_DISPATCH, H, K, fp8, dtype)
     c_tag = size_tag(P.OP_COMBINE, H, K, 0, dtype)
-    if staged:
-        d_groups = (HD.HD_SEND, HD.HD_FORWARD_WAIT | HD.HD_FORWARD,
-                    HD.HD_EXPAND_WAIT | HD.HD_EXPAND)
-        c_groups = (HC.HC_WEIGHTS, HC.HC_FORWARD_WAIT | HC.HC_FORWARD,
-                    HC.HC_PARTIALS_WAIT | HC.HC_PARTIALS, HC.HC_HOST_SUM_WAIT | HC.HC_HOST_SUM,
-                    HC.HC_OUT_WAIT | HC.HC_OUT)
-    else:
-        d_groups, c_groups = (HD.HOSTS_DISPATCH_ALL,), (HC.HOSTS_COMBINE_ALL,)
+    d_groups, c_groups = stage_groups(staged)
 
     def run(groups, launch):
-        if staged:
-            with concurrent_kernels():
-                for i, stages in enumerate(groups):      # ranks in turn, both ways round
-                    for r in (range(W) if i % 2 else reversed(range(W))):
-                        launch(r, stages)
-        else:
-            run_ranks([lambda r=r: launch(r, groups[0]) for r in range(W)])
+        run_groups(groups, launch, list(range(W)), staged)
 
     fails = []
     for seed in seeds:
@@ -114,12 +143,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
             else:
                 recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
             scales = [torch.full((L, W * T, max(H // 128, 1)), float("nan")) for _ in range(W)]
-            row_of = [torch.full((W, T, K), -7, dtype=torch.int32) for _ in range(W)]
-            src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
-            cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
-            ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
-            fwd_ids = [torch.full((N, T, K), -7, dtype=torch.int32) for _ in range(W)]
-            fwd_ntok = [torch.full((N,), -7, dtype=torch.int32) for _ in range(W)]
+            row_of, src, cnt, ntok, fwd_ids, fwd_ntok = poisoned_handles(N, R, L, T, K)
 
             def dispatch(r, stages):
                 HD.hosts_dispatch_kernel[(NB,)](
@@ -231,11 +255,7 @@ def simulate_absent_host(R, N, timeout_us):
     L = E // W
     dtype = torch.float32
     lay = hosts_layout(T, H, N, R, K, 4, NB, False)
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
-    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
-    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64)
-           for h in host_words]
+    heap, tab, host_words, err, _, _ = simulated_heap(lay, NB)
     dc, _, _ = hosts_consts(lay, E, K, 0)
     xs, topks, _ = make_case(W, E, T, H, K, 11, "random", dtype)
     cnt = [torch.full((L,), 7, dtype=torch.int32) for _ in range(W)]
@@ -283,7 +303,7 @@ def simulate_wait_stats(delay_s):
 
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from _interp import run_ranks
-    from llcomm.ep.hosts_layout import ERR_WORDS, hosts_layout
+    from llcomm.ep.hosts_layout import hosts_layout
     from llcomm.ep.hosts_peer import hosts_consts, size_tag
     from llcomm.ep.kernels import hosts_dispatch as HD
     from llcomm.runtime import protocol as P
@@ -292,12 +312,7 @@ def simulate_wait_stats(delay_s):
     R, N, E, T, H, K, NB = 2, 2, 8, 4, 32, 2, 1
     W, L, dtype = N * R, E // (N * R), torch.float32
     lay = hosts_layout(T, H, N, R, K, 4, NB, False)
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
-    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
-    err = [torch.zeros(ERR_WORDS, dtype=torch.int64) for _ in range(W)]
-    for e, h in zip(err, host_words):
-        e[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8])
+    heap, tab, host_words, err, _, _ = simulated_heap(lay, NB)
     stats = [torch.zeros(W, dtype=torch.int64) for _ in range(W)]
     dc, _, _ = hosts_consts(lay, E, K, 0)
     xs, topks, _ = make_case(W, E, T, H, K, 12, "random", dtype)

@@ -28,11 +28,16 @@ import pytest
 import torch
 
 from _interp import run_in_interpreter
+from test_ep_hosts_kernels_cpu import (poisoned_handles, run_groups, simulated_heap,
+                                       stage_groups)
 from test_ep_kernels_cpu import _rows_fails, _same_up_to_interpreter_rounding
 
 
 #: The wait bound of a round in which every rank runs (no wait may run out).
 FULL_ROUND_US = 20_000_000
+#: The bound of the round with a rank missing: one bound of detection, then twice it for the
+#: later waits, long enough for the interpreter's live ranks even on a loaded machine.
+ABSENT_ROUND_US = 2_000_000
 
 
 def reaches(s: int, q: int, R: int, M) -> bool:
@@ -69,7 +74,6 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
     ("host" or "rank"): two full rounds, then one without the last host or the last rank.
     Returns failures."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from _interp import concurrent_kernels, run_ranks
     from llcomm.ep.hosts_layout import hosts_layout
     from llcomm.ep.hosts_peer import hosts_consts, size_tag
     from llcomm.ep.kernels import hosts_combine as HC
@@ -84,14 +88,8 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
     L = E // W
     isz = torch.tensor([], dtype=dtype).element_size()
     lay = hosts_layout(T, H, N, R, K, isz, NB, False)
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
-    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
     bits = sum(1 << r for r in masked)
-    err = [torch.tensor([0, h.data_ptr(), h.data_ptr() + 8, bits, 0, 0], dtype=torch.int64)
-           for h in host_words]
-    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    nbytes = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
+    heap, tab, host_words, err, ctrl, nbytes = simulated_heap(lay, NB, bits)
     dc, cc, _ = hosts_consts(lay, E, K, 0)
     d_tag = size_tag(P.OP_DISPATCH, H, K, 0, dtype)
     c_tag = size_tag(P.OP_COMBINE, H, K, 0, dtype)
@@ -101,23 +99,10 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
 
     def polled(r):      # the mask word rank r should end with: the dead ranks it polls
         return sum(1 << d for d in dead if d % R == r % R or d // R == r // R)
-    if staged:
-        d_groups = (HD.HD_SEND, HD.HD_FORWARD_WAIT | HD.HD_FORWARD,
-                    HD.HD_EXPAND_WAIT | HD.HD_EXPAND)
-        c_groups = (HC.HC_WEIGHTS, HC.HC_FORWARD_WAIT | HC.HC_FORWARD,
-                    HC.HC_PARTIALS_WAIT | HC.HC_PARTIALS, HC.HC_HOST_SUM_WAIT | HC.HC_HOST_SUM,
-                    HC.HC_OUT_WAIT | HC.HC_OUT)
-    else:
-        d_groups, c_groups = (HD.HOSTS_DISPATCH_ALL,), (HC.HOSTS_COMBINE_ALL,)
+    d_groups, c_groups = stage_groups(staged)
 
     def run(groups, launch):
-        if staged:
-            with concurrent_kernels():
-                for i, stages in enumerate(groups):
-                    for r in (launched if i % 2 else launched[::-1]):
-                        launch(r, stages)
-        else:
-            run_ranks([lambda r=r: launch(r, groups[0]) for r in launched])
+        run_groups(groups, launch, launched, staged)
 
     fails = []
     if absent:      # (mask, ranks launched, the mask words expected after the round)
@@ -133,12 +118,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
                 err[r][ERR_MASK] = 0
         xs, topks, weights = make_case(W, E, T, H, K, sd, "random", dtype)
         recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
-        row_of = [torch.full((W, T, K), -7, dtype=torch.int32) for _ in range(W)]
-        src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
-        cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
-        ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
-        fwd_ids = [torch.full((N, T, K), -7, dtype=torch.int32) for _ in range(W)]
-        fwd_ntok = [torch.full((N,), -7, dtype=torch.int32) for _ in range(W)]
+        row_of, src, cnt, ntok, fwd_ids, fwd_ntok = poisoned_handles(N, R, L, T, K)
 
         def dispatch(r, stages):
             HD.hosts_dispatch_kernel[(NB,)](
@@ -201,5 +181,6 @@ def test_ranks_masked_by_hand_are_skipped_on_both_levels(case):
                                         (3, 2, "rank")])
 def test_a_host_or_rank_that_stops_coming_is_masked_not_fatal(R, N, absent):
     fails = run_in_interpreter("test_ep_hosts_masks_cpu", "simulate_masked_hosts", R, N,
-                               4 * R * N, 4, 32, 2, 1, "float32", 4, [], absent, False, 300_000)
+                               4 * R * N, 4, 32, 2, 1, "float32", 4, [], absent, False,
+                               ABSENT_ROUND_US)
     assert not fails, "\n".join(fails[:10])

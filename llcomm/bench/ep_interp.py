@@ -35,15 +35,6 @@ IMPL = "interpreter"
 CPU = torch.device("cpu")
 
 
-def _groups():
-    from ..ep.kernels import hosts_combine as HC
-    from ..ep.kernels import hosts_dispatch as HD
-    return ((HD.HD_SEND, HD.HD_FORWARD_WAIT | HD.HD_FORWARD, HD.HD_EXPAND_WAIT | HD.HD_EXPAND),
-            (HC.HC_WEIGHTS, HC.HC_FORWARD_WAIT | HC.HC_FORWARD,
-             HC.HC_PARTIALS_WAIT | HC.HC_PARTIALS, HC.HC_HOST_SUM_WAIT | HC.HC_HOST_SUM,
-             HC.HC_OUT_WAIT | HC.HC_OUT))
-
-
 def simulate(case: dict) -> dict:
     """In the child: one dispatch and one combine of every rank (``case``: ``xs``, ``idx``,
     ``w`` per rank, ``scale`` and ``bias`` of the stand-in experts, ``ranks_per_host``,
@@ -76,8 +67,7 @@ def simulate(case: dict) -> dict:
     ntok = [torch.zeros(W, dtype=torch.int32, device=CPU) for _ in range(W)]
     fwd_ids = [torch.zeros((N, T, K), dtype=torch.int32, device=CPU) for _ in range(W)]
     fwd_ntok = [torch.zeros(N, dtype=torch.int32, device=CPU) for _ in range(W)]
-    d_groups, c_groups = _groups()
-    for stages in d_groups:     # each group after the one before it on every rank
+    for stages in HD.HOSTS_DISPATCH_STEPS:     # each group after the one before it on every rank
         for r in range(W):
             HD.hosts_dispatch_kernel[(NB,)](
                 xs[r], idx[r], n, recv[r], recv[r], row_of[r], src[r], cnt[r], ntok[r],
@@ -89,7 +79,7 @@ def simulate(case: dict) -> dict:
     eo = [(recv[r].float() * case["scale"][g[r]] + case["bias"][g[r]]).to(dtype)
           for r in range(W)]
     out = [torch.full((n, H), float("nan"), dtype=dtype, device=CPU) for _ in range(W)]
-    for stages in c_groups:
+    for stages in HC.HOSTS_COMBINE_STEPS:
         for r in range(W):
             HC.hosts_combine_kernel[(NB,)](
                 eo[r], idx[r], w[r], n, out[r], row_of[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab,

@@ -43,6 +43,9 @@ HOSTS_COMBINE_ALL = 511
 #: ``return_recv_hook``: the send half puts the weights; the rest waits for peers.
 HOSTS_COMBINE_SEND_HALF = HC_WEIGHTS
 HOSTS_COMBINE_RECV_HALF = HOSTS_COMBINE_ALL & ~HC_WEIGHTS
+#: The stages between waits, in order (``hosts_dispatch.HOSTS_DISPATCH_STEPS``).
+HOSTS_COMBINE_STEPS = (HC_WEIGHTS, HC_FORWARD_WAIT | HC_FORWARD, HC_PARTIALS_WAIT | HC_PARTIALS,
+                       HC_HOST_SUM_WAIT | HC_HOST_SUM, HC_OUT_WAIT | HC_OUT)
 STAGE_WEIGHTS = tl.constexpr(HC_WEIGHTS)
 STAGE_FORWARD_WAIT = tl.constexpr(HC_FORWARD_WAIT)
 STAGE_FORWARD = tl.constexpr(HC_FORWARD)

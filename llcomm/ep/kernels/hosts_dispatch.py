@@ -45,6 +45,9 @@ HOSTS_DISPATCH_ALL = 31
 #: ``return_recv_hook``: the send half is the rail puts; the rest waits for peers.
 HOSTS_DISPATCH_SEND_HALF = HD_SEND
 HOSTS_DISPATCH_RECV_HALF = HD_FORWARD_WAIT | HD_FORWARD | HD_EXPAND_WAIT | HD_EXPAND
+#: The stages between waits, in order: launched one group at a time on every rank in turn, each
+#: group's waits find their signals set (the interpreter runs ranks so: ``bench/ep_interp.py``).
+HOSTS_DISPATCH_STEPS = (HD_SEND, HD_FORWARD_WAIT | HD_FORWARD, HD_EXPAND_WAIT | HD_EXPAND)
 STAGE_SEND = tl.constexpr(HD_SEND)
 STAGE_FORWARD_WAIT = tl.constexpr(HD_FORWARD_WAIT)
 STAGE_FORWARD = tl.constexpr(HD_FORWARD)
