@@ -22,7 +22,8 @@ forwarder). One launch of NB blocks; stages (``HC_*`` bits), each after a bounde
    ``acc = acc + fp32(host_sum)``, rounded once into ``out``.
 
 That is the order ``reference_hosts.py`` defines (docs/multihost.md, "Combine order"). The
-counter ``ctrl[b]`` picks the set and advances at the end of stage 5.
+counter ``ctrl[b]`` picks the set and advances at the end of stage 5. Rank masks (``MASKS``)
+and wait statistics (``STATS``): ``hosts_masks.py``.
 """
 from collections import namedtuple
 

@@ -23,7 +23,8 @@ Stages (``STAGES`` bits, ``HD_*``), each separated from the next by a bounded wa
 The rail puts and signals go through ``rail.py`` (SHMEM, or plain stores with ``SHMEM`` = 0);
 everything inside a host is stores through the region table. Flags are int64 words
 ``((counter + 1) << EPOCH_SHIFT) | tag`` as in the single-host kernels; the block counter
-``ctrl[b]`` picks the buffer set and advances at the end of the expand.
+``ctrl[b]`` picks the buffer set and advances at the end of the expand. Rank masks
+(``MASKS``) and wait statistics (``STATS``): ``hosts_masks.py``.
 """
 from collections import namedtuple
 
@@ -46,7 +47,7 @@ HOSTS_DISPATCH_ALL = 31
 HOSTS_DISPATCH_SEND_HALF = HD_SEND
 HOSTS_DISPATCH_RECV_HALF = HD_FORWARD_WAIT | HD_FORWARD | HD_EXPAND_WAIT | HD_EXPAND
 #: The stages between waits, in order: launched one group at a time on every rank in turn, each
-#: group's waits find their signals set (the interpreter runs ranks so: ``bench/ep_interp.py``).
+#: group's waits find their signals set (how ``llcomm/bench/ep_interp.py`` runs the ranks).
 HOSTS_DISPATCH_STEPS = (HD_SEND, HD_FORWARD_WAIT | HD_FORWARD, HD_EXPAND_WAIT | HD_EXPAND)
 STAGE_SEND = tl.constexpr(HD_SEND)
 STAGE_FORWARD_WAIT = tl.constexpr(HD_FORWARD_WAIT)
