@@ -27,6 +27,8 @@ import torch
 from _interp import run_in_interpreter
 from test_ep_kernels_cpu import _rows_fails, _same_up_to_interpreter_rounding
 
+from llcomm.bench.ep_interp import simulated_heap
+
 #: (ranks per host, hosts).
 SHAPES = [(2, 2), (2, 3), (3, 2)]
 
@@ -53,25 +55,6 @@ def rail_bytes(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: int,
     dispatch = rows_out * row_bytes + (N - 1) * (_align16(4 * (4 + n * K)) + 8 * NB)
     combine = (N - 1) * (_align16(4 * n * K) + 8) + sums_back * H * itemsize + (N - 1) * 8 * NB
     return dispatch, combine
-
-
-def simulated_heap(lay, NB: int, mask_bits: int = 0):
-    """The simulated symmetric heap of ``lay``'s ranks (one CPU region each) and their private
-    words: (heap, region table, host error words, ``err`` with ``mask_bits`` as the rank mask,
-    block counters, byte counters). Keep ``heap`` alive while the table is used."""
-    from llcomm.ep.hosts_layout import ERR_WORDS
-    from llcomm.ep.layout import ERR_MASK
-    W = lay.world
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64)
-    host_words = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
-    err = [torch.zeros(ERR_WORDS, dtype=torch.int64) for _ in range(W)]
-    for e, h in zip(err, host_words):
-        e[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64)
-        e[ERR_MASK] = mask_bits
-    ctrl = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    nbytes = [torch.zeros(2, NB, dtype=torch.int64) for _ in range(W)]
-    return heap, tab, host_words, err, ctrl, nbytes
 
 
 def poisoned_handles(N, R, L, T, K):

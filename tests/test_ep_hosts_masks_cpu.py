@@ -28,9 +28,10 @@ import pytest
 import torch
 
 from _interp import run_in_interpreter
-from test_ep_hosts_kernels_cpu import (poisoned_handles, run_groups, simulated_heap,
-                                       stage_groups)
+from test_ep_hosts_kernels_cpu import poisoned_handles, run_groups, stage_groups
 from test_ep_kernels_cpu import _rows_fails, _same_up_to_interpreter_rounding
+
+from llcomm.bench.ep_interp import simulated_heap
 
 
 #: The wait bound of a round in which every rank runs (no wait may run out).

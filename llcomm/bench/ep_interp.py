@@ -35,12 +35,32 @@ IMPL = "interpreter"
 CPU = torch.device("cpu")
 
 
+def simulated_heap(lay, NB: int, mask_bits: int = 0):
+    """The simulated symmetric heap of ``lay``'s ranks (one CPU region each, the rail puts
+    stored through its table: ``SHMEM`` = 0) and their private words: (heap, region table, host
+    error words, ``err`` with ``mask_bits`` as the rank mask, block counters, byte counters).
+    Keep ``heap`` alive while the table is used. The interpreter tests use it too."""
+    from ..ep.hosts_layout import ERR_WORDS
+    from ..ep.layout import ERR_MASK
+    W = lay.world
+    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8, device=CPU) for _ in range(W)]
+    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64, device=CPU)
+    host_words = [torch.zeros(2, dtype=torch.int64, device=CPU) for _ in range(W)]
+    err = [torch.zeros(ERR_WORDS, dtype=torch.int64, device=CPU) for _ in range(W)]
+    for e, h in zip(err, host_words):
+        e[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64, device=CPU)
+        e[ERR_MASK] = mask_bits
+    ctrl = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
+    nbytes = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
+    return heap, tab, host_words, err, ctrl, nbytes
+
+
 def simulate(case: dict) -> dict:
     """In the child: one dispatch and one combine of every rank (``case``: ``xs``, ``idx``,
     ``w`` per rank, ``scale`` and ``bias`` of the stand-in experts, ``ranks_per_host``,
     ``max_tokens``, ``timeout_us``). Returns per rank ``recv_count``, ``recv_x``, ``src_info``,
     ``out`` and ``bytes`` (dispatch, combine)."""
-    from ..ep.hosts_layout import ERR_WORDS, hosts_layout
+    from ..ep.hosts_layout import hosts_layout
     from ..ep.hosts_peer import hosts_consts, size_tag
     from ..ep.kernels import hosts_combine as HC
     from ..ep.kernels import hosts_dispatch as HD
@@ -51,14 +71,7 @@ def simulate(case: dict) -> dict:
     N, (n, H), K, E = W // R, xs[0].shape, idx[0].shape[1], case["scale"].shape[0]
     L, dtype, NB = E // W, xs[0].dtype, NUM_BLOCKS
     lay = hosts_layout(T, H, N, R, K, dtype.itemsize, NB, False)
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8, device=CPU) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64, device=CPU)
-    host_words = [torch.zeros(2, dtype=torch.int64, device=CPU) for _ in range(W)]
-    err = [torch.zeros(ERR_WORDS, dtype=torch.int64, device=CPU) for _ in range(W)]
-    for e_, h in zip(err, host_words):
-        e_[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64, device=CPU)
-    ctrl = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
-    nbytes = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
+    heap, tab, host_words, err, ctrl, nbytes = simulated_heap(lay, NB)
     dc, cc, _ = hosts_consts(lay, E, K, 0)
     recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype, device=CPU) for _ in range(W)]
     src = [torch.full((L, W * T), -1, dtype=torch.int32, device=CPU) for _ in range(W)]
