@@ -183,7 +183,7 @@ def _hosts_body(rank, W, R, seeds):
     import torch.distributed as dist
 
     import llcomm
-    from llcomm.ep.reference_hosts import TwoLevelReferenceEP
+    from llcomm.ep.hosts.reference import TwoLevelReferenceEP
     E, T, H, K = 2 * W, 6, 16, 3
     buf = llcomm.EPBuffer(num_experts=E, hidden=H, num_max_dispatch_tokens_per_rank=T)
     fails = []

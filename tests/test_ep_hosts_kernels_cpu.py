@@ -1,4 +1,4 @@
-"""The two-level EP kernels (``llcomm/ep/kernels/hosts_*.py``) on the CPU, under
+"""The two-level EP kernels (``llcomm/ep/hosts/kernels/*.py``) on the CPU, under
 ``TRITON_INTERPRET=1``: virtual ranks grouped into virtual hosts (2x2, 2x3, 3x2: ranks per host
 x hosts), the inter-host puts simulated (``SHMEM`` = 0) as stores into a simulated symmetric
 heap, one CPU region per virtual rank, with the same signals and waits.
@@ -67,8 +67,8 @@ def poisoned_handles(N, R, L, T, K):
 
 def stage_groups(staged: bool):
     """(dispatch, combine) stage groups: the stages between waits, or whole kernels."""
-    from llcomm.ep.kernels import hosts_combine as HC
-    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep.hosts.kernels import combine as HC
+    from llcomm.ep.hosts.kernels import dispatch as HD
     if staged:
         return HD.HOSTS_DISPATCH_STEPS, HC.HOSTS_COMBINE_STEPS
     return (HD.HOSTS_DISPATCH_ALL,), (HC.HOSTS_COMBINE_ALL,)
@@ -91,10 +91,10 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     """Dispatch + combine for each (seed, kind) in turn on N hosts of R virtual ranks; return
     a list of failures (empty: all right)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep.hosts_peer import hosts_consts, size_tag
-    from llcomm.ep.hosts_layout import hosts_layout, row_bytes
-    from llcomm.ep.kernels import hosts_combine as HC
-    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep.hosts.peer import hosts_consts, size_tag
+    from llcomm.ep.hosts.layout import hosts_layout, row_bytes
+    from llcomm.ep.hosts.kernels import combine as HC
+    from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.runtime import protocol as P
     from llcomm.runtime.fp8_format import dequantize
     from test_ep_hosts import oracle_combine_hosts
@@ -228,9 +228,9 @@ def simulate_absent_host(R, N, timeout_us):
     surviving rank, (its error word, its recv_count, its ntok) after the bounded waits."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from _interp import run_ranks
-    from llcomm.ep.hosts_layout import hosts_layout
-    from llcomm.ep.hosts_peer import hosts_consts, size_tag
-    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep.hosts.layout import hosts_layout
+    from llcomm.ep.hosts.peer import hosts_consts, size_tag
+    from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.runtime import protocol as P
     from test_ep_oracle import make_case
 
@@ -266,7 +266,7 @@ def test_an_absent_host_times_out_every_other_rank(R, N):
     from llcomm.runtime import protocol as P
     import types
 
-    from llcomm.ep.hosts_peer import HostsPeerEP
+    from llcomm.ep.hosts.peer import HostsPeerEP
     got = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_absent_host", R, N, 300_000)
     assert len(got) == (N - 1) * R
     for r, (word, cnt, ntok) in enumerate(got):
@@ -286,9 +286,9 @@ def simulate_wait_stats(delay_s):
 
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from _interp import run_ranks
-    from llcomm.ep.hosts_layout import hosts_layout
-    from llcomm.ep.hosts_peer import hosts_consts, size_tag
-    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep.hosts.layout import hosts_layout
+    from llcomm.ep.hosts.peer import hosts_consts, size_tag
+    from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.runtime import protocol as P
     from test_ep_oracle import make_case
 

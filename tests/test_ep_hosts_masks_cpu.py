@@ -75,10 +75,10 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
     ("host" or "rank"): two full rounds, then one without the last host or the last rank.
     Returns failures."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep.hosts_layout import hosts_layout
-    from llcomm.ep.hosts_peer import hosts_consts, size_tag
-    from llcomm.ep.kernels import hosts_combine as HC
-    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep.hosts.layout import hosts_layout
+    from llcomm.ep.hosts.peer import hosts_consts, size_tag
+    from llcomm.ep.hosts.kernels import combine as HC
+    from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.ep.layout import ERR_MASK
     from llcomm.runtime import protocol as P
     from test_ep_hosts import oracle_combine_hosts

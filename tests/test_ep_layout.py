@@ -176,7 +176,7 @@ def test_size_hint_across_hosts():
     (the layout they index: every part inside it, none overlapping); R = num_ranks is one host
     (the single-host region); R not a divisor is refused."""
     import llcomm
-    from llcomm.ep.hosts_peer import default_num_blocks, make_layout
+    from llcomm.ep.hosts.peer import default_num_blocks, make_layout
     got = llcomm.EPBuffer.size_hint(128, 7168, 16, 256, num_ranks_per_host=8)
     lay = make_layout(128, 7168, 2, 8, 2, False, default_num_blocks(2, 8))
     assert got == lay.total_bytes == 2 * lay.set_bytes

@@ -19,9 +19,11 @@ E, T, H, K = 8, 6, 256, 2
 
 def _glue_body(rank, world):
     import llcomm
-    from llcomm.ep import api, hosts_layout, hosts_peer
-    from llcomm.ep.kernels import hosts_combine as HC
-    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep import api
+    from llcomm.ep.hosts import layout as hosts_layout
+    from llcomm.ep.hosts import peer as hosts_peer
+    from llcomm.ep.hosts.kernels import combine as HC
+    from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.ep.layout import ERR_MASK, HANDLE_SLOTS, MAX_TOPK
     from llcomm.runtime import protocol as P
     from llcomm.runtime.hosts import Hosts

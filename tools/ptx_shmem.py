@@ -89,9 +89,9 @@ def main(argv=None) -> int:
     tell_torch_it_has_triton()
     from ptx import compile_one     # tools/ptx.py, beside this file
 
-    from llcomm.ep.hosts_peer import hosts_consts, make_layout
-    from llcomm.ep.kernels import hosts_combine as HC
-    from llcomm.ep.kernels import hosts_dispatch as HD
+    from llcomm.ep.hosts.peer import hosts_consts, make_layout
+    from llcomm.ep.hosts.kernels import combine as HC
+    from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.runtime.shmem import device_functions_available, layer_name
     if not device_functions_available():
         print(f"ptx_shmem: torch's SHMEM Triton layer ({layer_name()}) defined no device "

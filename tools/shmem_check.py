@@ -69,8 +69,8 @@ def _buf(rank, W, R, fp8, masks=False):
 def _rank_body(rank, W, R):
     import torch.distributed as dist
 
-    from llcomm.ep.hosts_layout import row_bytes
-    from llcomm.ep.hosts_peer import HostsPeerEP
+    from llcomm.ep.hosts.layout import row_bytes
+    from llcomm.ep.hosts.peer import HostsPeerEP
     from llcomm.errors import CommTimeoutError
     from llcomm.runtime.fp8_format import dequantize
     from test_ep_hosts import oracle_combine_hosts
@@ -224,7 +224,7 @@ def _mask_checks(rank, W, R, dev, report):
     """Rank masks on a second heap (module doc)."""
     import torch.distributed as dist
 
-    from llcomm.ep.hosts_peer import HostsPeerEP
+    from llcomm.ep.hosts.peer import HostsPeerEP
     from test_ep_hosts import oracle_combine_hosts
     from test_ep_hosts_masks_cpu import cut_topks, masked_dispatch_oracle
     from test_ep_oracle import expert_fn, make_case

@@ -1,5 +1,5 @@
 """``llcomm bench ep --ranks-per-host N`` on CPU: the two-level kernels
-(``llcomm/ep/kernels/hosts_*.py``) in Triton's interpreter, on the bench's own inputs, for the
+(``llcomm/ep/hosts/kernels/*.py``) in Triton's interpreter, on the bench's own inputs, for the
 bytes they put across hosts as they count them.
 
 The bench's ranks are processes, while the kernels' simulated heap (one CPU region per virtual
@@ -40,7 +40,7 @@ def simulated_heap(lay, NB: int, mask_bits: int = 0):
     stored through its table: ``SHMEM`` = 0) and their private words: (heap, region table, host
     error words, ``err`` with ``mask_bits`` as the rank mask, block counters, byte counters).
     Keep ``heap`` alive while the table is used. The interpreter tests use it too."""
-    from ..ep.hosts_layout import ERR_WORDS
+    from ..ep.hosts.layout import ERR_WORDS
     from ..ep.layout import ERR_MASK
     W = lay.world
     heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8, device=CPU) for _ in range(W)]
@@ -60,10 +60,10 @@ def simulate(case: dict) -> dict:
     ``w`` per rank, ``scale`` and ``bias`` of the stand-in experts, ``ranks_per_host``,
     ``max_tokens``, ``timeout_us``). Returns per rank ``recv_count``, ``recv_x``, ``src_info``,
     ``out`` and ``bytes`` (dispatch, combine)."""
-    from ..ep.hosts_layout import hosts_layout
-    from ..ep.hosts_peer import hosts_consts, size_tag
-    from ..ep.kernels import hosts_combine as HC
-    from ..ep.kernels import hosts_dispatch as HD
+    from ..ep.hosts.layout import hosts_layout
+    from ..ep.hosts.peer import hosts_consts, size_tag
+    from ..ep.hosts.kernels import combine as HC
+    from ..ep.hosts.kernels import dispatch as HD
     from ..runtime import protocol as P
 
     xs, idx, w = case["xs"], case["idx"], case["w"]

@@ -1,7 +1,7 @@
 """MoE expert-parallel dispatch / combine: ``EPBuffer`` (``api``; its argument checks in
 ``checks``, ``EPHandle`` in ``handle``), the peer backend (``peer``, kernels in ``kernels/``), the
-reference backend (``reference``; across hosts its two-level exchange, ``reference_hosts``), the
-two-level kernels across hosts (``hosts_peer``, ``hosts_layout``), the backends with rank masks
+reference backend (``reference``), the two-level path across hosts (``hosts/``: its kernels,
+host side, layout and reference exchange), the backends with rank masks
 (``MASK_BACKENDS``), the buffer layout and size hint (``layout``: a handle lives for
 ``HANDLE_SLOTS`` dispatches) and ``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``).
 """

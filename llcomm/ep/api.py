@@ -7,7 +7,7 @@
     y = buf.combine(expert_out, topk_idx, topk_weights, handle)       # [num_tokens, hidden]
 
 Backends: ``"peer"`` (Triton kernels over a symmetric NVLink region, one host), ``"shmem"``
-(the two-level Triton kernels across hosts, on SHMEM: ``hosts_peer.py``), ``"reference"``
+(the two-level Triton kernels across hosts, on SHMEM: ``hosts/peer.py``), ``"reference"``
 (torch.distributed all-to-all: NCCL, or gloo on CPU; across hosts its two-level exchange,
 docs/multihost.md), ``"auto"`` (peer where every rank has its own GPU on one host and peer
 access works, shmem across hosts where SHMEM runs, reference otherwise). All give the same
@@ -32,11 +32,11 @@ from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
                      check_weights)
 from .handle import EPHandle
-from .hosts_peer import HostsPeerEP
+from .hosts.peer import HostsPeerEP
 from .masks import MASK_BACKENDS, MAX_MASK_RANKS, RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
-from .reference_hosts import TwoLevelReferenceEP
+from .hosts.reference import TwoLevelReferenceEP
 from .sizes import EP_DTYPES, size_hint
 
 BACKENDS = ("auto", "peer", "reference")

@@ -1,7 +1,7 @@
 """The reference EP backend: dispatch and combine on torch.distributed ``all_to_all_single``.
 
 The oracle of the peer kernels and the EP path on CPU (gloo); across hosts ``EPBuffer`` runs
-its two-level exchange (``reference_hosts.py``), built from this module's blocks. It
+its two-level exchange (``hosts/reference.py``), built from this module's blocks. It
 shares no code with ``llcomm/ep/kernels/`` but produces the same bytes: the same ``recv_x`` rows
 (per local expert: source rank major, then source token order, packed from row 0), the same
 ``recv_count`` and handle, and the same combine arithmetic (docs/ep.md):
@@ -182,7 +182,7 @@ class ReferenceEP:
         return bad
 
 
-# -- building blocks (also of the two-level exchange, ``reference_hosts.py``) ---------------------
+# -- building blocks (also of the two-level exchange, ``hosts/reference.py``) ---------------------
 def token_rows(x: torch.Tensor, fp8: int) -> torch.Tensor:
     """The rows that travel for tokens ``x [n, H]``: ``x`` itself, or with ``fp8`` (1, or 2 for
     power-of-two scales) uint8 ``[n, H + H / 32]``: each row's e4m3 bytes, then its fp32 scales'

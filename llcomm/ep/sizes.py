@@ -1,11 +1,11 @@
 """``EPBuffer.size_hint``: the symmetric memory an ``EPBuffer`` takes per rank, on one host
-(``layout.ep_layout``) or across hosts (``hosts_peer.make_layout``)."""
+(``layout.ep_layout``) or across hosts (``hosts.peer.make_layout``)."""
 from __future__ import annotations
 
 import torch
 
 from ..runtime.settings import EPSettings
-from .hosts_peer import hosts_region_bytes
+from .hosts.peer import hosts_region_bytes
 from .layout import default_num_blocks, ep_layout
 
 #: The token dtypes an EPBuffer takes.
@@ -29,7 +29,7 @@ def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
 
     ``num_ranks_per_host``: ranks on several hosts (fewer than ``num_ranks`` per host, a
     divisor of it): the bytes of the SHMEM heap the two-level kernels take per rank
-    (``hosts_peer.make_layout``; docs/multihost.md), for GPUs of at least 128 SMs (fewer
+    (``hosts.peer.make_layout``; docs/multihost.md), for GPUs of at least 128 SMs (fewer
     SMs give fewer flags, a few KB less).
     """
     if dtype not in EP_DTYPES:

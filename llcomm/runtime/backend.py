@@ -125,7 +125,7 @@ def _decide(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
 def _decide_hosts(group: dist.ProcessGroup, backend: str, what: str, everyone: list,
                   hosts: Hosts, shmem: list) -> tuple[str, str]:
     """``_decide`` for ranks that span hosts: ``"shmem"`` (the two-level kernels on SHMEM,
-    ``llcomm/ep/hosts_peer.py``) where every rank has a GPU, a usable Triton and SHMEM (``shmem``:
+    ``llcomm/ep/hosts/peer.py``) where every rank has a GPU, a usable Triton and SHMEM (``shmem``:
     each rank's ``shmem_problem()``), and the group is the default one (the kernels name ranks by
     SHMEM PE); else the two-level reference exchange, which ``"peer"`` refuses."""
     span = f"the ranks span {hosts.describe()}"

@@ -4,9 +4,8 @@ Three kernels, each one launch on a fixed grid of NB blocks, each fusing its pus
 bounded waits and the local work that follows: ``flag_dispatch_kernel`` (``dispatch_flag``),
 ``ll_dispatch_kernel`` (``dispatch_ll``) and ``combine_kernel`` (``combine``). Shared device
 code: ``common`` (flags, waits, masks, stamps), ``dispatch_common`` (the send stage's scan,
-counts and metadata), ``fp8_rows`` (the FP8 row quantisers). Across hosts the two-level
-kernels are ``hosts_dispatch`` and ``hosts_combine``, with their transport ``rail`` (SHMEM
-puts and signals between hosts); ``llcomm/ep/hosts_peer.py`` launches them.
+counts and metadata), ``fp8_rows`` (the FP8 row quantisers). The two-level kernels across
+hosts live in ``llcomm/ep/hosts/kernels/``.
 
 Parameters. The runtime arguments come first, flat (what the host passes in order: the
 dispatch's are ``dispatch_common.DISPATCH_ARGS``, the same for both dispatch kernels), then

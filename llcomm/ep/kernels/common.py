@@ -177,7 +177,7 @@ def _wait_flags(flags, word, timeout_us, err, op, phase, go,
     all there at once; 0 for ranks in ``skip``, never waited for, and when ``go == 0``). A wait
     that runs out counts the time until then. ``_add_wait_stats`` adds them; source s's entry is
     ``stats[s * STATS_STRIDE]`` (the two-level kernels number a level's sources apart from the
-    ranks: ``hosts_masks.masked_wait``)."""
+    ranks: ``hosts.kernels.masks.masked_wait``)."""
     # One lane per flag (NP of them), replicated across warps (each warp has its own view),
     # reduced first, then the block-wide maximum with the clock's BLOCK_WIDE lanes; where the
     # flags fill the block (NP = BLOCK_WIDE) the views go straight into that maximum. Polling

@@ -1,7 +1,7 @@
 """The two-level combine: the dispatch's route backwards, one host sum per (token, host) on
 the rail.
 
-Rank ``r`` is local rank ``l`` of host ``h`` (as in ``hosts_dispatch.py``, whose handle it
+Rank ``r`` is local rank ``l`` of host ``h`` (as in ``dispatch.py``, whose handle it
 reads: ``row_of`` and ``ntok`` of the expert rank, ``fwd_ids`` and ``fwd_ntok`` of the
 forwarder). One launch of NB blocks; stages (``HC_*`` bits), each after a bounded wait:
 
@@ -21,21 +21,21 @@ forwarder). One launch of NB blocks; stages (``HC_*`` bits), each after a bounde
 5. out (``HC_OUT``, after ``HC_OUT_WAIT``): each own token's host sums **in host order**,
    ``acc = acc + fp32(host_sum)``, rounded once into ``out``.
 
-That is the order ``reference_hosts.py`` defines (docs/multihost.md, "Combine order"). The
+That is the order ``reference.py`` defines (docs/multihost.md, "Combine order"). The
 counter ``ctrl[b]`` picks the set and advances at the end of stage 5. Rank masks (``MASKS``)
-and wait statistics (``STATS``): ``hosts_masks.py``.
+and wait statistics (``STATS``): ``masks.py``.
 """
 from collections import namedtuple
 
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
+from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
                                      wait_bound)
-from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA, PHASE_ENTRY, PHASE_EXIT,
-                     _at, _masked, _rank_bits, symbol)
-from .hosts_dispatch import Where
-from .hosts_masks import HOST, RAIL, announce, entry_wait, fed, later_bound, masked_wait
+from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA,
+                               PHASE_ENTRY, PHASE_EXIT, _at, _masked, _rank_bits, symbol)
+from .dispatch import Where
+from .masks import HOST, RAIL, announce, entry_wait, fed, later_bound, masked_wait
 from .rail import PUT_CHUNK, copy_words, host_signal, rail_put, rail_signal
 
 HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
@@ -44,7 +44,7 @@ HOSTS_COMBINE_ALL = 511
 #: ``return_recv_hook``: the send half puts the weights; the rest waits for peers.
 HOSTS_COMBINE_SEND_HALF = HC_WEIGHTS
 HOSTS_COMBINE_RECV_HALF = HOSTS_COMBINE_ALL & ~HC_WEIGHTS
-#: The stages between waits, in order (``hosts_dispatch.HOSTS_DISPATCH_STEPS``).
+#: The stages between waits, in order (``dispatch.HOSTS_DISPATCH_STEPS``).
 HOSTS_COMBINE_STEPS = (HC_WEIGHTS, HC_FORWARD_WAIT | HC_FORWARD, HC_PARTIALS_WAIT | HC_PARTIALS,
                        HC_HOST_SUM_WAIT | HC_HOST_SUM, HC_OUT_WAIT | HC_OUT)
 STAGE_WEIGHTS = tl.constexpr(HC_WEIGHTS)
@@ -57,7 +57,7 @@ STAGE_HOST_SUM = tl.constexpr(HC_HOST_SUM)
 STAGE_OUT_WAIT = tl.constexpr(HC_OUT_WAIT)
 STAGE_OUT = tl.constexpr(HC_OUT)
 
-#: Byte offsets of the combine's regions in set 0 (``hosts_layout``) and the set's size.
+#: Byte offsets of the combine's regions in set 0 (``layout.py``) and the set's size.
 HostCombineRegions = namedtuple("HostCombineRegions", [
     "SET_BYTES", "RAIL_SIG", "HOST_SIG", "HOST_ENTRY", "PART_SIG", "BACK_SIG", "STAGE_W",
     "RAIL_W", "HOST_W", "PART", "STAGE_BACK", "BACK"])
@@ -228,12 +228,12 @@ def hosts_combine_kernel(
         tab, ctrl, err, rank, tag, timeout_us,
         nbytes,         # [NB] int64: inter-host bytes each block put in the latest call
         stats,          # [W] int64 wait statistics (STATS), or None
-        SIZES: tl.constexpr,        # hosts_dispatch.HostSizes
+        SIZES: tl.constexpr,        # dispatch.HostSizes
         REGIONS: tl.constexpr,      # HostCombineRegions
         STAGES: tl.constexpr,       # HC_* bits
         SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
-        MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; hosts_masks.py)
-        STATS: tl.constexpr = 0,    # 1: wait statistics into stats (hosts_masks.masked_wait)
+        MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; masks.py)
+        STATS: tl.constexpr = 0,    # 1: wait statistics into stats (masks.masked_wait)
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)

@@ -21,8 +21,8 @@ ranks that wait for it, so its tokens are skipped and its experts count as absen
 import triton
 import triton.language as tl
 
-from .. import hosts_layout as HL
-from .common import ERR_MASK, PHASE_DATA, _agree_mask, _at, _wait_flags
+from .. import layout as HL
+from ...kernels.common import ERR_MASK, PHASE_DATA, _agree_mask, _at, _wait_flags
 
 #: A wait's level (``masked_wait``'s LEVEL).
 RAIL = tl.constexpr(0)
@@ -121,7 +121,7 @@ def entry_wait(flags, word, timeout_us, err, op, go, msk, epoch, wh, S, AGREE: t
     """Masks: wait (one bound) for every unmasked rank of this host to have begun the call
     (``announce``); one that has not is masked. Returns ``(ok, msk)``. Its errors say "data
     poll", the phase of every host-level wait (the host side names their ranks by it:
-    ``hosts_peer.HostsPeerEP.precheck``)."""
+    ``peer.HostsPeerEP.precheck``)."""
     return masked_wait(flags, word, timeout_us, err, op, PHASE_DATA, go, S.R, S.HOST_FLAGS_P2,
                        S.R, HOST, tl.full([], 1, tl.int64) << wh.local, msk, epoch, wh, S, 1,
                        AGREE, stats, STATS)

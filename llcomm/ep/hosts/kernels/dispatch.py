@@ -24,20 +24,20 @@ The rail puts and signals go through ``rail.py`` (SHMEM, or plain stores with ``
 everything inside a host is stores through the region table. Flags are int64 words
 ``((counter + 1) << EPOCH_SHIFT) | tag`` as in the single-host kernels; the block counter
 ``ctrl[b]`` picks the buffer set and advances at the end of the expand. Rank masks
-(``MASKS``) and wait statistics (``STATS``): ``hosts_masks.py``.
+(``MASKS``) and wait statistics (``STATS``): ``masks.py``.
 """
 from collections import namedtuple
 
 import triton
 import triton.language as tl
 
-from ...runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
+from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
                                      wait_bound)
-from ..hosts_layout import ID_HEADER_WORDS
-from .common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at,
-                     _masked, _rank_bits, symbol)
-from .fp8_rows import _quantize_row
-from .hosts_masks import (ERR_ENTRY_VERDICT, ERR_HOST_VERDICT, ERR_RAIL_VERDICT, HOST, RAIL,
+from ..layout import ID_HEADER_WORDS
+from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at,
+                               _masked, _rank_bits, symbol)
+from ...kernels.fp8_rows import _quantize_row
+from .masks import (ERR_ENTRY_VERDICT, ERR_HOST_VERDICT, ERR_RAIL_VERDICT, HOST, RAIL,
                           announce, entry_wait, fed, later_bound, masked_wait)
 from .rail import copy_words, host_signal, rail_put, rail_signal
 
@@ -71,7 +71,7 @@ COPY_CHUNK = tl.constexpr(512)
 HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
                                      "ROW_BYTES", "PUT_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
                                      "RAIL_FLAGS_P2", "HOST_FLAGS_P2"])
-#: Byte offsets of the dispatch's regions in set 0 (``hosts_layout``), the set's size and an
+#: Byte offsets of the dispatch's regions in set 0 (``layout.py``), the set's size and an
 #: id block's size.
 HostDispatchRegions = namedtuple("HostDispatchRegions", [
     "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "HOST_SIG", "HOST_ENTRY", "STAGE_IDS", "STAGE",
@@ -292,8 +292,8 @@ def hosts_dispatch_kernel(
         FP8: tl.constexpr,          # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
         STAGES: tl.constexpr,       # HD_* bits
         SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
-        MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; hosts_masks.py)
-        STATS: tl.constexpr = 0,    # 1: wait statistics into stats (hosts_masks.masked_wait)
+        MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; masks.py)
+        STATS: tl.constexpr = 0,    # 1: wait statistics into stats (masks.masked_wait)
         PDL: tl.constexpr = 0):
     after_previous_kernel(PDL)
     b = tl.program_id(0)

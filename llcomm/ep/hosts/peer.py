@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import protocol as P
-from .hosts_layout import ERR_WORDS, HostsLayout, hosts_layout, row_bytes
-from .layout import DEFAULT_NUM_BLOCKS, ERR_MASK, MAX_TOPK
-from .masks import update_mask_word
-from .peer import MAX_WARPS, VECTORS_PER_THREAD, PeerEP, _bundle, _pow2
+from ...runtime import protocol as P
+from .layout import ERR_WORDS, HostsLayout, hosts_layout, row_bytes
+from ..layout import DEFAULT_NUM_BLOCKS, ERR_MASK, MAX_TOPK
+from ..masks import update_mask_word
+from ..peer import MAX_WARPS, VECTORS_PER_THREAD, PeerEP, _bundle, _pow2
 
 
 def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     """(dispatch constexprs, combine constexprs, num_warps) of the two-level kernels for a
     layout, the experts, a call's top-k and FP8 mode (0, 1, 2); STAGES and SHMEM are the
     caller's."""
-    from .kernels.hosts_combine import HostCombineRegions
-    from .kernels.hosts_dispatch import HostDispatchRegions, HostSizes
+    from .kernels.combine import HostCombineRegions
+    from .kernels.dispatch import HostDispatchRegions, HostSizes
     N, R, T, H, NB = (lay.num_hosts, lay.ranks_per_host, lay.max_tokens, lay.hidden,
                       lay.num_blocks)
     W = N * R
@@ -63,7 +63,7 @@ def make_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: in
 def default_num_blocks(num_hosts: int, ranks_per_host: int, sms: int | None = None) -> int:
     """Blocks of the two-level kernels: DEFAULT_NUM_BLOCKS, fewer when a wait would poll more
     than MAX_WAIT_FLAGS flags or the GPU has fewer SMs (``sms``)."""
-    from .layout import MAX_WAIT_FLAGS
+    from ..layout import MAX_WAIT_FLAGS
     nb = min(DEFAULT_NUM_BLOCKS, MAX_WAIT_FLAGS // max(num_hosts, ranks_per_host))
     return nb if sms is None else min(nb, sms)
 
@@ -89,7 +89,7 @@ def _shmem_heap(nbytes: int, device: torch.device, group):
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from ..errors import UnsupportedConfigError
+    from ...errors import UnsupportedConfigError
     try:
         symm_mem.set_backend("NVSHMEM")
     except RuntimeError as e:       # torch: the backend is fixed by a process's first tensor
@@ -113,11 +113,11 @@ class HostsPeerEP:
     def __init__(self, buf, num_blocks: int | None = None):
         import torch.distributed as dist
 
-        from ..errors import UnsupportedConfigError
-        from ..runtime.shmem import ShmemLauncher, device_functions_available, layer_name
-        from .kernels import hosts_combine as HC
-        from .kernels import hosts_dispatch as HD
-        from .layout import HANDLE_SLOTS
+        from ...errors import UnsupportedConfigError
+        from ...runtime.shmem import ShmemLauncher, device_functions_available, layer_name
+        from .kernels import combine as HC
+        from .kernels import dispatch as HD
+        from ..layout import HANDLE_SLOTS
 
         self.HD, self.HC = HD, HC
         self.rank, self.W = buf.rank, buf.num_ranks

@@ -21,8 +21,8 @@ SHMEM's own ``signal_wait_until`` never gives up) and acquires it before reading
 import triton
 import triton.language as tl
 
-from ...runtime.shmem import shmem_device
-from .common import _at
+from ....runtime.shmem import shmem_device
+from ...kernels.common import _at
 
 #: NVSHMEM's signal operation that stores the value: NVSHMEM_SIGNAL_SET is 9 in NVSHMEM's
 #: enum (ADD is 10). torch's docstrings give 0, which NVSHMEM takes for another operation: the

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime.bounded import BoundedCalls
-from ..runtime.hosts import Hosts
-from .reference import ReferenceEP, expand_pairs, rank_partials, token_rows
+from ...runtime.bounded import BoundedCalls
+from ...runtime.hosts import Hosts
+from ..reference import ReferenceEP, expand_pairs, rank_partials, token_rows
 
 #: Bytes of one row count in the dispatch's count exchange.
 COUNT_BYTES = 8

@@ -3,7 +3,7 @@
 Pure arithmetic, like ``layout.py`` for the single-host region. ``N`` hosts of ``R`` ranks
 (``W = N * R``), ``T`` max tokens per rank, top-k ``K``, a row of ``row_bytes`` (buffer-dtype
 rows, or e4m3 bytes then fp32 scales; padded to 16 bytes). The kernels are in
-``kernels/hosts_dispatch.py`` and ``kernels/hosts_combine.py``; docs/multihost.md has the
+``kernels/dispatch.py`` and ``kernels/combine.py``; docs/multihost.md has the
 protocol. *Rail* regions are written across hosts (SHMEM puts), *host* regions over peer
 memory inside a host, *stage* regions only by their own rank (the source of a put must be in
 the symmetric heap).
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import ALIGN, FP8_BLOCK, MAX_WAIT_FLAGS, NUM_SETS
+from ..layout import ALIGN, FP8_BLOCK, MAX_WAIT_FLAGS, NUM_SETS
 
 #: int32 words before the top-k ids of a staged id block: the token count, then padding that
 #: keeps the ids 16-byte aligned.
@@ -48,7 +48,7 @@ ID_HEADER_WORDS = 4
 ROW_ALIGN = 16
 #: Words of the two-level kernels' private ``err`` tensor: 0-2 as on one host (device error
 #: word, host error and input-error addresses), ``layout.ERR_MASK`` (3) the rank mask, then one
-#: word for each of the dispatch's three mask agreements (``kernels/hosts_masks.py``).
+#: word for each of the dispatch's three mask agreements (``kernels/masks.py``).
 ERR_RAIL_VERDICT = 4
 ERR_ENTRY_VERDICT = 5
 ERR_HOST_VERDICT = 6

@@ -1,0 +1,1 @@
+"""The two-level EP kernels (``llcomm/ep/hosts/__init__.py``)."""
