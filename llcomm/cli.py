@@ -12,7 +12,7 @@
     llcomm tune [--sizes 8,64K,1M] [--out F] | llcomm tune --from-bench RESULT.json
 
 The library never imports this module; the benchmarks live in ``llcomm.bench``, the other
-commands in ``llcomm.host``.
+commands in ``llcomm.commands``.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="GPUs, peer access, NVLink, versions, environment, "
                             "and the backend llcomm would pick")
-    doctor.set_defaults(func=lambda a: importlib.import_module("llcomm.host.doctor").run(a))
+    doctor.set_defaults(func=lambda a: importlib.import_module("llcomm.commands.doctor").run(a))
 
     check = sub.add_parser("check", help="correctness self-test of every op on this host "
                            "(exit status 1 on any failure)")
@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--cpu", action="store_true",
                        help="run on CPU (2 gloo processes) even where GPUs are present")
     importlib.import_module("llcomm.bench.options").add_no_multicast_argument(check)
-    check.set_defaults(func=lambda a: importlib.import_module("llcomm.host.check").run(a))
+    check.set_defaults(func=lambda a: importlib.import_module("llcomm.commands.check").run(a))
 
-    tune_mod = importlib.import_module("llcomm.host.tune")
+    tune_mod = importlib.import_module("llcomm.commands.tune")
     tune = sub.add_parser("tune", help="measure the fastest all_reduce algorithm per size on "
                           "this host and write the table all_reduce(algo='auto') uses",
                           description=tune_mod.SUMMARY)

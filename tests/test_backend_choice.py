@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from _dist import run_distributed
-from llcomm.host import doctor
+from llcomm.commands import doctor
 from llcomm.runtime import backend as B
 
 

@@ -1,11 +1,11 @@
-"""The oracle of ``llcomm check``'s fused joins (``llcomm/host/check_fused.py``), without ranks:
+"""The oracle of ``llcomm check``'s fused joins (``llcomm/commands/check_fused.py``), without ranks:
 its quantisers agree with the table-based oracle of the tests (``tests/_norm_oracle.py``), its
 norm bound takes a once-rounded norm and refuses torch's twice-rounded one, its static scale
 tells a multiplication by the reciprocal from a division, and its eps reaches the small rows."""
 import torch
 
 import _norm_oracle as O
-from llcomm.host import check_fused as C
+from llcomm.commands import check_fused as C
 
 
 def _rows(tokens=6, hidden=512, dtype=torch.bfloat16):

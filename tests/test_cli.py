@@ -17,7 +17,7 @@ from _interp import run_in_interpreter
 
 from llcomm import cli
 from llcomm.bench import link, options, verify
-from llcomm.host import check, doctor
+from llcomm.commands import check, doctor
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds one CLI run may take before the test fails instead of hanging.

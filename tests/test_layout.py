@@ -5,7 +5,7 @@ Layers, bottom up: ``llcomm.errors`` and ``llcomm.runtime`` (shared by both op f
 other; ``llcomm.ops`` (torch.library ops over both) and ``llcomm.deep_ep`` (DeepEP's low-latency
 API over ``llcomm.ep``), which nothing in the library imports; ``llcomm.hf`` (transformers'
 models sharded over both, an optional integration), which only the tools import;
-``llcomm.bench``, ``llcomm.host``, ``llcomm.cli`` and ``llcomm.multiproc`` (tools), which the
+``llcomm.bench``, ``llcomm.commands``, ``llcomm.cli`` and ``llcomm.multiproc`` (tools), which the
 library never imports. A kernel module imports device helpers and constants, never an API, a
 backend or the reference.
 """
@@ -104,7 +104,7 @@ def test_no_import_circles():
 
 def test_imports_point_down():
     graph = _graph()
-    tools = ("llcomm.bench", "llcomm.host", "llcomm.cli", "llcomm.__main__", "llcomm.multiproc")
+    tools = ("llcomm.bench", "llcomm.commands", "llcomm.cli", "llcomm.__main__", "llcomm.multiproc")
     adapters = ("llcomm.deep_ep",)
     integrations = ("llcomm.hf",)
     rules = [

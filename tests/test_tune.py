@@ -14,7 +14,7 @@ import llcomm
 from _dist import run_distributed
 from llcomm.tp import algo_table as T
 from llcomm.runtime.settings import TPSettings
-from llcomm.host import tune
+from llcomm.commands import tune
 from llcomm.tp.api import AUTO_TABLE
 
 REPO = Path(__file__).resolve().parents[1]

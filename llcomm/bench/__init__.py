@@ -1,5 +1,5 @@
 """The benchmarks of the ``llcomm`` command line (see bench/README.md; ``llcomm doctor``,
-``check`` and ``tune`` are in ``llcomm.host``). The library never imports this package.
+``check`` and ``tune`` are in ``llcomm.commands``). The library never imports this package.
 
 - ``tp``: ``llcomm bench tp``, the TP joins against NCCL and torch symmetric memory;
   ``tp_report`` prints its nccl-tests style table.

@@ -1,5 +1,5 @@
-"""llcomm on this host, the commands that are not benchmarks (the library never imports this
-package):
+"""The ``llcomm`` commands that are not benchmarks, each run on one host (the library never
+imports this package):
 
 - ``doctor``: ``llcomm doctor``, what llcomm sees (GPUs, peer access, versions, settings, the
   backend it would pick and why);
