@@ -196,9 +196,21 @@ def test_doctor_names_the_backend(tmp_path):
     assert "NVLink multicast (NVLS):" in p.stdout and "NCCL_NVLS_ENABLE" in p.stdout
     assert "llcomm: does not use multicast" in p.stdout
     assert "must stay off" not in p.stdout and "NOT off" not in p.stdout
+    # across hosts: the NVSHMEM facts and the predicted transport, on any machine
+    section = p.stdout[p.stdout.index("Across hosts (NVSHMEM):"):]
+    for part in ("NVSHMEM: ", "RDMA ports: ", "GPUDirect RDMA: ", "GDRCopy: ", "settings: ",
+                 "remote transport: "):
+        assert part in section, part
     if not torch.cuda.is_available():
         assert '"reference"' in p.stdout
         assert "programmatic dependent launch (LLCOMM_PDL): off (no CUDA GPU)" in p.stdout
+
+
+def test_doctor_without_nvshmem_says_so(monkeypatch):
+    monkeypatch.setattr(doctor.transport, "find_nvshmem", lambda: None)
+    text = "\n".join(doctor.report())
+    assert "Across hosts (NVSHMEM):\n  NVSHMEM: not installed" in text
+    assert "remote transport: unknown: no NVSHMEM wheel" in text
 
 
 def test_doctor_launch_line(monkeypatch):

@@ -3,8 +3,9 @@
 Reports GPUs, the peer-access matrix, NVLink topology (``nvidia-smi topo -m`` where present),
 versions, NVLink multicast (whether the driver reports it, how NCCL and torch symmetric memory
 are configured to use it; llcomm itself does not), whether kernels launch with programmatic
-dependent launch, and which backend ``Communicator(backend="auto")`` would pick in a job of one
-process per visible GPU, and why.
+dependent launch, which backend ``Communicator(backend="auto")`` would pick in a job of one
+process per visible GPU, and why, and across hosts which remote transport NVSHMEM would use
+(``llcomm/ep/hosts/transport.py``; read from files, NVSHMEM is not started).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..runtime import launch
 from ..runtime.backend import MIN_TRITON, triton_problem
 from ..runtime import settings
 from ..bench import result_files
+from ..ep.hosts import transport
 
 GIB = 1 << 30
 
@@ -191,6 +193,8 @@ def report() -> list[str]:
                f'"{backend}": {why}')
     out.append("  (a prediction: the Communicator decides collectively when it is created; a job "
                "spanning hosts, or ranks sharing a GPU, gets \"reference\")")
+    out.append("")
+    out.extend(transport.report_lines())
     return out
 
 

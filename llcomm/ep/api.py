@@ -32,19 +32,15 @@ from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
                      check_weights)
 from .handle import EPHandle
+from .hosts import transport
 from .hosts.peer import HostsPeerEP
 from .masks import MASK_BACKENDS, MAX_MASK_RANKS, RankMasks
 from .peer import PeerEP
 from .reference import ReferenceEP
 from .hosts.reference import TwoLevelReferenceEP
-from .sizes import EP_DTYPES, size_hint
+from .sizes import EP_DTYPES, dtype_name, size_hint
 
 BACKENDS = ("auto", "peer", "reference")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 
 class EPBuffer(RankMasks):
@@ -122,7 +118,7 @@ class EPBuffer(RankMasks):
         if backend not in BACKENDS:
             pr.add(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
         if dtype not in EP_DTYPES:
-            pr.add(f"dtype={dtype}; expected one of {', '.join(map(_name, EP_DTYPES))}",
+            pr.add(f"dtype={dtype}; expected one of {', '.join(map(dtype_name, EP_DTYPES))}",
                    type_error=True)
         if not dist.is_initialized():
             raise RuntimeError("llcomm.EPBuffer: torch.distributed is not initialised; call "
@@ -173,6 +169,7 @@ class EPBuffer(RankMasks):
                 "enable_masks (a missing peer then raises CommTimeoutError), or on a group "
                 "where one of those runs.")
         if backend == "shmem":
+            self.backend_reason += "; " + transport.describe()    # which path across hosts
             self._impl = HostsPeerEP(self)
             self.device = self._impl.device
             self.check_calls = True     # the kernels compare op, sizes and modes in every call

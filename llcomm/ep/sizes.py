@@ -12,7 +12,8 @@ from .layout import default_num_blocks, ep_layout
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, for messages."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -34,7 +35,7 @@ def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
     """
     if dtype not in EP_DTYPES:
         raise TypeError(f"llcomm.EPBuffer.size_hint: dtype={dtype}; expected one of "
-                        f"{', '.join(map(_name, EP_DTYPES))}")
+                        f"{', '.join(map(dtype_name, EP_DTYPES))}")
     if not isinstance(fp8, bool):
         raise TypeError(f"llcomm.EPBuffer.size_hint: fp8={fp8!r}; expected True or False")
     if num_ranks_per_host is not None and num_ranks_per_host != num_ranks:
