@@ -23,38 +23,52 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 
 from _interp import run_in_interpreter
 from test_ep_kernels_cpu import _rows_fails, _same_up_to_interpreter_rounding
 
-from llcomm.bench.ep_interp import simulated_heap
+from llcomm.ep.hosts.nic import simulated_heap
 
 #: (ranks per host, hosts).
-SHAPES = [(2, 2), (2, 3), (3, 2)]
+SHAPES = [(2, 2), (2, 3), (3, 2), (4, 2)]
+#: Seeds of the lazy NIC (``llcomm/ep/hosts/nic.py``), one per shape and test.
+NIC_SEEDS = {shape: i for i, shape in enumerate(SHAPES)}
 
 
 def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def rail_bytes(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: int, itemsize: int,
-               K: int, NB: int) -> tuple[int, int]:
-    """(dispatch, combine) bytes ``rank`` puts on the rail in one call, from every rank's
-    routing: rows out = (token, other host holding one of its experts) of this rank; host sums
-    back = such pairs of the other hosts' same local rank that name this host; per other host
-    one id block (count and ids), one weights block and a signal per block each way."""
+def wire_formula(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: int,
+                 itemsize: int, K: int) -> tuple[dict, dict]:
+    """What ``rank`` sends across hosts in one call, from every rank's routing, as ``{dest:
+    (messages, flags, bytes)}`` for the dispatch and the combine: one message, with one flag,
+    per row out (a token and another host holding one of its experts), per id block (one to
+    each other host), per weights block (one to each other host) and per host sum back (a
+    token of the other host's same local rank that names this host). Nothing depends on the
+    blocks, let alone the threads."""
     L, N = E // W, W // R
     host, local = divmod(rank, R)
     n = topks[rank].shape[0]
 
     def hosts(entry):
         return {v // L // R for v in entry if 0 <= v < E}
-    rows_out = sum(len(hosts(e) - {host}) for e in topks[rank].tolist())
-    sums_back = sum(host in hosts(e) for s in range(W) if s % R == local and s // R != host
-                    for e in topks[s].tolist())
-    dispatch = rows_out * row_bytes + (N - 1) * (_align16(4 * (4 + n * K)) + 8 * NB)
-    combine = (N - 1) * (_align16(4 * n * K) + 8) + sums_back * H * itemsize + (N - 1) * 8 * NB
-    return dispatch, combine
+    d, c = {}, {}
+    for g in range(N):
+        if g == host:
+            continue
+        dest = g * R + local
+        rows = sum(g in hosts(e) for e in topks[rank].tolist())
+        sums = sum(host in hosts(e) for e in topks[dest].tolist())
+        d[dest] = (rows + 1, rows + 1, rows * row_bytes + _align16(4 * (4 + n * K)))
+        c[dest] = (sums + 1, sums + 1, sums * H * itemsize + _align16(4 * n * K))
+    return d, c
+
+
+def wire_bytes(led: dict) -> int:
+    """Bytes of a ledger across hosts: data and 8 per flag (``HostsPeerEP.rail_bytes``)."""
+    return sum(b + 8 * f for _, f, b in led.values())
 
 
 def poisoned_handles(N, R, L, T, K):
@@ -87,11 +101,14 @@ def run_groups(groups, launch, ranks, staged: bool) -> None:
         run_ranks([lambda r=r: launch(r, groups[0]) for r in ranks])
 
 
-def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged=False):
-    """Dispatch + combine for each (seed, kind) in turn on N hosts of R virtual ranks; return
-    a list of failures (empty: all right)."""
+def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged=False,
+                   nic_seed=None):
+    """Dispatch + combine for each (seed, kind) in turn on N hosts of R virtual ranks, the
+    messages across hosts landed by a lazy NIC of seed ``nic_seed`` (None: whole, at once);
+    return a list of failures (empty: all right)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
-    from llcomm.ep.hosts.peer import hosts_consts, size_tag
+    from llcomm.ep.hosts import nic as NIC
+    from llcomm.ep.hosts.peer import hosts_consts, ledger_by_rank, size_tag
     from llcomm.ep.hosts.layout import hosts_layout, row_bytes
     from llcomm.ep.hosts.kernels import combine as HC
     from llcomm.ep.hosts.kernels import dispatch as HD
@@ -106,7 +123,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     isz = torch.tensor([], dtype=dtype).element_size()
     # FP8 calls in a buffer sized for buffer-dtype rows, as an EPBuffer without fp8=True
     lay = hosts_layout(T, H, N, R, K, isz, NB, False)
-    heap, tab, host_words, err, ctrl, nbytes = simulated_heap(lay, NB)
+    heap, tab, host_words, err, ctrl, ledger = simulated_heap(lay, NB, nic_seed=nic_seed)
     dc, cc, _ = hosts_consts(lay, E, K, fp8)
     timeout_us = 20_000_000
     d_tag = size_tag(P.OP_DISPATCH, H, K, fp8, dtype)
@@ -132,7 +149,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
                 HD.hosts_dispatch_kernel[(NB,)](
                     xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                     cnt[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r, d_tag,
-                    timeout_us, nbytes[r][0], None, **dict(dc, STAGES=stages, SHMEM=0))
+                    timeout_us, ledger[r][0], None, **dict(dc, STAGES=stages, SHMEM=0))
             run(d_groups, dispatch)
 
             if fp8:
@@ -169,7 +186,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
                 HC.hosts_combine_kernel[(NB,)](
                     outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
                     ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][1], err[r], r, c_tag,
-                    timeout_us, nbytes[r][1], None, **dict(cc, STAGES=stages, SHMEM=0))
+                    timeout_us, ledger[r][1], None, **dict(cc, STAGES=stages, SHMEM=0))
             run(c_groups, combine)
 
             want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, dtype)
@@ -178,12 +195,21 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
                     d = (outs[r].float() - want[r].float()).abs()
                     worst = d.max() if d.numel() else 0
                     fails.append(f"{tag} rank {r} combine differs (max {worst})")
+            carried = {}
             for r in range(W):
-                got = (int(nbytes[r][0].sum()), int(nbytes[r][1].sum()))
-                want_b = rail_bytes(topks, W, E, R, r, row_bytes(H, isz, bool(fp8)), H, isz, K,
-                                    NB)
-                if got != want_b:
-                    fails.append(f"{tag} rank {r} rail bytes {got} != formula {want_b}")
+                got = (ledger_by_rank(ledger[r][0], r, R), ledger_by_rank(ledger[r][1], r, R))
+                want_w = wire_formula(topks, W, E, R, r, row_bytes(H, isz, bool(fp8)), H, isz, K)
+                if got != want_w:
+                    fails.append(f"{tag} rank {r} wire ledger {got} != formula {want_w}")
+                for led in got:
+                    for q, v in led.items():
+                        carried[q] = [a + b for a, b in zip(carried.get(q, [0, 0, 0]), v)]
+            nic = NIC.current()
+            if nic is not None:     # the NIC carried what the kernels counted, and all of it
+                if nic.carried != carried or nic.pending:
+                    fails.append(f"{tag} the NIC carried {nic.carried} ({len(nic.pending)} "
+                                 f"pending), the kernels counted {carried}")
+                nic.carried = {}
     calls = len(seeds) * len(kinds)
     for r in range(W):
         if ctrl[r].tolist() != [[calls] * NB, [calls] * NB]:
@@ -197,10 +223,11 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
 def test_two_level_kernels_concurrent(R, N):
     """Whole kernels, every rank at once through every wait; three calls in one heap (the
     buffer sets alternate)."""
+    seed = NIC_SEEDS[(R, N)]
     fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 4 * R * N,
-                               5, 32, 3, 1, "float32", [1, 2], ["random"])
+                               5, 32, 3, 1, "float32", [1, 2], ["random"], 0, False, seed)
     fails += run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
-                                4, 32, 2, 1, "float16", [3], ["dups"])
+                                4, 32, 2, 1, "float16", [3], ["dups"], 0, False, seed + 10)
     assert not fails, "\n".join(fails[:10])
 
 
@@ -210,7 +237,7 @@ def test_two_level_kernels_staged(R, N):
     fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
                                6, 32, 3, 2, "bfloat16", [4],
                                ["random", "one_expert", "sparse", "zero_and_max", "none"],
-                               0, True)
+                               0, True, NIC_SEEDS[(R, N)] + 20)
     assert not fails, "\n".join(fails[:10])
 
 
@@ -219,8 +246,46 @@ def test_two_level_kernels_fp8(fp8):
     """FP8 dispatch (e4m3 bytes and scales, power-of-two scales): codes and scales byte for byte
     against the oracle's quantiser, then the combine on the dequantised rows."""
     fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", 2, 2, 8, 4, 256,
-                               3, 2, "bfloat16", [5], ["random"], fp8, True)
+                               3, 2, "bfloat16", [5], ["random"], fp8, True, 30 + fp8)
     assert not fails, "\n".join(fails[:10])
+
+
+def simulate_mutated(mutation: str, nic_seed):
+    """One staged run on 2 hosts of 2 with the protocol broken on purpose (``mutation``):
+    ``"rows_before_flag"``, the forwarder reads another host's rows as soon as that host's id
+    block is there, without waiting for the rows' own flags; ``"flag_apart"``, each message's
+    flag travels as a message of its own, unordered with the data (what dropping a fence
+    between messages that share a flag would do). Returns the failures."""
+    import ctypes
+
+    import triton
+
+    from llcomm.ep.hosts import nic as NIC
+    from llcomm.ep.hosts.kernels import dispatch as HD
+    if mutation == "rows_before_flag":
+        @triton.jit
+        def no_wait(g, ng, wh, word, timeout_us, err, S, RG, SHMEM: tl.constexpr):
+            return 1
+        HD._rows_arrived = no_wait
+    else:
+        scratch = ctypes.c_int64(0)
+        post = NIC.LazyNIC.post
+
+        def flag_apart(self, pe, dst, src, n_bytes, sig, word):
+            post(self, pe, dst, src, n_bytes, ctypes.addressof(scratch), word)
+            post(self, pe, dst, src, 0, sig, word)
+        NIC.LazyNIC.post = flag_apart
+    return simulate_hosts(2, 2, 8, 4, 32, 2, 2, "float32", [1, 2], ["random"], 0, True,
+                          nic_seed)
+
+
+@pytest.mark.parametrize("mutation", ["rows_before_flag", "flag_apart"])
+def test_the_lazy_nic_catches_a_broken_protocol(mutation):
+    """Each mutation fails against the lazy NIC, and passes where every message lands whole at
+    once (so the NIC's laziness, not the mutation's own damage, is what catches it)."""
+    assert run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_mutated", mutation, 5)
+    assert not run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_mutated", mutation,
+                                  None)
 
 
 def simulate_absent_host(R, N, timeout_us):
@@ -252,7 +317,7 @@ def simulate_absent_host(R, N, timeout_us):
             cnt[r], ntok[r], torch.zeros(N, T, K, dtype=torch.int32),
             torch.zeros(N, dtype=torch.int32), tab, torch.zeros(NB, dtype=torch.int64), err[r],
             r, size_tag(P.OP_DISPATCH, H, K, 0, dtype), timeout_us,
-            torch.zeros(NB, dtype=torch.int64), None,
+            torch.zeros(NB, N, 3, dtype=torch.int64), None,
             **dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, SHMEM=0))
     run_ranks([lambda r=r: dispatch(r) for r in alive])
     return [(int(host_words[r][0]), cnt[r].tolist(), ntok[r].tolist()) for r in alive]
@@ -309,7 +374,7 @@ def simulate_wait_stats(delay_s):
             torch.zeros(L, dtype=torch.int32), torch.zeros(W, dtype=torch.int32),
             torch.zeros(N, T, K, dtype=torch.int32), torch.zeros(N, dtype=torch.int32), tab,
             torch.zeros(NB, dtype=torch.int64), err[r], r, size_tag(P.OP_DISPATCH, H, K, 0, dtype),
-            20_000_000, torch.zeros(NB, dtype=torch.int64), stats[r],
+            20_000_000, torch.zeros(NB, N, 3, dtype=torch.int64), stats[r],
             **dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, SHMEM=0, STATS=1))
     run_ranks([lambda r=r: dispatch(r) for r in range(W)])
     return [s.tolist() for s in stats]

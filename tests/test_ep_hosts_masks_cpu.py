@@ -31,7 +31,7 @@ from _interp import run_in_interpreter
 from test_ep_hosts_kernels_cpu import poisoned_handles, run_groups, stage_groups
 from test_ep_kernels_cpu import _rows_fails, _same_up_to_interpreter_rounding
 
-from llcomm.bench.ep_interp import simulated_heap
+from llcomm.ep.hosts.nic import simulated_heap
 
 
 #: The wait bound of a round in which every rank runs (no wait may run out).
@@ -90,7 +90,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
     isz = torch.tensor([], dtype=dtype).element_size()
     lay = hosts_layout(T, H, N, R, K, isz, NB, False)
     bits = sum(1 << r for r in masked)
-    heap, tab, host_words, err, ctrl, nbytes = simulated_heap(lay, NB, bits)
+    heap, tab, host_words, err, ctrl, ledger = simulated_heap(lay, NB, bits, nic_seed=seed)
     dc, cc, _ = hosts_consts(lay, E, K, 0)
     d_tag = size_tag(P.OP_DISPATCH, H, K, 0, dtype)
     c_tag = size_tag(P.OP_COMBINE, H, K, 0, dtype)
@@ -125,7 +125,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
             HD.hosts_dispatch_kernel[(NB,)](
                 xs[r], topks[r], xs[r].shape[0], recv[r], recv[r], row_of[r], src[r], cnt[r],
                 ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r, d_tag, bound,
-                nbytes[r][0], None, **dict(dc, STAGES=stages, SHMEM=0, MASKS=1))
+                ledger[r][0], None, **dict(dc, STAGES=stages, SHMEM=0, MASKS=1))
         run(d_groups, dispatch)
 
         checked = [r for r in launched if r not in M]
@@ -143,7 +143,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
             HC.hosts_combine_kernel[(NB,)](
                 outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r], ntok[r],
                 fwd_ids[r], fwd_ntok[r], tab, ctrl[r][1], err[r], r, c_tag, bound,
-                nbytes[r][1], None, **dict(cc, STAGES=stages, SHMEM=0, MASKS=1))
+                ledger[r][1], None, **dict(cc, STAGES=stages, SHMEM=0, MASKS=1))
         run(c_groups, combine)
 
         # the top-k entries whose expert the token does not reach count as absent

@@ -49,7 +49,8 @@ def _glue_body(rank, world):
         self.tab = torch.zeros(self.W, dtype=torch.int64)
         self.timeout_us = buf.timeout_ms * P.US_PER_MS
         self.ctrl = torch.zeros((2, self.nb), dtype=torch.int64)
-        self.nbytes = torch.zeros((2, self.nb), dtype=torch.int64)
+        self.ledger = torch.zeros((2, self.nb, self.N, 3), dtype=torch.int64)
+        self.shmem = 1
         self._host_np = torch.zeros(2, dtype=torch.int64).numpy()
         self.err = torch.zeros(hosts_layout.ERR_WORDS, dtype=torch.int64)
         self.masks = int(buf.enable_masks)

@@ -2,8 +2,9 @@
 NVSHMEM's device bitcode (the ``shmem`` extra's ``nvidia-nvshmem-cu13`` wheel), on a machine
 without a GPU, as the PTX checks do for the single-host kernels: ``tools/ptx_shmem.py``, in a
 fresh process (it makes torch define its SHMEM Triton device functions before torch.distributed
-is imported). Each SHMEM kernel must call NVSHMEM's block put, signal and quiet and leave none
-of them undefined; the same kernels with ``SHMEM`` = 0 must call none.
+is imported). Each SHMEM kernel must call NVSHMEM's non-blocking block put-with-signal and its
+signal wait, no thread-scope signal, quiet or fence, and leave no function undefined; the same
+kernels with ``SHMEM`` = 0 must call none.
 """
 import os
 import platform
@@ -27,4 +28,5 @@ def test_two_level_kernels_compile_with_nvshmem():
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("hosts_")]
     assert len(lines) == 10 and all(" ok " in ln for ln in lines), p.stdout
     shmem = [ln for ln in lines if "_plain" not in ln]
-    assert all("nvshmemx_putmem_block" in ln and "nvshmemx_signal_op" in ln for ln in shmem)
+    assert all("nvshmemx_putmem_signal_nbi_block" in ln and "nvshmem_signal_wait_until" in ln
+               and "quiet" not in ln and "signal_op" not in ln for ln in shmem), p.stdout

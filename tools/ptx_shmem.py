@@ -1,7 +1,8 @@
 """Compile the two-level EP kernels with their SHMEM puts for sm_90 on any machine (no GPU).
 
     python tools/ptx_shmem.py [--dump DIR] [--hosts 2] [--ranks-per-host 8] [--tokens 128]
-                              [--hidden 7168] [--experts 256] [--topk 8]
+                              [--hidden 7168] [--experts 256] [--topk 8] [--blocks 64]
+                              [--target gfx942]
 
 torch's SHMEM Triton layer defines its device functions only where torch sees a GPU
 (``llcomm/runtime/shmem.py``), so this tool first tells torch it has one, then compiles
@@ -11,16 +12,41 @@ torch's SHMEM Triton layer defines its device functions only where torch sees a 
 masks and wait statistics (``MASKS`` = ``STATS`` = 1) too, and the kernels with ``SHMEM`` = 0
 for comparison. Prints per kernel the NVSHMEM functions it calls (read from its TTGIR; in the
 PTX they are inlined from the bitcode), the system-scope atomics (the signals inside a host and
-the acquires after the waits), and the PTX size; exits 1 when a SHMEM kernel misses a put,
-signal or quiet, or leaves one undefined in its PTX, or a SHMEM = 0 kernel calls any.
-tests/test_shmem_compile.py runs it.
+the acquires after the waits), and the PTX size; exits 1 when the bitcode lacks the declared
+non-blocking put-with-signal, when a SHMEM kernel misses the put-with-signal or the wait
+(``MUST_CALL``), calls a thread-scope signal, quiet or fence (``MUST_NOT_CALL``), or leaves a
+function undefined in its PTX, or when a SHMEM = 0 kernel calls any.
+
+``--target gfx942`` compiles the same kernels for AMD's MI300X (Triton's HIP backend, warps of
+64) with ``SHMEM`` = 2, rocSHMEM through torch's ``_rocshmem_triton`` layer, and with
+``SHMEM`` = 0, up to the link of rocSHMEM's device library and no further: no
+``librocshmem_device_gfx942.bc`` is at hand, so no ``extern_libs`` are given. Triton's HIP
+backend links device bitcode in its LLIR stage (a library only where a declared function's name
+contains the library's name), so without it rocSHMEM's functions stay declared in the LLIR; the
+AMDGCN calls them through the GOT, and the code object (``ld.lld -shared``) keeps them as
+undefined symbols, which a GPU would refuse to load: every stage compiles, and the code object's
+undefined symbols are exactly what the library would have to supply. Prints per kernel the
+rocSHMEM functions its LLIR declares, the signal operation and comparison it passes them (each
+must be rocSHMEM's, ``rail.ROC_SIGNAL_SET`` and ``rail.ROC_CMP_EQ``), the code object's
+undefined symbols, the system-scope atomics of the AMDGCN and its size; exits 1 when a kernel
+fails to compile (a static assertion, such as the one of the layer's ``signal_op``, or a
+function the layer does not define), when a SHMEM kernel declares other than ``ROC_MUST_CALL``
+(both defined by the layer), calls a quiet, fence, separate signal or atomic set
+(``ROC_MUST_NOT_CALL``), passes another backend's constants or leaves another symbol undefined,
+or when a SHMEM = 0 kernel declares or leaves undefined any function. Nothing here pretends to
+be a HIP build of torch: llcomm takes the rocSHMEM layer's functions on any build
+(``llcomm/runtime/shmem.py``), and the layer defines them wherever torch finds Triton.
+tests/test_shmem_compile.py runs both targets.
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
+import inspect
 import os
 import re
+import struct
 import sys
 import sysconfig
 
@@ -28,8 +54,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-#: NVSHMEM's device functions the SHMEM kernels must reach (put, signal, quiet).
-MUST_CALL = ("nvshmemx_putmem_block", "nvshmemx_signal_op", "nvshmem_quiet")
+#: NVSHMEM's device functions the SHMEM kernels must reach: the block-collective, non-blocking
+#: put-with-signal, and the wait that runs the transport's consistency step.
+MUST_CALL = ("nvshmemx_putmem_signal_nbi_block", "nvshmem_signal_wait_until")
+#: Thread-scope calls no kernel may make (Triton would issue them once per thread).
+MUST_NOT_CALL = ("nvshmemx_signal_op", "nvshmem_quiet", "nvshmem_fence",
+                 "nvshmemx_putmem_block")
+#: rocSHMEM's device functions (torch's ``_rocshmem_triton`` names) a SHMEM = 2 kernel must
+#: declare, and the only ones it may: the work-group put-with-signal and the signal wait.
+ROC_MUST_CALL = ("rocshmem_putmem_signal_wg", "rocshmem_uint64_wait_until")
+#: Names (patterns) no kernel may call on AMD: quiet, fence, a signal of its own, an atomic set.
+ROC_MUST_NOT_CALL = ("rocshmem_*quiet*", "rocshmem_*fence*", "*signal_op*", "*atomic_set*")
 
 
 def tell_torch_it_has_triton() -> None:
@@ -55,10 +90,10 @@ def signatures(dtype: str) -> tuple[dict, dict]:
     d = dict(x=f"*{dtype}", topk="*i64", n_tok="i32", recv_x=f"*{dtype}", recv_scales="*fp32",
              row_of="*i32", src_info="*i32", recv_count="*i32", ntok_out="*i32",
              fwd_ids="*i32", fwd_ntok="*i32", tab="*i64", ctrl="*i64", err="*i64", rank="i32",
-             tag="i32", timeout_us="i32", nbytes="*i64", stats="*i64")
+             tag="i32", timeout_us="i32", ledger="*i64", stats="*i64")
     c = dict(eo=f"*{dtype}", topk="*i64", wts="*fp32", n_tok="i32", out=f"*{dtype}",
              row_of="*i32", ntok_in="*i32", fwd_ids="*i32", fwd_ntok="*i32", tab="*i64",
-             ctrl="*i64", err="*i64", rank="i32", tag="i32", timeout_us="i32", nbytes="*i64",
+             ctrl="*i64", err="*i64", rank="i32", tag="i32", timeout_us="i32", ledger="*i64",
              stats="*i64")
     return d, c
 
@@ -75,33 +110,15 @@ def summary(kernel) -> dict:
             "bytes": len(ptx)}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dump", help="write each kernel's PTX into this folder")
-    ap.add_argument("--hosts", type=int, default=2)
-    ap.add_argument("--ranks-per-host", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--blocks", type=int, default=64)
-    a = ap.parse_args(argv)
-    tell_torch_it_has_triton()
-    from ptx import compile_one     # tools/ptx.py, beside this file
-
-    from llcomm.ep.hosts.peer import hosts_consts, make_layout
+def variants(a, shmem: int):
+    """Every variant compiled, in print order: (label, kernel, signature, constexprs with
+    ``SHMEM``, num_warps, SHMEM on). Dispatch in bf16, FP8 and FP8 with power-of-two scales,
+    and the combine, each with ``SHMEM`` = ``shmem`` and 0; the bf16 dispatch and the combine
+    with rank masks and wait statistics with ``shmem`` only (the plain stores are the same
+    code)."""
     from llcomm.ep.hosts.kernels import combine as HC
     from llcomm.ep.hosts.kernels import dispatch as HD
-    from llcomm.runtime.shmem import device_functions_available, layer_name
-    if not device_functions_available():
-        print(f"ptx_shmem: torch's SHMEM Triton layer ({layer_name()}) defined no device "
-              "functions")
-        return 1
-    libs = (("libnvshmem_device", device_bitcode()),)
-    bad = 0
-    print(f"# {layer_name()}, bitcode {os.path.basename(libs[0][1])}, {a.hosts} hosts x "
-          f"{a.ranks_per_host} ranks, {a.tokens} tokens, hidden {a.hidden}, "
-          f"top-{a.topk} of {a.experts}, {a.blocks} blocks")
+    from llcomm.ep.hosts.peer import hosts_consts, make_layout
     for fp8, name in ((0, "bf16"), (1, "fp8"), (2, "fp8_pow2")):
         lay = make_layout(a.tokens, a.hidden, a.hosts, a.ranks_per_host, 2, bool(fp8), a.blocks)
         dc, cc, warps = hosts_consts(lay, a.experts, a.topk, fp8)
@@ -109,36 +126,177 @@ def main(argv=None) -> int:
         cc = dict(cc)
         cc.pop("enable_fp_fusion")
         kernels = [(f"hosts_dispatch_{name}", HD.hosts_dispatch_kernel, dsig,
-                    dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL), (1, 0))]
+                    dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL), (shmem, 0))]
         if fp8 == 0:
             kernels += [("hosts_combine", HC.hosts_combine_kernel, csig,
-                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL), (1, 0)),
-                        # rank masks and wait statistics: SHMEM only (the plain stores
-                        # are the same code)
+                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL), (shmem, 0)),
                         ("hosts_dispatch_bf16_masks", HD.hosts_dispatch_kernel, dsig,
-                         dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, MASKS=1, STATS=1), (1,)),
+                         dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, MASKS=1, STATS=1), (shmem,)),
                         ("hosts_combine_masks", HC.hosts_combine_kernel, csig,
-                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL, MASKS=1, STATS=1), (1,))]
-        for kname, fn, sig, consts, variants in kernels:
-            for shmem in variants:
-                k = compile_one(fn, sig, dict(consts, SHMEM=shmem), warps,
-                                extern_libs=libs if shmem else None)
-                ptx = k.asm["ptx"]
-                s = summary(k)
-                calls = [f for f in MUST_CALL if f in s["nvshmem"]]
-                ok = (len(calls) == len(MUST_CALL) and not s["unlinked"]) if shmem \
-                    else not s["nvshmem"]
-                bad += not ok
-                label = f"{kname}{'' if shmem else '_plain'}"
-                print(f"{label:28s} {'ok ' if ok else 'BAD'} nvshmem: "
-                      f"{', '.join(calls) or 'none'}; sys atomics {s['sys_atomics']}; "
-                      f"PTX {s['bytes'] // 1024} KiB")
-                if a.dump:
-                    os.makedirs(a.dump, exist_ok=True)
-                    with open(os.path.join(a.dump, label + ".ptx"), "w") as f:
-                        f.write(ptx)
+                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL, MASKS=1, STATS=1), (shmem,))]
+        for kname, fn, sig, consts, values in kernels:
+            for v in values:
+                yield (f"{kname}{'' if v else '_plain'}", fn, sig, dict(consts, SHMEM=v), warps,
+                       bool(v))
+
+
+def undefined_symbols(elf: bytes) -> list[str]:
+    """The undefined symbols of a 64-bit little-endian ELF file (a code object), sorted."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize)
+                for i in range(shnum)]
+    names = set()
+    for _, kind, _, _, off, size, link, _, _, entsize in sections:
+        if kind not in (2, 11):        # SHT_SYMTAB, SHT_DYNSYM
+            continue
+        stroff = sections[link][4]
+        for at in range(off, off + size, entsize or 24):
+            name, _, _, shndx = struct.unpack_from("<IBBH", elf, at)
+            if shndx == 0 and name:    # SHN_UNDEF
+                names.add(elf[stroff + name:elf.index(b"\0", stroff + name)].decode())
+    return sorted(names)
+
+
+def rocshmem_layer_functions(layer) -> set[str]:
+    """The rocSHMEM device functions torch's ``_rocshmem_triton`` layer declares (the names of
+    its externs; a stub that only asserts declares none)."""
+    return set(re.findall(r'\(\s*"(rocshmem_\w+)"\s*,\s*core\.dtype', inspect.getsource(layer)))
+
+
+def call_constants(llir: str, fn: str, index: int) -> set[str]:
+    """The ``index``-th argument of every call of ``fn`` in ``llir``, as written (``i32 0``)."""
+    return {[x.strip() for x in args.split(",")][index]
+            for args in re.findall(rf"call \S+ @{fn}\(([^)]*)\)", llir)}
+
+
+def compile_error(e: Exception) -> str:
+    """The line of a compile error that says what went wrong (a static assertion's message, a
+    missing attribute), not the source context Triton prints around it."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if not ln.startswith("^") and not re.match(r"^\d+ *\|", ln):
+            return f"{type(e).__name__}: {ln}"[:300]
+    return type(e).__name__
+
+
+def main_gfx942(a) -> int:
+    """``--target gfx942`` (module doc)."""
+    import types
+
+    import amdgcn                   # tools/amdgcn.py, beside this file
+    from ptx import TARGETS, compile_one
+
+    from llcomm.ep.hosts.kernels.rail import PLAIN, ROC_CMP_EQ, ROC_SIGNAL_SET, ROCSHMEM
+    from llcomm.runtime.shmem import layer_devices
+    layer = layer_devices("rocshmem")
+    if not isinstance(layer, types.ModuleType):
+        print("ptx_shmem: torch's rocSHMEM Triton layer (_rocshmem_triton) defined no device "
+              "functions")
+        return 1
+    defined = rocshmem_layer_functions(layer)
+    missing = [f for f in ROC_MUST_CALL if f not in defined]
+    if missing:
+        print(f"ptx_shmem: torch's rocSHMEM layer declares no {', '.join(missing)}")
+        return 1
+    want = {ROC_MUST_CALL[0]: (5, f"i32 {ROC_SIGNAL_SET.value}"),   # put: the signal operation
+            ROC_MUST_CALL[1]: (1, f"i32 {ROC_CMP_EQ.value}")}       # wait: the comparison
+    bad = 0
+    print(f"# {layer.__name__}, gfx942, no device library linked, {a.hosts} hosts x "
+          f"{a.ranks_per_host} ranks, {a.tokens} tokens, hidden {a.hidden}, "
+          f"top-{a.topk} of {a.experts}, {a.blocks} blocks")
+    for label, fn, sig, consts, warps, on in variants(a, ROCSHMEM.value):
+        assert consts["SHMEM"] in (ROCSHMEM.value, PLAIN.value)
+        try:
+            k = compile_one(fn, sig, consts, warps, target=TARGETS["gfx942"])
+        except Exception as e:      # a static assertion, a function the layer lacks, ...
+            bad += 1
+            print(f"{label:28s} BAD compile failed: {compile_error(e)}")
+            continue
+        llir, asm = k.asm["llir"], k.asm["amdgcn"]
+        declared = sorted(set(re.findall(r"^declare [^@\n]*@([\w.$]+)\(", llir, re.M)))
+        roc = [f for f in declared if f.startswith("rocshmem")]
+        other = [f for f in declared if not f.startswith(("rocshmem", "llvm."))]
+        banned = [f for f in declared if any(fnmatch.fnmatch(f, p) for p in ROC_MUST_NOT_CALL)]
+        undefined = undefined_symbols(k.asm["hsaco"])
+        if on:
+            consts_seen = {f: call_constants(llir, f, i) for f, (i, _) in want.items()}
+            wrong = [f"{f} gets {', '.join(sorted(consts_seen[f]))}" for f, (_, c) in
+                     want.items() if consts_seen[f] != {c}]
+            ok = (roc == sorted(ROC_MUST_CALL) and not other and not banned and not wrong
+                  and undefined == sorted(ROC_MUST_CALL))
+            detail = (f"signal op {ROC_SIGNAL_SET.value}, cmp {ROC_CMP_EQ.value}"
+                      if not wrong else "; ".join(wrong))
+        else:
+            ok = not roc and not other and not undefined
+            detail = "no SHMEM call"
+        bad += not ok
+        print(f"{label:28s} {'ok ' if ok else 'BAD'} rocshmem: {', '.join(roc) or 'none'}"
+              f"{'; other: ' + ', '.join(other) if other else ''}; {detail}; undefined in "
+              f"code object: {', '.join(undefined) or 'none'}; sys atomics "
+              f"{len(amdgcn.sys_atomics(asm))}; AMDGCN {len(asm) // 1024} KiB")
+        if a.dump:
+            os.makedirs(a.dump, exist_ok=True)
+            for ext in ("llir", "amdgcn"):
+                with open(os.path.join(a.dump, f"{label}.{ext}"), "w") as f:
+                    f.write(k.asm[ext])
     return 1 if bad else 0
 
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dump", help="write each kernel's PTX (gfx942: LLIR and AMDGCN) into "
+                                   "this folder")
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--ranks-per-host", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--target", choices=("sm_90", "gfx942"), default="sm_90",
+                    help="gfx942: rocSHMEM (SHMEM = 2) for AMD's MI300X, up to the link of "
+                         "its device library")
+    a = ap.parse_args(argv)
+    tell_torch_it_has_triton()
+    if a.target == "gfx942":
+        return main_gfx942(a)
+    from ptx import compile_one     # tools/ptx.py, beside this file
+
+    from llcomm.ep.hosts.kernels.rail import NV_PUT_SIGNAL_NBI
+    from llcomm.runtime.shmem import device_functions_available, layer_name
+    if not device_functions_available():
+        print(f"ptx_shmem: torch's SHMEM Triton layer ({layer_name()}) defined no device "
+              "functions")
+        return 1
+    libs = (("libnvshmem_device", device_bitcode()),)
+    with open(libs[0][1], "rb") as f:
+        if NV_PUT_SIGNAL_NBI.encode() not in f.read():
+            print(f"ptx_shmem: {os.path.basename(libs[0][1])} defines no {NV_PUT_SIGNAL_NBI}")
+            return 1
+    bad = 0
+    print(f"# {layer_name()}, bitcode {os.path.basename(libs[0][1])}, {a.hosts} hosts x "
+          f"{a.ranks_per_host} ranks, {a.tokens} tokens, hidden {a.hidden}, "
+          f"top-{a.topk} of {a.experts}, {a.blocks} blocks")
+    for label, fn, sig, consts, warps, shmem in variants(a, 1):
+        k = compile_one(fn, sig, consts, warps, extern_libs=libs if shmem else None)
+        ptx = k.asm["ptx"]
+        s = summary(k)
+        calls = [f for f in MUST_CALL if f in s["nvshmem"]]
+        banned = [f for f in MUST_NOT_CALL if f in s["nvshmem"]]
+        ok = (len(calls) == len(MUST_CALL) and not banned and not s["unlinked"]) \
+            if shmem else not s["nvshmem"]
+        bad += not ok
+        print(f"{label:28s} {'ok ' if ok else 'BAD'} nvshmem: "
+              f"{', '.join(calls + banned) or 'none'}; sys atomics {s['sys_atomics']}; "
+              f"PTX {s['bytes'] // 1024} KiB")
+        if a.dump:
+            os.makedirs(a.dump, exist_ok=True)
+            with open(os.path.join(a.dump, label + ".ptx"), "w") as f:
+                f.write(ptx)
+    return 1 if bad else 0
 
 if __name__ == "__main__":
     sys.exit(main())

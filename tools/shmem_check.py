@@ -16,7 +16,8 @@ Checks, per PE, against the CPU oracles of ``tests/test_ep_oracle.py`` and
   the documented order, over several calls in one heap (the buffer sets alternate), with the
   split halves (``return_recv_hook``) once;
 - the bytes each PE put on the inter-host path against their formula
-  (``rail_bytes`` of ``tests/test_ep_hosts_kernels_cpu.py``);
+  (``wire_formula`` of ``tests/test_ep_hosts_kernels_cpu.py``: messages, flags and bytes per
+  destination);
 - a dispatch + combine captured in a CUDA graph (after one launch outside the capture) and
   replayed with fresh inputs;
 - wait statistics: the last PE starts a dispatch late; the PEs that poll it directly (its rail
@@ -74,7 +75,7 @@ def _rank_body(rank, W, R):
     from llcomm.errors import CommTimeoutError
     from llcomm.runtime.fp8_format import dequantize
     from test_ep_hosts import oracle_combine_hosts
-    from test_ep_hosts_kernels_cpu import rail_bytes
+    from test_ep_hosts_kernels_cpu import wire_formula
     from test_ep_oracle import expert_fn, make_case, oracle_dispatch, oracle_dispatch_fp8
 
     torch.cuda.set_device(0)
@@ -137,9 +138,9 @@ def _rank_body(rank, W, R):
         want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, bf)[rank]
         report(f"call {i} combine", torch.equal(out.cpu().view(torch.int16),
                                                   want.view(torch.int16)))
-        got_b = (ep.rail_bytes(0), ep.rail_bytes(1))
-        want_b = rail_bytes(topks, W, E, R, rank, row_bytes(H, 2, bool(fp8)), H, 2, K, BLOCKS)
-        report(f"call {i} rail bytes", got_b == want_b, f"{got_b} (formula {want_b})")
+        got_w = (ep.wire_ledger(0), ep.wire_ledger(1))
+        want_w = wire_formula(topks, W, E, R, rank, row_bytes(H, 2, bool(fp8)), H, 2, K)
+        report(f"call {i} wire ledger", got_w == want_w, f"{got_w} (formula {want_w})")
 
     # a CUDA graph: one launch outside the capture first (module loading is not capturable)
     xs, topks, weights = make_case(W, E, T, H, K, 7, "random", bf)

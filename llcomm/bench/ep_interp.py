@@ -5,8 +5,9 @@ bytes they put across hosts as they count them.
 The bench's ranks are processes, while the kernels' simulated heap (one CPU region per virtual
 rank, the rail puts as plain stores: ``SHMEM`` = 0) needs every rank in one process. So rank 0
 runs them in a child process with ``TRITON_INTERPRET=1`` (Triton reads it at import), on every
-rank's inputs: stage group by stage group, the ranks in turn (each group's waits find their
-signals set), with NUM_BLOCKS blocks. Each rank then checks its results against its own oracle
+rank's inputs: stage group by stage group, the ranks in turn, with NUM_BLOCKS blocks; the
+messages across hosts go through the simulated NIC (``llcomm/ep/hosts/nic.py``), which lands
+them lazily while the waits poll. Each rank then checks its results against its own oracle
 (``ep_oracle.Expected``): the dispatch byte for byte, the combine within the interpreter's bf16
 rounding (it truncates fp32 to bf16 where a GPU rounds to nearest even, at two roundings: an
 element counts as wrong beyond 2^-5 of itself plus 2^-5 of the largest value, as in the
@@ -29,30 +30,13 @@ from . import spawn, verify
 #: Blocks per kernel: each block of a launch runs in turn in the interpreter. The signals'
 #: share of the bytes grows with it (8 bytes per block and other host, each way).
 NUM_BLOCKS = 2
+#: The seed of the simulated NIC, which lands the messages across hosts lazily
+#: (``llcomm/ep/hosts/nic.py``).
+NIC_SEED = 0
 #: The impl name of these rows.
 IMPL = "interpreter"
 #: Where the simulated heap and every tensor of the child live.
 CPU = torch.device("cpu")
-
-
-def simulated_heap(lay, NB: int, mask_bits: int = 0):
-    """The simulated symmetric heap of ``lay``'s ranks (one CPU region each, the rail puts
-    stored through its table: ``SHMEM`` = 0) and their private words: (heap, region table, host
-    error words, ``err`` with ``mask_bits`` as the rank mask, block counters, byte counters).
-    Keep ``heap`` alive while the table is used. The interpreter tests use it too."""
-    from ..ep.hosts.layout import ERR_WORDS
-    from ..ep.layout import ERR_MASK
-    W = lay.world
-    heap = [torch.zeros(lay.total_bytes, dtype=torch.uint8, device=CPU) for _ in range(W)]
-    tab = torch.tensor([h.data_ptr() for h in heap], dtype=torch.int64, device=CPU)
-    host_words = [torch.zeros(2, dtype=torch.int64, device=CPU) for _ in range(W)]
-    err = [torch.zeros(ERR_WORDS, dtype=torch.int64, device=CPU) for _ in range(W)]
-    for e, h in zip(err, host_words):
-        e[1:3] = torch.tensor([h.data_ptr(), h.data_ptr() + 8], dtype=torch.int64, device=CPU)
-        e[ERR_MASK] = mask_bits
-    ctrl = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
-    nbytes = [torch.zeros(2, NB, dtype=torch.int64, device=CPU) for _ in range(W)]
-    return heap, tab, host_words, err, ctrl, nbytes
 
 
 def simulate(case: dict) -> dict:
@@ -61,7 +45,8 @@ def simulate(case: dict) -> dict:
     ``max_tokens``, ``timeout_us``). Returns per rank ``recv_count``, ``recv_x``, ``src_info``,
     ``out`` and ``bytes`` (dispatch, combine)."""
     from ..ep.hosts.layout import hosts_layout
-    from ..ep.hosts.peer import hosts_consts, size_tag
+    from ..ep.hosts.nic import simulated_heap
+    from ..ep.hosts.peer import hosts_consts, ledger_by_rank, ledger_bytes, size_tag
     from ..ep.hosts.kernels import combine as HC
     from ..ep.hosts.kernels import dispatch as HD
     from ..runtime import protocol as P
@@ -71,7 +56,7 @@ def simulate(case: dict) -> dict:
     N, (n, H), K, E = W // R, xs[0].shape, idx[0].shape[1], case["scale"].shape[0]
     L, dtype, NB = E // W, xs[0].dtype, NUM_BLOCKS
     lay = hosts_layout(T, H, N, R, K, dtype.itemsize, NB, False)
-    heap, tab, host_words, err, ctrl, nbytes = simulated_heap(lay, NB)
+    heap, tab, host_words, err, ctrl, ledger = simulated_heap(lay, NB, nic_seed=NIC_SEED)
     dc, cc, _ = hosts_consts(lay, E, K, 0)
     recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype, device=CPU) for _ in range(W)]
     src = [torch.full((L, W * T), -1, dtype=torch.int32, device=CPU) for _ in range(W)]
@@ -85,7 +70,7 @@ def simulate(case: dict) -> dict:
             HD.hosts_dispatch_kernel[(NB,)](
                 xs[r], idx[r], n, recv[r], recv[r], row_of[r], src[r], cnt[r], ntok[r],
                 fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r,
-                size_tag(P.OP_DISPATCH, H, K, 0, dtype), case["timeout_us"], nbytes[r][0], None,
+                size_tag(P.OP_DISPATCH, H, K, 0, dtype), case["timeout_us"], ledger[r][0], None,
                 **dict(dc, STAGES=stages, SHMEM=0))
     # the stand-in experts: y = x * scale[g] + bias[g], g the row's global expert
     g = torch.arange(W * L, dtype=torch.int64, device=CPU).view(W, L, 1, 1)
@@ -97,10 +82,12 @@ def simulate(case: dict) -> dict:
             HC.hosts_combine_kernel[(NB,)](
                 eo[r], idx[r], w[r], n, out[r], row_of[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab,
                 ctrl[r][1], err[r], r, size_tag(P.OP_COMBINE, H, K, 0, dtype),
-                case["timeout_us"], nbytes[r][1], None, **dict(cc, STAGES=stages, SHMEM=0))
+                case["timeout_us"], ledger[r][1], None, **dict(cc, STAGES=stages, SHMEM=0))
     failed = [r for r in range(W) if int(err[r][0]) or int(host_words[r][0])]
     return {"recv_count": cnt, "recv_x": recv, "src_info": src, "out": out, "failed": failed,
-            "bytes": [(int(nbytes[r][0].sum()), int(nbytes[r][1].sum())) for r in range(W)]}
+            "bytes": [(ledger_bytes(ledger[r][0]), ledger_bytes(ledger[r][1])) for r in range(W)],
+            "wire": [(ledger_by_rank(ledger[r][0], r, R), ledger_by_rank(ledger[r][1], r, R))
+                     for r in range(W)]}
 
 
 def run_child(case: dict) -> dict:
@@ -124,6 +111,17 @@ def _wrong_elements(got: torch.Tensor, want: torch.Tensor) -> int:
                .sum())
 
 
+def print_wire_ledger(wire: list) -> None:
+    """Per rank, what its dispatch and combine sent across hosts as the kernels counted it
+    (``HostsPeerEP.wire_ledger``): messages, flags and bytes to each destination rank."""
+    print("# wire ledger (two-level kernels, interpreter): rank -> destination: messages / "
+          "flags / bytes")
+    for r, (d, c) in enumerate(wire):
+        for op, led in (("dispatch", d), ("combine", c)):
+            parts = [f"{q}: {m} / {f} / {b}" for q, (m, f, b) in sorted(led.items())]
+            print(f"#   rank {r} {op:8s} " + ("; ".join(parts) or "nothing"))
+
+
 def interpreter_rows(R, x, idx, w, exp, base: dict, with_bytes) -> list[dict]:
     """The dispatch and combine rows of the kernels in the interpreter for one token count
     (every rank's ``x``, ``idx``, ``w``; ``exp`` this rank's oracle). A collective.
@@ -139,6 +137,7 @@ def interpreter_rows(R, x, idx, w, exp, base: dict, with_bytes) -> list[dict]:
             res = run_child(case)
             box = [{k: (v[r] if isinstance(v, list) and k != "failed" else v)
                     for k, v in res.items()} for r in range(world)]
+            print_wire_ledger(res["wire"])
         except RuntimeError as e:
             box = [{"error": str(e)} for _ in range(world)]
     part = [None]

@@ -1,20 +1,34 @@
-"""PyTorch's SHMEM layer, as the two-level EP kernels use it: the device functions (puts,
-signals, quiet) and the decorator that links SHMEM's device library into a kernel.
+"""PyTorch's SHMEM layers, as the two-level EP kernels use them: the device functions, and the
+launcher that links SHMEM's device library into a kernel.
 
 torch 2.13 has a backend-neutral module, ``torch.distributed._symmetric_memory._shmem_triton``,
 that routes to ``_nvshmem_triton`` on CUDA builds and to ``_rocshmem_triton`` on ROCm builds;
-torch 2.11 and 2.12 have ``_nvshmem_triton`` only. Both define their Triton device functions only
-where torch finds Triton and a GPU (``torch.utils._triton.has_triton``), so on a machine without
-one ``shmem_device`` returns a stand-in whose functions refuse to compile: a kernel compiled
-with ``SHMEM`` = 0 never reaches them. Of the device functions the kernels use only the
-neutral ones, which both backends define: ``put``, ``signal_op`` and ``quiet``.
+torch 2.11 and 2.12 have ``_nvshmem_triton`` only. Each layer defines its Triton device
+functions only where torch finds Triton and a GPU (``torch.utils._triton.has_triton``). The
+kernels (``llcomm/ep/hosts/kernels/rail.py``) take both layers' functions, whichever build this
+is, and pick one by a constexpr, so one source compiles for NVIDIA and for AMD; a layer that is
+missing here is a stand-in whose functions refuse to compile, which a kernel compiled for the
+other backend, or with plain stores, never reaches. Of each layer they use only the functions
+both define: ``DEVICE_FUNCTIONS``.
 """
 from __future__ import annotations
 
+import importlib
 import types
 
-#: The device functions the kernels call (``llcomm/ep/kernels/rail.py``).
-DEVICE_FUNCTIONS = ("put", "signal_op", "quiet")
+#: The device functions of torch's layers that the kernels call (both layers define them).
+DEVICE_FUNCTIONS = ("putmem_signal_block", "signal_wait_until")
+#: The layers, by the name in their module (``_<name>_triton``).
+LAYERS = ("nvshmem", "rocshmem")
+
+
+def _layer_module(name: str):
+    """torch's ``_<name>_triton`` module with the device functions defined, or None."""
+    try:
+        mod = importlib.import_module(f"torch.distributed._symmetric_memory._{name}_triton")
+    except ImportError:
+        return None
+    return mod if all(hasattr(mod, n) for n in DEVICE_FUNCTIONS) else None
 
 
 def _backend_module():
@@ -45,31 +59,37 @@ def layer_name() -> str:
         return "none"
 
 
-def _unavailable_functions():
+def _unavailable_functions(name: str):
     import triton
     import triton.language as tl
 
     @triton.jit
     def unavailable(*args):
-        tl.static_assert(False, "this torch has no SHMEM Triton device functions "
-                                "(llcomm/runtime/shmem.py)")
+        tl.static_assert(False, "this torch defines no device functions of this SHMEM layer "
+                                "here (llcomm/runtime/shmem.py)")
 
-    return types.SimpleNamespace(**{name: unavailable for name in DEVICE_FUNCTIONS})
+    return types.SimpleNamespace(layer=name, **{n: unavailable for n in DEVICE_FUNCTIONS})
 
 
-def shmem_device():
-    """The module whose ``put`` / ``signal_op`` / ``quiet`` the kernels call: torch's, or a
-    stand-in that fails to compile (module doc)."""
-    mod = _backend_module()
-    if mod is not None and all(hasattr(mod, n) for n in DEVICE_FUNCTIONS):
-        return mod
-    return _unavailable_functions()
+def layer_devices(name: str):
+    """The device functions of torch's ``name`` layer (``LAYERS``), or a stand-in that fails
+    to compile (module doc)."""
+    if name not in LAYERS:
+        raise ValueError(f"layer_devices: name must be one of {LAYERS}, got {name!r}")
+    return _layer_module(name) or _unavailable_functions(name)
 
 
 def device_functions_available() -> bool:
-    """Whether torch defined its SHMEM Triton device functions in this process."""
+    """Whether torch defined this build's SHMEM Triton device functions in this process."""
     mod = _backend_module()
     return mod is not None and all(hasattr(mod, n) for n in DEVICE_FUNCTIONS)
+
+
+def this_build_shmem() -> int:
+    """The kernels' ``SHMEM`` value for this torch build: 2 (rocSHMEM) on ROCm, else 1
+    (NVSHMEM); ``llcomm/ep/hosts/kernels/rail.py`` names them."""
+    import torch
+    return 2 if torch.version.hip is not None else 1
 
 
 class ShmemLauncher:

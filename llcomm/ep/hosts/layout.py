@@ -12,7 +12,8 @@ One buffer set (two of them, used alternately by consecutive dispatches and, sep
 consecutive combines)::
 
     dispatch
-      d_rail_sig   int64 [NB, N]        from each source host, per block of its rail rank
+      d_rail_sig   int64 [N]            the id block of each source host has arrived
+      d_row_sig    int64 [N, T]         the row of each source host's token t has arrived
       d_host_sig   int64 [NB, R]        from each forwarder of this host, per block
       d_host_entry int64 [R]            each rank of this host has begun the call (masks)
       d_stage_ids  int32 [HEADER + T K] own token count, then own top-k ids  (put source)
@@ -27,7 +28,7 @@ consecutive combines)::
       c_host_sig   int64 [NB, R]        weights forwarded inside the host
       c_host_entry int64 [R]            each rank of this host has begun the call (masks)
       c_part_sig   int64 [NB, R]        partials from each rank of this host
-      c_back_sig   int64 [NB, N]        host sums from each host
+      c_back_sig   int64 [N, T]         the host sum of own token t from each host has arrived
       c_stage_w    fp32  [T K]          own top-k weights                    (put source)
       c_rail_w     fp32  [N, T K]       weights from each source host (16-byte strides)
       c_host_w     fp32  [W, T K]       weights of each source rank
@@ -54,10 +55,22 @@ ERR_ENTRY_VERDICT = 5
 ERR_HOST_VERDICT = 6
 ERR_WORDS = 7
 
-DISPATCH_REGIONS = ("d_rail_sig", "d_host_sig", "d_host_entry", "d_stage_ids", "d_stage",
+DISPATCH_REGIONS = ("d_rail_sig", "d_row_sig", "d_host_sig", "d_host_entry", "d_stage_ids",
+                    "d_stage",
                     "d_rail_ids", "d_rail_rows", "d_host_ntok", "d_host_ids", "d_host_rows")
 COMBINE_REGIONS = ("c_rail_sig", "c_host_sig", "c_host_entry", "c_part_sig", "c_back_sig",
                    "c_stage_w", "c_rail_w", "c_host_w", "c_part", "c_stage_back", "c_back")
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (>= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def message_lanes(max_tokens: int, num_blocks: int, num_hosts: int) -> int:
+    """Lanes of a block's wait for its messages (``kernels/rail.py``, ``rail_wait``): one per
+    (own token of the block, host), as powers of two."""
+    return pow2(-(-max_tokens // num_blocks)) * pow2(num_hosts)
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -106,17 +119,21 @@ def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: i
     if NB * max(N, R) > MAX_WAIT_FLAGS:
         raise ValueError(f"num_blocks={NB} x {max(N, R)} sources exceeds the {MAX_WAIT_FLAGS} "
                          "flags one wait polls")
+    if message_lanes(T, NB, N) > MAX_WAIT_FLAGS:
+        raise ValueError(f"max_tokens={T} over num_blocks={NB} blocks and {N} hosts: a block "
+                         f"would poll more than {MAX_WAIT_FLAGS} message flags at once")
     row = row_bytes(hidden, itemsize, fp8)
     ids = _align(4 * (ID_HEADER_WORDS + T * K))
     part = hidden * itemsize
     sizes = {
-        "d_rail_sig": 8 * NB * N, "d_host_sig": 8 * NB * R, "d_host_entry": 8 * R,
+        "d_rail_sig": 8 * N, "d_row_sig": 8 * N * T, "d_host_sig": 8 * NB * R,
+        "d_host_entry": 8 * R,
         "d_stage_ids": ids,
         "d_stage": T * row, "d_rail_ids": N * ids, "d_rail_rows": N * T * row,
         "d_host_ntok": 4 * W, "d_host_ids": W * 4 * T * K, "d_host_rows": W * T * row,
         "c_rail_sig": 8 * N, "c_host_sig": 8 * NB * R, "c_host_entry": 8 * R,
         "c_part_sig": 8 * NB * R,
-        "c_back_sig": 8 * NB * N, "c_stage_w": 4 * T * K,
+        "c_back_sig": 8 * N * T, "c_stage_w": 4 * T * K,
         "c_rail_w": N * _align(4 * T * K, ROW_ALIGN), "c_host_w": W * 4 * T * K,
         "c_part": R * N * T * part, "c_stage_back": N * T * part, "c_back": N * T * part,
     }

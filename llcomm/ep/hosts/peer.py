@@ -17,6 +17,9 @@ from ..layout import DEFAULT_NUM_BLOCKS, ERR_MASK, MAX_TOPK
 from ..masks import update_mask_word
 from ..peer import MAX_WARPS, VECTORS_PER_THREAD, PeerEP, _bundle, _pow2
 
+#: Bytes of a flag word a message carries with it.
+FLAG_BYTES = 8
+
 
 def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     """(dispatch constexprs, combine constexprs, num_warps) of the two-level kernels for a
@@ -34,12 +37,13 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
         L=num_experts // W, NB=NB, ROW_BYTES=lay.row_bytes,
         PUT_BYTES=row_bytes(H, lay.itemsize, bool(fp8)),
         RX_WORDS=(H if fp8 else H * lay.itemsize) // 4, SCALES=scales,
-        SCALES_P2=max(1, hp // 128), RAIL_FLAGS_P2=_pow2(NB * N), HOST_FLAGS_P2=_pow2(NB * R))
+        SCALES_P2=max(1, hp // 128), RAIL_FLAGS_P2=_pow2(N), HOST_FLAGS_P2=_pow2(NB * R),
+        TOK_P2=_pow2(-(-T // NB)))
     o = lay.offsets
     d_regions = _bundle(
         HostDispatchRegions, SET_BYTES=lay.set_bytes, IDS_BYTES=lay.ids_block_bytes(),
-        RAIL_SIG=o["d_rail_sig"], HOST_SIG=o["d_host_sig"], HOST_ENTRY=o["d_host_entry"],
-        STAGE_IDS=o["d_stage_ids"],
+        RAIL_SIG=o["d_rail_sig"], ROW_SIG=o["d_row_sig"], HOST_SIG=o["d_host_sig"],
+        HOST_ENTRY=o["d_host_entry"], STAGE_IDS=o["d_stage_ids"],
         STAGE=o["d_stage"], RAIL_IDS=o["d_rail_ids"], RAIL_ROWS=o["d_rail_rows"],
         HOST_NTOK=o["d_host_ntok"], HOST_IDS=o["d_host_ids"], HOST_ROWS=o["d_host_rows"])
     c_regions = _bundle(
@@ -51,6 +55,21 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     num_warps = max(1, min(MAX_WARPS, hp // (32 * (16 // lay.itemsize) * VECTORS_PER_THREAD)))
     return (dict(SIZES=sizes, REGIONS=d_regions, FP8=fp8),
             dict(SIZES=sizes, REGIONS=c_regions, enable_fp_fusion=False), num_warps)
+
+
+def ledger_by_rank(ledger: torch.Tensor, rank: int, ranks_per_host: int) -> dict:
+    """A kernel's wire ledger ``[NB, N, 3]`` as ``{destination rank: (messages, flags,
+    bytes)}``: host g's row goes to this rank's rail rank there."""
+    per_host = ledger.sum(0).tolist()
+    host, local = divmod(rank, ranks_per_host)
+    return {g * ranks_per_host + local: tuple(int(v) for v in row)
+            for g, row in enumerate(per_host) if g != host}
+
+
+def ledger_bytes(ledger: torch.Tensor) -> int:
+    """The bytes a wire ledger ``[NB, N, 3]`` puts across hosts: data and 8 per flag."""
+    tot = ledger.sum((0, 1))
+    return int(tot[2] + FLAG_BYTES * tot[1])
 
 
 def make_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: int,
@@ -114,7 +133,8 @@ class HostsPeerEP:
         import torch.distributed as dist
 
         from ...errors import UnsupportedConfigError
-        from ...runtime.shmem import ShmemLauncher, device_functions_available, layer_name
+        from ...runtime.shmem import (ShmemLauncher, device_functions_available, layer_name,
+                                      this_build_shmem)
         from .kernels import combine as HC
         from .kernels import dispatch as HD
         from ..layout import HANDLE_SLOTS
@@ -154,7 +174,10 @@ class HostsPeerEP:
         self.tab = torch.tensor(table, dtype=torch.int64, device=self.device)
         self.timeout_us = buf.timeout_ms * P.US_PER_MS
         self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
-        self.nbytes = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
+        #: the wire ledger of the latest dispatch [0] and combine [1]: per block and other host,
+        #: the messages, flags and bytes sent (the kernels count them)
+        self.ledger = torch.zeros((2, nb, self.N, 3), dtype=torch.int64, device=self.device)
+        self.shmem = this_build_shmem()
         self._host = torch.zeros(2, dtype=torch.int64, device="cpu", pin_memory=True)
         self._host_np = self._host.numpy()
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=self.device)
@@ -185,8 +208,8 @@ class HostsPeerEP:
 
     def _launch(self, launcher, args, consts, stages, num_warps):
         stats = int(args[-1] is not None)       # wait statistics: the last argument
-        launcher((self.nb,), args, dict(consts, STAGES=stages, SHMEM=1, MASKS=self.masks,
-                                        STATS=stats, num_warps=num_warps))
+        launcher((self.nb,), args, dict(consts, STAGES=stages, SHMEM=self.shmem,
+                                        MASKS=self.masks, STATS=stats, num_warps=num_warps))
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
                  split: bool = False, wait_stats=None):
@@ -209,7 +232,7 @@ class HostsPeerEP:
         tag = size_tag(P.OP_DISPATCH, self.buf.hidden, K, fp8, self.buf.dtype)
         args = (x, topk_idx, n, recv_x, recv_scales if fp8 else recv_x, row_of, s["src_info"],
                 s["recv_count"], s["ntok"], fwd_ids, s["fwd_ntok"], self.tab, self.ctrl[0],
-                self.err, self.rank, tag, self.timeout_us, self.nbytes[0], wait_stats)
+                self.err, self.rank, tag, self.timeout_us, self.ledger[0], wait_stats)
         state = (row_of, s["ntok"], fwd_ids, s["fwd_ntok"])
         if not split:
             self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_ALL, warps)
@@ -225,7 +248,7 @@ class HostsPeerEP:
         tag = size_tag(P.OP_COMBINE, self.buf.hidden, K, 0, self.buf.dtype)
         args = (expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok,
                 fwd_ids, fwd_ntok, self.tab, self.ctrl[1], self.err, self.rank, tag,
-                self.timeout_us, self.nbytes[1], wait_stats)
+                self.timeout_us, self.ledger[1], wait_stats)
         return args, cc, warps
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out, carried: bool = False,
@@ -247,10 +270,16 @@ class HostsPeerEP:
         return lambda: self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_RECV_HALF,
                                     warps)
 
+    def wire_ledger(self, op: int) -> dict:
+        """What this rank sent across hosts in the latest dispatch (op 0) or combine (op 1), as
+        the kernels counted it: ``{rank: (messages, flags, bytes)}`` per destination (its rail
+        rank on each other host; synchronises with the device)."""
+        return ledger_by_rank(self.ledger[op], self.rank, self.R)
+
     def rail_bytes(self, op: int) -> int:
-        """Bytes this rank put on the rail in the latest dispatch (op 0) or combine (op 1),
-        as the kernels counted them (synchronises with the device)."""
-        return int(self.nbytes[op].sum())
+        """Bytes this rank put on the rail in the latest dispatch (op 0) or combine (op 1):
+        the messages' bytes and 8 per flag (synchronises with the device)."""
+        return ledger_bytes(self.ledger[op])
 
     @property
     def inter_host_bytes(self) -> int:

@@ -26,6 +26,9 @@ from .. import protocol as P
 
 #: Triton's interpreter runs the kernels (module doc: the clock).
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+#: Functions the interpreted clock calls at each reading (the simulated NIC of
+#: ``llcomm/ep/hosts/nic.py`` moves on them: every poll of a wait reads the clock).
+INTERPRETER_TICKS: list = []
 
 EPOCH_SHIFT = tl.constexpr(P.EPOCH_SHIFT)
 TAG_MASK = tl.constexpr(P.TAG_MASK)
@@ -88,6 +91,8 @@ if INTERPRETED:
     def _host_clock_lanes(WIDTH: tl.constexpr):
         """The interpreter's global timer (module doc)."""
         time.sleep(0)
+        for tick in INTERPRETER_TICKS:
+            tick()
         return tl.full([WIDTH], time.monotonic_ns(), tl.int64)
 else:
     @triton.jit

@@ -5,8 +5,8 @@ Rank ``r`` is local rank ``l`` of host ``h`` (as in ``dispatch.py``, whose handl
 reads: ``row_of`` and ``ntok`` of the expert rank, ``fwd_ids`` and ``fwd_ntok`` of the
 forwarder). One launch of NB blocks; stages (``HC_*`` bits), each after a bounded wait:
 
-1. weights out (``HC_WEIGHTS``, block 0): the top-k weights of every own token, staged and put
-   to the rail rank of every other host (``c_rail_w[h]``), then ``c_rail_sig[h]``.
+1. weights out (``HC_WEIGHTS``, block 0): the top-k weights of every own token, staged and
+   sent to the rail rank of every other host (``c_rail_w[h]``, flag ``c_rail_sig[h]``).
 2. weights in (``HC_FORWARD``, after ``HC_FORWARD_WAIT``): for each host g of its rail, the
    weights of source ``s = g * R + l``'s tokens to every rank of this host (``c_host_w[s]``),
    then ``c_host_sig[b, l]`` on each.
@@ -16,9 +16,10 @@ forwarder). One launch of NB blocks; stages (``HC_*`` bits), each after a bounde
    this host (local rank ``s % R``), then ``c_part_sig[b, me]`` on every rank of the host.
 4. host sums (``HC_HOST_SUM``, after ``HC_HOST_SUM_WAIT``): for each forwarded token, the
    partials of this host's ranks **in rank order**, ``acc = acc + fp32(partial)``, rounded
-   once; a sum for an own token stays here (``c_back[h, t]``), the others are staged and put
-   to the token's rank (``c_back[h, t]`` there); then ``c_back_sig[b, h]`` on every rail rank.
-5. out (``HC_OUT``, after ``HC_OUT_WAIT``): each own token's host sums **in host order**,
+   once; a sum for an own token stays here (``c_back[h, t]``), the others are staged and sent
+   to the token's rank (``c_back[h, t]`` there, flag ``c_back_sig[h, t]``).
+5. out (``HC_OUT``, after ``HC_OUT_WAIT`` for the flags of the block's own tokens' sums):
+   each own token's host sums **in host order**,
    ``acc = acc + fp32(host_sum)``, rounded once into ``out``.
 
 That is the order ``reference.py`` defines (docs/multihost.md, "Combine order"). The
@@ -34,9 +35,9 @@ from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison
                                      wait_bound)
 from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA,
                                PHASE_ENTRY, PHASE_EXIT, _at, _masked, _rank_bits, symbol)
-from .dispatch import Where
+from .dispatch import Where, ids_arrived, ledger_add, ledger_store
 from .masks import HOST, RAIL, announce, entry_wait, fed, later_bound, masked_wait
-from .rail import PUT_CHUNK, copy_words, host_signal, rail_put, rail_signal
+from .rail import PUT_CHUNK, copy_words, host_signal, rail_send, rail_wait
 
 HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
 HC_HOST_SUM_WAIT, HC_HOST_SUM, HC_OUT_WAIT, HC_OUT = 32, 64, 128, 256
@@ -70,8 +71,10 @@ def _weights_stride(S):
 
 @triton.jit
 def _weights_out(wts, n_tok, wh, word, S, RG, SHMEM: tl.constexpr):
-    """Stage 1 (block 0). Returns the inter-host bytes it put."""
-    sent = tl.full([], 0, tl.int64)
+    """Stage 1 (block 0): one message to each other host (flag ``c_rail_sig[h]``). Returns
+    its ledger (messages and bytes per host)."""
+    msgs = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
+    nbytes = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
     n_words = n_tok * S.K
     copy_words(_at(wh.tab, wh.rank, wh.set_off + RG.STAGE_W, tl.int32),
                wts.to(tl.pointer_type(tl.int32)), n_words, PUT_CHUNK)
@@ -79,12 +82,12 @@ def _weights_out(wts, n_tok, wh, word, S, RG, SHMEM: tl.constexpr):
     put_bytes = (n_words * 4 + 15) // 16 * 16
     for g in range(S.N):
         if g != wh.host:
-            pe = g * S.R + wh.local
-            rail_put(wh.tab, wh.rank, pe, wh.set_off + RG.RAIL_W + wh.host * _weights_stride(S),
-                     wh.set_off + RG.STAGE_W, put_bytes, SHMEM)
-            rail_signal(wh.tab, wh.rank, pe, wh.set_off + RG.RAIL_SIG + wh.host * 8, word, SHMEM)
-            sent += put_bytes + 8
-    return sent
+            rail_send(wh.tab, wh.rank, g * S.R + wh.local,
+                      wh.set_off + RG.RAIL_W + wh.host * _weights_stride(S),
+                      wh.set_off + RG.STAGE_W, put_bytes,
+                      wh.set_off + RG.RAIL_SIG + wh.host * 8, word, SHMEM)
+            msgs, nbytes = ledger_add(msgs, nbytes, g, put_bytes, S)
+    return msgs, nbytes
 
 
 @triton.jit
@@ -144,13 +147,16 @@ def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM:
     """Stage 4 (module doc). Returns the inter-host bytes this block put. Masks (``msk``): no
     sums for a masked source; a masked rank's partial counts as zero, and a host sum is sent
     for every token routed here all the same (zeros when all its experts here are masked), so
-    the token's rank never reads a stale slot."""
+    the token's rank never reads a stale slot. Each sum sent is one message with its own flag
+    (``c_back_sig[h, t]`` at the token's rank). Returns the block's ledger (messages and bytes
+    per host)."""
     b = tl.program_id(0)
     hs = tl.arange(0, S.HP)
     hm = hs < S.H
     ks = tl.arange(0, S.KP)
     row_bytes = S.H * DT.primitive_bitwidth // 8
-    sent = tl.full([], 0, tl.int64)
+    msgs = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
+    nbytes = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
     part = _at(wh.tab, wh.rank, wh.set_off + RG.PART, DT)
     for g in range(S.N):
         ng = tl.where(_masked(msk, g * S.R + wh.local), 0, tl.load(fwd_ntok + g))
@@ -174,16 +180,34 @@ def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM:
                     at = wh.set_off + RG.STAGE_BACK + (g * S.T + t) * row_bytes
                     tl.store(_at(wh.tab, wh.rank, at, DT) + hs, acc.to(DT), mask=hm)
                     tl.debug_barrier()      # staged before the block puts it
-                    rail_put(wh.tab, wh.rank, g * S.R + wh.local,
-                             wh.set_off + RG.BACK + (wh.host * S.T + t) * row_bytes, at,
-                             row_bytes, SHMEM)
-                    sent += row_bytes
-    for g in range(S.N):
-        if g != wh.host:
-            rail_signal(wh.tab, wh.rank, g * S.R + wh.local,
-                        wh.set_off + RG.BACK_SIG + (b * S.N + wh.host) * 8, word, SHMEM)
-            sent += 8
-    return sent
+                    rail_send(wh.tab, wh.rank, g * S.R + wh.local,
+                              wh.set_off + RG.BACK + (wh.host * S.T + t) * row_bytes, at,
+                              row_bytes, wh.set_off + RG.BACK_SIG + (wh.host * S.T + t) * 8,
+                              word, SHMEM)
+                    msgs, nbytes = ledger_add(msgs, nbytes, g, row_bytes, S)
+    return msgs, nbytes
+
+
+@triton.jit
+def _sums_arrived(topk, n_tok, msk, wh, word, timeout_us, err, go, S, RG,
+                  SHMEM: tl.constexpr):
+    """Wait for the host sums of this block's own tokens from every other host that holds
+    one of their experts and is fed (``masks.fed``): flags ``c_back_sig[g, t]``, one lane per
+    (token, host). 1, or 0 after an error naming the late hosts (a rail wait)."""
+    b = tl.program_id(0)
+    lane = tl.arange(0, S.TOK_P2 * S.RAIL_FLAGS_P2)
+    t = b + S.NB * (lane // S.RAIL_FLAGS_P2)
+    g = lane % S.RAIL_FLAGS_P2
+    ks = tl.arange(0, S.KP)
+    live = (t < n_tok) & (g < S.N) & (g != wh.host)
+    ids = tl.load(topk + t[:, None] * S.K + ks[None, :], mask=live[:, None] & (ks < S.K)[None, :],
+                  other=-1)
+    routed = tl.max(((ids >= 0) & (ids < S.E) & (ids // (S.L * S.R) == g[:, None]))
+                    .to(tl.int32), 1) != 0
+    need = live & routed & fed(msk, g * S.R + wh.local, wh, S)
+    flags = _at(wh.tab, wh.rank, wh.set_off + RG.BACK_SIG, tl.int64) + g * S.T + t
+    return rail_wait(flags, need, g.to(tl.int64), word, timeout_us, err, OP_COMBINE, PHASE_EXIT,
+                     go, SHMEM)
 
 
 @triton.jit
@@ -226,12 +250,12 @@ def hosts_combine_kernel(
         fwd_ids,        # [N, T, K] int32 handle (forwarder)
         fwd_ntok,       # [N] int32 handle (forwarder)
         tab, ctrl, err, rank, tag, timeout_us,
-        nbytes,         # [NB] int64: inter-host bytes each block put in the latest call
+        ledger,         # [NB, N, 3] int64: messages, flags, bytes each block sent each host
         stats,          # [W] int64 wait statistics (STATS), or None
         SIZES: tl.constexpr,        # dispatch.HostSizes
         REGIONS: tl.constexpr,      # HostCombineRegions
         STAGES: tl.constexpr,       # HC_* bits
-        SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
+        SHMEM: tl.constexpr,        # rail.PLAIN, NVSHMEM or ROCSHMEM: the messages' backend
         MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; masks.py)
         STATS: tl.constexpr = 0,    # 1: wait statistics into stats (masks.masked_wait)
         PDL: tl.constexpr = 0):
@@ -243,12 +267,14 @@ def hosts_combine_kernel(
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     wh = Where(tab, rank, rank // SIZES.R, rank % SIZES.R, (seq % 2) * REGIONS.SET_BYTES)
     own_host = tl.full([], 1, tl.int64) << wh.host
-    sent = tl.full([], 0, tl.int64)
+    msgs = tl.zeros([SIZES.RAIL_FLAGS_P2], tl.int64)
+    nbytes = tl.zeros([SIZES.RAIL_FLAGS_P2], tl.int64)
     if STAGE_WEIGHTS & STAGES:
         if MASKS:
             announce(wh, wh.set_off + REGIONS.HOST_ENTRY, word, SIZES)
         if b == 0:
-            sent += _weights_out(wts, n_tok, wh, word, SIZES, REGIONS, SHMEM)
+            msgs, nbytes = _weights_out(wts, n_tok, wh, word, SIZES, REGIONS, SHMEM)
+        ledger_store(ledger, msgs, nbytes, SIZES, 0)
     # masks: each block uses its own waits' view, as on one host (a block's tokens depend on
     # its own waits only)
     msk = tl.full([], 0, tl.int64)
@@ -266,6 +292,9 @@ def hosts_combine_kernel(
                                    word, timeout_us, err, OP_COMBINE, ok, msk, seq + 1, wh, SIZES,
                                    0, stats, STATS)
             ok = ok & ok_e
+        if ok:
+            ids_arrived(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word, wh, SIZES,
+                        SHMEM)
     later_us = later_bound(timeout_us, MASKS)
     if STAGE_FORWARD & STAGES:
         if ok:
@@ -287,17 +316,12 @@ def hosts_combine_kernel(
         ok = ok & ok3
     if STAGE_HOST_SUM & STAGES:
         if ok:
-            sent += _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT, SIZES, REGIONS, SHMEM)
-    if STAGE_WEIGHTS & STAGES:
-        tl.store(nbytes + b, sent)
-    elif STAGE_HOST_SUM & STAGES:
-        tl.atomic_add(nbytes + b, sent, sem="relaxed", scope="gpu")
+            h_msgs, h_bytes = _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT, SIZES, REGIONS,
+                                         SHMEM)
+            ledger_store(ledger, h_msgs, h_bytes, SIZES, 1)
     if STAGE_OUT_WAIT & STAGES:
-        ok4, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.BACK_SIG, tl.int64), word,
-                               later_us, err, OP_COMBINE, PHASE_EXIT, ok, SIZES.NB * SIZES.N,
-                               SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
-                               SIZES, MASKS, 0, stats, STATS)
-        ok = ok & ok4
+        ok = _sums_arrived(topk, n_tok, msk, wh, word, later_us, err, ok, SIZES, REGIONS,
+                           SHMEM)
     if STAGE_OUT & STAGES:
         if (ok != 0) & (broken == 0):
             _out(topk, n_tok, out, msk, wh, SIZES, REGIONS)

@@ -6,22 +6,25 @@ owns tokens ``b, b + NB, ...`` of every list it walks, and local experts ``b, b 
 Stages (``STAGES`` bits, ``HD_*``), each separated from the next by a bounded wait:
 
 1. send (``HD_SEND``): stage each own token's row in the heap (FP8: quantised here, once) and
-   put it once to every *other* host holding one of its experts, at the rank of local index l
-   there (its rail rank): ``d_rail_rows[h, t]``. Block 0 puts the token count and every
-   token's top-k ids to every other host (``d_rail_ids[h]``). Each block then signals
-   ``d_rail_sig[b, h]`` on each rail rank.
-2. forward (``HD_FORWARD``, after the wait ``HD_FORWARD_WAIT`` for every other host's
-   signals): for each host g of its rail (own tokens for g = h), the tokens of source
+   send it once to every *other* host holding one of its experts, at the rank of local index
+   l there (its rail rank): ``d_rail_rows[h, t]``, flag ``d_row_sig[h, t]``. Block 0 sends
+   the token count and every token's top-k ids to every other host (``d_rail_ids[h]``, flag
+   ``d_rail_sig[h]``). Each message is one put-with-signal with a flag of its own
+   (``rail.py``).
+2. forward (``HD_FORWARD``, after the wait ``HD_FORWARD_WAIT`` for every other host's id
+   block): for each host g of its rail (own tokens for g = h, at once), the tokens of source
    ``s = g * R + l`` go to the ranks of this host that hold their experts,
    ``d_host_rows[s, t]`` there, and the ids of every token of s to every rank of this host;
-   the ids also go into the handle (``fwd_ids``: the combine retraces the route). Each block
-   then signals ``d_host_sig[b, l]`` on every rank of the host.
+   the ids also go into the handle (``fwd_ids``: the combine retraces the route). Another
+   host's rows are forwarded once the block's share of them has arrived (their flags). Each
+   block then signals ``d_host_sig[b, l]`` on every rank of the host.
 3. expand (``HD_EXPAND``, after ``HD_EXPAND_WAIT`` for every forwarder's signals): for each
    local expert, the rows routed to it, sources in rank order, tokens in order, packed from 0
    into ``recv_x``, with ``src_info``, ``row_of`` and ``recv_count``: the single-host layout.
 
-The rail puts and signals go through ``rail.py`` (SHMEM, or plain stores with ``SHMEM`` = 0);
-everything inside a host is stores through the region table. Flags are int64 words
+The messages across hosts go through ``rail.py`` (SHMEM, or plain stores with ``SHMEM`` = 0),
+and each block counts them in its row of ``ledger`` (the wire ledger); everything inside a host
+is stores through the region table. Flags are int64 words
 ``((counter + 1) << EPOCH_SHIFT) | tag`` as in the single-host kernels; the block counter
 ``ctrl[b]`` picks the buffer set and advances at the end of the expand. Rank masks
 (``MASKS``) and wait statistics (``STATS``): ``masks.py``.
@@ -39,7 +42,7 @@ from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_DAT
 from ...kernels.fp8_rows import _quantize_row
 from .masks import (ERR_ENTRY_VERDICT, ERR_HOST_VERDICT, ERR_RAIL_VERDICT, HOST, RAIL,
                           announce, entry_wait, fed, later_bound, masked_wait)
-from .rail import copy_words, host_signal, rail_put, rail_signal
+from .rail import copy_words, host_signal, rail_arrived, rail_send, rail_wait
 
 HD_SEND, HD_FORWARD_WAIT, HD_FORWARD, HD_EXPAND_WAIT, HD_EXPAND = 1, 2, 4, 8, 16
 HOSTS_DISPATCH_ALL = 31
@@ -66,15 +69,16 @@ COPY_CHUNK = tl.constexpr(512)
 #: NB, and a row slot: its stride in bytes (``ROW_BYTES``), the bytes a call's row fills and
 #: sends (``PUT_BYTES``: an FP8 row in a buffer sized for bf16 is about half), its int32 words to
 #: recv_x (``RX_WORDS``) and FP8 scales (``SCALES``, pow2 ``SCALES_P2``; 0 without FP8).
-#: Also the pow2 of the flags each wait polls: rail waits ``NB * N`` (``RAIL_FLAGS_P2``),
-#: host waits ``NB * R`` (``HOST_FLAGS_P2``).
+#: Also pow2s: of the hosts, the flags of a rail wait (``RAIL_FLAGS_P2``: one per host), of
+#: the flags of a host wait (``HOST_FLAGS_P2``: ``NB * R``), and of a block's share of T
+#: tokens (``TOK_P2``: its lanes in a wait for its messages, ``rail.rail_wait``).
 HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
                                      "ROW_BYTES", "PUT_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
-                                     "RAIL_FLAGS_P2", "HOST_FLAGS_P2"])
+                                     "RAIL_FLAGS_P2", "HOST_FLAGS_P2", "TOK_P2"])
 #: Byte offsets of the dispatch's regions in set 0 (``layout.py``), the set's size and an
 #: id block's size.
 HostDispatchRegions = namedtuple("HostDispatchRegions", [
-    "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "HOST_SIG", "HOST_ENTRY", "STAGE_IDS", "STAGE",
+    "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "ROW_SIG", "HOST_SIG", "HOST_ENTRY", "STAGE_IDS", "STAGE",
     "RAIL_IDS", "RAIL_ROWS", "HOST_NTOK", "HOST_IDS", "HOST_ROWS"])
 #: Where this call's data lives (runtime values): region table, this rank, its host and local
 #: index, the set's byte offset.
@@ -106,10 +110,38 @@ def _ids_row(ptr, valid, S):
 
 
 @triton.jit
-def _send(x, topk, n_tok, err, wh, word, nbytes, S, RG, FP8: tl.constexpr, SHMEM: tl.constexpr):
-    """Stage 1 (module doc). Stores this block's inter-host bytes into ``nbytes[b]``."""
+def ledger_add(msgs, nbytes, g, n_bytes, S):
+    """The wire ledger of a block (``[RAIL_FLAGS_P2]`` per destination host): one more
+    message (each with its flag) of ``n_bytes`` to host g."""
+    at = tl.arange(0, S.RAIL_FLAGS_P2) == g
+    return msgs + at.to(tl.int64), nbytes + tl.where(at, n_bytes, 0).to(tl.int64)
+
+
+@triton.jit
+def ledger_store(ledger, msgs, nbytes, S, ADD: tl.constexpr):
+    """This block's ledger row ``ledger[b, g] = (messages, flags, bytes)`` for every host g
+    (``ADD``: added to what an earlier launch of the call stored)."""
+    gs = tl.arange(0, S.RAIL_FLAGS_P2)
+    at = ledger + (tl.program_id(0) * S.N + gs) * 3
+    m = gs < S.N
+    if ADD:
+        tl.atomic_add(at, msgs, mask=m, sem="relaxed", scope="gpu")
+        tl.atomic_add(at + 1, msgs, mask=m, sem="relaxed", scope="gpu")
+        tl.atomic_add(at + 2, nbytes, mask=m, sem="relaxed", scope="gpu")
+    else:
+        tl.store(at, msgs, mask=m)
+        tl.store(at + 1, msgs, mask=m)
+        tl.store(at + 2, nbytes, mask=m)
+
+
+@triton.jit
+def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
+          SHMEM: tl.constexpr):
+    """Stage 1 (module doc): each message one put-with-signal with a flag of its own (a row:
+    ``d_row_sig[h, t]``; the id block: ``d_rail_sig[h]``). Stores this block's ledger row."""
     b = tl.program_id(0)
-    sent = tl.full([], 0, tl.int64)
+    msgs = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
+    nbytes = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
     for t in range(b, n_tok, S.NB):
         row_off = wh.set_off + RG.STAGE + t * S.ROW_BYTES
         _stage_row(x, t, _at(wh.tab, wh.rank, row_off, tl.int32), S, FP8)
@@ -117,10 +149,11 @@ def _send(x, topk, n_tok, err, wh, word, nbytes, S, RG, FP8: tl.constexpr, SHMEM
         hosts = _rank_bits(topk + t * S.K, S.K, S.E, S.L * S.R)
         for g in range(S.N):
             if (g != wh.host) & (((hosts >> g) & 1) != 0):
-                rail_put(wh.tab, wh.rank, g * S.R + wh.local,
-                         wh.set_off + RG.RAIL_ROWS + (wh.host * S.T + t) * S.ROW_BYTES,
-                         row_off, S.PUT_BYTES, SHMEM)
-                sent += S.PUT_BYTES
+                rail_send(wh.tab, wh.rank, g * S.R + wh.local,
+                          wh.set_off + RG.RAIL_ROWS + (wh.host * S.T + t) * S.ROW_BYTES,
+                          row_off, S.PUT_BYTES,
+                          wh.set_off + RG.ROW_SIG + (wh.host * S.T + t) * 8, word, SHMEM)
+                msgs, nbytes = ledger_add(msgs, nbytes, g, S.PUT_BYTES, S)
     if b == 0:      # the token count and every token's ids, to every other host
         idp = _at(wh.tab, wh.rank, wh.set_off + RG.STAGE_IDS, tl.int32)
         tl.store(idp, n_tok)
@@ -139,22 +172,52 @@ def _send(x, topk, n_tok, err, wh, word, nbytes, S, RG, FP8: tl.constexpr, SHMEM
         ids_bytes = (ID_HEADER * 4 + n_tok * S.K * 4 + 15) // 16 * 16
         for g in range(S.N):
             if g != wh.host:
-                rail_put(wh.tab, wh.rank, g * S.R + wh.local,
-                         wh.set_off + RG.RAIL_IDS + wh.host * RG.IDS_BYTES,
-                         wh.set_off + RG.STAGE_IDS, ids_bytes, SHMEM)
-                sent += ids_bytes
-    for g in range(S.N):
-        if g != wh.host:
-            rail_signal(wh.tab, wh.rank, g * S.R + wh.local,
-                        wh.set_off + RG.RAIL_SIG + (b * S.N + wh.host) * 8, word, SHMEM)
-            sent += 8
-    tl.store(nbytes + b, sent)
+                rail_send(wh.tab, wh.rank, g * S.R + wh.local,
+                          wh.set_off + RG.RAIL_IDS + wh.host * RG.IDS_BYTES,
+                          wh.set_off + RG.STAGE_IDS, ids_bytes,
+                          wh.set_off + RG.RAIL_SIG + wh.host * 8, word, SHMEM)
+                msgs, nbytes = ledger_add(msgs, nbytes, g, ids_bytes, S)
+    ledger_store(ledger, msgs, nbytes, S, 0)
 
 
 @triton.jit
-def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, S, RG):
-    """Stage 2 (module doc). A masked source (``msk``) forwards no token."""
+def ids_arrived(flags, word, wh, S, SHMEM: tl.constexpr):
+    """After the rail wait: SHMEM's wait, once, on each other host's id flag (``flags``: its
+    ``[N]`` flags) that holds ``word`` (a masked host's may not: SHMEM's wait never gives
+    up)."""
+    for g in range(S.N):
+        if g != wh.host:
+            if poll_read(flags + g) == word:
+                rail_arrived(flags + g, word, SHMEM)
+
+
+@triton.jit
+def _rows_arrived(g, ng, wh, word, timeout_us, err, S, RG, SHMEM: tl.constexpr):
+    """Wait for the rows of this block's tokens of host g routed to this host (their flags
+    ``d_row_sig[g, t]``); 1, or 0 after an error naming host g (a rail wait)."""
     b = tl.program_id(0)
+    ks = tl.arange(0, S.KP)
+    ts = b + S.NB * tl.arange(0, S.TOK_P2)
+    tm = ts < ng
+    idp = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES, tl.int32)
+    ids = tl.load(idp + ID_HEADER + ts[:, None] * S.K + ks[None, :],
+                  mask=tm[:, None] & (ks < S.K)[None, :], other=-1)
+    here = tl.max(((ids >= 0) & (ids < S.E) & (ids // (S.L * S.R) == wh.host)).to(tl.int32),
+                  1) != 0
+    flags = _at(wh.tab, wh.rank, wh.set_off + RG.ROW_SIG, tl.int64) + g * S.T + ts
+    return rail_wait(flags, tm & here, tl.full([S.TOK_P2], 0, tl.int64) + g, word, timeout_us,
+                     err, OP_DISPATCH, PHASE_ENTRY, 1, SHMEM)
+
+
+@triton.jit
+def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
+             SHMEM: tl.constexpr):
+    """Stage 2 (module doc). A masked source (``msk``) forwards no token. The rows of each
+    other host are forwarded once this block's share of them has arrived (``_rows_arrived``),
+    own rows at once. Returns 1, or 0 after an error (then nothing is signalled: the ranks of
+    this host time out rather than read rows that never came)."""
+    b = tl.program_id(0)
+    ok = tl.full([], 1, tl.int32) != 0
     ks = tl.arange(0, S.KP)
     km = ks < S.K
     for g in range(S.N):
@@ -171,6 +234,10 @@ def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, S, RG):
             for q in tl.static_range(S.R):
                 tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK, tl.int32) + s,
                          ng)
+        if (not own) & ok:
+            ok = _rows_arrived(g, ng, wh, word, timeout_us, err, S, RG, SHMEM)
+        if not ok:
+            ng = 0
         for t in range(b, ng, S.NB):
             if own:
                 ids = _ids_row(topk + t * S.K, True, S)
@@ -190,9 +257,11 @@ def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, S, RG):
                                + (s * S.T + t) * (S.ROW_BYTES // 4),
                                _at(wh.tab, wh.rank, src, tl.int32), S.PUT_BYTES // 4,
                                COPY_CHUNK)
-    for q in tl.static_range(S.R):
-        host_signal(wh.tab, wh.host * S.R + q,
-                    wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * 8, word)
+    if ok:
+        for q in tl.static_range(S.R):
+            host_signal(wh.tab, wh.host * S.R + q,
+                        wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * 8, word)
+    return ok
 
 
 @triton.jit
@@ -285,13 +354,13 @@ def hosts_dispatch_kernel(
         ctrl,           # [NB] int64: block counters
         err,            # int64: device error word, host error address, host input-error address
         rank, tag, timeout_us,
-        nbytes,         # [NB] int64: inter-host bytes each block put in the latest call
+        ledger,         # [NB, N, 3] int64: messages, flags, bytes each block sent each host
         stats,          # [W] int64 wait statistics (STATS), or None
         SIZES: tl.constexpr,        # HostSizes
         REGIONS: tl.constexpr,      # HostDispatchRegions
         FP8: tl.constexpr,          # 0: buffer dtype; 1: e4m3 + scales; 2: pow2 scales
         STAGES: tl.constexpr,       # HD_* bits
-        SHMEM: tl.constexpr,        # 1: rail puts and signals through SHMEM (rail.py)
+        SHMEM: tl.constexpr,        # rail.PLAIN, NVSHMEM or ROCSHMEM: the messages' backend
         MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; masks.py)
         STATS: tl.constexpr = 0,    # 1: wait statistics into stats (masks.masked_wait)
         PDL: tl.constexpr = 0):
@@ -304,14 +373,14 @@ def hosts_dispatch_kernel(
     if STAGE_SEND & STAGES:
         if MASKS:
             announce(wh, wh.set_off + REGIONS.HOST_ENTRY, word, SIZES)
-        _send(x, topk, n_tok, err, wh, word, nbytes, SIZES, REGIONS, FP8, SHMEM)
+        _send(x, topk, n_tok, err, wh, word, ledger, SIZES, REGIONS, FP8, SHMEM)
     msk = tl.full([], 0, tl.int64)     # masked ranks (MASKS only)
     if MASKS:
         msk = poll_read(err + ERR_MASK)
     ok = 1
     if STAGE_FORWARD_WAIT & STAGES:
         ok, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                              timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, SIZES.NB * SIZES.N,
+                              timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, SIZES.N,
                               SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL,
                               tl.full([], 1, tl.int64) << wh.host, msk, seq + 1, wh, SIZES,
                               MASKS, ERR_RAIL_VERDICT, stats, STATS)
@@ -320,9 +389,13 @@ def hosts_dispatch_kernel(
                                    word, timeout_us, err, OP_DISPATCH, ok, msk, seq + 1, wh, SIZES,
                                    ERR_ENTRY_VERDICT, stats, STATS)
             ok = ok & ok_e
+        if ok:
+            ids_arrived(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word, wh, SIZES,
+                        SHMEM)
     if STAGE_FORWARD & STAGES:
         if ok:
-            _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, SIZES, REGIONS)
+            ok = _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word,
+                          later_bound(timeout_us, MASKS), err, SIZES, REGIONS, SHMEM)
     if STAGE_EXPAND_WAIT & STAGES:
         ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
                                later_bound(timeout_us, MASKS), err, OP_DISPATCH, PHASE_DATA, ok,
