@@ -325,6 +325,14 @@ def _with_bytes(R: Rank, buf, rows: list[dict], idx: torch.Tensor, row_bytes: in
         ("inter_host_bytes", buf.last_inter_host_bytes),
         ("per_gpu_bytes", int(gpus.sum()) * row_bytes),
         ("per_expert_bytes", int(other.sum()) * row_bytes))}
+    ledger = buf.last_wire_ledger
+    if ledger is not None:      # the two-level kernels: their messages, every rank's printed
+        mean["messages"] = spawn.sum_over_ranks(sum(m for m, _, _ in ledger.values()),
+                                                R.device) / R.world
+        everyone = [None] * R.world
+        dist.all_gather_object(everyone, ledger)
+        if R.rank == 0:
+            ep_interp.print_wire_ledger([(led, led) for led in everyone], rows[0]["op"])
     return [{**r, **mean, "ranks_per_host": R.hosts.ranks_per_host} for r in rows]
 
 

@@ -111,13 +111,15 @@ def _wrong_elements(got: torch.Tensor, want: torch.Tensor) -> int:
                .sum())
 
 
-def print_wire_ledger(wire: list) -> None:
-    """Per rank, what its dispatch and combine sent across hosts as the kernels counted it
-    (``HostsPeerEP.wire_ledger``): messages, flags and bytes to each destination rank."""
-    print("# wire ledger (two-level kernels, interpreter): rank -> destination: messages / "
-          "flags / bytes")
+def print_wire_ledger(wire: list, only: str | None = None) -> None:
+    """Per rank, what its dispatch and combine (``wire[r]``: their ledgers; ``only``: just
+    that op) sent across hosts as the kernels counted it (``HostsPeerEP.wire_ledger``):
+    messages, flags and bytes to each destination rank."""
+    print("# wire ledger (two-level kernels): rank -> destination: messages / flags / bytes")
     for r, (d, c) in enumerate(wire):
         for op, led in (("dispatch", d), ("combine", c)):
+            if only is not None and op != only:
+                continue
             parts = [f"{q}: {m} / {f} / {b}" for q, (m, f, b) in sorted(led.items())]
             print(f"#   rank {r} {op:8s} " + ("; ".join(parts) or "nothing"))
 
@@ -137,7 +139,6 @@ def interpreter_rows(R, x, idx, w, exp, base: dict, with_bytes) -> list[dict]:
             res = run_child(case)
             box = [{k: (v[r] if isinstance(v, list) and k != "failed" else v)
                     for k, v in res.items()} for r in range(world)]
-            print_wire_ledger(res["wire"])
         except RuntimeError as e:
             box = [{"error": str(e)} for _ in range(world)]
     part = [None]
@@ -166,10 +167,12 @@ def interpreter_rows(R, x, idx, w, exp, base: dict, with_bytes) -> list[dict]:
     if "error" in mine:
         return rows
     d_bytes, c_bytes = mine["bytes"]
+    d_wire, c_wire = mine["wire"]
     row_bytes = cfg.hidden * x.dtype.itemsize
-    return (with_bytes(types.SimpleNamespace(last_inter_host_bytes=d_bytes), rows[:1], idx,
-                       row_bytes)
-            + with_bytes(types.SimpleNamespace(last_inter_host_bytes=c_bytes), rows[1:], idx,
+    return (with_bytes(types.SimpleNamespace(last_inter_host_bytes=d_bytes,
+                                             last_wire_ledger=d_wire), rows[:1], idx, row_bytes)
+            + with_bytes(types.SimpleNamespace(last_inter_host_bytes=c_bytes,
+                                               last_wire_ledger=c_wire), rows[1:], idx,
                          row_bytes))
 
 

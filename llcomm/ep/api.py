@@ -201,6 +201,13 @@ class EPBuffer(RankMasks):
         return self._impl.inter_host_bytes if self.hosts.spans_hosts else 0
 
     @property
+    def last_wire_ledger(self) -> dict | None:
+        """``{destination rank: (messages, flags, bytes)}`` of the latest call across hosts, as
+        the two-level kernels count it (docs/multihost.md); None on other backends. Syncs."""
+        led = getattr(self._impl, "wire_ledger", None)
+        return None if led is None else led(self._impl._last)
+
+    @property
     def _kernels(self) -> bool:
         """Device kernels run this buffer (peer or shmem): device-side checks and counters."""
         return self.backend in ("peer", "shmem")
