@@ -2,7 +2,11 @@
 /proc trees: facts read from files, the verdict, the line for ``backend_reason`` and the
 ``llcomm doctor`` section. No GPU, no NVSHMEM start."""
 import dataclasses
+import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +18,8 @@ MLX5 = "mlx5_core"
 OPEN_DRIVER = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build"
 PROPRIETARY_DRIVER = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Release Build"
 ALL_PLUGINS = ("ibrc", "ibgda", "ucx", "libfabric")
+#: Seconds one run of tools/shmem_check.py may take before it refuses.
+TOOL_TIMEOUT_S = 120
 
 
 def fake_machine(root, ports=(), modules=(), kernel="6.8.0-45-generic", driver=None,
@@ -220,3 +226,43 @@ def test_bad_input_and_failures(tmp_path, monkeypatch):
 def test_describe_on_this_machine():
     line = T.describe()
     assert line.startswith("remote transport: ") and "\n" not in line
+
+
+# -- tools/shmem_check.py --remote: its settings and its refusals -------------------------------
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "shmem_check.py"
+
+
+def _tool(*args):
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
+                          timeout=TOOL_TIMEOUT_S)
+
+
+def test_shmem_check_remote_env(tmp_path):
+    spec = importlib.util.spec_from_file_location("shmem_check_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    env = tool.remote_env("ibgda", "mlx5_0:1", env={})
+    assert env["NVSHMEM_DISABLE_P2P"] == "1" and env["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"
+    assert env["NVSHMEM_HCA_LIST"] == "mlx5_0:1" and env["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+    assert env["NVSHMEM_INFO"] == "1" and env["NVSHMEM_DEBUG"] == "INFO"
+    ibrc = tool.remote_env("ibrc", "mlx5_0:1", env={"NVSHMEM_DEBUG": "WARN"})
+    assert "NVSHMEM_IB_ENABLE_IBGDA" not in ibrc and "NVSHMEM_DEBUG" not in ibrc
+    # what predict() expects under the forced settings, on an mlx5 port with peermem
+    f = facts_of(tmp_path, env, ports=[IB_PORT], modules=PEERMEM)
+    assert T.predict(f).transport == T.IBGDA
+    v = T.predict(dataclasses.replace(f, settings=tuple(ibrc.items())))
+    assert v.transport == T.IBRC and v.port.name == "mlx5_0:1"
+
+
+def test_shmem_check_remote_refuses_several_ranks_per_host():
+    p = _tool("--remote", "ibrc", "--pes", "4", "--ranks-per-host", "2")
+    assert p.returncode == 2 and "needs --ranks-per-host 1, got 2" in p.stderr
+
+
+@pytest.mark.skipif(any(p.active for p in T.gather().ports),
+                    reason="this machine has an active RDMA port")
+def test_shmem_check_remote_without_rdma_exits_2():
+    p = _tool("--remote", "ibgda")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Across hosts (NVSHMEM):" in p.stdout
+    assert "no RDMA device: cannot force the remote transport" in p.stderr

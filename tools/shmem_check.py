@@ -1,6 +1,7 @@
 """The two-level EP kernels on SHMEM, several PEs on one GPU (a development aid).
 
     python tools/shmem_check.py [--pes 2] [--ranks-per-host 1] [--json PATH]
+    python tools/shmem_check.py --remote ibrc|ibgda [--hca mlx5_0:1] [--pes 2] [--json PATH]
 
 Starts ``--pes`` processes (a gloo group) that all use cuda:0, declared as hosts of
 ``--ranks-per-host`` ranks, and runs ``HostsPeerEP`` on one heap from torch's symmetric memory
@@ -8,6 +9,17 @@ with its NVSHMEM backend: with one rank per host every exchange is an NVSHMEM pu
 NVSHMEM runs several PEs on one GPU only under CUDA MPS (start ``nvidia-cuda-mps-control -d``
 first and export ``NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1``; docs/development.md).
 Its timings are not speed figures: the PEs share one GPU.
+
+``--remote ibrc`` / ``--remote ibgda`` force NVSHMEM's remote transport between the PEs: each
+gets ``NVSHMEM_DISABLE_P2P=1``, ``NVSHMEM_REMOTE_TRANSPORT=ibrc``, ``NVSHMEM_HCA_LIST`` (``--hca``,
+default the first active RDMA port) with ``NVSHMEM_ENABLE_NIC_PE_MAPPING=1`` (recent releases
+read the list only then), for ``ibgda`` also ``NVSHMEM_IB_ENABLE_IBGDA=1``, and
+``NVSHMEM_INFO=1`` plus, unless ``NVSHMEM_DEBUG`` is set, ``NVSHMEM_DEBUG=INFO`` for init and
+transport messages, so NVSHMEM prints its settings and the transport it initialised. Every PE
+must be its own declared host (``--ranks-per-host 1``): with P2P disabled NVSHMEM gives no peer
+addresses. The tool first prints the transport facts (``llcomm/ep/hosts/transport.py``) and
+exits 2 where no RDMA port is active. All PEs share one NIC under MPS, a loopback NVSHMEM does
+not document: a pass shows the kernels' remote path works over this NIC, not its speed.
 
 Checks, per PE, against the CPU oracles of ``tests/test_ep_oracle.py`` and
 ``tests/test_ep_hosts.py`` (outputs poisoned first):
@@ -35,6 +47,7 @@ Prints one line per check and a summary; exits 1 if any check failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -275,26 +288,73 @@ def _mask_checks(rank, W, R, dev, report):
     dist.barrier()
 
 
+#: ``--remote``: the transports the tool can force between the PEs (module doc)
+REMOTE = ("ibrc", "ibgda")
+
+
+def remote_env(kind: str, hca: str, env=os.environ) -> dict[str, str]:
+    """The NVSHMEM settings every PE gets with ``--remote kind`` over the port ``hca``."""
+    out = {"NVSHMEM_DISABLE_P2P": "1", "NVSHMEM_REMOTE_TRANSPORT": "ibrc",
+           "NVSHMEM_HCA_LIST": hca, "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1", "NVSHMEM_INFO": "1"}
+    if kind == "ibgda":
+        out["NVSHMEM_IB_ENABLE_IBGDA"] = "1"
+    if "NVSHMEM_DEBUG" not in env:
+        out.update(NVSHMEM_DEBUG="INFO", NVSHMEM_DEBUG_SUBSYS="INIT,TRANSPORT")
+    return out
+
+
+def remote_preflight(a, ap) -> dict[str, str]:
+    """``--remote``: refuse what cannot work, print the transport facts and what NVSHMEM
+    should pick; the PEs' settings. Exits 2 where no RDMA port is active."""
+    from llcomm.ep.hosts import transport
+    if a.ranks_per_host != 1:
+        ap.error(f"--remote {a.remote} needs --ranks-per-host 1, got {a.ranks_per_host}: with "
+                 "P2P disabled NVSHMEM gives no peer addresses, so every PE must be its own "
+                 "declared host")
+    facts = transport.gather()
+    print("\n".join(transport.report_lines(facts)))
+    active = [p.name for p in facts.ports if p.active]
+    if not active:
+        print("shmem_check: no RDMA device: cannot force the remote transport (no active port "
+              f"under /{transport.SYS_INFINIBAND})", file=sys.stderr)
+        sys.exit(2)
+    if a.hca and a.hca.partition(":")[0] not in {p.device for p in facts.ports}:
+        ap.error(f"--hca {a.hca}: no such RDMA device here (active ports: {', '.join(active)})")
+    env = remote_env(a.remote, a.hca or active[0])
+    forced = dataclasses.replace(facts, settings=tuple({**dict(facts.settings), **env}.items()))
+    print(f"# shmem_check --remote {a.remote}: " + " ".join(f"{k}={v}" for k, v in env.items()))
+    print("# expected " + transport.verdict_line(transport.predict(forced), forced))
+    return env
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pes", type=int, default=2)
     ap.add_argument("--ranks-per-host", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--remote", choices=REMOTE,
+                    help="force NVSHMEM's remote transport between the PEs (module doc)")
+    ap.add_argument("--hca", help="with --remote: the RDMA port, NAME:PORT (default: the first "
+                    "active one)")
     a = ap.parse_args(argv)
+    if a.hca and not a.remote:
+        ap.error("--hca goes with --remote")
+    env = remote_preflight(a, ap) if a.remote else {}
     from llcomm.multiproc import run
     t0 = time.monotonic()
-    results = run(_rank_body, a.pes, a.ranks_per_host, backend="gloo", timeout=600)
+    results = run(_rank_body, a.pes, a.ranks_per_host, backend="gloo", timeout=600, env=env)
     failed = sum(r["failed"] for r in results)
     for r in results:
         print("\n".join(r["lines"]))
     checks = sum(len(r["lines"]) for r in results)
     print(f"# shmem_check: {a.pes} PEs as {a.pes // a.ranks_per_host} hosts of "
-          f"{a.ranks_per_host}: {checks - failed} of {checks} checks ok in "
+          f"{a.ranks_per_host}" + (f" over {a.remote}" if a.remote else "") + f": "
+          f"{checks - failed} of {checks} checks ok in "
           f"{time.monotonic() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"pes": a.pes, "ranks_per_host": a.ranks_per_host, "results": results}, f,
-                      indent=1)
+            json.dump({"pes": a.pes, "ranks_per_host": a.ranks_per_host, "remote": a.remote,
+                       "env": env, "results": results}, f, indent=1)
     return 1 if failed else 0
 
 
