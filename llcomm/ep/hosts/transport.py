@@ -432,7 +432,7 @@ def report_lines(facts: TransportFacts | None = None) -> list[str]:
                    + (", ".join(facts.plugins) or "none"))
     out.append("  RDMA ports: " + (", ".join(f"{p} {p.driver or 'driver unknown'}"
                                              for p in facts.ports)
-                                   or f"none (no /{SYS_INFINIBAND})"))
+                                   or f"none under /{SYS_INFINIBAND}"))
     dmabuf = {True: "yes", False: "no", None: "unknown"}[facts.dmabuf]
     open_mod = {True: "yes", False: "no", None: "unknown"}[facts.open_module]
     out.append(f"  GPUDirect RDMA: peer-memory module {facts.peermem or 'not loaded'}; dma-buf "
