@@ -5,6 +5,13 @@ fresh process (it makes torch define its SHMEM Triton device functions before to
 is imported). Each SHMEM kernel must call NVSHMEM's non-blocking block put-with-signal and its
 signal wait, no thread-scope signal, quiet or fence, and leave no function undefined; the same
 kernels with ``SHMEM`` = 0 must call none.
+
+The same kernels compile for AMD's gfx942 with ``SHMEM`` = 2 (rocSHMEM through torch's
+``_rocshmem_triton`` layer) up to the link of rocSHMEM's device library, which is not at hand:
+``tools/ptx_shmem.py --target gfx942``. Each rocSHMEM kernel must declare exactly the layer's
+put-with-signal and signal wait (no quiet, fence or signal of its own), pass them rocSHMEM's
+constants and leave only those two undefined in its code object; a static assertion of the
+layer (its ``signal_op``) or a function it does not define fails the compile.
 """
 import os
 import platform
@@ -30,3 +37,22 @@ def test_two_level_kernels_compile_with_nvshmem():
     shmem = [ln for ln in lines if "_plain" not in ln]
     assert all("nvshmemx_putmem_signal_nbi_block" in ln and "nvshmem_signal_wait_until" in ln
                and "quiet" not in ln and "signal_op" not in ln for ln in shmem), p.stdout
+
+
+def test_two_level_kernels_compile_with_rocshmem_for_gfx942():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ptx_shmem.py"),
+                        "--target", "gfx942", "--blocks", "32"],
+                       env=env, capture_output=True, text=True, timeout=900)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("hosts_")]
+    assert len(lines) == 10 and all(" ok " in ln for ln in lines), p.stdout
+    shmem = [ln for ln in lines if "_plain" not in ln]
+    plain = [ln for ln in lines if "_plain" in ln]
+    assert len(shmem) == 6 and len(plain) == 4, p.stdout
+    assert all("rocshmem_putmem_signal_wg" in ln and "rocshmem_uint64_wait_until" in ln
+               and not any(s in ln for s in ("quiet", "fence", "signal_op", "atomic_set"))
+               for ln in shmem), p.stdout
+    assert all("rocshmem: none" in ln and "code object: none" in ln for ln in plain), p.stdout

@@ -1,4 +1,4 @@
-"""Compile the two-level EP kernels with their SHMEM puts for sm_90 on any machine (no GPU).
+"""Compile the two-level EP kernels with their SHMEM calls for sm_90 or gfx942 (no GPU needed).
 
     python tools/ptx_shmem.py [--dump DIR] [--hosts 2] [--ranks-per-host 8] [--tokens 128]
                               [--hidden 7168] [--experts 256] [--topk 8] [--blocks 64]
@@ -18,24 +18,23 @@ non-blocking put-with-signal, when a SHMEM kernel misses the put-with-signal or 
 function undefined in its PTX, or when a SHMEM = 0 kernel calls any.
 
 ``--target gfx942`` compiles the same kernels for AMD's MI300X (Triton's HIP backend, warps of
-64) with ``SHMEM`` = 2, rocSHMEM through torch's ``_rocshmem_triton`` layer, and with
-``SHMEM`` = 0, up to the link of rocSHMEM's device library and no further: no
-``librocshmem_device_gfx942.bc`` is at hand, so no ``extern_libs`` are given. Triton's HIP
-backend links device bitcode in its LLIR stage (a library only where a declared function's name
-contains the library's name), so without it rocSHMEM's functions stay declared in the LLIR; the
-AMDGCN calls them through the GOT, and the code object (``ld.lld -shared``) keeps them as
-undefined symbols, which a GPU would refuse to load: every stage compiles, and the code object's
-undefined symbols are exactly what the library would have to supply. Prints per kernel the
-rocSHMEM functions its LLIR declares, the signal operation and comparison it passes them (each
-must be rocSHMEM's, ``rail.ROC_SIGNAL_SET`` and ``rail.ROC_CMP_EQ``), the code object's
-undefined symbols, the system-scope atomics of the AMDGCN and its size; exits 1 when a kernel
-fails to compile (a static assertion, such as the one of the layer's ``signal_op``, or a
-function the layer does not define), when a SHMEM kernel declares other than ``ROC_MUST_CALL``
-(both defined by the layer), calls a quiet, fence, separate signal or atomic set
-(``ROC_MUST_NOT_CALL``), passes another backend's constants or leaves another symbol undefined,
-or when a SHMEM = 0 kernel declares or leaves undefined any function. Nothing here pretends to
-be a HIP build of torch: llcomm takes the rocSHMEM layer's functions on any build
-(``llcomm/runtime/shmem.py``), and the layer defines them wherever torch finds Triton.
+64 lanes) with ``SHMEM`` = 2, rocSHMEM through torch's ``_rocshmem_triton`` layer, and with
+``SHMEM`` = 0, without rocSHMEM's device library (``librocshmem_device_gfx942.bc`` comes with a
+ROCm install; none is here). Triton's HIP backend links device bitcode in its LLIR stage, a
+library only where a declared function's name contains the library's name; without one the
+rocSHMEM functions stay declared, the AMDGCN calls them through the GOT, and ld.lld links a code
+object that keeps them as undefined symbols (nothing checks them before a GPU would load it).
+So every stage runs, and the code object's undefined symbols are what the library would have to
+define. Prints per kernel the rocSHMEM functions its LLIR declares, the signal operation and
+comparison it passes them, the code object's undefined symbols, the system-scope atomics of its
+AMDGCN and its size; exits 1 when a kernel fails to compile (a static assertion, such as that
+of the layer's ``signal_op``, or a function the layer does not define), when a SHMEM kernel
+declares other than ``ROC_MUST_CALL`` (checked to be declared by the layer), calls a quiet,
+fence, signal or atomic set (``ROC_MUST_NOT_CALL``), passes constants other than rocSHMEM's
+(``rail.ROC_SIGNAL_SET``, ``rail.ROC_CMP_EQ``) or leaves another symbol undefined, or when a
+SHMEM = 0 kernel declares or leaves undefined any function. No HIP build of torch is needed or
+faked: ``llcomm/runtime/shmem.py`` takes the rocSHMEM layer's functions on any build, and the
+layer defines them wherever torch finds Triton (``tell_torch_it_has_triton``).
 tests/test_shmem_compile.py runs both targets.
 """
 from __future__ import annotations
@@ -173,13 +172,26 @@ def call_constants(llir: str, fn: str, index: int) -> set[str]:
 
 
 def compile_error(e: Exception) -> str:
-    """The line of a compile error that says what went wrong (a static assertion's message, a
-    missing attribute), not the source context Triton prints around it."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if not ln.startswith("^") and not re.match(r"^\d+ *\|", ln):
-            return f"{type(e).__name__}: {ln}"[:300]
-    return type(e).__name__
+    """What a failed compile says went wrong (a static assertion's message, a missing
+    attribute), with the path of Triton functions down to it and the call that failed, from the
+    chain of Triton's errors (each names its function and marks its line)."""
+    from triton.compiler.errors import CompilationError, CompileTimeAssertionFailure
+    frames, x, last = [], e, e
+    while x is not None:
+        text = str(x)
+        fn = re.search(r"^def (\w+)", text, re.M)
+        at = re.search(r"([^\n]*)\n[ \t]*\^[ \t]*(?:\n|$)", text)
+        if fn and at:
+            frames.append((fn.group(1), at.group(1).strip()))
+        last, x = x, x.__cause__ or x.__context__
+    if isinstance(last, CompileTimeAssertionFailure):
+        what, call = f"static assertion: {last.error_message}", frames[-2:-1]
+    elif isinstance(last, CompilationError) and last.error_message:
+        what, call = last.error_message, frames[-1:]
+    else:
+        what, call = f"{type(last).__name__}: {last}", frames[-1:]
+    where = " > ".join(f for f, _ in frames)
+    return f"{what} (in {where}: {call[0][1]})" if call else what
 
 
 def main_gfx942(a) -> int:
@@ -211,7 +223,7 @@ def main_gfx942(a) -> int:
         assert consts["SHMEM"] in (ROCSHMEM.value, PLAIN.value)
         try:
             k = compile_one(fn, sig, consts, warps, target=TARGETS["gfx942"])
-        except Exception as e:      # a static assertion, a function the layer lacks, ...
+        except Exception as e:  # noqa: BLE001  (a failed compile is a BAD line)
             bad += 1
             print(f"{label:28s} BAD compile failed: {compile_error(e)}")
             continue
@@ -219,24 +231,26 @@ def main_gfx942(a) -> int:
         declared = sorted(set(re.findall(r"^declare [^@\n]*@([\w.$]+)\(", llir, re.M)))
         roc = [f for f in declared if f.startswith("rocshmem")]
         other = [f for f in declared if not f.startswith(("rocshmem", "llvm."))]
-        banned = [f for f in declared if any(fnmatch.fnmatch(f, p) for p in ROC_MUST_NOT_CALL)]
         undefined = undefined_symbols(k.asm["hsaco"])
-        if on:
-            consts_seen = {f: call_constants(llir, f, i) for f, (i, _) in want.items()}
-            wrong = [f"{f} gets {', '.join(sorted(consts_seen[f]))}" for f, (_, c) in
-                     want.items() if consts_seen[f] != {c}]
-            ok = (roc == sorted(ROC_MUST_CALL) and not other and not banned and not wrong
-                  and undefined == sorted(ROC_MUST_CALL))
-            detail = (f"signal op {ROC_SIGNAL_SET.value}, cmp {ROC_CMP_EQ.value}"
-                      if not wrong else "; ".join(wrong))
-        else:
-            ok = not roc and not other and not undefined
-            detail = "no SHMEM call"
+        need = sorted(ROC_MUST_CALL) if on else []
+        problems = [f"missing {f}" for f in need if f not in roc]
+        problems += [f"must not call {f}" for f in declared
+                     if any(fnmatch.fnmatch(f, p) for p in ROC_MUST_NOT_CALL)]
+        problems += [f"calls {f}" for f in roc + other if f not in need and
+                     not any(fnmatch.fnmatch(f, p) for p in ROC_MUST_NOT_CALL)]
+        if undefined != sorted(roc + other):
+            problems.append(f"code object leaves {', '.join(undefined) or 'nothing'} undefined")
+        for f, (index, c) in want.items():
+            seen = call_constants(llir, f, index)
+            if seen and seen != {c}:
+                problems.append(f"{f} gets {', '.join(sorted(seen))} (rocSHMEM's: {c})")
+        ok = not problems
         bad += not ok
-        print(f"{label:28s} {'ok ' if ok else 'BAD'} rocshmem: {', '.join(roc) or 'none'}"
-              f"{'; other: ' + ', '.join(other) if other else ''}; {detail}; undefined in "
-              f"code object: {', '.join(undefined) or 'none'}; sys atomics "
-              f"{len(amdgcn.sys_atomics(asm))}; AMDGCN {len(asm) // 1024} KiB")
+        detail = "; ".join(problems) or (f"signal op {ROC_SIGNAL_SET.value}, cmp "
+                                         f"{ROC_CMP_EQ.value}" if on else "no SHMEM call")
+        print(f"{label:28s} {'ok ' if ok else 'BAD'} rocshmem: {', '.join(roc) or 'none'}; "
+              f"{detail}; undefined in code object: {', '.join(undefined) or 'none'}; "
+              f"sys atomics {len(amdgcn.sys_atomics(asm))}; AMDGCN {len(asm) // 1024} KiB")
         if a.dump:
             os.makedirs(a.dump, exist_ok=True)
             for ext in ("llir", "amdgcn"):
@@ -257,8 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--target", choices=("sm_90", "gfx942"), default="sm_90",
-                    help="gfx942: rocSHMEM (SHMEM = 2) for AMD's MI300X, up to the link of "
-                         "its device library")
+                    help="gfx942: rocSHMEM (SHMEM = 2) for AMD's MI300X, without "
+                         "its device library (module doc)")
     a = ap.parse_args(argv)
     tell_torch_it_has_triton()
     if a.target == "gfx942":
