@@ -68,7 +68,12 @@ def _unavailable_functions(name: str):
         tl.static_assert(False, "this torch defines no device functions of this SHMEM layer "
                                 "here (llcomm/runtime/shmem.py)")
 
-    return types.SimpleNamespace(layer=name, **{n: unavailable for n in DEVICE_FUNCTIONS})
+    # a module, as torch's layers are: Triton's dependency scan skips modules, where it would
+    # deep-copy any other global object a kernel names
+    mod = types.ModuleType(f"llcomm_without_{name}_layer")
+    for n in DEVICE_FUNCTIONS:
+        setattr(mod, n, unavailable)
+    return mod
 
 
 def layer_devices(name: str):

@@ -50,6 +50,7 @@ ROW_ALIGN = 16
 #: Words of the two-level kernels' private ``err`` tensor: 0-2 as on one host (device error
 #: word, host error and input-error addresses), ``layout.ERR_MASK`` (3) the rank mask, then one
 #: word for each of the dispatch's three mask agreements (``kernels/masks.py``).
+ERR_INPUT_ADDR = 2
 ERR_RAIL_VERDICT = 4
 ERR_ENTRY_VERDICT = 5
 ERR_HOST_VERDICT = 6

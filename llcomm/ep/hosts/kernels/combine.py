@@ -33,11 +33,11 @@ import triton.language as tl
 
 from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
                                      wait_bound)
-from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA,
-                               PHASE_ENTRY, PHASE_EXIT, _at, _masked, _rank_bits, symbol)
+from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_EXIT, _at, _masked,
+                               _rank_bits, symbol)
 from .dispatch import Where, ids_arrived, ledger_add, ledger_store
-from .masks import HOST, RAIL, announce, entry_wait, fed, later_bound, masked_wait
-from .rail import PUT_CHUNK, copy_words, host_signal, rail_send, rail_wait
+from .masks import announce, entry_wait, fed, hosts_wait, later_bound, ranks_wait
+from .rail import FLAG, PUT_CHUNK, copy_words, host_signal, rail_send, rail_wait
 
 HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
 HC_HOST_SUM_WAIT, HC_HOST_SUM, HC_OUT_WAIT, HC_OUT = 32, 64, 128, 256
@@ -85,7 +85,7 @@ def _weights_out(wts, n_tok, wh, word, S, RG, SHMEM: tl.constexpr):
             rail_send(wh.tab, wh.rank, g * S.R + wh.local,
                       wh.set_off + RG.RAIL_W + wh.host * _weights_stride(S),
                       wh.set_off + RG.STAGE_W, put_bytes,
-                      wh.set_off + RG.RAIL_SIG + wh.host * 8, word, SHMEM)
+                      wh.set_off + RG.RAIL_SIG + wh.host * FLAG, word, SHMEM)
             msgs, nbytes = ledger_add(msgs, nbytes, g, put_bytes, S)
     return msgs, nbytes
 
@@ -110,7 +110,7 @@ def _weights_in(wts, fwd_ntok, msk, wh, word, S, RG):
                          + (s * S.T + t) * S.K + ks, w, mask=km)
     for q in tl.static_range(S.R):
         host_signal(wh.tab, wh.host * S.R + q,
-                    wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * 8, word)
+                    wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * FLAG, word)
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def _partials(eo, row_of, ntok_in, msk, wh, word, S, RG):
                 tl.store(part + t * S.H + hs, acc.to(DT), mask=hm)
     for q in tl.static_range(S.R):
         host_signal(wh.tab, wh.host * S.R + q,
-                    wh.set_off + RG.PART_SIG + (b * S.R + wh.local) * 8, word)
+                    wh.set_off + RG.PART_SIG + (b * S.R + wh.local) * FLAG, word)
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM:
                     tl.debug_barrier()      # staged before the block puts it
                     rail_send(wh.tab, wh.rank, g * S.R + wh.local,
                               wh.set_off + RG.BACK + (wh.host * S.T + t) * row_bytes, at,
-                              row_bytes, wh.set_off + RG.BACK_SIG + (wh.host * S.T + t) * 8,
+                              row_bytes, wh.set_off + RG.BACK_SIG + (wh.host * S.T + t) * FLAG,
                               word, SHMEM)
                     msgs, nbytes = ledger_add(msgs, nbytes, g, row_bytes, S)
     return msgs, nbytes
@@ -266,7 +266,6 @@ def hosts_combine_kernel(
     seq = tl.load(ctrl + b)
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     wh = Where(tab, rank, rank // SIZES.R, rank % SIZES.R, (seq % 2) * REGIONS.SET_BYTES)
-    own_host = tl.full([], 1, tl.int64) << wh.host
     msgs = tl.zeros([SIZES.RAIL_FLAGS_P2], tl.int64)
     nbytes = tl.zeros([SIZES.RAIL_FLAGS_P2], tl.int64)
     if STAGE_WEIGHTS & STAGES:
@@ -280,17 +279,16 @@ def hosts_combine_kernel(
     msk = tl.full([], 0, tl.int64)
     if MASKS:
         msk = poll_read(err + ERR_MASK)
-    no_rank = tl.full([], 0, tl.int64)
     ok = 1
     if STAGE_FORWARD_WAIT & STAGES:
-        ok, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                              timeout_us, err, OP_COMBINE, PHASE_ENTRY, 1, SIZES.N,
-                              SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL, own_host, msk, seq + 1, wh,
-                              SIZES, MASKS, 0, stats, STATS)
+        ok, msk = hosts_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
+                             timeout_us, err, OP_COMBINE, go=1, msk=msk, epoch=seq + 1, wh=wh,
+                             S=SIZES, MASKS=MASKS, AGREE=0, stats=stats, STATS=STATS)
         if MASKS:
             ok_e, msk = entry_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_ENTRY, tl.int64),
-                                   word, timeout_us, err, OP_COMBINE, ok, msk, seq + 1, wh, SIZES,
-                                   0, stats, STATS)
+                                   word, timeout_us, err, OP_COMBINE, go=ok, msk=msk,
+                                   epoch=seq + 1, wh=wh, S=SIZES, AGREE=0, stats=stats,
+                                   STATS=STATS)
             ok = ok & ok_e
         if ok:
             ids_arrived(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word, wh, SIZES,
@@ -300,19 +298,17 @@ def hosts_combine_kernel(
         if ok:
             _weights_in(wts, fwd_ntok, msk, wh, word, SIZES, REGIONS)
     if STAGE_PARTIALS_WAIT & STAGES:
-        ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                               later_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
-                               SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
-                               SIZES, MASKS, 0, stats, STATS)
+        ok2, msk = ranks_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
+                              later_us, err, OP_COMBINE, go=ok, msk=msk, epoch=seq + 1, wh=wh,
+                              S=SIZES, MASKS=MASKS, AGREE=0, stats=stats, STATS=STATS)
         ok = ok & ok2
     if STAGE_PARTIALS & STAGES:
         if ok:
             _partials(eo, row_of, ntok_in, msk, wh, word, SIZES, REGIONS)
     if STAGE_HOST_SUM_WAIT & STAGES:
-        ok3, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
-                               later_us, err, OP_COMBINE, PHASE_DATA, ok, SIZES.NB * SIZES.R,
-                               SIZES.HOST_FLAGS_P2, SIZES.R, HOST, no_rank, msk, seq + 1, wh,
-                               SIZES, MASKS, 0, stats, STATS)
+        ok3, msk = ranks_wait(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
+                              later_us, err, OP_COMBINE, go=ok, msk=msk, epoch=seq + 1, wh=wh,
+                              S=SIZES, MASKS=MASKS, AGREE=0, stats=stats, STATS=STATS)
         ok = ok & ok3
     if STAGE_HOST_SUM & STAGES:
         if ok:

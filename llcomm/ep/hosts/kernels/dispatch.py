@@ -36,13 +36,13 @@ import triton.language as tl
 
 from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
                                      wait_bound)
-from ..layout import ID_HEADER_WORDS
-from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_DATA, PHASE_ENTRY, _at,
+from .. import layout as HL
+from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_ENTRY, _at,
                                _masked, _rank_bits, symbol)
 from ...kernels.fp8_rows import _quantize_row
-from .masks import (ERR_ENTRY_VERDICT, ERR_HOST_VERDICT, ERR_RAIL_VERDICT, HOST, RAIL,
-                          announce, entry_wait, fed, later_bound, masked_wait)
-from .rail import copy_words, host_signal, rail_arrived, rail_send, rail_wait
+from .masks import (ERR_ENTRY_VERDICT, ERR_HOST_VERDICT, ERR_RAIL_VERDICT, announce,
+                    entry_wait, fed, hosts_wait, later_bound, ranks_wait)
+from .rail import FLAG, copy_words, host_signal, rail_arrived, rail_send, rail_wait
 
 HD_SEND, HD_FORWARD_WAIT, HD_FORWARD, HD_EXPAND_WAIT, HD_EXPAND = 1, 2, 4, 8, 16
 HOSTS_DISPATCH_ALL = 31
@@ -59,7 +59,9 @@ STAGE_EXPAND_WAIT = tl.constexpr(HD_EXPAND_WAIT)
 STAGE_EXPAND = tl.constexpr(HD_EXPAND)
 
 #: Words of an id block before the ids: the token count first.
-ID_HEADER = tl.constexpr(ID_HEADER_WORDS)
+ID_HEADER = tl.constexpr(HL.ID_HEADER_WORDS)
+#: The word of ``err`` that holds the address of the host's input-error count.
+ERR_INPUT_ADDR = tl.constexpr(HL.ERR_INPUT_ADDR)
 #: Tokens per tile of the expand's scan, and int32 words per step of its row copies.
 EXPAND_TILE = tl.constexpr(8)
 COPY_CHUNK = tl.constexpr(512)
@@ -152,7 +154,7 @@ def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
                 rail_send(wh.tab, wh.rank, g * S.R + wh.local,
                           wh.set_off + RG.RAIL_ROWS + (wh.host * S.T + t) * S.ROW_BYTES,
                           row_off, S.PUT_BYTES,
-                          wh.set_off + RG.ROW_SIG + (wh.host * S.T + t) * 8, word, SHMEM)
+                          wh.set_off + RG.ROW_SIG + (wh.host * S.T + t) * FLAG, word, SHMEM)
                 msgs, nbytes = ledger_add(msgs, nbytes, g, S.PUT_BYTES, S)
     if b == 0:      # the token count and every token's ids, to every other host
         idp = _at(wh.tab, wh.rank, wh.set_off + RG.STAGE_IDS, tl.int32)
@@ -167,7 +169,8 @@ def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
             ids = tl.where((ids >= 0) & (ids < S.E), ids, -1).to(tl.int32)
             tl.store(idp + ID_HEADER + ts[:, None] * S.K + ks[None, :], ids, mask=m2)
         if nbad > 0:        # out-of-range top-k entries, for the host to report
-            tl.store(tl.load(err + 2).to(tl.pointer_type(tl.int64)), nbad.to(tl.int64))
+            tl.store(tl.load(err + ERR_INPUT_ADDR).to(tl.pointer_type(tl.int64)),
+                     nbad.to(tl.int64))
         tl.debug_barrier()
         ids_bytes = (ID_HEADER * 4 + n_tok * S.K * 4 + 15) // 16 * 16
         for g in range(S.N):
@@ -175,7 +178,7 @@ def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
                 rail_send(wh.tab, wh.rank, g * S.R + wh.local,
                           wh.set_off + RG.RAIL_IDS + wh.host * RG.IDS_BYTES,
                           wh.set_off + RG.STAGE_IDS, ids_bytes,
-                          wh.set_off + RG.RAIL_SIG + wh.host * 8, word, SHMEM)
+                          wh.set_off + RG.RAIL_SIG + wh.host * FLAG, word, SHMEM)
                 msgs, nbytes = ledger_add(msgs, nbytes, g, ids_bytes, S)
     ledger_store(ledger, msgs, nbytes, S, 0)
 
@@ -260,7 +263,7 @@ def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, 
     if ok:
         for q in tl.static_range(S.R):
             host_signal(wh.tab, wh.host * S.R + q,
-                        wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * 8, word)
+                        wh.set_off + RG.HOST_SIG + (b * S.R + wh.local) * FLAG, word)
     return ok
 
 
@@ -379,15 +382,15 @@ def hosts_dispatch_kernel(
         msk = poll_read(err + ERR_MASK)
     ok = 1
     if STAGE_FORWARD_WAIT & STAGES:
-        ok, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                              timeout_us, err, OP_DISPATCH, PHASE_ENTRY, 1, SIZES.N,
-                              SIZES.RAIL_FLAGS_P2, SIZES.N, RAIL,
-                              tl.full([], 1, tl.int64) << wh.host, msk, seq + 1, wh, SIZES,
-                              MASKS, ERR_RAIL_VERDICT, stats, STATS)
+        ok, msk = hosts_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
+                             timeout_us, err, OP_DISPATCH, go=1, msk=msk, epoch=seq + 1, wh=wh,
+                             S=SIZES, MASKS=MASKS, AGREE=ERR_RAIL_VERDICT, stats=stats,
+                             STATS=STATS)
         if MASKS:
             ok_e, msk = entry_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_ENTRY, tl.int64),
-                                   word, timeout_us, err, OP_DISPATCH, ok, msk, seq + 1, wh, SIZES,
-                                   ERR_ENTRY_VERDICT, stats, STATS)
+                                   word, timeout_us, err, OP_DISPATCH, go=ok, msk=msk,
+                                   epoch=seq + 1, wh=wh, S=SIZES, AGREE=ERR_ENTRY_VERDICT,
+                                   stats=stats, STATS=STATS)
             ok = ok & ok_e
         if ok:
             ids_arrived(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word, wh, SIZES,
@@ -397,11 +400,10 @@ def hosts_dispatch_kernel(
             ok = _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word,
                           later_bound(timeout_us, MASKS), err, SIZES, REGIONS, SHMEM)
     if STAGE_EXPAND_WAIT & STAGES:
-        ok2, msk = masked_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
-                               later_bound(timeout_us, MASKS), err, OP_DISPATCH, PHASE_DATA, ok,
-                               SIZES.NB * SIZES.R,
-                               SIZES.HOST_FLAGS_P2, SIZES.R, HOST, tl.full([], 0, tl.int64),
-                               msk, seq + 1, wh, SIZES, MASKS, ERR_HOST_VERDICT, stats, STATS)
+        ok2, msk = ranks_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
+                              later_bound(timeout_us, MASKS), err, OP_DISPATCH, go=ok, msk=msk,
+                              epoch=seq + 1, wh=wh, S=SIZES, MASKS=MASKS,
+                              AGREE=ERR_HOST_VERDICT, stats=stats, STATS=STATS)
         ok = ok & ok2
     if STAGE_EXPAND & STAGES:
         if (ok != 0) & (broken == 0):

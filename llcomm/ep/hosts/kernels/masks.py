@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import layout as HL
-from ...kernels.common import ERR_MASK, PHASE_DATA, _agree_mask, _at, _wait_flags
+from ...kernels.common import ERR_MASK, PHASE_DATA, PHASE_ENTRY, _agree_mask, _at, _wait_flags
 
 #: A wait's level (``masked_wait``'s LEVEL).
 RAIL = tl.constexpr(0)
@@ -134,3 +134,26 @@ def later_bound(timeout_us, MASKS: tl.constexpr):
     if MASKS:
         return timeout_us.to(tl.int64) * 2
     return timeout_us.to(tl.int64)
+
+
+@triton.jit
+def hosts_wait(flags, word, timeout_us, err, op, go, msk, epoch, wh, S, MASKS: tl.constexpr,
+               AGREE: tl.constexpr, stats, STATS: tl.constexpr):
+    """A call's first rail wait: one flag per host (``flags``: ``[N]``, this host's skipped),
+    reported as the entry barrier with the host as source. ``masked_wait``'s ``(ok, msk)``."""
+    return masked_wait(flags, word, timeout_us, err, op, phase=PHASE_ENTRY, go=go,
+                       NFLAGS=S.N, NP=S.RAIL_FLAGS_P2, NSRC=S.N, LEVEL=RAIL,
+                       skip=tl.full([], 1, tl.int64) << wh.host, msk=msk, epoch=epoch, wh=wh,
+                       S=S, MASKS=MASKS, AGREE=AGREE, stats=stats, STATS=STATS)
+
+
+@triton.jit
+def ranks_wait(flags, word, timeout_us, err, op, go, msk, epoch, wh, S, MASKS: tl.constexpr,
+               AGREE: tl.constexpr, stats, STATS: tl.constexpr):
+    """A wait inside the host: one flag per block and rank of this host (``flags``:
+    ``[NB, R]``), reported as a data poll with the local rank as source. ``masked_wait``'s
+    ``(ok, msk)``."""
+    return masked_wait(flags, word, timeout_us, err, op, phase=PHASE_DATA, go=go,
+                       NFLAGS=S.NB * S.R, NP=S.HOST_FLAGS_P2, NSRC=S.R, LEVEL=HOST,
+                       skip=tl.full([], 0, tl.int64), msk=msk, epoch=epoch, wh=wh, S=S,
+                       MASKS=MASKS, AGREE=AGREE, stats=stats, STATS=STATS)

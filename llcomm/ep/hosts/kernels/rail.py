@@ -68,6 +68,8 @@ NV_CMP_EQ = tl.constexpr(0)
 #: comparisons).
 ROC_SIGNAL_SET = tl.constexpr(0)
 ROC_CMP_EQ = tl.constexpr(0)
+#: Bytes of a flag word (int64): a flag region's stride.
+FLAG = tl.constexpr(8)
 #: int32 words a plain-store copy moves per step.
 PUT_CHUNK = tl.constexpr(1024)
 #: The NVSHMEM device function of a non-blocking, block-collective put-with-signal
