@@ -1,4 +1,4 @@
-"""Rank masks in the two-level EP kernels (``MASKS`` = 1; ``kernels/hosts_masks.py``) on the
+"""Rank masks in the two-level EP kernels (``MASKS`` = 1; ``hosts/kernels/masks.py``) on the
 CPU, under ``TRITON_INTERPRET=1``, on virtual hosts with a simulated heap (as
 ``test_ep_hosts_kernels_cpu``).
 

@@ -193,11 +193,9 @@ class EPBuffer(RankMasks):
 
     @property
     def last_inter_host_bytes(self) -> int:
-        """Bytes this rank put on the inter-host path in its latest dispatch or combine (the
-        receive hook's part included once it has run): rows, their tags and row counts sent to
-        other hosts (formula: docs/multihost.md, "Bytes"). 0 on one host. On the reference
-        backend a plain attribute read; on the shmem backend the kernels count them on the
-        device, so reading it synchronises with the device."""
+        """Bytes this rank put across hosts in its latest dispatch or combine (the receive
+        hook's part once it has run; docs/multihost.md, "Bytes"), 0 on one host. The shmem
+        backend counts them on the device: reading it synchronises."""
         return self._impl.inter_host_bytes if self.hosts.spans_hosts else 0
 
     @property
@@ -208,8 +206,7 @@ class EPBuffer(RankMasks):
         return None if led is None else led(self._impl._last)
 
     @property
-    def _kernels(self) -> bool:
-        """Device kernels run this buffer (peer or shmem): device-side checks and counters."""
+    def _kernels(self) -> bool:     # device kernels run it: device-side checks and counters
         return self.backend in ("peer", "shmem")
 
     # -- validation -----------------------------------------------------------------------------
