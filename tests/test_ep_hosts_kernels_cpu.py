@@ -303,7 +303,7 @@ def simulate_absent_host(R, N, timeout_us):
     L = E // W
     dtype = torch.float32
     lay = hosts_layout(T, H, N, R, K, 4, NB, False)
-    heap, tab, host_words, err, _, _ = simulated_heap(lay, NB)
+    heap, tab, host_words, err, _, _ = simulated_heap(lay, NB, nic_seed=40 + R * N)
     dc, _, _ = hosts_consts(lay, E, K, 0)
     xs, topks, _ = make_case(W, E, T, H, K, 11, "random", dtype)
     cnt = [torch.full((L,), 7, dtype=torch.int32) for _ in range(W)]
