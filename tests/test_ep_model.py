@@ -1,0 +1,208 @@
+"""The two-level EP cost model (``llcomm/bench/ep_model.py``): its exact wire counts against
+``wire_formula`` (the kernels tests' own oracle) on random routings and against the ledger the
+two-level kernels count in Triton's interpreter; its expected counts against the mean of the
+exact ones over random uniform routings; each stage's time against its parameter; the in-host
+constants against the result file they come from; and ``llcomm bench ep --model``."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_ep_hosts_kernels_cpu import wire_formula
+
+from llcomm import cli
+from llcomm.bench import ep_model as M
+from llcomm.bench import spawn
+from llcomm.bench.ep_interp import run_child
+from llcomm.bench.ep_oracle import expert_affine, uniform_routing
+from llcomm.ep.hosts.layout import row_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+#: (ranks, ranks per host, experts, top-k, max tokens per rank) of the formula comparison.
+EXACT_SHAPES = [(4, 2, 16, 4, 5), (6, 2, 12, 3, 7), (6, 3, 24, 5, 4), (8, 2, 32, 8, 9),
+                (16, 8, 256, 8, 16)]
+#: (ranks, ranks per host, experts, top-k, tokens, trials, relative tolerance) of the
+#: expectation: the tolerance is several standard errors of the mean at that many trials.
+MEAN_SHAPES = [(8, 2, 32, 4, 16, 60, 0.02), (16, 8, 256, 8, 128, 8, 0.01),
+               (32, 8, 256, 8, 128, 6, 0.01), (64, 8, 256, 8, 128, 3, 0.01)]
+#: The stages each parameter drives (they must move with it), and the direction: -1 for a
+#: bandwidth or rate (more is faster), +1 for a latency.
+DRIVES = {"nvlink_gbps": (-1, {"forward", "weights", "partials"}),
+          "nic_gbps": (-1, {"send", "weights", "host sums"}),
+          "nic_latency_us": (1, {"send", "weights", "host sums"}),
+          "nic_msg_rate": (-1, {"send", "weights", "host sums"}),
+          "hbm_gbps": (-1, {"expand", "out"})}
+
+
+def _routings(W: int, E: int, K: int, n_max: int, gen: torch.Generator, holes: bool):
+    """Every rank's top-k ids: distinct uniform experts, 0 to ``n_max`` tokens a rank; with
+    ``holes`` some ids are -1 or out of range, which name no expert."""
+    topks = []
+    for _ in range(W):
+        n = int(torch.randint(0, n_max + 1, (1,), generator=gen))
+        idx, _ = uniform_routing(n, E, K, gen, "cpu")
+        if holes and n:
+            drop = torch.rand(idx.shape, generator=gen) < 0.2
+            idx = torch.where(drop, torch.where(torch.rand(idx.shape, generator=gen) < 0.5,
+                                                -1, E), idx)
+        topks.append(idx)
+    return topks
+
+
+@pytest.mark.parametrize("shape", EXACT_SHAPES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_exact_counts_equal_the_kernels_formula(shape, fp8):
+    W, R, E, K, n_max = shape
+    H = 256
+    rb, sb = row_bytes(H, 2, fp8), H * 2
+    gen = torch.Generator().manual_seed(W * 100 + R * 10 + K)
+    for trial in range(6):
+        topks = _routings(W, E, K, n_max, gen, holes=trial % 2 == 1)
+        for r in range(W):
+            got = M.wire_counts_exact(topks, r, R, E, rb, sb)
+            want = wire_formula(topks, W, E, R, r, rb, H, 2, K)
+            assert (got.dispatch.by_rank(r, R), got.combine.by_rank(r, R)) == want, (trial, r)
+
+
+def test_exact_counts_equal_the_interpreters_ledger():
+    """2 hosts of 2 ranks, hidden 256, 16 experts, top-4, 5 tokens, bf16 rows: the ledger the
+    kernels count is what ``wire_counts_exact`` says, rank by rank."""
+    W, R, H, E, K, n = 4, 2, 256, 16, 4, 5
+    gen = torch.Generator().manual_seed(7)
+    xs, idx, w = [], [], []
+    for r in range(W):
+        i, wt = uniform_routing(n, E, K, gen, "cpu")
+        if r == 1:
+            i[0, 1] = -1            # an empty entry names no expert
+        xs.append(torch.randn(n, H, generator=gen).to(torch.bfloat16))
+        idx.append(i)
+        w.append(wt)
+    scale, bias = expert_affine(E, "cpu")
+    res = run_child({"xs": xs, "idx": idx, "w": w, "scale": scale, "bias": bias,
+                     "ranks_per_host": R, "max_tokens": n, "timeout_us": 60_000_000})
+    assert res["failed"] == []
+    for r in range(W):
+        want = M.wire_counts_exact(idx, r, R, E, row_bytes(H, 2, False), H * 2)
+        assert res["wire"][r] == (want.dispatch.by_rank(r, R), want.combine.by_rank(r, R)), r
+        assert res["bytes"][r] == (want.dispatch.wire_bytes, want.combine.wire_bytes), r
+
+
+@pytest.mark.parametrize("shape", MEAN_SHAPES)
+def test_expected_counts_are_the_mean_of_exact_ones(shape):
+    W, R, E, K, n, trials, tol = shape
+    rb, sb = row_bytes(7168, 2, True), 7168 * 2
+    gen = torch.Generator().manual_seed(W + K)
+    sums = {"dispatch": torch.zeros(3, dtype=torch.float64),
+            "combine": torch.zeros(3, dtype=torch.float64)}
+    count = 0
+    for _ in range(trials):
+        topks = [uniform_routing(n, E, K, gen, "cpu")[0] for _ in range(W)]
+        for r in range(W):
+            got = M.wire_counts_exact(topks, r, R, E, rb, sb)
+            for op in sums:
+                for v in getattr(got, op).hosts.values():
+                    sums[op] += torch.tensor(v, dtype=torch.float64)
+                    count += op == "dispatch"
+    want = M.wire_counts(W, R, n, K, E, rb, sb)
+    for op, total in sums.items():
+        expected = next(iter(getattr(want, op).hosts.values()))
+        mean = (total / count).tolist()
+        for got_v, want_v in zip(mean, expected):
+            assert got_v == pytest.approx(want_v, rel=tol), (op, mean, expected)
+    assert len(want.dispatch.hosts) == W // R - 1
+
+
+def test_expected_counts_at_the_tables_shape():
+    """EP16 / 32 / 64 with 8 GPUs per host, 128 tokens, top-8 of 256: the messages to each
+    other host (docs/multihost.md, "The wire ledger")."""
+    for W, msgs in ((16, 128.6), (32, 116.7), (64, 85.7)):
+        s = M.Shape(ranks=W)
+        per_host = next(iter(s.wire().dispatch.hosts.values()))
+        assert per_host[0] == pytest.approx(msgs, abs=0.05), W
+        assert M.hit_probability(256, W // 8, 8) == pytest.approx(
+            1 - math.comb(256 - 256 // (W // 8), 8) / math.comb(256, 8))
+
+
+def test_in_host_constants_are_the_result_files():
+    """The peer kernels' measured points are the result file's CUDA-graph rows, and the fitted
+    line goes through them."""
+    rows = json.loads((ROOT / "bench/results/h200x2-ep-b256.json").read_text())["rows"]
+    got = {(r["op"], r["bytes"]): r["median_us"] for r in rows
+           if r["impl"] == "llcomm" and r["mode"] == "graph"}
+    for op, points, fit in (("dispatch_fp8", M.PEER_DISPATCH_FP8, M.LinkParams().host_dispatch),
+                            ("combine", M.PEER_COMBINE_BF16, M.LinkParams().host_combine)):
+        for nbytes, us in points:
+            assert got[(op, nbytes)] == pytest.approx(us, abs=1e-3), op
+            assert fit.us(nbytes) == pytest.approx(us, abs=1e-6), op
+
+
+def _stages(p: M.LinkParams, s: M.Shape) -> dict:
+    return {st.name: st.us for m in (M.dispatch_model(s, p), M.combine_model(s, p))
+            for st in m.stages}
+
+
+@pytest.mark.parametrize("field", sorted(DRIVES))
+@pytest.mark.parametrize("ranks", [16, 64])
+def test_each_stage_is_monotone_in_its_parameter(field, ranks):
+    sign, driven = DRIVES[field]
+    s = M.Shape(ranks=ranks)
+    base = getattr(M.LinkParams(), field)
+    runs = [_stages(M.LinkParams(**{field: base * f}), s) for f in (1e-3, 1e-2, 0.1, 1, 10, 1e2)]
+    for name in runs[0]:
+        seq = [r[name] for r in runs]
+        steps = [sign * (b - a) for a, b in zip(seq, seq[1:])]
+        assert min(steps) >= -1e-9, (field, name, seq)
+        if name in driven:
+            assert seq[0] != pytest.approx(seq[-1]), (field, name, seq)
+        else:
+            assert seq[0] == pytest.approx(seq[-1]), (field, name, seq)
+
+
+def test_the_model_adds_its_stages_and_names_the_longest():
+    s = M.Shape(ranks=64)
+    for m in (M.dispatch_model(s), M.combine_model(s)):
+        assert m.total_us == pytest.approx(sum(st.us for st in m.stages))
+        assert m.limit == max(m.stages, key=lambda st: st.us).name
+    d = M.dispatch_model(s)
+    assert d.stages[0].messages == pytest.approx(s.wire().dispatch.total()[0])
+    with pytest.raises(ValueError, match="nic_gbps"):
+        M.LinkParams(nic_gbps=0)
+    with pytest.raises(ValueError, match="experts"):
+        M.Shape(ranks=16, experts=100)
+
+
+def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys):
+    def no_launch(*a, **k):
+        raise AssertionError("--model started processes")
+    monkeypatch.setattr(spawn, "launch", no_launch)
+    assert cli.main(["bench", "ep", "--model"]) == 0
+    out = capsys.readouterr().out
+    for ep in (16, 32, 64):
+        assert f"EP{ep}: " in out
+    assert "| dispatch | send | NIC |" in out and "| combine | host sums | NIC |" in out
+    assert "limited by" in out and "DeepEP V1 low-latency" in out and "not met" in out
+    assert cli.main(["bench", "ep", "--model", "--nic-gbps", "90",
+                     "--nic-latency-us", "1.5"]) == 0
+    assert "NIC 90 GB/s + 1.5 µs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--model", "--nic-gbps", "-1"], "--nic-gbps"),
+    (["--model", "--nvlink-gbps", "0"], "--nvlink-gbps"),
+    (["--model", "--nic-msg-rate", "nan"], "--nic-msg-rate"),
+    (["--model", "--nic-latency-us", "inf"], "--nic-latency-us"),
+    (["--nic-latency-us", "2"], "--nic-latency-us needs --model"),
+    (["--model", "--experts", "100"], "--experts 100"),
+])
+def test_cli_rejects_a_bad_parameter(capsys, args, flag):
+    assert cli.main(["bench", "ep", *args]) == 2
+    assert flag in capsys.readouterr().out
+
+
+def test_cli_rejects_a_parameter_that_is_not_a_number(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "ep", "--model", "--nic-gbps", "fast"])
+    assert "--nic-gbps" in capsys.readouterr().err
