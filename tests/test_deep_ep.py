@@ -197,13 +197,15 @@ def _refusals_body(rank, W):
     expect("no NVLink", NotImplementedError, ["allow_nvlink_for_low_latency_mode=False"],
            lambda: B(None, allow_nvlink_for_low_latency_mode=False))
     expect("fabric", NotImplementedError, ["use_fabric=True"], lambda: B(None, use_fabric=True))
-    expect("mpi comm", NotImplementedError, ["comm"], lambda: B(None, comm=object()))
+    expect("not a communicator", TypeError, ["comm=", "Get_rank", "group="],
+           lambda: B(None, comm=object()))
     expect("shrink on gloo", UnsupportedConfigError, ["enable_shrink=True", "reference backend"],
            lambda: B(None, enable_shrink=True))
     expect("negative budget", ValueError, ["num_rdma_bytes=-1"], lambda: B(None, 0, -1))
     expect("qps type", TypeError, ["num_qps_per_rank"], lambda: B(None, num_qps_per_rank="8"))
     expect("Config", NotImplementedError, ["high-throughput"], lambda: deep_ep.Config(20, 6))
     expect("set_num_sms odd", ValueError, ["new_num_sms=3"], lambda: B.set_num_sms(3))
+    expect("set_num_sms type", TypeError, ["new_num_sms='24'"], lambda: B.set_num_sms("24"))
     if deep_ep.topk_idx_t is not torch.int64:
         errors.append(f"topk_idx_t is {deep_ep.topk_idx_t}")
     if B.get_low_latency_rdma_size_hint(T, H, W, E) != llcomm.EPBuffer.size_hint(T, H, W, E):
@@ -320,10 +322,11 @@ def _refusals_body(rank, W):
     expect("after destroy", CommClosedError, ["closed"], lambda: d(x, idx, T, E))
     with deep_ep.EventOverlap():                     # an empty event waits for nothing
         pass
-    recorded = B.capture().event is not None        # an event on the current CUDA stream
-    if recorded != torch.cuda.is_available():        # (no GPU: nothing to record)
-        errors.append(f"Buffer.capture() recorded an event: {recorded}, with a GPU: "
-                      f"{torch.cuda.is_available()}")
+    handle = B.capture().event                      # an event on the current CUDA stream
+    recorded = isinstance(handle, deep_ep.EventHandle) and handle.event is not None
+    if recorded != torch.cuda.is_available():        # (no GPU: a complete handle)
+        errors.append(f"Buffer.capture() recorded an event: {recorded} ({handle!r}), with a "
+                      f"GPU: {torch.cuda.is_available()}")
     deep_ep.EventOverlap().current_stream_wait()
     return errors
 

@@ -19,6 +19,8 @@
 - Masks by hand (``low_latency_update_mask_buffer``): set before the first call (kept until the
   EPBuffer exists), each rank masks the other and gets the results without it; unmasked, full
   results again.
+- tests/test_deep_ep_surface.py's local buffer (zeroed between rounds) and int32 ``topk_idx``
+  (bitwise the results of int64), here on the peer kernels.
 
 Run on a 2-GPU host: ``python -m pytest tests/test_deep_ep_gpu.py -m gpu -x -q``.
 """
@@ -49,6 +51,19 @@ def _peer_rounds_body(rank, W):
 def test_rounds_on_the_peer_backend():
     fails = [f for r in run_distributed(_peer_rounds_body, 2, backend="nccl", timeout=600)
              for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _peer_surface_body(rank, W, which):
+    from test_deep_ep_surface import _local_body, _topk_int32_body
+    body = {"local": _local_body, "topk_int32": _topk_int32_body}[which]
+    return body(rank, W, device="cuda", backend="peer")
+
+
+@pytest.mark.parametrize("which", ["local", "topk_int32"])
+def test_local_buffer_and_int32_topk_on_the_peer_backend(which):
+    fails = [f for r in run_distributed(_peer_surface_body, 2, which, backend="nccl",
+                                        timeout=600) for f in r]
     assert not fails, "\n".join(fails[:20])
 
 
@@ -133,7 +148,8 @@ def _async_body(rank, W):
     x, idx, w = (t.cuda() for t in inputs[rank])
     recv_x, recv_count, handle, event, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False,
                                                                     async_finish=True)
-    if not isinstance(event.event, torch.cuda.Event):
+    if not (isinstance(event.event, deep_ep.EventHandle)
+            and isinstance(event.event.event, torch.cuda.Event)):
         return [f"async_finish=True gave event {event.event!r}"]
     event.current_stream_wait()
     more, rows_in = check_dispatch("[async]", rank, inputs, recv_x, recv_count, handle,

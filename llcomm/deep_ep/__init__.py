@@ -3,16 +3,20 @@ place of ``import deep_ep`` for the low-latency mode (docs/deep_ep.md).
 
 ``Buffer`` (``buffer``) takes DeepEP's constructor arguments and offers its low-latency calls
 with DeepEP's arguments, tuples and layouts; ``convert`` turns ``EPBuffer``'s outputs into
-DeepEP's layouts (source token and per-rank row ranges, column-major and UE8M0 scales), on a
-GPU (peer backend) in one launch of ``kernels``' conversion kernel, elsewhere as torch ops;
-``handle`` is DeepEP's handle tuple carrying llcomm's ``EPHandle``; ``event`` is
-``EventOverlap``; ``masks`` holds shrink mode's mask calls (a mixin of ``Buffer``). Arguments llcomm
-cannot honour raise NotImplementedError naming them.
+DeepEP's layouts (source token and per-rank row ranges, column-major and UE8M0 scales) as
+torch ops where the dispatch kernel does not write them (off the peer backend);
+``handle`` is DeepEP's handle tuple carrying llcomm's ``EPHandle``; ``event`` holds
+``EventHandle`` and ``EventOverlap`` (``utils`` re-exports them under DeepEP's module path);
+``masks`` (shrink mode's mask calls), ``local`` (the local buffer: ``get_local_buffer_tensor``,
+the zero-copy combine buffers) and ``surface`` (class-level settings, streams, and the
+high-throughput calls, which raise) are mixins of ``Buffer``; ``mpi`` maps an mpi4py ``comm`` to
+the torch.distributed world. Arguments and names llcomm cannot honour raise NotImplementedError
+naming them.
 
 This layer sits above ``llcomm.ep`` and uses its public API only; nothing in llcomm imports it.
 """
 from .buffer import Buffer, Config, topk_idx_t
-from .event import EventOverlap
+from .event import EventHandle, EventOverlap
 from .handle import LowLatencyHandle
 
-__all__ = ["Buffer", "Config", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]

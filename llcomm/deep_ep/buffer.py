@@ -11,27 +11,38 @@ from ..runtime.backend import choose_backend_hosts
 from ..runtime.settings import EPSettings
 from . import convert
 from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
-                     check_stats, refuse, refuse_cost_stats)
-from .event import EventOverlap, after
+                     check_stats, check_topk_dtype, not_implemented, refuse, refuse_cost_stats,
+                     topk_int64)
+from .event import after
 from .handle import LowLatencyHandle
+from .local import LocalBuffer
 from .masks import ShrinkMasks
+from .mpi import group_of_comm
+from .surface import NORMAL_MODE, DeepEPSurface
 
-#: DeepEP's top-k index dtype; llcomm takes int64 top-k indices.
+#: DeepEP's top-k index dtype (int64 in its default build). The calls also take int32, as
+#: DeepEP builds with 32-bit top-k indices do, and convert it.
 topk_idx_t = torch.int64
 
 
 class Config:
     """DeepEP's tuning config of its high-throughput kernels: here for imports only
-    (``from llcomm.deep_ep import Buffer, Config``); creating one raises NotImplementedError,
-    as the high-throughput mode is not implemented."""
+    (``from llcomm.deep_ep import Buffer, Config``); creating one, and its two size hints,
+    raise NotImplementedError, as the high-throughput mode is not implemented."""
 
     def __init__(self, *args, **kwargs):
-        raise NotImplementedError("llcomm.deep_ep.Config: DeepEP's high-throughput (normal) "
-                                  "mode is not implemented; llcomm.deep_ep serves the "
-                                  "low-latency mode only")
+        not_implemented("Config", NORMAL_MODE)
+
+    def get_nvl_buffer_size_hint(self, *args, **kwargs):
+        """Not supported: NVLink budget of the high-throughput mode (NotImplementedError)."""
+        not_implemented("Config.get_nvl_buffer_size_hint", NORMAL_MODE)
+
+    def get_rdma_buffer_size_hint(self, *args, **kwargs):
+        """Not supported: RDMA budget of the high-throughput mode (NotImplementedError)."""
+        not_implemented("Config.get_rdma_buffer_size_hint", NORMAL_MODE)
 
 
-class Buffer(ShrinkMasks):
+class Buffer(ShrinkMasks, LocalBuffer, DeepEPSurface):
     """DeepEP's ``Buffer`` in low-latency mode, on an ``llcomm.EPBuffer``.
 
     ``import llcomm.deep_ep as deep_ep`` in place of ``import deep_ep``: the low-latency calls
@@ -74,13 +85,13 @@ class Buffer(ShrinkMasks):
             ``backend="reference"`` the constructor raises UnsupportedConfigError; where
             ``"auto"`` picks the reference backend on an NCCL group, the EPBuffer's creation
             raises it.
-        comm: an mpi4py communicator: not supported (pass ``group``).
+        comm: an ``mpi4py`` communicator, used where ``group`` is None (DeepEP's rule): it
+            must span torch.distributed's initialised world with the same rank numbers, and
+            the buffer then runs on the world group (a collective check); otherwise an error
+            naming ``comm`` says to pass ``group`` (llcomm never communicates through MPI).
         backend: llcomm's backend of the EPBuffer (``"auto"``, ``"peer"`` or ``"reference"``).
         timeout_ms: bound of every device-side wait of the EPBuffer (its default otherwise).
     """
-
-    #: SMs of DeepEP's high-throughput kernels: kept for ``set_num_sms``; unused here.
-    num_sms: int = 20
 
     def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0,
                  num_rdma_bytes: int = 0, low_latency_mode: bool = True,
@@ -97,7 +108,6 @@ class Buffer(ShrinkMasks):
              "llcomm's peer backend moves data over NVLink only (there is no RDMA path); "
              "backend='reference' runs on torch.distributed"),
             ("use_fabric=True", use_fabric is True, "llcomm allocates no fabric memory"),
-            ("comm", comm is not None, "llcomm runs on torch.distributed; pass group"),
         ) if bad})
         pr = V.Problems("deep_ep.Buffer")
         check_bools(pr, low_latency_mode=low_latency_mode,
@@ -108,6 +118,8 @@ class Buffer(ShrinkMasks):
         check_int(pr, "num_rdma_bytes", num_rdma_bytes)
         check_int(pr, "num_qps_per_rank", num_qps_per_rank, 1)
         pr.raise_if_any()
+        if group is None and comm is not None:
+            group = group_of_comm(comm)
         if not dist.is_initialized():
             raise RuntimeError(f"{PREFIX}: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first")
@@ -127,6 +139,7 @@ class Buffer(ShrinkMasks):
         self._dispatches = 0        # low_latency_dispatch calls (handle slot: this % 2)
         self._handle_outputs: dict = {}     # handle slot -> (src_info, layout_range)
         self._scales: dict = {}             # (handle slot, UE8M0) -> (storage, view)
+        self._local: torch.Tensor | None = None     # LocalBuffer's region, made on demand
         self._destroyed = False
         if enable_shrink:
             # Decided as EPBuffer will decide it (a collective, as DeepEP's constructor is), so
@@ -234,7 +247,8 @@ class Buffer(ShrinkMasks):
         Args:
             x: ``[num_tokens, hidden]`` bfloat16 (float16 / float32 also work; the first call
                 fixes the dtype), ``num_tokens <= num_max_dispatch_tokens_per_rank``.
-            topk_idx: ``[num_tokens, topk]`` int64 (``topk_idx_t``), -1 for no expert.
+            topk_idx: ``[num_tokens, topk]`` int64 (``topk_idx_t``) or int32 (converted once),
+                -1 for no expert.
             num_max_dispatch_tokens_per_rank: ``T``, as DeepEP's; the same in every call.
             num_experts: as DeepEP's; the same in every call.
             cumulative_local_expert_recv_stats: optional int32 ``[num_local_experts]``; the
@@ -290,6 +304,7 @@ class Buffer(ShrinkMasks):
                 pr.add(f"use_ue8m0=True needs hidden to be a multiple of "
                        f"{convert.UE8M0_CHANNELS} (four scales per int32); x has hidden="
                        f"{x.shape[1]}")
+        check_topk_dtype(pr, topk_idx)
         cost = dispatch_wait_recv_cost_stats
         check_cost_stats(pr, "dispatch_wait_recv_cost_stats", cost, self.group_size)
         pr.raise_if_any()
@@ -302,17 +317,18 @@ class Buffer(ShrinkMasks):
         pr.raise_if_any()
         refuse_cost_stats(self, fn, "dispatch_wait_recv_cost_stats", cost)
 
+        idx = topk_int64(topk_idx)
         src_info, layout, scales = self._outputs(ep, use_ue8m0 if use_fp8 else None)
         T, H = ep.max_tokens, ep.hidden
         if ep.backend == "peer":    # the dispatch's receive stage writes DeepEP's layouts
-            r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+            r = ep.dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale,
                             return_recv_hook=return_recv_hook, wait_stats=cost,
                             deep_ep=DeepEPOutputs(src_info, layout,
                                                   scales[0] if use_fp8 else None, stats))
             recv_x, recv_count, h = r[:3]
             finish = None
         else:                       # the reference backend: convert.py's torch ops after it
-            r = ep.dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+            r = ep.dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale,
                             return_recv_hook=return_recv_hook, wait_stats=cost)
             recv_x, recv_count, h = r[:3]
             ep_scales = recv_x[1] if use_fp8 else None      # EPBuffer's, contiguous
@@ -340,7 +356,8 @@ class Buffer(ShrinkMasks):
         elif finish is not None:
             finish()
         handle = LowLatencyHandle(src_info, layout, T, H, num_experts, h, self)
-        event = after(ep.device, async_finish, (x, topk_idx, *(recv_x if use_fp8 else (recv_x,)),
+        event = after(ep.device, async_finish, (x, topk_idx, idx,
+                                                *(recv_x if use_fp8 else (recv_x,)),
                                                 recv_count, src_info, layout, stats, cost))
         return recv_x, recv_count, handle, event, hook
 
@@ -364,20 +381,6 @@ class Buffer(ShrinkMasks):
         return (*self._handle_outputs[slot], scales)
 
     # -- combine --------------------------------------------------------------------------------
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """The ``[L, W * T, hidden]`` tensor (x's dtype) for the experts to write their
-        outputs into before ``low_latency_combine(..., zero_copy=True)``:
-        ``EPBuffer.get_combine_input``. One per handle slot (handles k and k + 2 share it),
-        plain device memory: llcomm's combine reads its input in place whatever it is, so this
-        saves an allocation, not a copy."""
-        self._check_open("get_next_low_latency_combine_buffer")
-        pr = V.Problems("deep_ep.Buffer.get_next_low_latency_combine_buffer")
-        h = check_handle(self, pr, handle)
-        pr.raise_if_any()
-        t = self._ep.get_combine_input(h.ep_handle)
-        h.combine_buffer_taken = True
-        return t
-
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False,
@@ -390,12 +393,13 @@ class Buffer(ShrinkMasks):
         Args:
             x: ``[L, W * T, hidden]`` expert outputs, x's dtype of the dispatch; row j of
                 expert e is the output for row j of ``recv_x``.
-            topk_idx: the dispatch's ``[num_tokens, topk]``.
+            topk_idx: the dispatch's ``[num_tokens, topk]``, int64 or int32 (converted once).
             topk_weights: ``[num_tokens, topk]`` float32.
             handle: the dispatch's handle (one of this buffer's two latest dispatches).
             use_logfmt: not supported (NotImplementedError).
             zero_copy: read the outputs from ``get_next_low_latency_combine_buffer(handle)``
-                (which must have been called for this handle) instead of ``x``, as DeepEP does.
+                (which must have been called for this handle; a view of the local buffer)
+                instead of ``x``, as DeepEP does.
             async_finish: as in ``low_latency_dispatch``.
             return_recv_hook: as in ``low_latency_dispatch``; ``topk_idx`` must stay unchanged
                 until the hook has run.
@@ -423,52 +427,24 @@ class Buffer(ShrinkMasks):
             pr.add("zero_copy=True reads the tensor get_next_low_latency_combine_buffer(handle) "
                    "returns, and it was not called for this handle: call it and write the "
                    "expert outputs into it, or pass zero_copy=False")
+        check_topk_dtype(pr, topk_idx)
         pr.raise_if_any()
         refuse_cost_stats(self, fn, "combine_wait_recv_cost_stats", cost)
         ep = self._ep
-        expert_out = ep.get_combine_input(h.ep_handle) if zero_copy else x
-        r = ep.combine(expert_out, topk_idx, topk_weights, h.ep_handle, out=out,
+        expert_out = self._combine_buffer(h) if zero_copy else x
+        idx = topk_int64(topk_idx)
+        r = ep.combine(expert_out, idx, topk_weights, h.ep_handle, out=out,
                        return_recv_hook=return_recv_hook, wait_stats=cost)
         combined, hook = r if return_recv_hook else (r, None)
-        event = after(ep.device, async_finish, (expert_out, topk_idx, topk_weights, combined,
-                                                cost))
+        event = after(ep.device, async_finish, (expert_out, topk_idx, idx, topk_weights,
+                                                combined, cost))
         return combined, event, hook
 
-    # -- the rest of DeepEP's surface ------------------------------------------------------------
-    @staticmethod
-    def capture() -> EventOverlap:
-        """An event recorded now on the current CUDA stream (empty without a GPU)."""
-        if not torch.cuda.is_available():
-            return EventOverlap()
-        return after(torch.device("cuda", torch.cuda.current_device()), True, ())
-
-    @staticmethod
-    def set_num_sms(new_num_sms: int) -> None:
-        """DeepEP's SM count of its high-throughput kernels: checked (even, positive) and kept
-        in ``Buffer.num_sms``; the low-latency calls do not use it (nor do DeepEP's)."""
-        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) \
-                or new_num_sms <= 0 or new_num_sms % 2:
-            raise ValueError(f"{PREFIX}.set_num_sms: new_num_sms={new_num_sms!r}; expected a "
-                             "positive even int")
-        Buffer.num_sms = new_num_sms
-
-    def get_dispatch_layout(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
-        refuse("get_dispatch_layout", {"the high-throughput mode": "not implemented"})
-
-    def dispatch(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
-        refuse("dispatch", {"the high-throughput mode": "not implemented; use "
-                            "low_latency_dispatch"})
-
-    def combine(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
-        refuse("combine", {"the high-throughput mode": "not implemented; use "
-                            "low_latency_combine"})
-
+    # -- lifetime -------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Release the EPBuffer (``EPBuffer.close()``, a collective when one was created);
         later calls raise CommClosedError. Allowed whatever ``explicitly_destroy`` says."""
         if not self._destroyed and self._ep is not None:
             self._ep.close()
         self._destroyed = True
+        self._local = None

@@ -9,6 +9,8 @@ from ..runtime import validate as V
 from .handle import LowLatencyHandle
 
 PREFIX = "llcomm.deep_ep.Buffer"
+#: The section of docs/deep_ep.md that lists DeepEP's names and what each does here.
+DOC_SECTION = "DeepEP's names"
 
 
 def refuse(fn: str, reasons: dict[str, str]) -> None:
@@ -16,6 +18,13 @@ def refuse(fn: str, reasons: dict[str, str]) -> None:
     if reasons:
         raise NotImplementedError(f"{PREFIX}.{fn}: " + "; ".join(
             f"{name} is not supported: {why}" for name, why in reasons.items()))
+
+
+def not_implemented(name: str, why: str) -> None:
+    """NotImplementedError for a DeepEP name llcomm does not serve: ``name`` (as written after
+    ``llcomm.deep_ep.``), why, and where the status of every name is listed."""
+    raise NotImplementedError(f"llcomm.deep_ep.{name} is not implemented: {why} "
+                              f"(docs/deep_ep.md, {DOC_SECTION!r})")
 
 
 def check_bools(pr: V.Problems, **values) -> None:
@@ -103,3 +112,23 @@ def refuse_cost_stats(buf, fn: str, name: str, stats) -> None:
         refuse(fn, {name: "it needs the kernels (they time their waits per source rank), and "
                     "this buffer runs on the reference backend, whose collectives have no "
                     "receive from one rank to time; pass None"})
+
+
+#: ``topk_idx`` dtypes taken: DeepEP's ``topk_idx_t`` is int64, or int32 in DeepEP builds with
+#: 32-bit top-k indices (``TOPK_IDX_BITS=32``); EPBuffer takes int64.
+TOPK_DTYPES = (torch.int64, torch.int32)
+
+
+def check_topk_dtype(pr: V.Problems, topk_idx) -> None:
+    """``topk_idx``, when a tensor, is int64 or int32 (its other checks are EPBuffer's)."""
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype not in TOPK_DTYPES:
+        pr.add(f"topk_idx has dtype {topk_idx.dtype}; expected torch.int64 (topk_idx_t) or "
+               "torch.int32", type_error=True)
+
+
+def topk_int64(topk_idx):
+    """``topk_idx`` as EPBuffer takes it: int32 converted once (one small kernel on the
+    current stream), anything else returned as it is (int64 without a copy)."""
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int32:
+        return topk_idx.to(torch.int64)
+    return topk_idx
