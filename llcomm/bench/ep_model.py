@@ -61,8 +61,8 @@ MODEL_SHAPE = dict(tokens=128, hidden=7168, experts=256, topk=8, ranks_per_host=
 MODEL_EPS = (16, 32, 64)
 #: Published dispatch / combine µs at MODEL_SHAPE (FP8 dispatch, bf16 combine), by EP: (name,
 #: dispatch, combine, approximate). Their authors' figures; none was measured here. DeepEP V1:
-#: deepseek-ai/DeepEP docs/legacy.md (H800, CX7 400 Gb/s); the layered mode: its pull request
-#: 500, read from the request's logs.
+#: the low-latency table of DeepEP's README before its version 2 (H800, CX7 400 Gb/s); the
+#: layered mode: DeepEP's pull request 500, read from the request's logs.
 ANCHORS = {16: (("DeepEP V1 low-latency", 118, 195, False), ("pplx-garden", 110, 186, False),
                 ("NCCL EP (bf16)", 191, 201, True),
                 ("DeepEP layered low-latency (PR 500)", 37, 67, True)),
