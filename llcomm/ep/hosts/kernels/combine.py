@@ -144,7 +144,7 @@ def _partials(eo, row_of, ntok_in, msk, wh, word, S, RG):
 
 @triton.jit
 def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM: tl.constexpr):
-    """Stage 4 (module doc). Returns the inter-host bytes this block put. Masks (``msk``): no
+    """Stage 4 (module doc). Masks (``msk``): no
     sums for a masked source; a masked rank's partial counts as zero, and a host sum is sent
     for every token routed here all the same (zeros when all its experts here are masked), so
     the token's rank never reads a stale slot. Each sum sent is one message with its own flag

@@ -12,8 +12,8 @@ Stages (``STAGES`` bits, ``HD_*``), each separated from the next by a bounded wa
    ``d_rail_sig[h]``). Each message is one put-with-signal with a flag of its own
    (``rail.py``).
 2. forward (``HD_FORWARD``, after the wait ``HD_FORWARD_WAIT`` for every other host's id
-   block): for each host g of its rail (own tokens for g = h, at once), the tokens of source
-   ``s = g * R + l`` go to the ranks of this host that hold their experts,
+   block): for each host g of its rail (own tokens for g = h, from the staging area), the
+   tokens of source ``s = g * R + l`` go to the ranks of this host that hold their experts,
    ``d_host_rows[s, t]`` there, and the ids of every token of s to every rank of this host;
    the ids also go into the handle (``fwd_ids``: the combine retraces the route). Another
    host's rows are forwarded once the block's share of them has arrived (their flags). Each
@@ -217,8 +217,8 @@ def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, 
              SHMEM: tl.constexpr):
     """Stage 2 (module doc). A masked source (``msk``) forwards no token. The rows of each
     other host are forwarded once this block's share of them has arrived (``_rows_arrived``),
-    own rows at once. Returns 1, or 0 after an error (then nothing is signalled: the ranks of
-    this host time out rather than read rows that never came)."""
+    own rows without a wait. Returns 1, or 0 after an error (then nothing is signalled: the
+    ranks of this host time out rather than read rows that never came)."""
     b = tl.program_id(0)
     ok = tl.full([], 1, tl.int32) != 0
     ks = tl.arange(0, S.KP)
