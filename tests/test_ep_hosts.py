@@ -341,8 +341,8 @@ def test_bench_ep_ranks_per_host(tmp_path):
     right (the reference's and the two-level kernels' in the interpreter), the bytes table
     printed, and with one rank per host the bytes as each counts them: the reference's dispatch
     one row and its tag per (token, GPU) on the other host plus the row count; the kernels' one
-    row per (token, other host) plus an id block (dispatch) or a weights block and a tag
-    (combine) and a signal per block."""
+    row per (token, other host) plus an id block (dispatch) or a weights block (combine), each
+    message with its flag."""
     import json
     import subprocess
     import sys
@@ -367,11 +367,14 @@ def test_bench_ep_ranks_per_host(tmp_path):
         assert r["wrong"] == 0 and r["ranks_per_host"] == 1, r
         assert 0 < r["per_gpu_bytes"] <= r["per_expert_bytes"], r
         n, got = r["tokens_per_rank"], r["inter_host_bytes"]
-        if r["impl"] == "interpreter":  # the kernels' own count: rows, then per other host an
-            nb = r["num_blocks"]        # id block or a weights block and the signals
+        if r["impl"] == "interpreter":  # the kernels' own count: rows (host sums), then per
+            # other host an id block (weights block); each message with its 8-byte flag. Means
+            # over the 2 ranks: twice each is exact
+            rows = 2 * r["per_gpu_bytes"] // (H * 2)
             extra = (_align16(4 * (4 + n * K)) if r["op"] == "dispatch"
-                     else _align16(4 * n * K) + 8)
-            assert got == r["per_gpu_bytes"] + extra + 8 * nb, r
+                     else _align16(4 * n * K))
+            assert 2 * got == 2 * (r["per_gpu_bytes"] + extra) + WORD * (rows + 2), r
+            assert 2 * r["messages"] == rows + 2, r
         elif r["op"] == "dispatch":     # means over the 2 ranks: the sums are exact
             rows = 2 * r["per_gpu_bytes"] // (H * 2)
             assert 2 * got == rows * (H * 2 + WORD * (1 + K)) + 2 * WORD, r

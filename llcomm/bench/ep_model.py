@@ -153,7 +153,7 @@ def _hosts_hit(idx: torch.Tensor, experts: int, per_host: int, hosts: int) -> to
     """``[tokens, hosts]`` bool: the token names an expert of the host. An id outside
     ``[0, experts)`` names none, as in the kernels."""
     host = torch.where((idx >= 0) & (idx < experts), idx // per_host, -1)
-    return (host.unsqueeze(-1) == torch.arange(hosts)).any(1)
+    return (host.unsqueeze(-1) == torch.arange(hosts, dtype=idx.dtype, device=idx.device)).any(1)
 
 
 def wire_counts_exact(topks, rank: int, ranks_per_host: int, experts: int, row_bytes: int,
