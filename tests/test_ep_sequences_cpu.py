@@ -226,7 +226,7 @@ def _deep_ep_over(ep):
     d.num_nvl_bytes = d.num_rdma_bytes = 0
     d.low_latency_mode, d.explicitly_destroy, d.enable_shrink = True, False, False
     d._backend, d._timeout_ms, d._early_mask, d._destroyed = "peer", ep.timeout_ms, 0, False
-    d._ep, d._dispatches, d._handle_outputs, d._scales = ep, 0, {}, {}
+    d._ep, d._dispatches, d._handle_outputs, d._scales, d._local = ep, 0, {}, {}, None
     d._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * ep.max_tokens,
                                 ep.max_tokens, ep.num_ranks, ep.device)
     return d
