@@ -28,8 +28,9 @@ from test_ep_reference import _expect  # a call must raise exc naming words
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: DeepEP's ``Buffer``: its public methods and static methods (deep_ep/buffers/legacy.py at
-#: dd758ca; deep_ep/buffer.py before DeepEP 2 has the same ones), and its documented attributes.
+#: DeepEP's ``Buffer``: its public methods and static methods (its legacy buffer module at
+#: DeepEP dd758ca; the buffer module before DeepEP 2 has the same ones), and its documented
+#: attributes.
 DEEPEP_BUFFER = (
     "destroy", "is_sm90_compiled", "set_num_sms", "capture", "get_low_latency_rdma_size_hint",
     "get_comm_stream", "get_local_buffer_tensor", "get_dispatch_config", "get_combine_config",
