@@ -53,7 +53,7 @@ from ....runtime.kernels.sync import (EPOCH_SHIFT, INTERPRETED, STATUS_MISMATCH,
                                       global_time_lanes, global_time_ns, poll_read, report_error)
 from ....runtime.shmem import layer_devices
 from ...kernels.common import (BLOCK_WIDE, ELAPSED_MASK, SEEN_SHIFT, SEEN_WAITING, SEEN_WRONG,
-                               _at, _bit_or)
+                               WAIT_SKIPPED, _at, _bit_or)
 
 #: ``SHMEM``: the backend of the messages across hosts (module doc).
 PLAIN = tl.constexpr(0)
@@ -156,13 +156,14 @@ def rail_wait(flags, need, src, word, timeout_us, err, op, phase, go, SHMEM: tl.
     block leaves the loop at one iteration (verdict and clock reduced together, as
     ``common._wait_flags`` does). Returns 1, or 0 after writing the error word: status
     timeout or mismatch, its mask the sources ``1 << src[i]`` of the lanes that were late or
-    disagreed. ``go == 0`` (an earlier wait failed) returns 0 at once."""
+    disagreed. ``go == 0`` (an earlier wait failed) returns 0 at once. Status -1 is "all
+    arrived", as in ``common._wait_flags``."""
     NP: tl.constexpr = flags.shape[0]
     tl.static_assert(NP <= BLOCK_WIDE)
     epoch = word >> EPOCH_SHIFT
     limit_ns = timeout_us.to(tl.int64) * 1000
     t0 = global_time_ns(BLOCK_WIDE)
-    status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, -2)
+    status = tl.where((tl.full([], 0, tl.int32) + go) != 0, 0, WAIT_SKIPPED)
     bad = tl.zeros([NP], tl.int64)
     while status == 0:
         got = poll_read(flags, need, 0)
@@ -188,7 +189,7 @@ def rail_wait(flags, need, src, word, timeout_us, err, op, phase, go, SHMEM: tl.
             rail_arrived(tl.sum(tl.where(tl.arange(0, NP) == last,
                                          flags.to(tl.int64), 0), axis=0)
                          .to(tl.pointer_type(tl.int64)), word, SHMEM)
-    elif status != -2:
+    elif status != WAIT_SKIPPED:
         report_error(err, status, op, phase,
                      tl.reduce(tl.where(bad != 0, tl.full([NP], 1, tl.int64) << src, 0), 0,
                                _bit_or))
