@@ -66,11 +66,6 @@ def wire_formula(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: in
     return d, c
 
 
-def wire_bytes(led: dict) -> int:
-    """Bytes of a ledger across hosts: data and 8 per flag (``HostsPeerEP.rail_bytes``)."""
-    return sum(b + 8 * f for _, f, b in led.values())
-
-
 def poisoned_handles(N, R, L, T, K):
     """Every rank's dispatch index outputs and handle slots, poisoned with -7: (row_of,
     src_info, recv_count, ntok, fwd_ids, fwd_ntok)."""
