@@ -192,8 +192,6 @@ def _refusals_body(rank, W):
 
     B = deep_ep.Buffer
     # the constructor: DeepEP's arguments llcomm cannot honour, and bad values
-    expect("normal mode", NotImplementedError, ["low_latency_mode=False", "high-throughput"],
-           lambda: B(None, low_latency_mode=False))
     expect("no NVLink", NotImplementedError, ["allow_nvlink_for_low_latency_mode=False"],
            lambda: B(None, allow_nvlink_for_low_latency_mode=False))
     expect("fabric", NotImplementedError, ["use_fabric=True"], lambda: B(None, use_fabric=True))
@@ -203,7 +201,8 @@ def _refusals_body(rank, W):
            lambda: B(None, enable_shrink=True))
     expect("negative budget", ValueError, ["num_rdma_bytes=-1"], lambda: B(None, 0, -1))
     expect("qps type", TypeError, ["num_qps_per_rank"], lambda: B(None, num_qps_per_rank="8"))
-    expect("Config", NotImplementedError, ["high-throughput"], lambda: deep_ep.Config(20, 6))
+    expect("Config", ValueError, ["num_max_nvl_chunked_send_tokens=6", "less than"],
+           lambda: deep_ep.Config(20, 6, 6))
     expect("set_num_sms odd", ValueError, ["new_num_sms=3"], lambda: B.set_num_sms(3))
     expect("set_num_sms type", TypeError, ["new_num_sms='24'"], lambda: B.set_num_sms("24"))
     if deep_ep.topk_idx_t is not torch.int64:
@@ -307,9 +306,13 @@ def _refusals_body(rank, W):
                            torch.zeros(W, dtype=torch.int32))),
                        ("clean", lambda: buf.low_latency_clean_mask_buffer())):
         expect(f"mask {name} on reference", UnsupportedConfigError, ["reference backend"], call)
-    for name in ("dispatch", "combine", "get_dispatch_layout"):
-        expect(f"normal {name}", NotImplementedError, ["high-throughput"],
-               lambda name=name: getattr(buf, name)(x))
+    # the normal mode's calls (collectives: every rank makes the same bad call here)
+    expect("normal dispatch", TypeError, ["num_tokens_per_rank is required"],
+           lambda: buf.dispatch(x))
+    expect("normal combine", TypeError, ["handle must be the 6-tuple"],
+           lambda: buf.combine(x, None))
+    expect("normal layout", TypeError, ["topk_idx has dtype"],
+           lambda: buf.get_dispatch_layout(x, E))
     other = B(None)
     other.clean_low_latency_buffer(T, H, E)
     expect("foreign handle", ValueError, ["another deep_ep.Buffer"],

@@ -10,39 +10,23 @@ from ..runtime import validate as V
 from ..runtime.backend import choose_backend_hosts
 from ..runtime.settings import EPSettings
 from . import convert
+from .config import Config  # noqa: F401  (deep_ep.Config: ``from llcomm.deep_ep import Config``)
 from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
-                     check_stats, check_topk_dtype, not_implemented, refuse, refuse_cost_stats,
-                     topk_int64)
+                     check_stats, check_topk_dtype, refuse, refuse_cost_stats, topk_int64)
 from .event import after
 from .handle import LowLatencyHandle
 from .local import LocalBuffer
 from .masks import ShrinkMasks
 from .mpi import group_of_comm
-from .surface import NORMAL_MODE, DeepEPSurface
+from .normal import NormalMode
+from .surface import DeepEPSurface
 
 #: DeepEP's top-k index dtype (int64 in its default build). The calls also take int32, as
 #: DeepEP builds with 32-bit top-k indices do, and convert it.
 topk_idx_t = torch.int64
 
 
-class Config:
-    """DeepEP's tuning config of its high-throughput kernels: here for imports only
-    (``from llcomm.deep_ep import Buffer, Config``); creating one, and its two size hints,
-    raise NotImplementedError, as the high-throughput mode is not implemented."""
-
-    def __init__(self, *args, **kwargs):
-        not_implemented("Config", NORMAL_MODE)
-
-    def get_nvl_buffer_size_hint(self, *args, **kwargs):
-        """Not supported: NVLink budget of the high-throughput mode (NotImplementedError)."""
-        not_implemented("Config.get_nvl_buffer_size_hint", NORMAL_MODE)
-
-    def get_rdma_buffer_size_hint(self, *args, **kwargs):
-        """Not supported: RDMA budget of the high-throughput mode (NotImplementedError)."""
-        not_implemented("Config.get_rdma_buffer_size_hint", NORMAL_MODE)
-
-
-class Buffer(ShrinkMasks, LocalBuffer, DeepEPSurface):
+class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
     """DeepEP's ``Buffer`` in low-latency mode, on an ``llcomm.EPBuffer``.
 
     ``import llcomm.deep_ep as deep_ep`` in place of ``import deep_ep``: the low-latency calls
@@ -68,7 +52,10 @@ class Buffer(ShrinkMasks, LocalBuffer, DeepEPSurface):
             call's shapes (in bf16, as DeepEP's) must fit in it, else ValueError: a budget
             computed for other shapes is caught before anything is allocated. llcomm allocates
             ``EPBuffer.size_hint`` of the shapes and dtype (twice the hint for float32 tokens).
-        low_latency_mode: must be True (the high-throughput mode is not implemented).
+        low_latency_mode: kept as ``buffer.low_latency_mode``; either value serves both
+            modes: the low-latency calls (on the EPBuffer) and the normal-mode calls
+            (``get_dispatch_layout``, ``dispatch``, ``combine``: torch.distributed's
+            ``all_to_all_single`` over ``group``; ``normal.py``) share one Buffer, as DeepEP's do.
         num_qps_per_rank: RDMA queue pairs: accepted, unused (across hosts NVSHMEM's own
             settings govern its transport; docs/multihost.md).
         allow_nvlink_for_low_latency_mode: must be True (llcomm's peer backend is NVLink).
@@ -94,16 +81,13 @@ class Buffer(ShrinkMasks, LocalBuffer, DeepEPSurface):
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0,
-                 num_rdma_bytes: int = 0, low_latency_mode: bool = True,
+                 num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, *, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: object | None = None,
                  backend: str = "auto", timeout_ms: int | None = None) -> None:
         refuse("__init__", {k: why for k, bad, why in (
-            ("low_latency_mode=False", low_latency_mode is False,
-             "DeepEP's high-throughput (normal) mode is not implemented; llcomm.deep_ep serves "
-             "the low-latency mode"),
             ("allow_nvlink_for_low_latency_mode=False", allow_nvlink_for_low_latency_mode is False,
              "llcomm's peer backend moves data over NVLink only (there is no RDMA path); "
              "backend='reference' runs on torch.distributed"),
@@ -128,7 +112,7 @@ class Buffer(ShrinkMasks, LocalBuffer, DeepEPSurface):
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
-        self.low_latency_mode = True
+        self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self._backend = backend

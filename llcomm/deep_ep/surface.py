@@ -1,18 +1,14 @@
-"""The rest of DeepEP's ``Buffer``: class-level settings, streams and events, and the
-high-throughput (normal) mode's calls, which raise NotImplementedError naming themselves (a
-mixin of ``Buffer``; docs/deep_ep.md, "DeepEP's names")."""
+"""The rest of DeepEP's ``Buffer``: class-level settings, streams and events (a mixin of
+``Buffer``; docs/deep_ep.md, "DeepEP's names")."""
 from __future__ import annotations
 
 import torch
 
-from .checks import PREFIX, not_implemented
+from .checks import PREFIX
 from .event import EventHandle, EventOverlap
 
 #: DeepEP's default SM count of its high-throughput kernels (``Buffer.num_sms``).
 DEFAULT_NUM_SMS = 20
-#: Why the high-throughput calls raise.
-NORMAL_MODE = ("DeepEP's high-throughput (normal) mode is not implemented; llcomm.deep_ep serves "
-               "the low-latency mode (low_latency_dispatch / low_latency_combine)")
 
 
 class DeepEPSurface:
@@ -59,34 +55,3 @@ class DeepEPSurface:
         if ep is not None:
             return torch.cuda.current_stream(ep.device) if ep.device.type == "cuda" else None
         return torch.cuda.current_stream() if torch.cuda.is_available() else None
-
-    # -- the high-throughput mode: NotImplementedError --------------------------------------------
-    @staticmethod
-    def get_dispatch_config(num_ranks: int):
-        """Not supported: a ``Config`` of DeepEP's high-throughput mode (NotImplementedError)."""
-        not_implemented("Buffer.get_dispatch_config", NORMAL_MODE)
-
-    @staticmethod
-    def get_combine_config(num_ranks: int):
-        """Not supported: a ``Config`` of DeepEP's high-throughput mode (NotImplementedError)."""
-        not_implemented("Buffer.get_combine_config", NORMAL_MODE)
-
-    def get_dispatch_layout(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
-        not_implemented("Buffer.get_dispatch_layout", NORMAL_MODE)
-
-    def dispatch(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
-        not_implemented("Buffer.dispatch", NORMAL_MODE)
-
-    def combine(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode (NotImplementedError)."""
-        not_implemented("Buffer.combine", NORMAL_MODE)
-
-    def internode_dispatch(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode across hosts (NotImplementedError)."""
-        not_implemented("Buffer.internode_dispatch", NORMAL_MODE)
-
-    def internode_combine(self, *args, **kwargs):
-        """Not supported: DeepEP's high-throughput mode across hosts (NotImplementedError)."""
-        not_implemented("Buffer.internode_combine", NORMAL_MODE)
