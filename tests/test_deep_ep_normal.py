@@ -236,3 +236,50 @@ def test_normal_mode_three_ranks_one_empty_int32_topk():
 
 def test_normal_mode_four_ranks_as_two_declared_hosts():
     _run(4, 12, ranks_per_host=2)
+
+
+def _modes_body(rank, W):
+    """One Buffer, both modes in turn, as SGLang's ``auto`` mode uses it: normal dispatch and
+    combine, ``clean_low_latency_buffer``, a low-latency round (checked by test_deep_ep's
+    round), then the normal mode again; every result against its oracle."""
+    import torch.distributed as dist
+
+    import llcomm.deep_ep as deep_ep
+    from _deep_ep_case import VARIANTS, Quant
+    from test_deep_ep import H as LL_H
+    from test_deep_ep import L as LL_L
+    from test_deep_ep import T as LL_T
+    from test_deep_ep import _round
+
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        LL_T, LL_H, W, LL_L * W), low_latency_mode=True)
+    fails = []
+    for turn in range(2):
+        inputs = _inputs(W, 20 + turn)
+        x, idx, w = inputs[rank]
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, LOCAL * W)
+        recv_x, _, r_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        rows = _oracle_recv(inputs, rank, W)[0]
+        if not torch.equal(recv_x, recv_x_bf16(rows, len(rows), H)):
+            fails.append(f"[rank={rank} turn={turn}] normal dispatch rows")
+        combined = buf.combine(recv_x, handle)[0]
+        o_in = _oracle_layout(idx, W)[2]
+        want = torch.stack([sum((x[t].float() for r in range(W) if o_in[t][r]),
+                                torch.zeros(H)) for t in range(x.shape[0])]) \
+            if x.shape[0] else torch.zeros((0, H))
+        if not torch.equal(combined, want.to(torch.bfloat16)):
+            fails.append(f"[rank={rank} turn={turn}] normal combine sums")
+        if turn == 0:
+            buf.clean_low_latency_buffer(LL_T, LL_H, LL_L * W)
+            stats = torch.zeros(LL_L, dtype=torch.int32)
+            more, _ = _round(buf, rank, W, 7, VARIANTS[0], False, stats, Quant())
+            fails += more
+    buf.destroy()
+    return fails
+
+
+def test_one_buffer_serves_both_modes():
+    fails = run_distributed(_modes_body, 2)
+    assert not any(fails), "\n".join(f for f_r in fails for f in f_r)
