@@ -61,8 +61,9 @@ if TYPE_CHECKING:
     from .tp import Communicator
 
 #: Dispatch handles kept per EPBuffer for ``ep_combine``; the buffer itself refuses a handle
-#: older than its two slots, so one more than that is enough to give its message.
-KEPT_HANDLES = 3
+#: older than its slots (two, four with ``sends_in_flight=2``), so one more than the most is
+#: enough to give its message.
+KEPT_HANDLES = 5
 _ep_handles: dict[int, dict[int, object]] = {}      # buffer handle -> {dispatch index: EPHandle}
 
 

@@ -571,7 +571,7 @@ def _stub_peer(ll, masks):
     p.settings = EPSettings.read()
     p.layout = ep_layout(T, H, W, E, 2, num_blocks=NB)
     p.buf = SimpleNamespace(max_tokens=T, num_local_experts=E // W, hidden=H,
-                            dtype=torch.bfloat16)
+                            dtype=torch.bfloat16, sends_in_flight=1)
     p.timeout_us, p.ll, p.masks, p.profile = 1000, ll, masks, 0
     p.dispatch_kernel, p.combine_kernel = dispatch_kernel(ll), kernels.combine_kernel
     p._rows = [ll_row_consts(p.layout, f) for f in range(3)]

@@ -160,19 +160,21 @@ def test_runner_reports_a_wrong_dispatch_and_a_wrong_combine():
 
 
 # -- the real kernels on two virtual ranks (in the interpreter process) -------------------------
-def _virtual_buffers(W, E, T, H, dtype, NB, ll, masks):
+def _virtual_buffers(W, E, T, H, dtype, NB, ll, masks, sends_in_flight=1):
     """W ``EPBuffer``s on the peer backend over plain CPU regions, launching through the
     interpreter (``PeerEP.__init__``'s state, without GPUs or a group)."""
     from llcomm.ep import kernels
     from llcomm.ep.api import EPBuffer
-    from llcomm.ep.layout import ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, PROF_WORDS, ep_layout
+    from llcomm.ep.inflight import SendsInFlight
+    from llcomm.ep.layout import ARM_BYTE, ERR_PROF, MAX_TOPK, PROF_WORDS, ep_layout, num_sets
     from llcomm.ep.peer import PeerEP, dispatch_kernel, kernel_consts, ll_row_consts
     from llcomm.runtime import protocol as P
     from llcomm.runtime.settings import EPSettings
     from test_flag_kernels_cpu import InterpreterLauncher
 
     cpu = torch.device("cpu")
-    lay = ep_layout(T, H, W, E, torch.tensor([], dtype=dtype).element_size(), num_blocks=NB)
+    lay = ep_layout(T, H, W, E, torch.tensor([], dtype=dtype).element_size(), num_blocks=NB,
+                    sets=num_sets(sends_in_flight))
     regions = [torch.zeros(lay.total_bytes, dtype=torch.uint8) for _ in range(W)]
     for region in regions:                          # as EPBuffer arms them
         for a, b in lay.armed_ranges():
@@ -186,8 +188,9 @@ def _virtual_buffers(W, E, T, H, dtype, NB, ll, masks):
         b.timeout_ms, b.num_experts, b.num_local_experts = VIRTUAL_TIMEOUT_MS, E, L
         b.hidden, b.max_tokens, b.dtype, b.fp8, b.enable_masks = H, T, dtype, False, masks
         b._dispatches = b._combines = 0
-        b._pending = {"dispatch": None, "combine": None}
-        b._closed, b._combine_inputs = False, [None] * HANDLE_SLOTS
+        b.sends_in_flight, b._inflight = sends_in_flight, SendsInFlight(sends_in_flight)
+        b.handle_slots = b._inflight.slots
+        b._closed, b._combine_inputs = False, [None] * b.handle_slots
         b.backend, b.device, b.check_calls = "peer", cpu, True
         p = PeerEP.__new__(PeerEP)
         p.k, p.rank, p.W, p.device, p.settings, p.nb, p.layout, p.buf = (
@@ -197,7 +200,7 @@ def _virtual_buffers(W, E, T, H, dtype, NB, ll, masks):
         p.ll = 0 if masks else ll
         p.dispatch_kernel, p.combine_kernel = dispatch_kernel(p.ll), kernels.combine_kernel
         p._rows = [ll_row_consts(lay, f) for f in range(3)]
-        p.ctrl = torch.zeros((2, NB), dtype=torch.int64)
+        p.ctrl = torch.zeros((2, NB) if sends_in_flight == 1 else (2, 2, NB), dtype=torch.int64)
         p._ctrl = (p.ctrl[0], p.ctrl[1])
         p._host = torch.zeros(2, dtype=torch.int64)
         p._host_np = p._host.numpy()
@@ -206,7 +209,7 @@ def _virtual_buffers(W, E, T, H, dtype, NB, ll, masks):
         p.err[1:3] = torch.tensor([p._host.data_ptr(), p._host.data_ptr() + 8])
         p._slot_words = (W * T * MAX_TOPK, L * W * T, L, W)
         p.slots = [torch.zeros(sum(p._slot_words), dtype=torch.int32)
-                   for _ in range(HANDLE_SLOTS)]
+                   for _ in range(b.handle_slots)]
         p._failure = P.FailureLatch(r, "EPBuffer")
         p._launch = InterpreterLauncher()
         p._call_consts, p._slot_views, p._tags = {}, {}, {}

@@ -27,11 +27,12 @@ from ..runtime.bounded import default_check_calls
 from ..runtime.registry import register
 from ..runtime.settings import EPSettings
 from ..runtime.fp8_format import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
-from .layout import HANDLE_SLOTS, check_shape_args
+from .layout import check_shape_args
 from .deep_layouts import DeepEPOutputs, check_deep_ep
 from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
                      check_weights)
 from .handle import EPHandle
+from .inflight import SendsInFlight, check_sends_in_flight
 from .hosts import transport
 from .hosts.peer import HostsPeerEP
 from .masks import MASK_BACKENDS, MAX_MASK_RANKS, RankMasks
@@ -94,6 +95,11 @@ class EPBuffer(RankMasks):
             exchange would abort the process (cost: docs/failures.md); off over NCCL, where it
             costs a host round trip per call and rules out CUDA graph capture. The same value
             on every rank. The peer backend always checks in its kernels, whatever this says.
+        sends_in_flight: 1 (default) or 2: how many send halves (``return_recv_hook=True``) of
+            one op may be issued before their receive hooks run, as two-batch overlap does
+            (hooks in the order of their sends). 2 doubles the buffer sets (``size_hint(...,
+            sends_in_flight=2)``) and the handle slots: a handle lives for ``handle_slots``
+            dispatches (4). One host only (UnsupportedConfigError across hosts); docs/ep.md.
 
     Calls run on the current CUDA stream, allocate nothing but the outputs that are not passed
     in, never synchronise the host, and can be captured in a CUDA graph (peer backend). Every
@@ -106,9 +112,11 @@ class EPBuffer(RankMasks):
     def __init__(self, group: dist.ProcessGroup | None = None, *, num_experts: int, hidden: int,
                  num_max_dispatch_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "auto", timeout_ms: int | None = None, fp8: bool = False,
-                 enable_masks: bool = False, check_calls: bool | None = None):
+                 enable_masks: bool = False, check_calls: bool | None = None,
+                 sends_in_flight: int = 1):
         pr = V.Problems("EPBuffer")
         V.check_optional_bool(pr, "check_calls", check_calls)
+        sends_in_flight = check_sends_in_flight(pr, sends_in_flight)
         if not isinstance(enable_masks, bool):
             pr.add(f"enable_masks={enable_masks!r}; expected True or False", type_error=True)
             enable_masks = False
@@ -145,11 +153,14 @@ class EPBuffer(RankMasks):
         self.fp8 = fp8              # dispatch region sized for FP8 dispatches only
         self.enable_masks = enable_masks
         self._dispatches = 0        # host count of dispatch calls (handle indices)
-        # return_recv_hook=True: the op's call whose receive hook has not run yet, if any
-        self._pending: dict[str, int | None] = {"dispatch": None, "combine": None}
+        #: send halves that may be in flight per op; handles live for ``handle_slots`` dispatches
+        self.sends_in_flight = sends_in_flight
+        # return_recv_hook=True: the op's calls whose receive hooks have not run yet
+        self._inflight = SendsInFlight(sends_in_flight)
+        self.handle_slots = self._inflight.slots
         self._combines = 0
         self._closed = False
-        self._combine_inputs: list[torch.Tensor | None] = [None] * HANDLE_SLOTS
+        self._combine_inputs: list[torch.Tensor | None] = [None] * self.handle_slots
         # the reference backend's call check, resolved here so that the one exchange below
         # compares it too: a rank that sends headers would meet another's payload
         checked = default_check_calls(self.group) if check_calls is None else check_calls
@@ -168,6 +179,11 @@ class EPBuffer(RankMasks):
                 f"run on the {backend} backend ({self.backend_reason}). Create it without "
                 "enable_masks (a missing peer then raises CommTimeoutError), or on a group "
                 "where one of those runs.")
+        if sends_in_flight > 1 and hosts.spans_hosts:
+            raise UnsupportedConfigError(
+                f"llcomm.EPBuffer: sends_in_flight={sends_in_flight}: the two-level exchange "
+                "across hosts keeps one send half in flight; create it with sends_in_flight=1 "
+                "(docs/ep.md, \"Two sends in flight\")")
         if backend == "shmem":
             self.backend_reason += "; " + transport.describe()    # which path across hosts
             self._impl = HostsPeerEP(self)
@@ -243,8 +259,9 @@ class EPBuffer(RankMasks):
                 be reused as soon as the send half has run on the stream) and return a fourth
                 value, ``hook``: calling it (no arguments, on the same stream) issues the
                 receive half that fills ``recv_x``, ``recv_count`` and the handle. Until then
-                they are unspecified, and this buffer refuses the next dispatch and a combine
-                of this handle. Overlap work between the two (docs/ep.md, "Split phase").
+                they are unspecified, and this buffer refuses a combine of this handle and,
+                past ``sends_in_flight`` pending send halves, the next dispatch; hooks run in
+                the order of their sends. Overlap work between the two (docs/ep.md).
             topk_weights: optional ``[num_tokens, topk]`` float32, the weights the combine of
                 this handle will apply. They travel with the dispatch (a few bytes per token),
                 so that combine skips its own weights exchange and the wait for it; pass
@@ -269,12 +286,12 @@ class EPBuffer(RankMasks):
                 shape and float32 ``[num_local_experts, num_ranks * max_tokens, hidden // 128]``
                 (``llcomm.runtime.fp8_format.dequantize(recv_x_fp8, recv_scales)`` gives bf16 back).
             recv_count: ``[num_local_experts]`` int32 (lives in the handle's slot: see EPHandle).
-            handle: an ``EPHandle`` for ``combine``; valid for two dispatches.
+            handle: an ``EPHandle`` for ``combine``; valid for ``handle_slots`` dispatches.
             hook: only with ``return_recv_hook=True`` (see there).
         """
         V.check_open(self._closed, "EPBuffer.dispatch", "EPBuffer")
         pr = V.Problems("EPBuffer.dispatch")
-        self._check_hook(pr, "dispatch", return_recv_hook)
+        self._inflight.check(pr, "dispatch", return_recv_hook, self._dispatches)
         if V.check_tensor(pr, "x", x, self.device, dtypes=(self.dtype,)):
             if x.dim() != 2 or x.shape[1] != self.hidden:
                 pr.add(f"x has shape {tuple(x.shape)}; expected [num_tokens, {self.hidden}]")
@@ -311,12 +328,12 @@ class EPBuffer(RankMasks):
             else None
         if self.backend == "peer":
             recv_count, src_info, state, recv = self._impl.dispatch(
-                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
-                topk_weights, wait_stats, deep_ep)
+                x, topk_idx, recv_x, index % self.handle_slots, mode, scales,
+                return_recv_hook, topk_weights, wait_stats, deep_ep)
         elif self.backend == "shmem":
             recv_count, src_info, state, recv = self._impl.dispatch(
-                x, topk_idx, recv_x, index % HANDLE_SLOTS, mode, scales, return_recv_hook,
-                wait_stats)
+                x, topk_idx, recv_x, index % self.handle_slots, mode, scales,
+                return_recv_hook, wait_stats)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
                                                               topk_weights is not None)
@@ -338,29 +355,7 @@ class EPBuffer(RankMasks):
         result = ((recv_x, scales) if fp8 else recv_x, recv_count, handle)
         if not return_recv_hook:
             return result
-        return (*result, self._hook("dispatch", index, recv))
-
-    def _check_hook(self, pr: V.Problems, op: str, return_recv_hook) -> None:
-        if not isinstance(return_recv_hook, bool):
-            pr.add(f"return_recv_hook={return_recv_hook!r}; expected True or False",
-                   type_error=True)
-        if self._pending[op] is not None:
-            pr.add(f"the receive hook of {op} #{self._pending[op]} (return_recv_hook=True) has "
-                   f"not been called: call it before the next {op} on this buffer")
-
-    def _hook(self, op: str, index: int, recv):
-        """The receive-half callable of a split-phase call; runs ``recv`` once."""
-        self._pending[op] = index
-
-        def hook():
-            V.check_open(self._closed, f"EPBuffer.{op} receive hook", "EPBuffer")
-            if self._pending[op] != index:
-                raise RuntimeError(f"llcomm.EPBuffer: the receive hook of {op} #{index} has "
-                                   "already been called (a hook runs once)")
-            self._pending[op] = None
-            recv()
-        hook.__doc__ = f"Receive half of {op} #{index} (llcomm.EPBuffer, return_recv_hook=True)."
-        return hook
+        return (*result, self._inflight.hook("dispatch", index, recv, lambda: self._closed))
 
     def _scales_shape(self) -> tuple[int, int, int]:
         return (self.num_local_experts, self.num_ranks * self.max_tokens,
@@ -380,7 +375,7 @@ class EPBuffer(RankMasks):
             topk_idx: the same ``[num_tokens, topk]`` int64 tensor given to the dispatch.
             topk_weights: ``[num_tokens, topk]`` float32; None when the dispatch carried them
                 (``dispatch(topk_weights=...)``, ``handle.carries_weights``).
-            handle: from one of this buffer's two latest dispatches.
+            handle: from one of this buffer's ``handle_slots`` latest dispatches.
             out: optional ``[num_tokens, hidden]`` result, the buffer's dtype.
             return_recv_hook: issue only the send half (weights exchange, this rank's partials
                 pushed to the tokens' ranks) and return ``(out, hook)``; calling ``hook()`` on
@@ -399,11 +394,11 @@ class EPBuffer(RankMasks):
         """
         V.check_open(self._closed, "EPBuffer.combine", "EPBuffer")
         pr = V.Problems("EPBuffer.combine")
-        self._check_hook(pr, "combine", return_recv_hook)
+        self._inflight.check(pr, "combine", return_recv_hook)
         n = None
         if not check_handle(self, pr, handle):
             pass
-        elif self._pending["dispatch"] == handle.index:
+        elif self._inflight.dispatch_pending(handle.index):
             pr.add(f"handle is from dispatch #{handle.index}, whose receive hook has not been "
                    "called: call it before combining")
         else:
@@ -437,7 +432,8 @@ class EPBuffer(RankMasks):
         self._combines += 1
         recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out,
                                        *more)
-        return out, self._hook("combine", index, recv)
+        return out, self._inflight.hook("combine", index, recv, lambda: self._closed,
+                                        handle.index)
 
     def get_combine_input(self, handle: EPHandle) -> torch.Tensor:
         """A ``[num_local_experts, num_ranks * max_tokens, hidden]`` tensor (buffer dtype) owned
@@ -452,13 +448,13 @@ class EPBuffer(RankMasks):
 
         Lifetime: one tensor per handle slot, allocated on first use (``num_experts *
         max_tokens * hidden * itemsize`` bytes each, plain device memory, not symmetric):
-        handles ``k`` and ``k + 2`` get the same tensor, so fill it after dispatch ``k + 2``
-        only for handle ``k + 2``. Not a collective; no synchronisation.
+        handles ``k`` and ``k + handle_slots`` (2, or 4 with two sends in flight) get the same
+        tensor, so fill it after the latter's dispatch only for it. Not a collective.
         """
         pr = V.Problems("EPBuffer.get_combine_input")
         check_handle(self, pr, handle)
         pr.raise_if_any()
-        slot = handle.index % HANDLE_SLOTS
+        slot = handle.index % self.handle_slots
         if self._combine_inputs[slot] is None:
             self._combine_inputs[slot] = torch.empty(self._recv_shape(), dtype=self.dtype,
                                                      device=self.device)

@@ -7,7 +7,7 @@ import torch
 from ..runtime import validate as V
 from ..runtime.fp8_format import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .handle import EPHandle
-from .layout import HANDLE_SLOTS, MAX_TOPK
+from .layout import MAX_TOPK
 
 
 def check_topk(buf, pr: V.Problems, topk_idx, num_tokens: int | None) -> bool:
@@ -88,17 +88,19 @@ def check_weights(buf, pr: V.Problems, topk_weights, topk_idx) -> None:
 
 
 def check_handle(buf, pr: V.Problems, handle) -> bool:
-    """The handle is one of this buffer's two latest dispatches; True when usable."""
+    """The handle is one of this buffer's ``handle_slots`` latest dispatches; True when
+    usable."""
     if not isinstance(handle, EPHandle):
         pr.add(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}",
                type_error=True)
     elif handle._owner is not buf:
         pr.add("handle comes from another EPBuffer; pass the handle this buffer's dispatch "
                "returned")
-    elif buf._dispatches - handle.index > HANDLE_SLOTS:
+    elif buf._dispatches - handle.index > buf.handle_slots:
+        slots = buf.handle_slots
         pr.add(f"handle is from dispatch #{handle.index}, but dispatch #"
-               f"{handle.index + HANDLE_SLOTS} has reused its buffer slot (a handle lives for "
-               f"{HANDLE_SLOTS} dispatches): combine before dispatching again")
+               f"{handle.index + slots} has reused its buffer slot (a handle lives for "
+               f"{slots} dispatches): combine before dispatching again")
     else:
         return True
     return False

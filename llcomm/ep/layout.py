@@ -12,7 +12,7 @@ region is ``num_ranks * max_tokens`` rows, not ``num_experts * max_tokens`` as i
 one-message-per-expert design (DeepEP, the rocSHMEM LL_MoE seed).
 
 One buffer set (two of them, used alternately by consecutive dispatches and, separately, by
-consecutive combines)::
+consecutive combines; four in turn with two sends in flight, ``num_sets``)::
 
     signal          int64 [SIGNAL_PHASES, num_blocks, num_ranks]   flags, epoch | tag
     dispatch recv   dtype [num_ranks, max_tokens, hidden]          token rows, slot (src, t)
@@ -62,11 +62,23 @@ MAX_WAIT_FLAGS = 1024
 #: Flag phases per set: dispatch arrival, combine weights arrival, combine partials arrival.
 SIGNAL_PHASES = 3
 PHASE_DISPATCH, PHASE_COMBINE_WEIGHTS, PHASE_COMBINE_PARTIALS = 0, 1, 2
-#: Buffer sets used alternately (double buffering; kernels/__init__.py says why two are enough).
+#: Buffer sets used in turn by a buffer with one send half in flight (double buffering;
+#: kernels/__init__.py says why two are enough). With ``sends_in_flight`` D, 2 D sets
+#: (``num_sets``): call k uses set k % (2 D).
 NUM_SETS = 2
-#: Dispatches a handle outlives: handle k uses slot k % 2, which dispatch k + 2 overwrites;
-#: set k holds handle slot k's carried weights, so there are as many slots as sets.
+#: Dispatches a handle outlives with one send in flight: handle k uses slot k % 2, which
+#: dispatch k + 2 overwrites; set k holds handle slot k's carried weights, so there are as many
+#: slots as sets (``num_sets(D)`` with D sends in flight).
 HANDLE_SLOTS = NUM_SETS
+#: Most send halves of one op (dispatch, combine) a buffer lets be in flight before their
+#: receive hooks (``EPBuffer(sends_in_flight=...)``).
+MAX_SENDS_IN_FLIGHT = 2
+
+
+def num_sets(sends_in_flight: int = 1) -> int:
+    """Buffer sets (and handle slots) of a buffer with ``sends_in_flight`` send halves in
+    flight: twice as many (kernels/__init__.py, "Buffer sets")."""
+    return NUM_SETS * sends_in_flight
 #: Metadata word: local expert index in the high half, within-source prefix in the low half.
 META_SHIFT = 16
 MAX_TOKENS_LIMIT = 1 << META_SHIFT          # prefix must fit in the low 16 bits
@@ -121,7 +133,8 @@ class EPSetLayout:
 
 @dataclass(frozen=True)
 class EPLayout:
-    """The whole EP region: ``sets[0]`` and ``sets[1]``, each ``set_bytes`` long."""
+    """The whole EP region: ``sets[0]``, ``sets[1]`` (and with two sends in flight ``sets[2]``,
+    ``sets[3]``), each ``set_bytes`` long."""
 
     num_ranks: int
     num_experts: int
@@ -134,6 +147,10 @@ class EPLayout:
     set_bytes: int
     total_bytes: int
     sets: tuple[EPSetLayout, ...] = field(repr=False)
+
+    @property
+    def num_sets(self) -> int:
+        return len(self.sets)
 
     @property
     def num_local_experts(self) -> int:
@@ -196,12 +213,13 @@ def fp8_dispatch_bytes(num_ranks: int, max_tokens: int, hidden: int) -> int:
 
 def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
               num_experts: int, itemsize: int, *, num_blocks: int = DEFAULT_NUM_BLOCKS,
-              max_topk: int = MAX_TOPK, fp8: bool = False) -> EPLayout:
+              max_topk: int = MAX_TOPK, fp8: bool = False, sets: int = NUM_SETS) -> EPLayout:
     """Compute the layout. Raises ValueError on arguments no layout can serve.
 
     ``fp8=True``: the dispatch receive region holds FP8 rows and scales only (FP8 dispatches
     only); ``False``: the larger of buffer-dtype rows and, when hidden is a multiple of 128, FP8
-    rows and scales (both kinds of dispatch)."""
+    rows and scales (both kinds of dispatch). ``sets``: buffer sets (``num_sets`` of the
+    buffer's sends in flight)."""
     bad = check_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
                            itemsize, fp8)
     if num_blocks * num_ranks > MAX_WAIT_FLAGS:
@@ -232,12 +250,12 @@ def ep_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
         off += _align(n)
     set_bytes = off
     rel["recv_scales"] = rel["recv_x"] + _align(W * T * H)
-    sets = tuple(EPSetLayout(base=k * set_bytes, end=(k + 1) * set_bytes,
-                             **{name: k * set_bytes + o for name, o in rel.items()})
-                 for k in range(NUM_SETS))
+    set_layouts = tuple(EPSetLayout(base=k * set_bytes, end=(k + 1) * set_bytes,
+                                    **{name: k * set_bytes + o for name, o in rel.items()})
+                        for k in range(sets))
     return EPLayout(num_ranks=W, num_experts=num_experts, hidden=H, max_tokens=T,
                     itemsize=itemsize, num_blocks=num_blocks, max_topk=max_topk, fp8=fp8,
-                    set_bytes=set_bytes, total_bytes=NUM_SETS * set_bytes, sets=sets)
+                    set_bytes=set_bytes, total_bytes=sets * set_bytes, sets=set_layouts)
 
 
 def deepep_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,

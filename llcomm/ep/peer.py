@@ -10,8 +10,8 @@ from ..runtime import protocol as P
 from ..runtime.settings import EPSettings
 from ..runtime.fp8_format import FP8_BLOCK
 from .masks import update_mask_word
-from .layout import (ARM_BYTE, ERR_PROF, HANDLE_SLOTS, MAX_TOPK, PROF_WORDS,
-                     default_num_blocks, ep_layout)
+from .layout import (ARM_BYTE, ERR_PROF, MAX_TOPK, NUM_SETS, PROF_WORDS, default_num_blocks,
+                     ep_layout, num_sets)
 
 #: Tokens per top-k tile in the dispatch kernel's count and prefix scan, at most; fewer when a
 #: block owns many experts, so the scan's compare tile (tokens x top-k x the block's experts)
@@ -87,7 +87,8 @@ def scan_tile(lay, topk: int) -> int:
 
 
 def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int | None = None,
-                  tile_tokens: int | None = None, small_tile_tokens: int | None = None):
+                  tile_tokens: int | None = None, small_tile_tokens: int | None = None,
+                  in_flight: int | None = None):
     """Constexprs of the dispatch kernel and of ``combine_kernel`` for a layout and a top-k (all
     but STAGES, and FP8 of the dispatch; MASKS and STATS are 0: set them to 1 for rank masks
     and wait statistics, whose kernels then take a ``stats`` pointer), and num_warps.
@@ -95,7 +96,8 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int
     ``ll`` (by default ``ll_dispatch`` of the buffer's tokens), else ``flag_dispatch_kernel``;
     ``dispatch_kernel`` names it. Shared with tools/ptx_ep.py and the interpreter tests (which
     pick small tiles with ``tile_tokens`` / ``small_tile_tokens`` so a few tokens span
-    several)."""
+    several). ``in_flight``: the buffer's sends in flight (IN_FLIGHT; by default from the
+    layout's sets)."""
     from .kernels import CombineRegions, DispatchRegions, Sizes, Tiling
     if settings is None:
         settings = EPSettings.read()
@@ -117,15 +119,18 @@ def kernel_consts(lay, topk: int, settings: EPSettings | None = None, *, ll: int
     regions = _bundle(DispatchRegions, SET_BYTES=lay.set_bytes, SIGNAL=off["signal"],
                       ROWS=off["recv_x"], META=off["recv_meta"], COUNTS=off["recv_count"],
                       NTOK=off["recv_ntok"], SCALES=off["recv_scales"],
-                      WEIGHTS_LL=off["recv_weights"])
+                      WEIGHTS_LL=off["recv_weights"], SETS=lay.num_sets)
+    # sends in flight (IN_FLIGHT: one counter, or a send and a receive counter)
+    if in_flight is None:
+        in_flight = max(1, lay.num_sets // NUM_SETS)
     d = dict(SIZES=sizes, REGIONS=regions, TILING=tiling, **ll_row_consts(lay, 0), PROFILE=0,
-             STATS=0, CARRY=0)
+             STATS=0, CARRY=0, IN_FLIGHT=in_flight)
     if not ll:
         d.update(MASKS=0)
     c = dict(SIZES=sizes, REGIONS=_bundle(CombineRegions, SET_BYTES=lay.set_bytes,
                                           SIGNAL=off["signal"], PARTIALS=off["combine_x"],
-                                          WEIGHTS=off["combine_weights"]),
-             MASKS=0, PROFILE=0, STATS=0, CARRIED=0)
+                                          WEIGHTS=off["combine_weights"], SETS=lay.num_sets),
+             MASKS=0, PROFILE=0, STATS=0, CARRIED=0, IN_FLIGHT=in_flight)
     return d, c, num_warps
 
 
@@ -155,7 +160,8 @@ class PeerEP:
                 "block of a dispatch waits for the others, so all must be resident")
         itemsize = buf.dtype.itemsize
         self.layout = lay = ep_layout(buf.max_tokens, buf.hidden, self.W, buf.num_experts,
-                                      itemsize, num_blocks=nb, fp8=buf.fp8)
+                                      itemsize, num_blocks=nb, fp8=buf.fp8,
+                                      sets=num_sets(buf.sends_in_flight))
         self.buf = buf
         self.timeout_us = buf.timeout_ms * P.US_PER_MS
         # the receive slots start in the LL dispatch's idle state (ep_layout.ARM_BYTE), set on
@@ -168,7 +174,9 @@ class PeerEP:
         self.dispatch_kernel = dispatch_kernel(self.ll)
         self.combine_kernel = kernels.combine_kernel
         self._rows = [ll_row_consts(lay, fp8) for fp8 in range(3)]     # ROW by FP8 mode
-        self.ctrl = torch.zeros((2, nb), dtype=torch.int64, device=self.device)
+        # per op [NB]; two sends in flight: [2, NB], a send and a receive counter (_seq_at)
+        shape = (2, nb) if buf.sends_in_flight == 1 else (2, 2, nb)
+        self.ctrl = torch.zeros(shape, dtype=torch.int64, device=self.device)
         self._ctrl = (self.ctrl[0], self.ctrl[1])   # dispatch's, combine's (made once: a view
         #                                             costs microseconds per eager call)
         # err[0]: device error word; err[1]: host address of the error word; err[2]: host
@@ -190,7 +198,7 @@ class PeerEP:
         # recv_count [L] | ntok [W]
         self._slot_words = (self.W * T * MAX_TOPK, L * self.W * T, L, self.W)
         self.slots = [torch.zeros(sum(self._slot_words), dtype=torch.int32, device=self.device)
-                      for _ in range(HANDLE_SLOTS)]
+                      for _ in range(lay.num_sets)]
         self._failure = P.FailureLatch(self.rank, "EPBuffer")
         self._launch = Launcher(self.device, settings.pdl)
         self._call_consts: dict = {}        # (op, top-k, modes) -> one call's constexprs
@@ -220,7 +228,8 @@ class PeerEP:
         key = (op, topk, fp8, carry)
         hit = self._call_consts.get(key)
         if hit is None:
-            d, c, _ = kernel_consts(self.layout, topk, self.settings, ll=self.ll)
+            d, c, _ = kernel_consts(self.layout, topk, self.settings, ll=self.ll,
+                                    in_flight=self.buf.sends_in_flight)
             if op == "dispatch":
                 hit = dict(d, STAGES=self.k.DISPATCH_ALL, PROFILE=self.profile, FP8=fp8,
                            CARRY=carry)

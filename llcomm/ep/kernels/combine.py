@@ -30,12 +30,13 @@ from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poll_rea
 from .common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_ENTRY, PHASE_EXIT, PROF_LAST,
                      SIG_PARTIALS, SIG_WEIGHTS, STAGE_REDUCE, STAGE_SIGNAL_PARTIALS, STAGE_SUM,
                      STAGE_SYNC_WEIGHTS, STAGE_WAIT_PARTIALS, STAGE_WEIGHTS, Region, _at,
-                     _first_token, _masked, _poison_sum, _push_weights, _rank_bits, _signal,
-                     _stamp, _wait_flags, symbol)
+                     _first_token, _masked, _poison_sum, _push_weights, _rank_bits, _seq_at,
+                     _seq_sent, _signal, _stamp, _wait_flags, symbol)
 
 #: Byte offsets in a buffer set (constexpr ``REGIONS`` of the combine): the set's size, the
-#: flags, the partials' receive slots and the top-k weights' slots.
-CombineRegions = namedtuple("CombineRegions", ["SET_BYTES", "SIGNAL", "PARTIALS", "WEIGHTS"])
+#: flags, the partials' receive slots and the top-k weights' slots; and the number of sets.
+CombineRegions = namedtuple("CombineRegions", ["SET_BYTES", "SIGNAL", "PARTIALS", "WEIGHTS",
+                                               "SETS"])
 
 
 @triton.jit
@@ -118,7 +119,7 @@ def combine_kernel(
         row_of,         # [W, T, K] int32 from the dispatch's handle
         ntok_in,        # [W] int32 from the dispatch's handle
         tab,            # [W] int64: every rank's EP region base address
-        ctrl,           # [NB] int64: combine counter of each block
+        ctrl,           # [NB] int64: combine counter of each block ([2, NB]: IN_FLIGHT 2)
         err,            # int64: as the dispatch's (common.py)
         rank, tag, timeout_us,
         w_off,          # CARRIED: byte offset of the handle slot's weights region (this rank)
@@ -130,6 +131,7 @@ def combine_kernel(
         PROFILE: tl.constexpr = 0,      # 1: stage stamps into err (ERR_PROF; _stamp)
         CARRIED: tl.constexpr = 0,      # 1: the dispatch carried the weights
         STATS: tl.constexpr = 0,        # 1: wait statistics into stats (both waits)
+        IN_FLIGHT: tl.constexpr = 1,    # 2: send and receive counters apart (common._seq_at)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     NB: tl.constexpr = SIZES.NB
@@ -138,8 +140,8 @@ def combine_kernel(
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 1, NB)
     timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
-    seq = tl.load(ctrl + b)
-    set_off = (seq % 2) * REGIONS.SET_BYTES
+    seq, recv_ctr = _seq_at(ctrl, b, STAGE_WEIGHTS & STAGES, NB, IN_FLIGHT)
+    set_off = (seq % REGIONS.SETS) * REGIONS.SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     sig0 = (set_off + REGIONS.SIGNAL) // 8
     flags = _at(tab, rank, set_off + REGIONS.SIGNAL, tl.int64)
@@ -188,5 +190,6 @@ def combine_kernel(
             _sum_partials(topk, n_tok, out, reg, msk, SIZES, REGIONS.PARTIALS)
         if broken | (ok == 0):
             _poison_sum(out, n_tok, rank, SIZES)
-        tl.store(ctrl + b, seq + 1)
+        tl.store(recv_ctr, seq + 1)
+    _seq_sent(ctrl, b, seq, STAGE_WEIGHTS & STAGES, IN_FLIGHT)
     _stamp(err, PROF_LAST, PROFILE, 1, NB)

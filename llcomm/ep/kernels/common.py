@@ -287,6 +287,32 @@ def _agree_mask(err, epoch, m, AT: tl.constexpr):
 
 
 @triton.jit
+def _seq_at(ctrl, b, SEND: tl.constexpr, NB: tl.constexpr, IN_FLIGHT: tl.constexpr):
+    """This launch's call count of its op, and where its receive stage advances it.
+
+    ``IN_FLIGHT`` 1: one counter per block (``ctrl[b]``), read by every launch and advanced by
+    the receive stage, so a send half and its receive half agree. ``IN_FLIGHT`` 2 (two send
+    halves in flight): ``ctrl`` is ``[2, NB]``, a send counter and a receive counter; a launch
+    with the send stage (``SEND``) reads the send counter and advances it (``_seq_sent``), any
+    other reads the receive counter, which its receive stage advances. The host runs receive
+    halves in the order of their send halves, so receive k reads the count send k read."""
+    recv_ctr = ctrl + (IN_FLIGHT - 1) * NB + b
+    if SEND:
+        seq = tl.load(ctrl + b)
+    else:
+        seq = tl.load(recv_ctr)
+    return seq, recv_ctr
+
+
+@triton.jit
+def _seq_sent(ctrl, b, seq, SEND: tl.constexpr, IN_FLIGHT: tl.constexpr):
+    """``IN_FLIGHT`` 2: a launch with the send stage advances the send counter (``_seq_at``)."""
+    if IN_FLIGHT > 1:
+        if SEND:
+            tl.store(ctrl + b, seq + 1)
+
+
+@triton.jit
 def _stamp(err, i: tl.constexpr, PROFILE: tl.constexpr, KIND: tl.constexpr, NB: tl.constexpr):
     """Profiling: this block's SM cycle count into its slot i (the global timer as well at the
     first and last slot); dispatch (KIND 0) and combine (KIND 1) have NB blocks of slots each.

@@ -51,9 +51,11 @@ DISPATCH_ARGS = ("x", "topk", "n_tok", "recv_x", "recv_scales", "row_of", "src_i
                  "wts", "w_off", "stats", "deep_src", "deep_layout", "deep_stats")
 #: Byte offsets in a buffer set (constexpr ``REGIONS`` of both dispatch kernels): the set's
 #: size, the flags, the receive slots of rows, metadata, counts and token counts, FP8 scales,
-#: and the carried weights' LL words (the LL dispatch).
+#: and the carried weights' LL words (the LL dispatch); and the number of sets (call k uses
+#: set k % SETS: kernels/__init__.py, "Buffer sets").
 DispatchRegions = namedtuple("DispatchRegions", ["SET_BYTES", "SIGNAL", "ROWS", "META",
-                                                 "COUNTS", "NTOK", "SCALES", "WEIGHTS_LL"])
+                                                 "COUNTS", "NTOK", "SCALES", "WEIGHTS_LL",
+                                                 "SETS"])
 #: How the dispatch's loops are cut (constexpr ``TILING``): experts a block counts (pow2),
 #: tokens per tile of the top-k scan, the scan's one tile for few tokens, tokens a block owns
 #: at most (pow2), local experts summed per step of recv_count, flags the flag dispatch's wait

@@ -28,8 +28,8 @@ from ...runtime.kernels.sync import EPOCH_SHIFT, after_previous_kernel, poll_rea
 from .common import (EP_RANK_VARYING, ERR_MASK, ERR_VERDICT, META_MASK, META_SHIFT, OP_DISPATCH,
                      PHASE_ENTRY, PROF_LAST, SIG_DISPATCH, STAGE_RECV, STAGE_SEND, STAGE_SIGNAL,
                      STAGE_WAIT, Region, _agree_mask, _at, _first_entries, _first_token, _masked,
-                     _poison_received, _push_weights, _rank_bits, _signal, _stamp, _wait_flags,
-                     symbol)
+                     _poison_received, _push_weights, _rank_bits, _seq_at, _seq_sent, _signal,
+                     _stamp, _wait_flags, symbol)
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
                              _poison_layout, _scales_to_column)
 from .dispatch_common import Out, _send_routing
@@ -172,6 +172,7 @@ def flag_dispatch_kernel(
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
         STATS: tl.constexpr = 0,        # 1: wait statistics into stats (_wait_flags)
         DEEP_EP: tl.constexpr = 0,      # DeepEP's layouts too (deep_ep_layout.py)
+        IN_FLIGHT: tl.constexpr = 1,    # 2: send and receive counters apart (common._seq_at)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     NB: tl.constexpr = SIZES.NB
@@ -179,8 +180,8 @@ def flag_dispatch_kernel(
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
-    seq = tl.load(ctrl + b)
-    set_off = (seq % 2) * REGIONS.SET_BYTES
+    seq, recv_ctr = _seq_at(ctrl, b, STAGE_SEND & STAGES, NB, IN_FLIGHT)
+    set_off = (seq % REGIONS.SETS) * REGIONS.SET_BYTES
     word = ((seq + 1) << EPOCH_SHIFT) | tag
     reg = Region(tab, rank, set_off)
     if STAGE_SEND & STAGES:
@@ -230,5 +231,6 @@ def flag_dispatch_kernel(
                              ROW.SCALES, FP8)
             if DEEP_EP:     # and layout_range says so, as recv_count does
                 _poison_layout(deep_layout, SIZES, TILING.COUNT_CHUNK)
-        tl.store(ctrl + b, seq + 1)
+        tl.store(recv_ctr, seq + 1)
+    _seq_sent(ctrl, b, seq, STAGE_SEND & STAGES, IN_FLIGHT)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)

@@ -34,7 +34,7 @@ from .common import (EP_RANK_VARYING, LL_HI, LL_LOW, META_MASK, META_SHIFT, NTOK
                      NTOK_TAG_MASK, OP_DISPATCH, PHASE_DATA, PROF_LAST, ROW_SENTINEL, STAGE_RECV,
                      STAGE_SEND, STAGE_WAIT, STATUS_MISMATCH, Region, _add_stats_by_rank, _at,
                      _bit_or, _first_entries, _first_token, _poison_received, _push_weights,
-                     _rank_bits, _row_words, _stamp, symbol)
+                     _rank_bits, _row_words, _seq_at, _seq_sent, _stamp, symbol)
 from .deep_ep_layout import (UE8M0_LAYOUT, DeepOut, _deep_ep_totals, _layout_entry,
                              _poison_layout, _scales_to_column)
 from .dispatch_common import Out, _send_routing
@@ -324,6 +324,7 @@ def ll_dispatch_kernel(
         CARRY: tl.constexpr = 0,        # 1: the top-k weights travel too (kernels/__init__.py)
         STATS: tl.constexpr = 0,        # 1: wait statistics into stats (_expand_ll)
         DEEP_EP: tl.constexpr = 0,      # DeepEP's layouts too (deep_ep_layout.py)
+        IN_FLIGHT: tl.constexpr = 1,    # 2: send and receive counters apart (common._seq_at)
         PDL: tl.constexpr = 0):  # launched with PDL (runtime/kernels/sync.after_previous_kernel)
     after_previous_kernel(PDL)
     # this rank's own rows are expanded from x, not sent to its own receive slots (at 128
@@ -336,8 +337,8 @@ def ll_dispatch_kernel(
     b = tl.program_id(0)
     _stamp(err, 0, PROFILE, 0, NB)
     timeout_us, broken = wait_bound(timeout_us, err)    # short once this rank has failed
-    seq = tl.load(ctrl + b)
-    set_off = (seq % 2) * REGIONS.SET_BYTES
+    seq, recv_ctr = _seq_at(ctrl, b, STAGE_SEND & STAGES, NB, IN_FLIGHT)
+    set_off = (seq % REGIONS.SETS) * REGIONS.SET_BYTES
     ehi = (seq + 1) << LL_HI                        # this call's epoch bits
     reg = Region(tab, rank, set_off)
     if STAGE_SEND & STAGES:
@@ -362,5 +363,6 @@ def ll_dispatch_kernel(
                              ROW.SCALES, FP8)
             if DEEP_EP:     # and layout_range says so, as recv_count does
                 _poison_layout(deep_layout, SIZES, TILING.COUNT_CHUNK)
-        tl.store(ctrl + b, seq + 1)
+        tl.store(recv_ctr, seq + 1)
+    _seq_sent(ctrl, b, seq, STAGE_SEND & STAGES, IN_FLIGHT)
     _stamp(err, PROF_LAST, PROFILE, 0, NB)
