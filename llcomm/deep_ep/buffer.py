@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ep import HANDLE_SLOTS, MASK_BACKENDS, DeepEPOutputs, EPBuffer
+from ..ep import MASK_BACKENDS, DeepEPOutputs, EPBuffer
 from ..errors import UnsupportedConfigError
 from ..runtime import validate as V
 from ..runtime.backend import choose_backend_hosts
@@ -20,6 +20,10 @@ from .masks import ShrinkMasks
 from .mpi import group_of_comm
 from .normal import NormalMode
 from .surface import DeepEPSurface
+
+#: Low-latency send halves in flight per op (``EPBuffer(sends_in_flight=...)``): two, as DeepEP's
+#: double buffering allows (two-batch overlap); one across hosts.
+SENDS_IN_FLIGHT = 2
 
 #: DeepEP's top-k index dtype (int64 in its default build). The calls also take int32, as
 #: DeepEP builds with 32-bit top-k indices do, and convert it.
@@ -120,7 +124,7 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
         self._ep: EPBuffer | None = None
         self._aux = None            # convert.layout_aux of the EPBuffer's shapes
         self._early_mask = 0        # ranks masked by hand before the EPBuffer exists (bits)
-        self._dispatches = 0        # low_latency_dispatch calls (handle slot: this % 2)
+        self._dispatches = 0        # low_latency_dispatch calls (slot: this % handle_slots)
         self._handle_outputs: dict = {}     # handle slot -> (src_info, layout_range)
         self._scales: dict = {}             # (handle slot, UE8M0) -> (storage, view)
         self._local: torch.Tensor | None = None     # LocalBuffer's region, made on demand
@@ -144,12 +148,13 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
         """Bytes of symmetric memory llcomm's EPBuffer takes per rank for these shapes, in
-        bfloat16: ``EPBuffer.size_hint`` (about ``4 * num_ranks * T * hidden * 2`` plus small
-        metadata). **llcomm's own figure, much smaller than DeepEP's** (which holds one message
-        per (expert, token)): 14.4 MiB against DeepEP's 1,820 MiB for DeepSeek-V3 on 2 ranks
-        at 128 tokens (docs/ep.md has a table). Pass it as ``num_rdma_bytes``."""
+        bfloat16, with two sends in flight: ``EPBuffer.size_hint(..., sends_in_flight=2)``
+        (about ``8 * num_ranks * T * hidden * 2`` plus small metadata). **llcomm's own figure,
+        much smaller than DeepEP's** (which holds one message per (expert, token)): 28.8 MiB
+        against DeepEP's 1,820 MiB for DeepSeek-V3 on 2 ranks at 128 tokens (docs/ep.md has a
+        table of one send in flight). Pass it as ``num_rdma_bytes``."""
         return EPBuffer.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                  num_experts, torch.bfloat16)
+                                  num_experts, torch.bfloat16, sends_in_flight=SENDS_IN_FLIGHT)
 
     @property
     def ep_buffer(self) -> EPBuffer | None:
@@ -190,10 +195,15 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
                     f"{num_experts}) = {need} bytes, llcomm's need for these shapes "
                     "(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts); pass "
                     "the hint of the shapes the calls use (or 0: no budget)")
-        ep = EPBuffer(self.group, num_experts=num_experts, hidden=hidden,
-                      num_max_dispatch_tokens_per_rank=max_tokens, dtype=dtype,
-                      backend=self._backend, timeout_ms=self._timeout_ms,
-                      enable_masks=self.enable_shrink)
+        kw = dict(num_experts=num_experts, hidden=hidden, dtype=dtype,
+                  num_max_dispatch_tokens_per_rank=max_tokens, backend=self._backend,
+                  timeout_ms=self._timeout_ms, enable_masks=self.enable_shrink)
+        try:        # two send halves in flight, as DeepEP's double buffering allows
+            ep = EPBuffer(self.group, sends_in_flight=SENDS_IN_FLIGHT, **kw)
+        except UnsupportedConfigError as e:     # across hosts: one (every rank gets here)
+            if "sends_in_flight" not in str(e):
+                raise
+            ep = EPBuffer(self.group, **kw)
         self._aux = convert.layout_aux(ep.num_local_experts, ep.num_ranks * max_tokens,
                                        max_tokens, ep.num_ranks, ep.device)
         for r in range(self.group_size):        # masked by hand before it existed
@@ -349,8 +359,8 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
         """This dispatch's DeepEP tensors: ``src_info``, ``layout_range`` and, for FP8
         (``ue8m0`` not None), the scales as (contiguous storage, DeepEP's transposed view of
         it); made once per handle slot (and kind of scales), as a handle, like DeepEP's results,
-        lives for ``HANDLE_SLOTS`` dispatches."""
-        slot = self._dispatches % HANDLE_SLOTS
+        lives for ``ep.handle_slots`` dispatches."""
+        slot = self._dispatches % ep.handle_slots
         L, R = ep.num_local_experts, ep.num_ranks * ep.max_tokens
         if slot not in self._handle_outputs:
             self._handle_outputs[slot] = (

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ep import HANDLE_SLOTS
 from ..runtime import validate as V
 from .checks import PREFIX, check_bools, check_handle, check_int, refuse
 
 
 class LocalBuffer:
-    """``Buffer``'s local buffer: one byte region per rank holding the ``HANDLE_SLOTS``
+    """``Buffer``'s local buffer: one byte region per rank holding the ``ep.handle_slots``
     zero-copy combine inputs ``[L, W * T, hidden]`` (the EPBuffer's dtype) back to back,
     allocated by the first call that needs it once the EPBuffer exists. In DeepEP these live in
     the RDMA buffer, which ``get_local_buffer_tensor(..., use_rdma_buffer=True)`` views; here
@@ -29,7 +28,7 @@ class LocalBuffer:
             return None
         if self._local is None:
             slot = ep.num_local_experts * ep.num_ranks * ep.max_tokens * ep.hidden
-            self._local = torch.empty(HANDLE_SLOTS * slot * ep.dtype.itemsize,
+            self._local = torch.empty(ep.handle_slots * slot * ep.dtype.itemsize,
                                       dtype=torch.uint8, device=ep.device)
         return self._local
 
@@ -38,23 +37,25 @@ class LocalBuffer:
         ep = self._ep
         shape = (ep.num_local_experts, ep.num_ranks * ep.max_tokens, ep.hidden)
         n = shape[0] * shape[1] * shape[2]
-        slot = handle.ep_handle.index % HANDLE_SLOTS
+        slot = handle.ep_handle.index % ep.handle_slots
         return self._region().view(ep.dtype)[slot * n:(slot + 1) * n].view(shape)
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The ``[L, W * T, hidden]`` tensor (x's dtype of the dispatch) for the experts to
         write their outputs into before ``low_latency_combine(..., zero_copy=True)``, which
-        reads it in place of ``x``. One per handle slot (handles k and k + 2 share it), a view
-        of the local buffer (``get_local_buffer_tensor``): slot ``k % 2`` starts at byte
-        ``(k % 2) * L * W * T * hidden * itemsize``. llcomm's combine reads any input in place,
-        so this saves an allocation, not a copy. ValueError for a handle two dispatches old."""
+        reads it in place of ``x``. One per handle slot (S = ``ep_buffer.handle_slots``, 4:
+        handles k and k + S share it), a view of the local buffer (``get_local_buffer_tensor``):
+        slot ``k % S`` starts at byte ``(k % S) * L * W * T * hidden * itemsize``. llcomm's
+        combine reads any input in place, so this saves an allocation, not a copy. ValueError
+        for a handle S dispatches old."""
         self._check_open("get_next_low_latency_combine_buffer")
         pr = V.Problems("deep_ep.Buffer.get_next_low_latency_combine_buffer")
         h = check_handle(self, pr, handle)
-        if h is not None and self._dispatches - h.ep_handle.index > HANDLE_SLOTS:
+        slots = self._ep.handle_slots if self._ep is not None else 0
+        if h is not None and self._dispatches - h.ep_handle.index > slots:
             pr.add(f"handle is from dispatch #{h.ep_handle.index}, whose slot dispatch "
-                   f"#{h.ep_handle.index + HANDLE_SLOTS} has reused (a handle lives for "
-                   f"{HANDLE_SLOTS} dispatches)")
+                   f"#{h.ep_handle.index + slots} has reused (a handle lives for "
+                   f"{slots} dispatches)")
         pr.raise_if_any()
         t = self._combine_buffer(h)
         h.combine_buffer_taken = True
@@ -65,8 +66,8 @@ class LocalBuffer:
         """This rank's communication buffer as a ``dtype`` tensor: a view, not a copy.
 
         With ``use_rdma_buffer=True``, the low-latency buffer: the region that holds the
-        zero-copy combine inputs of both handle slots
-        (``2 * num_experts * T * hidden * itemsize`` bytes, allocated by the first call that
+        zero-copy combine inputs of its handle slots (``ep_buffer.handle_slots * num_experts *
+        T * hidden * itemsize`` bytes, allocated by the first call that
         needs it; ``get_next_low_latency_combine_buffer`` returns views of it). Zeroing it
         (``.zero_()``, as engines do after a fault) leaves the buffer usable: the next dispatch
         and combine work as before, since llcomm's protocol state (flags carrying call counts,
