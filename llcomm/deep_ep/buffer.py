@@ -18,6 +18,7 @@ from .handle import LowLatencyHandle
 from .local import LocalBuffer
 from .masks import ShrinkMasks
 from .mpi import group_of_comm
+from .nvfp4_dispatch import dispatch as nvfp4_dispatch
 from .normal import NormalMode
 from .surface import DeepEPSurface
 
@@ -235,7 +236,9 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False) -> tuple:
+                             return_recv_hook: bool = False, *,
+                             x_global_scale: torch.Tensor | None = None, use_nvfp4: bool = False,
+                             use_ue8m0_for_sf: bool = False) -> tuple:
         """Send each token to the experts ``topk_idx`` names (``EPBuffer.dispatch``).
 
         Args:
@@ -262,6 +265,11 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
             return_recv_hook: issue the send half only; ``hook()`` (on the same stream) issues
                 the receive half, which writes DeepEP's layouts too. Outputs are unspecified
                 until then. Without it the hook is None (as DeepEP's).
+            x_global_scale: NVFP4's float32 one-element global scale (keyword only).
+            use_nvfp4: with ``use_fp8=False``, ``recv_x`` is DeepEP's NVFP4 pair (uint8
+                ``[W * T, hidden / 2, L]``, float8_e4m3fn scales ``[32, 4, ceil(W * T / 128), 4,
+                ceil(hidden / 64), L]``; ``nvfp4.py``; the wire carries x's dtype).
+            use_ue8m0_for_sf: not supported (NotImplementedError).
 
         Returns:
             recv_x: ``[L, W * T, hidden]`` in x's dtype; rows ``0 .. recv_count[e] - 1`` of
@@ -279,6 +287,12 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
         """
         fn = "low_latency_dispatch"
         self._check_open(fn)
+        if use_nvfp4 is not False or use_ue8m0_for_sf is not False:
+            return nvfp4_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                  num_experts, cumulative_local_expert_recv_stats,
+                                  dispatch_wait_recv_cost_stats, x_global_scale, use_fp8,
+                                  round_scale, use_ue8m0, use_nvfp4, use_ue8m0_for_sf,
+                                  async_finish, return_recv_hook)
         pr = V.Problems(f"deep_ep.Buffer.{fn}")
         check_bools(pr, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                     async_finish=async_finish, return_recv_hook=return_recv_hook)
