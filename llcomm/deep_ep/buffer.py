@@ -19,6 +19,7 @@ from .local import LocalBuffer
 from .masks import ShrinkMasks
 from .mpi import group_of_comm
 from .nvfp4_dispatch import dispatch as nvfp4_dispatch
+from .overlap import wait_before_send
 from .normal import NormalMode
 from .surface import DeepEPSurface
 
@@ -394,7 +395,12 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
                             use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None) -> tuple:
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None, *,
+                            overlap: bool = False, packed_recv_count: torch.Tensor | None = None,
+                            comp_signal: torch.Tensor | None = None, block_m: int = 64,
+                            threshold: int = 0, num_sms: int = 3,
+                            src_signals: torch.Tensor | None = None,
+                            src_signal_expect_value: int = 0) -> tuple:
         """Weighted sum of the experts' outputs back at each token's rank
         (``EPBuffer.combine``; its order and roundings, docs/ep.md).
 
@@ -414,6 +420,16 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
             out: optional ``[num_tokens, hidden]`` result.
             combine_wait_recv_cost_stats: as ``dispatch_wait_recv_cost_stats``, for the
                 combine's waits (``EPBuffer.combine(wait_stats=...)``).
+            overlap: single-batch overlap (keyword only, with the arguments below;
+                ``overlap.py``): the send waits until every compute signal it reads has reached
+                its threshold, bounded by ``timeout_ms``.
+            packed_recv_count: the dispatch's ``recv_count`` (with ``comp_signal``).
+            comp_signal: int32 signal per (local expert, block of ``block_m`` rows).
+            block_m: rows per ``comp_signal`` word.
+            threshold: the value of a ``comp_signal`` word whose rows are done.
+            num_sms: checked, unused.
+            src_signals: uint32 signal per local expert (the Blackwell form).
+            src_signal_expect_value: the value of a ``src_signals`` word whose rows are done.
 
         Returns:
             combined_x: ``[num_tokens, hidden]`` in the dispatch's dtype (``out`` if given).
@@ -439,6 +455,10 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
         pr.raise_if_any()
         refuse_cost_stats(self, fn, "combine_wait_recv_cost_stats", cost)
         ep = self._ep
+        wait_before_send(self, fn, ep, overlap=overlap, packed_recv_count=packed_recv_count,
+                         comp_signal=comp_signal, block_m=block_m, threshold=threshold,
+                         num_sms=num_sms, src_signals=src_signals,
+                         src_signal_expect_value=src_signal_expect_value)
         expert_out = self._combine_buffer(h) if zero_copy else x
         idx = topk_int64(topk_idx)
         r = ep.combine(expert_out, idx, topk_weights, h.ep_handle, out=out,
