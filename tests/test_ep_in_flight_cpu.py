@@ -16,6 +16,8 @@
   would reuse the handle slot of a combine whose hook is pending), raised before anything is
   launched and leaving the buffer usable; the size hint, argument checks, the refusal across
   hosts and ``deep_ep.Buffer``'s buffer.
+- On two GPUs (``pytest -m gpu``, skipped elsewhere): the peer kernels in every order, the late
+  rank's stream held back with ``torch.cuda._sleep`` before its hooks.
 """
 from __future__ import annotations
 
@@ -41,16 +43,19 @@ ORDERS = {
     "late": "DA DB 1?d hDA hDB DC 0!d DD hDC hDD CA CB 1?c hCA hCB CC 0!c CD hCC hCD",
 }
 W_VIRTUAL, E, T, H, K = 2, 8, 4, 128, 2
+#: GPU cycles a late rank's stream sleeps before its held-back hook (about 0.1 s).
+LATE_CYCLES = 200_000_000
 
 
 def _case(W, E, rnd, x, seed, dtype):
     return make_case(W, E, T, H, K, seed * 1000 + rnd * 10 + "ABCD".index(x), "random", dtype)
 
 
-def run_order(buf, rank, W, order, rounds, seed, dtype, carry, events=None):
+def run_order(buf, rank, W, order, rounds, seed, dtype, carry, events=None, device="cpu"):
     """Run ``ORDERS[order]`` ``rounds`` times on ``buf``; every dispatch and combine checked
     against the oracle when its results are complete. Returns the failures (an exception
-    ends the run and is one)."""
+    ends the run and is one). Without ``events`` (GPUs), ``r?e`` holds rank r's stream back
+    (``torch.cuda._sleep``) so that its next receive half runs late."""
     fails = []
     late = order == "late"
     E = buf.num_experts
@@ -60,17 +65,20 @@ def run_order(buf, rank, W, order, rounds, seed, dtype, carry, events=None):
             for step in ORDERS[order].split():
                 if "?" in step or "!" in step:
                     r, e = int(step[0]), step[2]
-                    if r == rank:
+                    if r == rank and events is not None:
                         (events[e].wait(120) if step[1] == "?" else events[e].set())
+                    elif r == rank and step[1] == "?":
+                        torch.cuda._sleep(LATE_CYCLES)
                     continue
                 op, x = step[:-1], step[-1]
                 xs, topks, ws = _case(W, E, rnd, x, seed, dtype)
                 exp = oracle_dispatch(xs, topks, W, E, T)
+                xr, ir, wr = (t[rank].to(device) for t in (xs, topks, ws))
                 tag = f"round {rnd} {step}"
                 if op in ("D", "d"):
                     cw = late or (carry and (rnd + "ABCD".index(x)) % 2 == 1)
-                    got = buf.dispatch(xs[rank], topks[rank], return_recv_hook=op == "D",
-                                       topk_weights=ws[rank] if cw else None)
+                    got = buf.dispatch(xr, ir, return_recv_hook=op == "D",
+                                       topk_weights=wr if cw else None)
                     live[x] = dict(got=got, cw=cw)
                     if op == "d":
                         fails += _check_dispatch(got, exp[rank], tag)
@@ -81,13 +89,13 @@ def run_order(buf, rank, W, order, rounds, seed, dtype, carry, events=None):
                     outs = [expert_fn(*exp[q][:2], q) for q in range(W)]
                     want = oracle_combine(outs, topks, ws, W, E, dtype)[rank]
                     b = live[x]
-                    w = None if b["cw"] else ws[rank]
+                    w = None if b["cw"] else wr
+                    eo = outs[rank].to(device)
                     if op == "c":
-                        y = buf.combine(outs[rank], topks[rank], w, b["got"][2])
+                        y = buf.combine(eo, ir, w, b["got"][2])
                         fails += _check_combine(y, want, tag)
                     elif op == "C":
-                        b["comb"] = buf.combine(outs[rank], topks[rank], w, b["got"][2],
-                                                return_recv_hook=True)
+                        b["comb"] = buf.combine(eo, ir, w, b["got"][2], return_recv_hook=True)
                     else:
                         b["comb"][1]()
                         fails += _check_combine(b["comb"][0], want, tag)
@@ -163,6 +171,26 @@ def test_a_late_receive_with_four_sets_and_with_two(ll):
     fails = run_in_interpreter("test_ep_in_flight_cpu", "simulate_in_flight", "late", ll, 1, 3,
                                True, 3000)
     assert fails, "two buffer sets with two sends in flight did not fail"
+
+
+# -- the peer backend on GPUs (pytest -m gpu on a 2-GPU host) -----------------------------------
+def _gpu_body(rank, W):
+    from llcomm.ep import EPBuffer
+    buf = EPBuffer(num_experts=4 * W, hidden=H, num_max_dispatch_tokens_per_rank=T,
+                   dtype=torch.float32, backend="peer", sends_in_flight=2)
+    fails = []
+    for i, order in enumerate(ORDERS):      # "late": rank 1's stream sleeps before its hooks
+        fails += run_order(buf, rank, W, order, 3, 40 + i, torch.float32, True,
+                           device=buf.device)
+    buf.close()
+    return fails
+
+
+@pytest.mark.gpu
+def test_two_sends_in_flight_on_gpus():
+    """The peer kernels on two GPUs, every order, the oracle bit for bit."""
+    fails = [f for fs in run_distributed(_gpu_body, 2, backend="nccl", timeout=600) for f in fs]
+    assert not fails, "\n".join(fails[:20])
 
 
 # -- the reference backend (gloo) ---------------------------------------------------------------
