@@ -15,8 +15,6 @@ import triton.language as tl
 
 from ..runtime.kernels.sync import global_time_ns, poll_read
 
-_U32 = tl.constexpr(0xFFFFFFFF)
-
 
 @triton.jit
 def wait_signals(signal, counts, status, per_expert, block_m, threshold, timeout_us,
@@ -35,7 +33,7 @@ def wait_signals(signal, counts, status, per_expert, block_m, threshold, timeout
         while state == 0:
             got = poll_read(signal + e * per_expert + b).to(tl.int64)
             if UNSIGNED:
-                got = got & _U32
+                got = got & tl.full([], 0xFFFFFFFF, tl.int64)
             if got >= want:
                 state = 1
             elif global_time_ns() - t0 > limit_ns:
