@@ -125,9 +125,11 @@ def _check_combine(y, want, tag):
 
 
 # -- the kernels on virtual ranks (interpreter) -------------------------------------------------
-def simulate_in_flight(order, ll, rounds, seed, force_two_sets=False, timeout_ms=None):
-    """``order`` on two virtual ranks with sends_in_flight=2 (LL or flag dispatch); the
-    failures. ``force_two_sets``: the kernels rotate over two sets, not four."""
+def simulate_in_flight(order, ll, rounds, seed, force_two_sets=False, timeout_ms=None,
+                       masks=False):
+    """``order`` on two virtual ranks with sends_in_flight=2 (LL or flag dispatch; ``masks``:
+    rank masks, the flag dispatch); the failures. ``force_two_sets``: the kernels rotate over
+    two sets, not four."""
     import triton.language as tl
     from _interp import run_ranks
     from llcomm.ep import peer
@@ -144,7 +146,7 @@ def simulate_in_flight(order, ll, rounds, seed, force_two_sets=False, timeout_ms
             return (dict(d, REGIONS=d["REGIONS"]._replace(SETS=2)),
                     dict(c, REGIONS=c["REGIONS"]._replace(SETS=2)), nw)
         peer.kernel_consts = two_sets
-    bufs = _virtual_buffers(W_VIRTUAL, E, T, H, torch.float32, 1, ll, False, sends_in_flight=2)
+    bufs = _virtual_buffers(W_VIRTUAL, E, T, H, torch.float32, 1, ll, masks, sends_in_flight=2)
     for b in bufs:
         if timeout_ms:
             b.timeout_ms, b._impl.timeout_us = timeout_ms, timeout_ms * 1000
@@ -159,6 +161,13 @@ def simulate_in_flight(order, ll, rounds, seed, force_two_sets=False, timeout_ms
 def test_two_sends_in_flight_on_virtual_ranks(order, ll):
     fails = run_in_interpreter("test_ep_in_flight_cpu", "simulate_in_flight", order, ll, 3,
                                7 + ll)
+    assert not fails, "\n".join(fails[:20])
+
+
+def test_two_sends_in_flight_with_rank_masks():
+    """The kernels' rank-mask variants (every wait masks instead of failing; none is late)."""
+    fails = run_in_interpreter("test_ep_in_flight_cpu", "simulate_in_flight", "interleaved", 0,
+                               3, 11, False, None, True)
     assert not fails, "\n".join(fails[:20])
 
 
