@@ -171,8 +171,10 @@ def _dispatch_body(rank, world):
         x, idx, w = inputs[rank]
         amax = max(float(xi.float().abs().max()) for xi, _, _ in inputs if xi.numel())
         gs = torch.tensor(448 * 6 / amax, dtype=torch.float32)
+        # seed 6 passes a per-expert [E] tensor of that value, as vLLM's a1_gscale: element 0
+        given = gs.expand(E).contiguous() if seed == 6 else gs
         (values, scales), count, handle, event, hook = buf.low_latency_dispatch(
-            x, idx, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=gs,
+            x, idx, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=given,
             return_recv_hook=hook_on, async_finish=not hook_on)
         if hook_on:
             hook()
@@ -237,8 +239,8 @@ def _refusals_body(rank, world):
     expect("no global scale", ValueError, ["x_global_scale"], x_global_scale=None)
     expect("global scale dtype", TypeError, ["x_global_scale", "float32"],
            x_global_scale=torch.tensor(1.0, dtype=torch.float64))
-    expect("global scale shape", ValueError, ["x_global_scale", "one element"],
-           x_global_scale=torch.ones(2))
+    expect("global scale empty", ValueError, ["x_global_scale", "empty"],
+           x_global_scale=torch.ones(0))
     expect("global scale type", TypeError, ["x_global_scale"], x_global_scale=1.0)
     expect("hidden", ValueError, ["hidden", "multiple of 16", "hidden=264"],
            x=torch.zeros(T, 264, dtype=torch.bfloat16))

@@ -266,7 +266,7 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
             return_recv_hook: issue the send half only; ``hook()`` (on the same stream) issues
                 the receive half, which writes DeepEP's layouts too. Outputs are unspecified
                 until then. Without it the hook is None (as DeepEP's).
-            x_global_scale: NVFP4's float32 one-element global scale (keyword only).
+            x_global_scale: NVFP4's float32 global scale, its first element (keyword only).
             use_nvfp4: with ``use_fp8=False``, ``recv_x`` is DeepEP's NVFP4 pair (uint8
                 ``[W * T, hidden / 2, L]``, float8_e4m3fn scales ``[32, 4, ceil(W * T / 128), 4,
                 ceil(hidden / 64), L]``; ``nvfp4.py``; the wire carries x's dtype).

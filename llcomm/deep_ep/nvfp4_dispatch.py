@@ -20,8 +20,10 @@ from .event import after
 
 
 def check_global_scale(pr: V.Problems, x_global_scale, device) -> None:
-    """``x_global_scale``: a one-element float32 tensor (DeepEP: ``dim() == 0``; a ``[1]``
-    tensor is taken too) on ``device`` (not checked while None)."""
+    """``x_global_scale``: a float32 tensor on ``device`` (not checked while None) with at
+    least one element, of which the first is the global scale: DeepEP documents ``dim() ==
+    0`` and its kernel reads the first element, and vLLM passes its per-expert ``a1_gscale``
+    (equal values) there."""
     name = "x_global_scale"
     if x_global_scale is None:
         pr.add(f"use_nvfp4=True needs {name}: a float32 tensor of one element, the global "
@@ -33,9 +35,8 @@ def check_global_scale(pr: V.Problems, x_global_scale, device) -> None:
     elif x_global_scale.dtype != torch.float32:
         pr.add(f"{name} has dtype {x_global_scale.dtype}; expected torch.float32",
                type_error=True)
-    elif x_global_scale.numel() != 1:
-        pr.add(f"{name} has shape {tuple(x_global_scale.shape)}; expected one element "
-               "(dim() == 0, as DeepEP's)")
+    elif x_global_scale.numel() == 0:
+        pr.add(f"{name} is empty; expected one element (dim() == 0, as DeepEP's)")
     elif device is not None and x_global_scale.device != device:
         pr.add(f"{name} is on {x_global_scale.device}; expected {device}")
 
@@ -77,9 +78,10 @@ def dispatch(buf, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, st
         use_fp8=False, async_finish=False, return_recv_hook=return_recv_hook)
     L, R, H = recv_x.shape
     values, scales = nvfp4.outputs(L, R, H, recv_x.device)
+    gs = x_global_scale.reshape(-1)[0]      # its first element, as DeepEP's kernel reads it
 
     def quantise():
-        nvfp4.fill_outputs(recv_x, x_global_scale, values, scales)
+        nvfp4.fill_outputs(recv_x, gs, values, scales)
 
     hook = None
     if return_recv_hook:
