@@ -5,7 +5,8 @@ versions, NVLink multicast (whether the driver reports it, how NCCL and torch sy
 are configured to use it; llcomm itself does not), whether kernels launch with programmatic
 dependent launch, which backend ``Communicator(backend="auto")`` would pick in a job of one
 process per visible GPU, and why, and across hosts which remote transport NVSHMEM would use
-(``llcomm/ep/hosts/transport.py``; read from files, NVSHMEM is not started).
+(``llcomm/ep/hosts/transport.py``; read from files, NVSHMEM is not started), and whether
+``import deep_ep`` gives ``llcomm.deep_ep`` here (``LLCOMM_DEEP_EP_ALIAS``).
 """
 from __future__ import annotations
 
@@ -195,7 +196,21 @@ def report() -> list[str]:
                "spanning hosts, or ranks sharing a GPU, gets \"reference\")")
     out.append("")
     out.extend(transport.report_lines())
+    out.append("")
+    out.append(alias_line())
     return out
+
+
+def alias_line() -> str:
+    """Whether ``import deep_ep`` gives ``llcomm.deep_ep`` in this process (LLCOMM_DEEP_EP_ALIAS,
+    read at interpreter start) and what it resolves to; an invalid value is named as the
+    settings module refuses it."""
+    import llcomm_deep_ep_alias as alias
+    try:
+        settings.value(alias.ENV)
+    except ValueError as e:
+        return alias.describe() + f" ({e})"
+    return alias.describe()
 
 
 def run(args) -> int:

@@ -10,13 +10,16 @@ torch ops where the dispatch kernel does not write them (off the peer backend);
 ``masks`` (shrink mode's mask calls), ``local`` (the local buffer: ``get_local_buffer_tensor``,
 the zero-copy combine buffers) and ``surface`` (class-level settings, streams, and the
 high-throughput calls, which raise) are mixins of ``Buffer``; ``mpi`` maps an mpi4py ``comm`` to
-the torch.distributed world. Arguments and names llcomm cannot honour raise NotImplementedError
-naming them.
+the torch.distributed world; ``alias`` makes ``import deep_ep`` give this package
+(``install_alias``; or ``LLCOMM_DEEP_EP_ALIAS=1``). Arguments and names llcomm cannot honour raise
+NotImplementedError naming them.
 
 This layer sits above ``llcomm.ep`` and uses its public API only; nothing in llcomm imports it.
 """
+from .alias import alias_active, install_alias, remove_alias
 from .buffer import Buffer, Config, topk_idx_t
 from .event import EventHandle, EventOverlap
 from .handle import LowLatencyHandle
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "alias_active",
+           "install_alias", "remove_alias", "topk_idx_t"]

@@ -148,7 +148,25 @@ class BenchSettings(_Settings):
         return cls(**cls._parse(environ))
 
 
-SETTINGS_CLASSES = (TPSettings, EPSettings, BenchSettings)
+def bit_or_empty(name: str, raw: str) -> int:
+    return 0 if raw == "" else bit(name, raw)
+
+
+@dataclass(frozen=True)
+class ImportSettings(_Settings):
+    """What every interpreter start reads: the top-level ``llcomm_deep_ep_alias`` module (run by
+    the ``.pth`` file llcomm installs) parses it itself, without importing llcomm; declared here
+    for the settings page and ``llcomm doctor``, with the same values (tests/test_deep_ep_alias.py
+    checks they agree)."""
+    #: 1: ``import deep_ep`` gives ``llcomm.deep_ep`` (docs/deep_ep.md)
+    deep_ep_alias: int = setting("LLCOMM_DEEP_EP_ALIAS", 0, bit_or_empty)
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> "ImportSettings":
+        return cls(**cls._parse(environ))
+
+
+SETTINGS_CLASSES = (TPSettings, EPSettings, BenchSettings, ImportSettings)
 
 
 def registry() -> dict[str, dataclasses.Field]:
