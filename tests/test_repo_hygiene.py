@@ -56,9 +56,9 @@ SUB_PATH = re.compile(r"(?<![\w./*{}<>$-])((?:[\w-]+/)+[\w-]+\.(?:py|md|sh|json|
 PRIVATE_MODULE = re.compile(r"(?<![\w.])(?:[\w-]+/)*(_[a-z]\w*)\.(?!(?:py|md|sh)\b)[A-Za-z_]\w*")
 #: Top folders: a path that starts with one is checked whole (``named_path_problems``).
 TOP_FOLDERS = ("llcomm", "tests", "tools", "bench", "docs", "scripts", "examples")
-#: Files of another project that the docs name: DeepEP's low-latency test and the module set up
-#: beside it to run it (docs/development.md, "DeepEP's own test").
-ELSEWHERE = {"test_low_latency.py", "deep_ep/utils/envs.py"}
+#: Files of another project that the docs name: DeepEP's low-latency and normal-mode tests and
+#: the module set up beside them to run them (docs/development.md, "DeepEP's own test").
+ELSEWHERE = {"test_low_latency.py", "test_intranode.py", "deep_ep/utils/envs.py"}
 #: Files whose prose may name what no longer exists (the history of a release).
 HISTORY = {"CHANGELOG.md"}
 
