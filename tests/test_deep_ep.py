@@ -207,10 +207,12 @@ def _refusals_body(rank, W):
     expect("set_num_sms type", TypeError, ["new_num_sms='24'"], lambda: B.set_num_sms("24"))
     if deep_ep.topk_idx_t is not torch.int64:
         errors.append(f"topk_idx_t is {deep_ep.topk_idx_t}")
-    if B.get_low_latency_rdma_size_hint(T, H, W, E) != llcomm.EPBuffer.size_hint(T, H, W, E):
-        errors.append("get_low_latency_rdma_size_hint is not EPBuffer.size_hint in bf16")
-    if not B.get_low_latency_rdma_size_hint(128, 7168, 2, 256) < 20 << 20:
-        errors.append("the size hint for DeepSeek-V3 on 2 ranks is not llcomm's own (< 20 MiB)")
+    if B.get_low_latency_rdma_size_hint(T, H, W, E) != llcomm.EPBuffer.size_hint(
+            T, H, W, E, sends_in_flight=2):
+        errors.append("get_low_latency_rdma_size_hint is not EPBuffer.size_hint in bf16 with "
+                      "two sends in flight")
+    if not B.get_low_latency_rdma_size_hint(128, 7168, 2, 256) < 40 << 20:
+        errors.append("the size hint for DeepSeek-V3 on 2 ranks is not llcomm's own (< 40 MiB)")
 
     inputs = case(W, E, T, H, K, 6)                  # seed % 3 == 0: T tokens on every rank
     x, idx, w = inputs[rank]

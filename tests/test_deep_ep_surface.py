@@ -77,7 +77,8 @@ def _local_body(rank, W, device="cpu", backend="auto"):
         fails.append(f"get_comm_stream() is {stream}")
     local = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
     slot_bytes = L * W * T * H * 2                            # bf16 combine input per slot
-    if (local.dtype, local.numel(), local.device.type) != (torch.int8, 2 * slot_bytes,
+    slots = buf.ep_buffer.handle_slots                        # 4: two sends in flight
+    if (local.dtype, local.numel(), local.device.type) != (torch.int8, slots * slot_bytes,
                                                            torch.device(device).type):
         fails.append(f"local buffer {local.dtype} [{local.numel()}] on {local.device}")
 
@@ -96,7 +97,7 @@ def _local_body(rank, W, device="cpu", backend="auto"):
     if combine_in.count_nonzero().item():
         fails.append("zeroing get_local_buffer_tensor did not clear the combine buffer: "
                      "it returned a copy, not a view")
-    slot = handle.ep_handle.index % 2
+    slot = handle.ep_handle.index % slots
     typed = buf.get_local_buffer_tensor(torch.bfloat16, torch.Size((L, W * T, H)),
                                         offset=slot * slot_bytes, use_rdma_buffer=True)
     if typed.data_ptr() != combine_in.data_ptr() or typed.shape != combine_in.shape:
