@@ -74,10 +74,10 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
             two-level kernels across hosts): a rank that misses a bounded wait is masked,
             ``low_latency_query_mask_buffer`` reports it, ``low_latency_update_mask_buffer``
             masks or unmasks one rank by hand, ``low_latency_clean_mask_buffer`` unmasks every
-            rank. On a gloo group (where only the reference backend runs) or with
-            ``backend="reference"`` the constructor raises UnsupportedConfigError; where
-            ``"auto"`` picks the reference backend on an NCCL group, the EPBuffer's creation
-            raises it.
+            rank. Where the buffer would run on the reference backend (``backend="reference"``,
+            or ``"auto"`` where the peer backend cannot run, on any group: a gloo group of GPU
+            ranks with peer access runs the peer backend) the constructor raises
+            UnsupportedConfigError.
         comm: an ``mpi4py`` communicator, used where ``group`` is None (DeepEP's rule): it
             must span torch.distributed's initialised world with the same rank numbers, and
             the buffer then runs on the world group (a collective check); otherwise an error

@@ -3,7 +3,6 @@ on ``EPBuffer``'s rank masks, as a mixin of ``Buffer`` (docs/deep_ep.md, "Rank m
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..ep import EPBuffer
 from ..errors import UnsupportedConfigError
@@ -19,8 +18,10 @@ class ShrinkMasks:
         self._check_open(fn)
         if self.enable_shrink:
             return self._ep
+        # before the EPBuffer exists: the reference backend where asked for or without CUDA (a
+        # gloo group of GPU ranks may run the peer backend: then this is the ValueError below)
         if (self._ep.backend if self._ep is not None else self._backend) == "reference" \
-                or dist.get_backend(self.group) != "nccl":
+                or (self._ep is None and not torch.cuda.is_available()):
             raise UnsupportedConfigError(
                 f"{PREFIX}.{fn}: rank masks need the peer backend or the two-level kernels, and "
                 "this buffer runs on the reference backend: a torch.distributed collective "

@@ -182,8 +182,38 @@ def choose_backend_hosts(group: dist.ProcessGroup, backend: str, what: str, agre
     return (*_decide(group, backend, what, everyone, hosts, shmem), hosts)
 
 
+#: The device types a single torch.distributed backend carries tensors of, for the reference
+#: backend's all-to-all and all-reduce: NCCL CUDA tensors; gloo (and any other) CPU tensors
+#: (gloo's all-to-all takes no CUDA tensor).
+SINGLE_BACKEND_DEVICES = {"nccl": ("cuda",)}
+
+
+def parse_backends(spec: str) -> dict[str, str]:
+    """``dist.get_backend(group)`` as {device type: backend}: ``"gloo"`` -> {"cpu": "gloo"},
+    ``"nccl"`` -> {"cuda": "nccl"}, a mixed group's ``"cpu:gloo,cuda:nccl"`` (what
+    ``init_process_group()`` without a backend makes where CUDA and NCCL are there, or
+    ``new_group(backend=...)`` with that string) -> {"cpu": "gloo", "cuda": "nccl"}."""
+    spec = str(spec).lower().strip()
+    if ":" not in spec:
+        return {dev: spec for dev in SINGLE_BACKEND_DEVICES.get(spec, ("cpu",))}
+    out = {}
+    for part in spec.split(","):
+        dev, _, name = part.partition(":")
+        if dev.strip() and name.strip():
+            out[dev.strip()] = name.strip()
+    return out
+
+
+def device_backends(group: dist.ProcessGroup) -> dict[str, str]:
+    """Which backend carries each device type's tensors on ``group`` (``parse_backends``)."""
+    return parse_backends(dist.get_backend(group))
+
+
 def reference_device(group: dist.ProcessGroup) -> torch.device:
-    """Where the reference backend's tensors live: the current GPU over NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
+    """Where the reference backend's tensors live: the current GPU where the group carries CUDA
+    tensors (NCCL, alone or in a mixed group such as ``"cpu:gloo,cuda:nccl"``) and there is
+    one, else the CPU (a gloo group, also where the ranks have GPUs: gloo's all-to-all takes CPU
+    tensors only; docs/integration.md, "The process group an engine passes")."""
+    if "cuda" in device_backends(group) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

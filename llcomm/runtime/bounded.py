@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import CommMismatchError, CommTimeoutError, UnsupportedConfigError
 from . import protocol as P
+from .backend import device_backends, reference_device
 
 
 #: The call check's header: int64 words ``[op code, dtype code, *fields, 0...]``. Per op: its
@@ -49,10 +50,20 @@ _DTYPE_NAMES = {code: name for name, code in P.DTYPE_CODES.items()}
 assert all(len(fields) <= HEADER_WORDS - 2 for _, fields in CALLS.values())
 
 
+def carried_by_gloo(group: dist.ProcessGroup, device: torch.device | None = None) -> bool:
+    """Whether gloo carries the reference backend's collectives on ``group``: its tensors'
+    device type (``device``, by default where the reference backend puts them) is gloo's, on a
+    gloo group or a mixed one (``"cpu:gloo,cuda:nccl"`` carries CPU tensors over gloo, CUDA
+    tensors over NCCL)."""
+    device = reference_device(group) if device is None else device
+    return device_backends(group).get(device.type) == "gloo"
+
+
 def default_check_calls(group: dist.ProcessGroup) -> bool:
-    """``check_calls=None``: on over gloo (a mismatch would abort the process there), off
-    elsewhere (NCCL: the check costs a host round trip per call and rules out graph capture)."""
-    return dist.get_backend(group) == "gloo"
+    """``check_calls=None``: on where gloo carries the calls (a mismatch would abort the process
+    there), off elsewhere (NCCL: the check costs a host round trip per call and rules out graph
+    capture)."""
+    return carried_by_gloo(group)
 
 
 def _describe(row: list[int]) -> str:
@@ -86,7 +97,7 @@ class BoundedCalls:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_ms = timeout_ms
-        self.bounded = dist.get_backend(group) == "gloo"
+        self.bounded = carried_by_gloo(group, device)
         self._timeout = datetime.timedelta(milliseconds=timeout_ms)
         self.failure = P.FailureLatch(self.rank, what)
         self.device = device

@@ -39,6 +39,15 @@ class Problems:
         raise (TypeError if self.type_error else ValueError)(text)
 
 
+#: Why an object on a gloo group takes CPU tensors, and what to pass instead.
+CPU_GROUP_HINT = (
+    ": it runs on the reference backend over a group that carries CPU tensors only (gloo, as "
+    "an engine's CPU group is), so its tensors live on the CPU; for GPU tensors create it with "
+    "a group argument whose backend carries them: an NCCL group, or a mixed one such as "
+    "torch.distributed.new_group(ranks, backend=\"cpu:gloo,cuda:nccl\") (the peer backend, "
+    "where every rank has its own GPU on one host, runs over either)")
+
+
 def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=REDUCE_DTYPES,
                  max_bytes: int | None = None, why: str | None = None,
                  written: bool = False) -> bool:
@@ -56,7 +65,8 @@ def check_tensor(pr: Problems, name: str, t, device: torch.device, *, dtypes=RED
                + (f" ({why})" if why else ""), type_error=True)
         ok = False
     if t.device != device:
-        pr.add(f"{name} is on {t.device}; expected {device} (this communicator's device)")
+        pr.add(f"{name} is on {t.device}; expected {device} (this communicator's device)"
+               + (CPU_GROUP_HINT if device.type == "cpu" and t.device.type != "cpu" else ""))
         ok = False
     if not t.is_contiguous():
         pr.add(f"{name} is not contiguous; " + (
