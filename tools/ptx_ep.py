@@ -7,8 +7,8 @@ Compiles the dispatch (bf16 / fp32 rows, and FP8: ``ll_dispatch_kernel`` or
 ``flag_dispatch_kernel``, whichever ``EPBuffer`` runs for ``--tokens``, and the flag one for rank
 masks) and ``combine_kernel`` exactly as ``EPBuffer`` launches them (same constexprs, all
 stages, fp fusion off for combine; and the send and receive halves of
-``return_recv_hook=True``, also with two sends in flight, ``*2``; ``*_stats``: the wait-statistics
-variants, STATS=1; ``*_deep_ep``: the
+``return_recv_hook=True``, also with two sends in flight, ``*_x2_*``; ``*_stats``: the
+wait-statistics variants, STATS=1; ``*_deep_ep``: the
 dispatch writing DeepEP's layouts too, DEEP_EP=1 or 2, as ``llcomm.deep_ep`` launches it: bf16,
 FP8 and UE8M0 scales, its receive half, and the flag dispatch's), and prints per kernel:
 16-byte vector loads/stores
@@ -141,17 +141,17 @@ def kernels(hidden, experts, ranks, tokens, topk, dt, nb):
 def in_flight_kernels(DK, d_sig, c_sig, ll, dt, warps, tokens, hidden, ranks, experts, topk,
                       nb):
     """``EPBuffer(sends_in_flight=2)``: the halves of ``return_recv_hook=True`` over four sets,
-    counting sends and receives apart (IN_FLIGHT = 2; ``*_send2`` / ``*_recv2``)."""
+    counting sends and receives apart (IN_FLIGHT = 2; ``*_x2_send`` / ``*_x2_recv``)."""
     lay = ep_layout(tokens, hidden, ranks, experts, ITEMSIZE[dt], num_blocks=nb, sets=4)
     d, c, _ = kernel_consts(lay, topk, ll=ll)
     d, c = dict(d, stats=None, FP8=0, **NO_DEEP_EP), dict(c, stats=None)
     no_fusion = {"enable_fp_fusion": False}
     return {
-        f"dispatch_{dt}_send2": (DK, d_sig, dict(d, STAGES=K.DISPATCH_SEND_HALF), warps, None),
-        f"dispatch_{dt}_recv2": (DK, d_sig, dict(d, STAGES=K.DISPATCH_RECV_HALF), warps, None),
-        f"combine_{dt}_send2": (K.combine_kernel, c_sig, dict(c, STAGES=K.COMBINE_SEND_HALF),
+        f"dispatch_{dt}_x2_send": (DK, d_sig, dict(d, STAGES=K.DISPATCH_SEND_HALF), warps, None),
+        f"dispatch_{dt}_x2_recv": (DK, d_sig, dict(d, STAGES=K.DISPATCH_RECV_HALF), warps, None),
+        f"combine_{dt}_x2_send": (K.combine_kernel, c_sig, dict(c, STAGES=K.COMBINE_SEND_HALF),
                                 warps, no_fusion),
-        f"combine_{dt}_recv2": (K.combine_kernel, c_sig, dict(c, STAGES=K.COMBINE_RECV_HALF),
+        f"combine_{dt}_x2_recv": (K.combine_kernel, c_sig, dict(c, STAGES=K.COMBINE_RECV_HALF),
                                 warps, no_fusion),
     }
 
