@@ -3,7 +3,8 @@
 reference backend (``reference``), the two-level path across hosts (``hosts/``: its kernels,
 host side, layout and reference exchange), the backends with rank masks
 (``MASK_BACKENDS``), the buffer layout and size hint (``layout``: a handle lives for
-``HANDLE_SLOTS`` dispatches) and ``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``).
+``HANDLE_SLOTS`` dispatches, ``EPBuffer.handle_slots`` with two sends in flight: ``inflight``)
+and ``DeepEPOutputs`` (``deep_layouts``: ``dispatch(deep_ep=...)``).
 """
 from .api import EPBuffer, EPHandle
 from .deep_layouts import DeepEPOutputs
