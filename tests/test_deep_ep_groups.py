@@ -29,13 +29,15 @@ H, T, K, L = 512, 8, 4, 2
 HOOK_SECONDS = 120
 
 
-def call_in_thread(hook, device: torch.device) -> None:
+def call_in_thread(hook, device: torch.device, enter: bool = True) -> None:
     """``hook()`` in a new thread, on the stream current here: torch's current stream is per
     thread, so the thread enters a side stream (as an engine's micro-batch thread sets its own);
     on the default stream it calls the hook as it starts, on CUDA's default device (device 0,
-    whatever this rank's is), where the launch must still go to the buffer's device. Re-raises
-    what the hook raised."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    whatever this rank's is), where the launch must still go to the buffer's device.
+    ``enter=False``: the thread calls it on its own default stream even when a side stream is
+    current here (the hook must still launch on the stream of its send half, as DeepEP's).
+    Re-raises what the hook raised."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" and enter else None
     if stream is not None and stream == torch.cuda.default_stream(stream.device):
         stream = None
     raised = []
@@ -59,7 +61,7 @@ def call_in_thread(hook, device: torch.device) -> None:
 
 
 def group_round(buf, rank: int, W: int, seed: int, variant, device, *, thread_hooks: bool,
-                tag: str = "") -> list[str]:
+                tag: str = "", enter: bool = True) -> list[str]:
     """One low-latency round on ``buf`` (a ``deep_ep.Buffer``) with ``return_recv_hook=True``:
     dispatch, its hook (in another thread with ``thread_hooks``), every row checked, the
     stand-in experts, combine, its hook, the result against the fp64 weighted sum. Failures."""
@@ -73,7 +75,7 @@ def group_round(buf, rank: int, W: int, seed: int, variant, device, *, thread_ho
 
     def run(hook):
         if thread_hooks:
-            call_in_thread(hook, device)
+            call_in_thread(hook, device, enter)
         else:
             hook()
 

@@ -13,7 +13,7 @@ from . import convert
 from .config import Config  # noqa: F401  (deep_ep.Config: ``from llcomm.deep_ep import Config``)
 from .checks import (PREFIX, check_bools, check_cost_stats, check_handle, check_int,
                      check_stats, check_topk_dtype, refuse, refuse_cost_stats, topk_int64)
-from .event import after
+from .event import after, on_call_stream
 from .handle import LowLatencyHandle
 from .local import LocalBuffer
 from .masks import ShrinkMasks
@@ -362,6 +362,7 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
                     receive()
                     finish()
             hook.__doc__ = f"Receive half of {fn} #{h.index} (llcomm.deep_ep)."
+            hook = on_call_stream(ep.device, hook)
         elif finish is not None:
             finish()
         handle = LowLatencyHandle(src_info, layout, T, H, num_experts, h, self)
@@ -464,6 +465,8 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
         r = ep.combine(expert_out, idx, topk_weights, h.ep_handle, out=out,
                        return_recv_hook=return_recv_hook, wait_stats=cost)
         combined, hook = r if return_recv_hook else (r, None)
+        if hook is not None:
+            hook = on_call_stream(ep.device, hook)
         event = after(ep.device, async_finish, (expert_out, topk_idx, idx, topk_weights,
                                                 combined, cost))
         return combined, event, hook

@@ -118,3 +118,18 @@ def after(device: torch.device, async_finish: bool, tensors: tuple) -> EventOver
     if not async_finish:
         return EventOverlap()
     return EventOverlap(EventHandle.recorded_on(device), tensors)
+
+
+def on_call_stream(device: torch.device, hook: Callable[[], object]) -> Callable[[], object]:
+    """``hook`` made to run on the stream current on ``device`` now (at the call that returns
+    it), whichever thread calls it and whatever stream is current there then, as DeepEP's
+    receive hooks launch on the stream of their send half. Off the GPU, ``hook`` itself."""
+    if device.type != "cuda":
+        return hook
+    stream = torch.cuda.current_stream(device)
+
+    def on_stream():
+        with torch.cuda.stream(stream):
+            return hook()
+    on_stream.__doc__ = hook.__doc__
+    return on_stream

@@ -16,7 +16,7 @@ import torch
 from ..runtime import validate as V
 from . import nvfp4
 from .checks import check_bools, refuse
-from .event import after
+from .event import after, on_call_stream
 
 
 def check_global_scale(pr: V.Problems, x_global_scale, device) -> None:
@@ -90,6 +90,7 @@ def dispatch(buf, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, st
             inner_hook()
             quantise()
         hook.__doc__ = inner_hook.__doc__
+        hook = on_call_stream(recv_x.device, hook)      # the quantiser too, as the receive
     else:
         quantise()
     event = after(recv_x.device, async_finish, (x, topk_idx, x_global_scale, recv_x, values,
