@@ -60,9 +60,14 @@ def worker(fn, rank, world_size, rdv, args, results) -> None:
 class PytestPlugin:
     """Collect the ``gpu`` tests as if the host had two GPUs and run their ranks through
     ``worker``. The children are fresh processes: the device count is only faked here, in the
-    pytest process, where the skip markers are decided."""
+    pytest process, while the skip markers are decided (collection); the tests then see the
+    real count, so a one-GPU test (``gpu(gpus=1)``) runs in this process as on its own."""
 
     def pytest_configure(self, config):
         import _dist
         _dist._worker = worker
+        self._device_count = torch.cuda.device_count
         torch.cuda.device_count = lambda: 2
+
+    def pytest_collection_finish(self, session):
+        torch.cuda.device_count = self._device_count
