@@ -327,14 +327,32 @@ class NormalMode:
         event = after(device, async_finish, (x, topk_weights, combined, weights))
         return combined, weights, event
 
-    def internode_dispatch(self, *args, **kwargs):
-        """DeepEP's dispatch across hosts: the same call as ``dispatch`` here (one collective
-        over the whole group carries every host), with the same handle."""
-        return self.dispatch(*args, **kwargs)
+    def internode_dispatch(self, x, handle: tuple | None = None,
+                           num_tokens_per_rank: torch.Tensor | None = None,
+                           num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                           is_token_in_rank: torch.Tensor | None = None,
+                           num_tokens_per_expert: torch.Tensor | None = None,
+                           topk_idx: torch.Tensor | None = None,
+                           topk_weights: torch.Tensor | None = None, expert_alignment: int = 1,
+                           config: Config | None = None,
+                           previous_event: EventOverlap | None = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's dispatch across hosts (its arguments, without ``num_worst_tokens``): the
+        same call as ``dispatch`` here (one collective over the whole group carries every
+        host), with the same handle."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, 0, config, previous_event, async_finish,
+                             allocate_on_comm_stream)
 
-    def internode_combine(self, *args, **kwargs):
+    def internode_combine(self, x: torch.Tensor, handle: tuple,
+                          topk_weights: torch.Tensor | None = None, bias=None,
+                          config: Config | None = None,
+                          previous_event: EventOverlap | None = None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False):
         """DeepEP's combine across hosts: the same call as ``combine`` here."""
-        return self.combine(*args, **kwargs)
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     def _config(self, pr: V.Problems, config, default: str) -> Config | None:
         if config is None:
