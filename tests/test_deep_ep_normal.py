@@ -201,6 +201,12 @@ def _body(rank, W, seed, ranks_per_host):
     except ValueError as e:
         if "disagree" not in str(e) and "rank(s) [0]" not in str(e):
             fails.append(f"[rank={rank}] error does not say why: {e}")
+    try:                                    # not a tensor on rank 0: no rank may hang
+        buf.combine("y" if rank == 0 else y, handle)
+        fails.append(f"[rank={rank}] a combine with a bad x on rank 0 did not raise")
+    except (TypeError, ValueError) as e:
+        if ("x must be" if rank == 0 else "rank(s) [0]") not in str(e):
+            fails.append(f"[rank={rank}] error does not say why: {e}")
     again = buf.combine(y, handle, topk_weights=r_w, bias=(b0, b1), config=config)[0]
     if not torch.equal(again, want):
         fails.append(f"[rank={rank}] the buffer is broken after the refused calls")

@@ -89,9 +89,9 @@ class NormalMode:
         if check_int(pr, "num_experts", num_experts, 1) and num_experts % self.group_size:
             pr.add(f"num_experts={num_experts} is not a multiple of the group's "
                    f"{self.group_size} ranks")
+        rph = self._ranks_per_host()    # a collective the first time: before any raise
         pr.raise_if_any()
         _wait(previous_event)
-        rph = self._ranks_per_host()
         per_rank, per_host, per_expert, in_rank = O.dispatch_layout(
             topk_idx, num_experts, self.group_size, rph)
         event = after(topk_idx.device, async_finish, (topk_idx, per_rank, per_expert, in_rank))
@@ -310,7 +310,7 @@ class NormalMode:
         biases = check_bias(pr, bias, x if ok else None, T)
         device = x.device if ok else _fallback_device(self.group)
         self._agree(fn, pr, device, ("row bytes", "topk", "dtype"),
-                    (x.shape[1] * x.element_size(), K, _dtype_code(x.dtype)))
+                    (x.shape[1] * x.element_size(), K, _dtype_code(x.dtype)) if ok else (0, 0, 0))
         _wait(previous_event)
         send, recv, n = _counts_of(handle, self.rank)
         parts, specs = [x[:n]], [(x.dtype, (x.shape[1],))]
