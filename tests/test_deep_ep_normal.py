@@ -201,6 +201,17 @@ def _body(rank, W, seed, ranks_per_host):
     except ValueError as e:
         if "disagree" not in str(e) and "rank(s) [0]" not in str(e):
             fails.append(f"[rank={rank}] error does not say why: {e}")
+    for bad in ({"topk_idx": [[0]] if rank == 0 else idx_in},
+                {"num_worst_tokens": "many" if rank == W - 1 else 0}):
+        args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=idx_in, topk_weights=w)
+        args.update(bad)
+        try:
+            buf.dispatch(x, **args)
+            fails.append(f"[rank={rank}] {list(bad)} bad on one rank did not raise")
+        except (TypeError, ValueError) as e:
+            if list(bad)[0] not in str(e) and "passed bad arguments" not in str(e):
+                fails.append(f"[rank={rank}] error does not say why: {e}")
     try:                                    # not a tensor on rank 0: no rank may hang
         buf.combine("y" if rank == 0 else y, handle)
         fails.append(f"[rank={rank}] a combine with a bad x on rank 0 did not raise")

@@ -177,8 +177,7 @@ class NormalMode:
             check_layout(pr, W, T, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
             if (topk_idx is None) != (topk_weights is None):
                 pr.add("topk_idx and topk_weights go together: pass both or neither")
-            elif topk_idx is not None:
-                check_topk(pr, topk_idx, T)
+            elif topk_idx is not None and check_topk(pr, topk_idx, T):
                 check_weights(pr, topk_weights, topk_idx)
             if isinstance(num_worst_tokens, int) and num_worst_tokens and topk_idx is None:
                 pr.add("num_worst_tokens needs topk_idx and topk_weights (as DeepEP's)")
@@ -191,7 +190,8 @@ class NormalMode:
         self._agree(fn, pr, device, ("cached", "fp8", "row bytes", "num_experts", "topk",
                                      "num_sms (config)", "num_worst_tokens"),
                     (int(cached), int(scales is not None), row_bytes, E, K,
-                     config.num_sms if config else 0, num_worst_tokens))
+                     config.num_sms if config else 0,
+                     num_worst_tokens if isinstance(num_worst_tokens, int) else 0))
         _wait(previous_event)
         C = config.num_channels
         if cached:
