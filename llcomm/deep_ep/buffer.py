@@ -33,10 +33,11 @@ topk_idx_t = torch.int64
 
 
 class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
-    """DeepEP's ``Buffer`` in low-latency mode, on an ``llcomm.EPBuffer``.
+    """DeepEP's ``Buffer``: the low-latency mode on an ``llcomm.EPBuffer``, the normal mode on
+    ``all_to_all_single`` over ``group`` (``normal.py``).
 
-    ``import llcomm.deep_ep as deep_ep`` in place of ``import deep_ep``: the low-latency calls
-    take DeepEP's arguments and return DeepEP's tuples and layouts. What differs and what
+    ``import llcomm.deep_ep as deep_ep`` in place of ``import deep_ep``: the calls take
+    DeepEP's arguments and return DeepEP's tuples and layouts. What differs and what
     raises NotImplementedError: docs/deep_ep.md.
 
     **When the EPBuffer is created.** DeepEP's constructor takes a byte budget, not the shapes;

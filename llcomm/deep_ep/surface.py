@@ -14,15 +14,17 @@ DEFAULT_NUM_SMS = 20
 class DeepEPSurface:
     """``Buffer``'s names beyond the low-latency calls. The ``Buffer`` provides ``_ep``."""
 
-    #: SMs of DeepEP's high-throughput kernels (``set_num_sms``): kept, used by nothing here.
+    #: SMs of DeepEP's normal-mode kernels (``set_num_sms``): the ``num_sms`` of the configs
+    #: ``get_dispatch_config`` / ``get_combine_config`` return.
     num_sms: int = DEFAULT_NUM_SMS
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
         """DeepEP's SM count of its high-throughput kernels, a class-level setting: checked (a
         positive even int: TypeError / ValueError naming ``new_num_sms``) and kept in
-        ``Buffer.num_sms``. Nothing in llcomm reads it: the low-latency calls do not use it
-        (nor do DeepEP's), and llcomm's kernels size their grid themselves (one block per SM up
+        ``Buffer.num_sms``, which the default normal-mode configs carry (their channels,
+        ``num_sms // 2``, count the handle's channel matrices). The low-latency calls do not use
+        it (nor do DeepEP's): llcomm's kernels size their grid themselves (one block per SM up
         to ``llcomm.ep.layout.DEFAULT_NUM_BLOCKS``, or ``LLCOMM_EP_NUM_BLOCKS``)."""
         if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int):
             raise TypeError(f"{PREFIX}.set_num_sms: new_num_sms={new_num_sms!r}; expected an int")
