@@ -25,7 +25,7 @@ from .normal_checks import (check_bias, check_handle, check_int_arg, check_layou
                             check_weights, check_x)
 
 #: Header fields every rank exchanges first: [bad, then what must agree across ranks].
-HEADER_FIELDS = 8
+HEADER_FIELDS = 9
 
 
 class NormalHandle(tuple):
@@ -110,13 +110,13 @@ class NormalMode:
         return self._normal_ranks_per_host
 
     # -- the header every call exchanges first ----------------------------------------------------
-    def _agree(self, fn: str, pr: V.Problems, device: torch.device, names: tuple[str, ...],
+    def _agree(self, fn: str, pr: V.Problems, names: tuple[str, ...],
                values: tuple[int, ...]) -> None:
         """Exchange (bad, *values) with every rank; raise on every rank when any rank's
         arguments were bad (this rank's own ``pr`` first) or the ranks disagree."""
         vec = torch.tensor([1 if pr.items else 0, *values] + [0] * (HEADER_FIELDS - 1
                                                                   - len(values)),
-                           dtype=torch.int64, device=device)
+                           dtype=torch.int64, device="cpu")
         got = O.gather_counts(self.group, vec).tolist()
         pr.raise_if_any()
         bad = [r for r, row in enumerate(got) if row[0]]
@@ -181,17 +181,18 @@ class NormalMode:
                 check_weights(pr, topk_weights, topk_idx)
             if isinstance(num_worst_tokens, int) and num_worst_tokens and topk_idx is None:
                 pr.add("num_worst_tokens needs topk_idx and topk_weights (as DeepEP's)")
-        device = vals.device if vals is not None else _fallback_device(self.group)
         E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
                                                         torch.Tensor) else 0
         K = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
         row_bytes = vals.shape[1] * vals.element_size() if vals is not None and vals.dim() == 2 \
             else 0
-        self._agree(fn, pr, device, ("cached", "fp8", "row bytes", "num_experts", "topk",
-                                     "num_sms (config)", "num_worst_tokens"),
+        self._agree(fn, pr, ("cached", "fp8", "row bytes", "num_experts", "topk",
+                             "num_sms (config)", "num_worst_tokens", "CUDA tensors"),
                     (int(cached), int(scales is not None), row_bytes, E, K,
                      config.num_sms if config else 0,
-                     num_worst_tokens if isinstance(num_worst_tokens, int) else 0))
+                     num_worst_tokens if isinstance(num_worst_tokens, int) else 0,
+                     int(vals is not None and vals.is_cuda)))
+        device = vals.device
         _wait(previous_event)
         C = config.num_channels
         if cached:
@@ -208,7 +209,7 @@ class NormalMode:
             (num_tokens_per_rank.to(torch.int64) != in_rank.sum(dim=0)).any().view(1).long(),
             in_rank.sum(dim=0, dtype=torch.int64), num_tokens_per_expert.to(torch.int64),
             O.channel_counts(in_rank, C).flatten()])
-        table = O.gather_counts(self.group, mine).cpu()
+        table = O.gather_counts(self.group, mine)
         mismatch = table[:, 0].nonzero().flatten().tolist()
         if mismatch:
             raise ValueError(f"{PREFIX}.{fn}: num_tokens_per_rank differs from "
@@ -308,9 +309,10 @@ class NormalMode:
                 else:
                     K = topk_weights.shape[1]
         biases = check_bias(pr, bias, x if ok else None, T)
-        device = x.device if ok else _fallback_device(self.group)
-        self._agree(fn, pr, device, ("row bytes", "topk", "dtype"),
-                    (x.shape[1] * x.element_size(), K, _dtype_code(x.dtype)) if ok else (0, 0, 0))
+        self._agree(fn, pr, ("row bytes", "topk", "dtype", "CUDA tensors"),
+                    (x.shape[1] * x.element_size(), K, _dtype_code(x.dtype), int(x.is_cuda))
+                    if ok else (0, 0, 0, 0))
+        device = x.device
         _wait(previous_event)
         send, recv, n = _counts_of(handle, self.rank)
         parts, specs = [x[:n]], [(x.dtype, (x.shape[1],))]
@@ -388,13 +390,6 @@ def _wait(previous_event) -> None:
     """The current stream waits for ``previous_event`` (an EventOverlap), if any."""
     if previous_event is not None and getattr(previous_event, "event", None) is not None:
         previous_event.event.current_stream_wait()
-
-
-def _fallback_device(group) -> torch.device:
-    """The device a call whose tensors are bad exchanges its header on."""
-    cuda_only = str(dist.get_backend(group)).lower() == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if cuda_only else \
-        torch.device("cpu")
 
 
 #: Codes of the dtypes a combine's ranks must agree on (the header carries ints).

@@ -15,6 +15,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..runtime.backend import device_backends, reference_device
+
 #: dtype of the counts DeepEP's layout returns and its handle holds.
 COUNT_DTYPE = torch.int32
 
@@ -73,14 +75,14 @@ def send_heads(in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
 
 
 def gather_counts(group, vec: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``vec`` (int64, the same length on every rank) as ``[W, n]``: the one
-    exchange of the counts, staged through the CPU where the group cannot move the device's
-    tensors."""
+    """Every rank's ``vec`` (int64, the same length on every rank) as ``[W, n]`` on the CPU
+    (the host reads them). The exchange runs where the group alone says
+    (``reference_device``), so every rank takes the same backend whatever its arguments."""
     W = dist.get_world_size(group)
-    where = _carrier(group, vec.device)
+    where = reference_device(group)
     out = [torch.empty(vec.numel(), dtype=torch.int64, device=where) for _ in range(W)]
     dist.all_gather(out, vec.to(where).contiguous(), group=group)
-    return torch.stack(out).to(vec.device)
+    return torch.stack(out).cpu()
 
 
 def all_to_all_rows(group, rows: torch.Tensor, send_splits: list[int],
@@ -98,12 +100,7 @@ def _carrier(group, device: torch.device) -> torch.device:
     """The device the group's collectives move: ``device`` when its backend serves that
     device type (NCCL: CUDA; gloo: CPU; a mixed ``cpu:gloo,cuda:nccl`` group: both), else the
     CPU (a gloo group holding CUDA tensors, as on one GPU shared by two ranks)."""
-    name = str(dist.get_backend(group)).lower()
-    if ":" in name:
-        types = {part.split(":")[0] for part in name.split(",")}
-    else:
-        types = {"nccl": {"cuda"}, "gloo": {"cpu"}}.get(name, {device.type})
-    return device if device.type in types else torch.device("cpu")
+    return device if device.type in device_backends(group) else torch.device("cpu")
 
 
 def pack(parts: list[torch.Tensor]) -> torch.Tensor:
