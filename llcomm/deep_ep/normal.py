@@ -256,13 +256,9 @@ class NormalMode:
         parts.append(tokens.to(torch.int32).view(-1, 1))
         specs.append((torch.int32, (1,)))
         if topk_idx is not None:
-            lo = (dest * L).view(-1, 1).to(topk_idx.dtype)
-            idx = topk_idx[tokens]
-            hit = (idx >= lo) & (idx < lo + L)
-            parts += [torch.where(hit, idx - lo, torch.full_like(idx, -1)),
-                      torch.where(hit, topk_weights[tokens], torch.zeros_like(topk_weights[
-                          tokens]))]
-            specs += [(topk_idx.dtype, (idx.shape[1],)), (torch.float32, (idx.shape[1],))]
+            parts += O.local_topk(topk_idx[tokens], topk_weights[tokens], dest, L)
+            K = topk_idx.shape[1]
+            specs += [(topk_idx.dtype, (K,)), (torch.float32, (K,))]
         got = O.unpack(O.all_to_all_rows(self.group, O.pack(parts), send, recv), specs)
         it = iter(got)
         return (next(it), next(it) if scales is not None else None, next(it),

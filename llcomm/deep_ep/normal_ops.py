@@ -121,11 +121,11 @@ def unpack(rows: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]]])
     return out
 
 
-def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
+def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor, dest: torch.Tensor,
                per_rank_experts: int):
-    """The top-k a rank receives for a token: its own experts' local indices, -1 elsewhere, and
-    their weights, 0 elsewhere (as DeepEP sends them)."""
-    lo = rank * per_rank_experts
+    """The top-k that rank ``dest[i]`` receives for row i: its own experts' local indices, -1
+    elsewhere, and their weights, 0 elsewhere (as DeepEP sends them)."""
+    lo = (dest * per_rank_experts).view(-1, 1).to(topk_idx.dtype)
     mine = (topk_idx >= lo) & (topk_idx < lo + per_rank_experts)
     idx = torch.where(mine, topk_idx - lo, torch.full_like(topk_idx, -1))
     w = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
