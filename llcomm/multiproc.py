@@ -12,10 +12,11 @@
 port between its choice and its use (picking a port by binding and closing a socket leaves
 that window open). Each child connects to it, initialises the default process group (NCCL with
 rank r on GPU r, or gloo), runs ``fn(rank, world_size, *args)`` and destroys the group in
-``finally``. Each rank reports back over a queue: its return value, or its exception with the
-rank's traceback, which ``run`` raises as ``RankFailed``. Nothing hangs: once any rank fails
-the others get ``FAILURE_GRACE_S``; past ``timeout`` seconds every remaining process is killed,
-and the error names the ranks that never finished.
+``finally``, then leaves at once (``os._exit(0)``: no interpreter finalization, where gloo's
+threads can abort a process that has passed). Each rank reports back over a queue: its return
+value, or its exception with the rank's traceback, which ``run`` raises as ``RankFailed``.
+Nothing hangs: once any rank fails the others get ``FAILURE_GRACE_S``; past ``timeout`` seconds
+every remaining process is killed, and the error names the ranks that never finished.
 
 Fault tests name the ranks that are meant to die: ``expect_exit={1: 17}`` accepts rank 1 leaving
 with exit code 17 (``os._exit(17)``; ``-9`` for SIGKILL) without a report (its result is None),
@@ -36,6 +37,7 @@ import dataclasses
 import datetime
 import os
 import queue as queue_mod
+import sys
 import time
 import traceback
 from typing import Callable
@@ -116,6 +118,15 @@ def rank_main(fn, rank: int, world_size: int, rdv: Rendezvous, args: tuple, resu
                                     + traceback.format_exc()))
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Reported and torn down: leave without the interpreter's finalization, where a gloo worker
+    # thread can still release a tensor and abort the process ("terminate called without an
+    # active exception", exit code -6) after everything has passed. A hang or an abort in fn or
+    # in the teardown above still shows. The report is flushed to the pipe first.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(fn: Callable, world_size: int, *args, backend: str = "gloo",
