@@ -38,6 +38,7 @@ def run_in_interpreter(module: str, fn_name: str, *args):
 #     builder object);
 #   - triton.language is patched for the interpreter once, on entry, and restored on exit (each
 #     launch would otherwise restore it when it ends, under the launches still running);
+#   - a function's first call rewrites it (shared state in the interpreter): under a lock;
 #   - a scalar comparison splat over a block (``(offs < n) & (s != rank)``) stays a boolean
 #     block: the interpreter keeps the operands' type in a comparison's scalar result and
 #     splats it as that type, which loads and stores then refuse as a mask;
@@ -79,6 +80,15 @@ class concurrent_kernels:
                 return interp.TensorHandle(np.full(ret_ty.shape, arg.data.reshape(-1)[0]), tl.int1)
             return splat(builder, ret_ty, arg)
 
+        # the first call of a function rewrites it, in shared state: one thread at a time
+        F = interp.InterpretedFunction
+        self._saved.append((F, "rewrite", F.__dict__["rewrite"]))
+        rewrite, lock = F.rewrite, threading.RLock()
+
+        def locked_rewrite(fn_self):
+            with lock:
+                return rewrite(fn_self)
+        F.rewrite = locked_rewrite
         B.grid_idx = per_thread("grid_idx")
         B.grid_dim = per_thread("grid_dim")
         B.create_splat = create_splat

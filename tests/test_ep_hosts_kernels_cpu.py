@@ -257,11 +257,28 @@ def simulate_mutated(mutation: str, nic_seed):
 
     from llcomm.ep.hosts import nic as NIC
     from llcomm.ep.hosts.kernels import dispatch as HD
+    from llcomm.ep.hosts.kernels import forward as FW
     if mutation == "rows_before_flag":
+        globals()["FW"] = FW    # the interpreted replacement below reads it as a global
+
         @triton.jit
-        def no_wait(g, ng, wh, word, timeout_us, err, S, RG, SHMEM: tl.constexpr):
-            return 1
-        HD._rows_arrived = no_wait
+        def no_wait(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
+                    SHMEM: tl.constexpr):
+            """forward.forward_host without the rows' flags: every token at once."""
+            ids_at = FW._at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
+                            tl.int32)
+            ng = tl.load(ids_at)
+            if tl.program_id(0) == 0:
+                tl.store(fwd_ntok + g, ng)
+                for q in tl.static_range(S.R):
+                    tl.store(FW._at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK,
+                                    tl.int32) + g * S.R + wh.local, ng)
+            for t in range(tl.program_id(0), ng, S.NB):
+                FW._forward_token(g, t, FW.ids_row(ids_at + FW.ID_HEADER + t * S.K, True, S),
+                                  wh.set_off + RG.RAIL_ROWS + (g * S.T + t) * S.ROW_BYTES,
+                                  fwd_ids, wh, S, RG)
+            return tl.full([], 1, tl.int32) != 0
+        HD.forward_host = no_wait
     else:
         scratch = ctypes.c_int64(0)
         post = NIC.LazyNIC.post
@@ -337,6 +354,90 @@ def test_an_absent_host_times_out_every_other_rank(R, N):
         # named by global rank: its rail rank on the absent host
         assert list(e.ranks) == [(N - 1) * R + r % R], (r, e.ranks, str(e))
         assert set(cnt) == {-1} and set(ntok) == {-1}, (r, cnt, ntok)
+
+
+def simulate_held_back_host(R, N, watch_s):
+    """One dispatch on N hosts of R virtual ranks with host 1's ranks held back: the others
+    start, and for up to ``watch_s`` seconds the rows every forwarder of the other hosts must
+    place in its host (its own tokens' and those of every host but 1) are looked for in the
+    ranks' heaps; then host 1 starts. Returns (rows expected, rows seen before host 1 started,
+    the failures of the whole dispatch against the oracle)."""
+    import threading
+    import time
+
+    import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
+    from _interp import concurrent_kernels
+    from llcomm.ep.hosts.layout import hosts_layout
+    from llcomm.ep.hosts.peer import hosts_consts, size_tag
+    from llcomm.ep.hosts.kernels import dispatch as HD
+    from llcomm.runtime import protocol as P
+    from test_ep_oracle import make_case, oracle_dispatch
+
+    W, E, T, H, K, NB = N * R, 2 * N * R, 4, 32, 2, 1
+    L, dtype, held = E // W, torch.float32, 1
+    lay = hosts_layout(T, H, N, R, K, 4, NB, False)
+    heap, tab, host_words, err, ctrl, _ = simulated_heap(lay, NB, nic_seed=50 + W)
+    dc, _, _ = hosts_consts(lay, E, K, 0)
+    xs, topks, _ = make_case(W, E, T, H, K, 13, "random", dtype)
+    recv = [torch.full((L, W * T, H), float("nan")) for _ in range(W)]
+    cnt = [torch.full((L,), -7, dtype=torch.int32) for _ in range(W)]
+    src = [torch.full((L, W * T), -7, dtype=torch.int32) for _ in range(W)]
+    ntok = [torch.full((W,), -7, dtype=torch.int32) for _ in range(W)]
+
+    def dispatch(r):
+        HD.hosts_dispatch_kernel[(NB,)](
+            xs[r], topks[r], xs[r].shape[0], recv[r], torch.zeros(1),
+            torch.zeros(W, T, K, dtype=torch.int32), src[r], cnt[r], ntok[r],
+            torch.zeros(N, T, K, dtype=torch.int32), torch.zeros(N, dtype=torch.int32), tab,
+            ctrl[r][0], err[r], r, size_tag(P.OP_DISPATCH, H, K, 0, dtype), 120_000_000,
+            torch.zeros(NB, N, 3, dtype=torch.int64), None,
+            **dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, SHMEM=0))
+
+    # (rank q, source s, token t) of every row a forwarder on a host other than 1 places in
+    # its host for a source not on host 1
+    want = [(q, s, t) for q in range(W) if q // R != held for s in range(W) if s // R != held
+            for t in range(xs[s].shape[0]) if any(int(e) // L == q for e in topks[s][t].tolist())]
+    base = lay.offsets["d_host_rows"]
+
+    def placed(q, s, t):
+        at = base + (s * T + t) * lay.row_bytes
+        return torch.equal(heap[q][at:at + 4 * H].view(torch.float32), xs[s][t])
+
+    threads = {}
+    with concurrent_kernels():
+        def start(ranks):
+            for r in ranks:
+                threads[r] = threading.Thread(target=dispatch, args=(r,), daemon=True)
+                threads[r].start()
+        start([r for r in range(W) if r // R != held])
+        end = time.monotonic() + watch_s
+        while time.monotonic() < end and not all(placed(*w) for w in want):
+            time.sleep(0.05)
+        seen = sum(placed(*w) for w in want)
+        start(range(held * R, (held + 1) * R))
+        for t in threads.values():
+            t.join(300)
+        stuck = [r for r, t in threads.items() if t.is_alive()]
+    fails = [f"ranks {stuck} never finished"] if stuck else []
+    exp = oracle_dispatch(xs, topks, W, E, T)
+    for r in range(W):
+        fails += _rows_fails("[held-back host]", r, exp[r], cnt, recv, src, L)
+        if int(host_words[r][0]):
+            fails.append(f"rank {r}: error word {int(host_words[r][0]):#x}")
+    return len(want), seen, fails
+
+
+@pytest.mark.parametrize("R,N", [(2, 3), (1, 3)])
+def test_a_held_back_host_does_not_hold_back_the_others_rows(R, N):
+    """Per-token pipelining: with host 1 not started, the forwarders of hosts 0 and 2 place
+    their own tokens' rows and each other's in their hosts; host 1's rows follow once it
+    starts, and the whole dispatch then matches the oracle. A forwarder that waited for every
+    host's id block before moving any row (the global wait) places none of them."""
+    n_want, seen, fails = run_in_interpreter("test_ep_hosts_kernels_cpu",
+                                             "simulate_held_back_host", R, N, 90)
+    assert n_want > 0
+    assert seen == n_want, f"{seen} of {n_want} rows placed while host 1 was held back"
+    assert not fails, "\n".join(fails[:10])
 
 
 def simulate_wait_stats(delay_s):

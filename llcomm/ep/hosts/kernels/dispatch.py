@@ -3,21 +3,22 @@ forwarded inside that host to the ranks that hold its experts.
 
 Rank ``r`` is local rank ``l = r % R`` of host ``h = r // R``. One launch of NB blocks; block b
 owns tokens ``b, b + NB, ...`` of every list it walks, and local experts ``b, b + NB, ...``.
-Stages (``STAGES`` bits, ``HD_*``), each separated from the next by a bounded wait:
+Stages (``STAGES`` bits, ``HD_*``), separated by bounded waits:
 
-1. send (``HD_SEND``): stage each own token's row in the heap (FP8: quantised here, once) and
-   send it once to every *other* host holding one of its experts, at the rank of local index
-   l there (its rail rank): ``d_rail_rows[h, t]``, flag ``d_row_sig[h, t]``. Block 0 sends
-   the token count and every token's top-k ids to every other host (``d_rail_ids[h]``, flag
-   ``d_rail_sig[h]``). Each message is one put-with-signal with a flag of its own
-   (``rail.py``).
-2. forward (``HD_FORWARD``, after the wait ``HD_FORWARD_WAIT`` for every other host's id
-   block): for each host g of its rail (own tokens for g = h, from the staging area), the
-   tokens of source ``s = g * R + l`` go to the ranks of this host that hold their experts,
-   ``d_host_rows[s, t]`` there, and the ids of every token of s to every rank of this host;
-   the ids also go into the handle (``fwd_ids``: the combine retraces the route). Another
-   host's rows are forwarded once the block's share of them has arrived (their flags). Each
-   block then signals ``d_host_sig[b, l]`` on every rank of the host.
+1. send (``HD_SEND``): block 0 first sends the token count and every token's top-k ids to
+   every other host (``d_rail_ids[h]``, flag ``d_rail_sig[h]``); then each block stages each
+   own token's row in the heap (FP8: quantised here, once) and sends it once to every *other*
+   host holding one of its experts, at the rank of local index l there (its rail rank):
+   ``d_rail_rows[h, t]``, flag ``d_row_sig[h, t]``. Each message is one put-with-signal with a
+   flag of its own (``rail.py``).
+2. forward (``forward.py``). Own tokens (``HD_FORWARD_OWN``, in the send half, no wait): each
+   goes from the staging area to the ranks of this host that hold its experts,
+   ``d_host_rows[s, t]`` there, and its ids to every rank of this host and into the handle
+   (``fwd_ids``: the combine retraces the route). Then (``HD_FORWARD``) the same for the
+   tokens of every other source ``s = g * R + l`` of its rail: host by host as their id blocks
+   arrive, each token as soon as its row's flag is set (with masks, ``HD_FORWARD_WAIT`` first
+   waits for every host's id block and agrees on the mask). Each block then signals
+   ``d_host_sig[b, l]`` on every rank of the host.
 3. expand (``HD_EXPAND``, after ``HD_EXPAND_WAIT`` for every forwarder's signals): for each
    local expert, the rows routed to it, sources in rank order, tokens in order, packed from 0
    into ``recv_x``, with ``src_info``, ``row_of`` and ``recv_count``: the single-host layout.
@@ -37,22 +38,27 @@ import triton.language as tl
 from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
                                      wait_bound)
 from .. import layout as HL
-from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, PHASE_ENTRY, _at,
-                               _masked, _rank_bits, symbol)
+from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_DISPATCH, _at,
+                               _rank_bits, symbol)
 from ...kernels.fp8_rows import _quantize_row
 from .masks import (ERR_ENTRY_VERDICT, ERR_HOST_VERDICT, ERR_RAIL_VERDICT, announce,
                     entry_wait, fed, hosts_wait, later_bound, ranks_wait)
-from .rail import FLAG, copy_words, host_signal, rail_arrived, rail_send, rail_wait
+from .forward import forward_host, forward_own, next_host
+from .rail import FLAG, copy_words, host_signal, rail_arrived, rail_send
 
-HD_SEND, HD_FORWARD_WAIT, HD_FORWARD, HD_EXPAND_WAIT, HD_EXPAND = 1, 2, 4, 8, 16
-HOSTS_DISPATCH_ALL = 31
-#: ``return_recv_hook``: the send half is the rail puts; the rest waits for peers.
-HOSTS_DISPATCH_SEND_HALF = HD_SEND
+HD_SEND, HD_FORWARD_OWN, HD_FORWARD_WAIT, HD_FORWARD, HD_EXPAND_WAIT, HD_EXPAND = (
+    1, 2, 4, 8, 16, 32)
+HOSTS_DISPATCH_ALL = 63
+#: ``return_recv_hook``: the send half is the rail puts and the own tokens' forward, which wait
+#: for nothing; the rest waits for peers.
+HOSTS_DISPATCH_SEND_HALF = HD_SEND | HD_FORWARD_OWN
 HOSTS_DISPATCH_RECV_HALF = HD_FORWARD_WAIT | HD_FORWARD | HD_EXPAND_WAIT | HD_EXPAND
 #: The stages between waits, in order: launched one group at a time on every rank in turn, each
 #: group's waits find their signals set (how ``llcomm/bench/ep_interp.py`` runs the ranks).
-HOSTS_DISPATCH_STEPS = (HD_SEND, HD_FORWARD_WAIT | HD_FORWARD, HD_EXPAND_WAIT | HD_EXPAND)
+HOSTS_DISPATCH_STEPS = (HD_SEND | HD_FORWARD_OWN, HD_FORWARD_WAIT | HD_FORWARD,
+                        HD_EXPAND_WAIT | HD_EXPAND)
 STAGE_SEND = tl.constexpr(HD_SEND)
+STAGE_FORWARD_OWN = tl.constexpr(HD_FORWARD_OWN)
 STAGE_FORWARD_WAIT = tl.constexpr(HD_FORWARD_WAIT)
 STAGE_FORWARD = tl.constexpr(HD_FORWARD)
 STAGE_EXPAND_WAIT = tl.constexpr(HD_EXPAND_WAIT)
@@ -73,7 +79,8 @@ COPY_CHUNK = tl.constexpr(512)
 #: recv_x (``RX_WORDS``) and FP8 scales (``SCALES``, pow2 ``SCALES_P2``; 0 without FP8).
 #: Also pow2s: of the hosts, the flags of a rail wait (``RAIL_FLAGS_P2``: one per host), of
 #: the flags of a host wait (``HOST_FLAGS_P2``: ``NB * R``), and of a block's share of T
-#: tokens (``TOK_P2``: its lanes in a wait for its messages, ``rail.rail_wait``).
+#: tokens (``TOK_P2``: its lanes in a wait for its messages, ``rail.rail_wait`` and
+#: ``forward.forward_host``).
 HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
                                      "ROW_BYTES", "PUT_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
                                      "RAIL_FLAGS_P2", "HOST_FLAGS_P2", "TOK_P2"])
@@ -101,14 +108,6 @@ def _stage_row(x, t, at, S, FP8: tl.constexpr):
         tl.store((at + S.RX_WORDS).to(tl.pointer_type(tl.float32)) + ns, sc, mask=ns < S.SCALES)
     else:
         copy_words(at, (x + t * S.H).to(tl.pointer_type(tl.int32)), S.RX_WORDS, COPY_CHUNK)
-
-
-@triton.jit
-def _ids_row(ptr, valid, S):
-    """``[KP]`` int32 top-k ids at ``ptr`` (int32 or int64), out-of-range ids as -1."""
-    ks = tl.arange(0, S.KP)
-    ids = tl.load(ptr + ks, mask=(ks < S.K) & valid, other=-1)
-    return tl.where((ids >= 0) & (ids < S.E), ids, -1).to(tl.int32)
 
 
 @triton.jit
@@ -144,19 +143,7 @@ def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
     b = tl.program_id(0)
     msgs = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
     nbytes = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
-    for t in range(b, n_tok, S.NB):
-        row_off = wh.set_off + RG.STAGE + t * S.ROW_BYTES
-        _stage_row(x, t, _at(wh.tab, wh.rank, row_off, tl.int32), S, FP8)
-        tl.debug_barrier()          # the row is staged before the block puts it
-        hosts = _rank_bits(topk + t * S.K, S.K, S.E, S.L * S.R)
-        for g in range(S.N):
-            if (g != wh.host) & (((hosts >> g) & 1) != 0):
-                rail_send(wh.tab, wh.rank, g * S.R + wh.local,
-                          wh.set_off + RG.RAIL_ROWS + (wh.host * S.T + t) * S.ROW_BYTES,
-                          row_off, S.PUT_BYTES,
-                          wh.set_off + RG.ROW_SIG + (wh.host * S.T + t) * FLAG, word, SHMEM)
-                msgs, nbytes = ledger_add(msgs, nbytes, g, S.PUT_BYTES, S)
-    if b == 0:      # the token count and every token's ids, to every other host
+    if b == 0:      # first the token count and every token's ids, to every other host
         idp = _at(wh.tab, wh.rank, wh.set_off + RG.STAGE_IDS, tl.int32)
         tl.store(idp, n_tok)
         ks = tl.arange(0, S.KP)
@@ -180,6 +167,18 @@ def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
                           wh.set_off + RG.STAGE_IDS, ids_bytes,
                           wh.set_off + RG.RAIL_SIG + wh.host * FLAG, word, SHMEM)
                 msgs, nbytes = ledger_add(msgs, nbytes, g, ids_bytes, S)
+    for t in range(b, n_tok, S.NB):
+        row_off = wh.set_off + RG.STAGE + t * S.ROW_BYTES
+        _stage_row(x, t, _at(wh.tab, wh.rank, row_off, tl.int32), S, FP8)
+        tl.debug_barrier()          # the row is staged before the block puts it
+        hosts = _rank_bits(topk + t * S.K, S.K, S.E, S.L * S.R)
+        for g in range(S.N):
+            if (g != wh.host) & (((hosts >> g) & 1) != 0):
+                rail_send(wh.tab, wh.rank, g * S.R + wh.local,
+                          wh.set_off + RG.RAIL_ROWS + (wh.host * S.T + t) * S.ROW_BYTES,
+                          row_off, S.PUT_BYTES,
+                          wh.set_off + RG.ROW_SIG + (wh.host * S.T + t) * FLAG, word, SHMEM)
+                msgs, nbytes = ledger_add(msgs, nbytes, g, S.PUT_BYTES, S)
     ledger_store(ledger, msgs, nbytes, S, 0)
 
 
@@ -195,71 +194,32 @@ def ids_arrived(flags, word, wh, S, SHMEM: tl.constexpr):
 
 
 @triton.jit
-def _rows_arrived(g, ng, wh, word, timeout_us, err, S, RG, SHMEM: tl.constexpr):
-    """Wait for the rows of this block's tokens of host g routed to this host (their flags
-    ``d_row_sig[g, t]``); 1, or 0 after an error naming host g (a rail wait)."""
-    b = tl.program_id(0)
-    ks = tl.arange(0, S.KP)
-    ts = b + S.NB * tl.arange(0, S.TOK_P2)
-    tm = ts < ng
-    idp = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES, tl.int32)
-    ids = tl.load(idp + ID_HEADER + ts[:, None] * S.K + ks[None, :],
-                  mask=tm[:, None] & (ks < S.K)[None, :], other=-1)
-    here = tl.max(((ids >= 0) & (ids < S.E) & (ids // (S.L * S.R) == wh.host)).to(tl.int32),
-                  1) != 0
-    flags = _at(wh.tab, wh.rank, wh.set_off + RG.ROW_SIG, tl.int64) + g * S.T + ts
-    return rail_wait(flags, tm & here, tl.full([S.TOK_P2], 0, tl.int64) + g, word, timeout_us,
-                     err, OP_DISPATCH, PHASE_ENTRY, 1, SHMEM)
-
-
-@triton.jit
-def _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
-             SHMEM: tl.constexpr):
-    """Stage 2 (module doc). A masked source (``msk``) forwards no token. The rows of each
-    other host are forwarded once this block's share of them has arrived (``_rows_arrived``),
-    own rows without a wait. Returns 1, or 0 after an error (then nothing is signalled: the
-    ranks of this host time out rather than read rows that never came)."""
+def _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, S, RG,
+             SHMEM: tl.constexpr, MASKS: tl.constexpr, STATS: tl.constexpr):
+    """Stage 2 for the other hosts' sources (``forward.py``): without masks each host as its
+    id block arrives (``next_host``), with masks (their id blocks already waited for) in host
+    order; each host's tokens as their rows arrive. Then this block signals every rank of the
+    host. Returns 1, or 0 after an error (then nothing is signalled: the ranks of this host
+    time out rather than read rows that never came)."""
     b = tl.program_id(0)
     ok = tl.full([], 1, tl.int32) != 0
-    ks = tl.arange(0, S.KP)
-    km = ks < S.K
-    for g in range(S.N):
-        s = g * S.R + wh.local
-        own = g == wh.host
-        if own:
-            ng = n_tok
-        else:
-            ng = tl.load(_at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
-                             tl.int32))
-        ng = tl.where(_masked(msk, s), 0, ng)
-        if b == 0:
-            tl.store(fwd_ntok + g, ng)
-            for q in tl.static_range(S.R):
-                tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK, tl.int32) + s,
-                         ng)
-        if (not own) & ok:
-            ok = _rows_arrived(g, ng, wh, word, timeout_us, err, S, RG, SHMEM)
-        if not ok:
-            ng = 0
-        for t in range(b, ng, S.NB):
-            if own:
-                ids = _ids_row(topk + t * S.K, True, S)
-                src = wh.set_off + RG.STAGE + t * S.ROW_BYTES
+    if MASKS:
+        bound = later_bound(timeout_us, MASKS)
+        for g in range(S.N):
+            if (g != wh.host) & ok:
+                ok = forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, bound, err, S, RG, SHMEM)
+    else:
+        pending = ((tl.full([], 1, tl.int64) << S.N) - 1) & ~(tl.full([], 1, tl.int64)
+                                                             << wh.host)
+        while (pending != 0) & ok:
+            g = next_host(_at(wh.tab, wh.rank, wh.set_off + RG.RAIL_SIG, tl.int64), pending,
+                          word, timeout_us, err, wh, stats, S, SHMEM, STATS)
+            if g < 0:
+                ok = g >= 0
             else:
-                ids = _ids_row(_at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
-                                   tl.int32) + ID_HEADER + t * S.K, True, S)
-                src = wh.set_off + RG.RAIL_ROWS + (g * S.T + t) * S.ROW_BYTES
-            tl.store(fwd_ids + (g * S.T + t) * S.K + ks, ids, mask=km)
-            dest = tl.where(ids >= 0, ids // S.L - wh.host * S.R, -1)   # local rank, or none
-            for q in tl.static_range(S.R):
-                qr = wh.host * S.R + q
-                tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_IDS, tl.int32)
-                         + (s * S.T + t) * S.K + ks, ids, mask=km)
-                if tl.max((dest == q).to(tl.int32), 0) > 0:
-                    copy_words(_at(wh.tab, qr, wh.set_off + RG.HOST_ROWS, tl.int32)
-                               + (s * S.T + t) * (S.ROW_BYTES // 4),
-                               _at(wh.tab, wh.rank, src, tl.int32), S.PUT_BYTES // 4,
-                               COPY_CHUNK)
+                ok = forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
+                                  SHMEM)
+                pending = pending & ~(tl.full([], 1, tl.int64) << g)
     if ok:
         for q in tl.static_range(S.R):
             host_signal(wh.tab, wh.host * S.R + q,
@@ -380,25 +340,27 @@ def hosts_dispatch_kernel(
     msk = tl.full([], 0, tl.int64)     # masked ranks (MASKS only)
     if MASKS:
         msk = poll_read(err + ERR_MASK)
-    ok = 1
+    if STAGE_FORWARD_OWN & STAGES:
+        forward_own(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, SIZES, REGIONS)
+    ok = tl.full([], 1, tl.int32) != 0
     if STAGE_FORWARD_WAIT & STAGES:
-        ok, msk = hosts_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
-                             timeout_us, err, OP_DISPATCH, go=1, msk=msk, epoch=seq + 1, wh=wh,
-                             S=SIZES, MASKS=MASKS, AGREE=ERR_RAIL_VERDICT, stats=stats,
-                             STATS=STATS)
-        if MASKS:
+        if MASKS:   # every host's id block first: the call's mask is agreed before rows move
+            ok, msk = hosts_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
+                                 timeout_us, err, OP_DISPATCH, go=1, msk=msk, epoch=seq + 1,
+                                 wh=wh, S=SIZES, MASKS=MASKS, AGREE=ERR_RAIL_VERDICT,
+                                 stats=stats, STATS=STATS)
             ok_e, msk = entry_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_ENTRY, tl.int64),
                                    word, timeout_us, err, OP_DISPATCH, go=ok, msk=msk,
                                    epoch=seq + 1, wh=wh, S=SIZES, AGREE=ERR_ENTRY_VERDICT,
                                    stats=stats, STATS=STATS)
             ok = ok & ok_e
-        if ok:
-            ids_arrived(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word, wh, SIZES,
-                        SHMEM)
+            if ok:
+                ids_arrived(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word, wh,
+                            SIZES, SHMEM)
     if STAGE_FORWARD & STAGES:
         if ok:
-            ok = _forward(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, word,
-                          later_bound(timeout_us, MASKS), err, SIZES, REGIONS, SHMEM)
+            ok = _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, SIZES,
+                          REGIONS, SHMEM, MASKS, STATS)
     if STAGE_EXPAND_WAIT & STAGES:
         ok2, msk = ranks_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
                               later_bound(timeout_us, MASKS), err, OP_DISPATCH, go=ok, msk=msk,
