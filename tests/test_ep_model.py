@@ -1,10 +1,14 @@
-"""The two-level EP cost model (``llcomm/bench/ep_model.py``): its exact wire counts against
-``wire_formula`` (the kernels tests' own oracle) on random routings and against the ledger the
-two-level kernels count in Triton's interpreter; its expected counts against the mean of the
-exact ones over random uniform routings; each stage's time against its parameter; the in-host
-constants against the result file they come from; and ``llcomm bench ep --model``."""
+"""The two-level EP cost model (``llcomm/bench/ep_model.py``, printed by
+``llcomm/bench/ep_model_cli.py``): its exact wire counts against ``wire_formula`` (the kernels
+tests' own oracle) on random routings and against the ledger the two-level kernels count in
+Triton's interpreter; its expected counts against the mean of the exact ones over random
+uniform routings; each stage's time against its parameter; the schedule of stages that run
+after or during the one before (the pipelined dispatch), the op's time and the stage that
+limits it; the in-host constants against the result file they come from; and
+``llcomm bench ep --model``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,6 +18,7 @@ import torch
 from test_ep_hosts_kernels_cpu import wire_formula
 
 from llcomm import cli
+from llcomm.bench import ep_inhost as I
 from llcomm.bench import ep_model as M
 from llcomm.bench import spawn
 from llcomm.bench.ep_interp import run_child
@@ -30,10 +35,10 @@ MEAN_SHAPES = [(8, 2, 32, 4, 16, 60, 0.02), (16, 8, 256, 8, 128, 8, 0.01),
                (32, 8, 256, 8, 128, 6, 0.01), (64, 8, 256, 8, 128, 3, 0.01)]
 #: The stages each parameter drives (they must move with it), and the direction: -1 for a
 #: bandwidth or rate (more is faster), +1 for a latency.
-DRIVES = {"nvlink_gbps": (-1, {"forward", "weights", "partials"}),
-          "nic_gbps": (-1, {"send", "weights", "host sums"}),
-          "nic_latency_us": (1, {"send", "weights", "host sums"}),
-          "nic_msg_rate": (-1, {"send", "weights", "host sums"}),
+DRIVES = {"nvlink_gbps": (-1, {"forward", "weights in", "partials"}),
+          "nic_gbps": (-1, {"send", "weights out", "host sums"}),
+          "nic_latency_us": (1, {"send", "weights out", "host sums"}),
+          "nic_msg_rate": (-1, {"send", "weights out", "host sums"}),
           "hbm_gbps": (-1, {"expand", "out"})}
 
 
@@ -132,8 +137,10 @@ def test_in_host_constants_are_the_result_files():
     rows = json.loads((ROOT / "bench/results/h200x2-ep-b256.json").read_text())["rows"]
     got = {(r["op"], r["bytes"]): r["median_us"] for r in rows
            if r["impl"] == "llcomm" and r["mode"] == "graph"}
-    for op, points, fit in (("dispatch_fp8", M.PEER_DISPATCH_FP8, M.LinkParams().host_dispatch),
-                            ("combine", M.PEER_COMBINE_BF16, M.LinkParams().host_combine)):
+    in_host = M.LinkParams().in_host
+    assert in_host is I.SCALED and in_host.host_sums is None
+    for op, points, fit in (("dispatch_fp8", I.PEER_DISPATCH_FP8, in_host.forward),
+                            ("combine", I.PEER_COMBINE_BF16, in_host.partials)):
         for nbytes, us in points:
             assert got[(op, nbytes)] == pytest.approx(us, abs=1e-3), op
             assert fit.us(nbytes) == pytest.approx(us, abs=1e-6), op
@@ -161,17 +168,95 @@ def test_each_stage_is_monotone_in_its_parameter(field, ranks):
             assert seq[0] == pytest.approx(seq[-1]), (field, name, seq)
 
 
-def test_the_model_adds_its_stages_and_names_the_longest():
-    s = M.Shape(ranks=64)
-    for m in (M.dispatch_model(s), M.combine_model(s)):
-        assert m.total_us == pytest.approx(sum(st.us for st in m.stages))
-        assert m.limit == max(m.stages, key=lambda st: st.us).name
+def _op(*stages) -> M.OpModel:
+    """An op of stages ``(name, µs)`` or ``(name, µs, tail µs)``: the latter overlap the stage
+    before them."""
+    return M.OpModel("op", tuple(M.Stage(st[0], "x", 0, 0, st[1], overlaps=len(st) > 2,
+                                         tail_us=st[2] if len(st) > 2 else 0.0)
+                                 for st in stages))
+
+
+def test_stages_in_series_add_and_the_longest_limits():
+    m = _op(("a", 3.0), ("b", 7.0), ("c", 2.0))
+    assert m.schedule() == [(0.0, 3.0), (3.0, 10.0), (10.0, 12.0)]
+    assert m.total_us == 12.0 and m.on_path_us() == [3.0, 7.0, 2.0] and m.limit == "b"
+
+
+def test_an_overlapping_stage_adds_only_what_outlasts_the_one_it_overlaps():
+    """Shorter than the stage it overlaps, it adds only its last batch (its tail) after that
+    stage's end, and the overlapped stage limits; longer, its own time from the common start
+    decides, it limits, and the overlapped stage is off the critical path."""
+    m = _op(("send", 10.0), ("forward", 6.0, 0.0), ("expand", 1.0))
+    assert m.total_us == 11.0 and m.limit == "send"
+    assert m.on_path_us() == [10.0, 0.0, 1.0]
+    m = _op(("send", 10.0), ("forward", 6.0, 2.5), ("expand", 1.0))
+    assert m.schedule()[1] == (0.0, 12.5) and m.total_us == 13.5 and m.limit == "send"
+    assert m.on_path_us() == [10.0, 2.5, 1.0]
+    m = _op(("send", 10.0), ("forward", 14.0, 2.5), ("expand", 1.0))
+    assert m.schedule()[1] == (0.0, 14.0) and m.total_us == 15.0 and m.limit == "forward"
+    assert m.on_path_us() == [0.0, 14.0, 1.0]
+    # longer than the send alone but ending by the send's end and its last batch: the send
+    # limits, though the forward's own time is the longest
+    m = _op(("send", 10.0), ("forward", 11.0, 3.0), ("expand", 1.0))
+    assert m.total_us == 14.0 and m.on_path_us() == [10.0, 3.0, 1.0] and m.limit == "send"
+    # a stage after the series starts at the end of the one before: overlap only shortens
+    m = _op(("w", 1.0), ("send", 10.0), ("forward", 14.0, 2.5))
+    assert m.schedule() == [(0.0, 1.0), (1.0, 11.0), (1.0, 15.0)]
+    assert m.on_path_us() == [1.0, 0.0, 14.0] and m.total_us == 15.0
+    # two stages in turn overlapping their predecessors all start together
+    m = _op(("a", 5.0), ("b", 3.0, 1.0), ("c", 8.0, 0.5))
+    assert m.schedule() == [(0.0, 5.0), (0.0, 6.0), (0.0, 8.0)] and m.limit == "c"
+
+
+@pytest.mark.parametrize("ranks", [16, 32, 64])
+def test_the_dispatch_forwards_during_the_send(ranks):
+    """The forward starts with the send and ends at the later of its own time and the send's
+    end (the last row's arrival) plus its last batch; the expand follows. Every op's stages
+    share its total on the critical path, and the limiting stage is the one with the most."""
+    s = M.Shape(ranks=ranks)
     d = M.dispatch_model(s)
+    send, fwd, expand = d.stages
+    assert fwd.overlaps and not send.overlaps and not expand.overlaps and fwd.tail_us > 0
+    assert d.total_us == pytest.approx(max(fwd.us, send.us + fwd.tail_us) + expand.us)
+    assert d.total_us < sum(st.us for st in d.stages)
+    assert d.limit == ("forward" if fwd.us > send.us + fwd.tail_us else "send")
+    c = M.combine_model(s)
+    assert not any(st.overlaps for st in c.stages)
+    assert c.total_us == pytest.approx(sum(st.us for st in c.stages))
+    assert c.limit == max(c.stages, key=lambda st: st.us).name
+    for m in (d, c):
+        path = m.on_path_us()
+        assert sum(path) == pytest.approx(m.total_us)
+        assert m.limit_stage is m.stages[path.index(max(path))]
     assert d.stages[0].messages == pytest.approx(s.wire().dispatch.total()[0])
+
+
+def test_a_fast_nic_leaves_the_forward_limiting_and_overlap_can_be_marked():
+    """With a NIC far faster than the links inside the host the forward limits the dispatch;
+    marking the host sums as overlapping the partials (one line in ``combine_model``) can
+    only shorten the combine, and shortens it when the sums outlast the partials."""
+    s = M.Shape(ranks=16)
+    d = M.dispatch_model(s, M.LinkParams(nic_gbps=1e4, nic_latency_us=0.1))
+    assert d.limit == "forward" and d.limit_stage.bound == "in host (scaled)"
+    assert d.total_us == pytest.approx(d.stages[1].us + d.stages[2].us)
+    c = M.combine_model(s)
+    stages = list(c.stages)
+    i = [st.name for st in stages].index("host sums")
+    stages[i] = dataclasses.replace(stages[i], overlaps=True)
+    piped = M.OpModel("combine", tuple(stages))
+    assert stages[i].us > stages[i - 1].us and piped.total_us < c.total_us
+    assert piped.limit == "host sums"
+
+
+def test_parameters_and_shapes_are_checked():
     with pytest.raises(ValueError, match="nic_gbps"):
         M.LinkParams(nic_gbps=0)
     with pytest.raises(ValueError, match="experts"):
         M.Shape(ranks=16, experts=100)
+    with pytest.raises(ValueError, match="gbps"):
+        I.HostExchange(1.0, 0.0)
+    with pytest.raises(ValueError, match="positive"):
+        I.HostExchange.fit([(100, -1.0)])
 
 
 def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys):
@@ -182,7 +267,10 @@ def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys):
     out = capsys.readouterr().out
     for ep in (16, 32, 64):
         assert f"EP{ep}: " in out
-    assert "| dispatch | send | NIC |" in out and "| combine | host sums | NIC |" in out
+    assert "| dispatch | send | first | NIC |" in out
+    assert "| dispatch | forward | during send |" in out
+    assert "| combine | host sums | after partials | NIC |" in out
+    assert "| dispatch | 44.3 | send | NIC bandwidth |" in out          # EP16, pipelined
     assert "limited by" in out and "DeepEP V1 low-latency" in out and "not met" in out
     assert cli.main(["bench", "ep", "--model", "--nic-gbps", "90",
                      "--nic-latency-us", "1.5"]) == 0
@@ -206,3 +294,4 @@ def test_cli_rejects_a_parameter_that_is_not_a_number(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "ep", "--model", "--nic-gbps", "fast"])
     assert "--nic-gbps" in capsys.readouterr().err
+

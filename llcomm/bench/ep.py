@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import console, ep_interp, ep_model, options, result_files, spawn, timing, verify
+from . import console, ep_interp, ep_model_cli, options, result_files, spawn, timing, verify
 from .ep_oracle import FP8_BLOCK, Expected, expert_affine, run_experts, uniform_routing
 from .ep_report import OVERLAP_OP, print_result
 from .timing import Impl
@@ -422,7 +422,7 @@ def add_arguments(p) -> None:
                         "this machine runs the two-level exchange; prints the bytes put across "
                         "hosts next to one copy per (token, expert) (default: hosts detected)")
     options.add_run_arguments(p, iters=DEFAULT_ITERS, warmup=DEFAULT_WARMUP)
-    ep_model.add_arguments(p)
+    ep_model_cli.add_arguments(p)
 
 
 def config_from_args(a, on_cpu: bool) -> Config:
@@ -465,8 +465,8 @@ def config_from_args(a, on_cpu: bool) -> Config:
 
 def run(a) -> int:
     """``llcomm bench ep``: exit status 1 if any result was wrong or an llcomm row failed."""
-    if ep_model.requested(a):       # the cost model alone: no process starts
-        return ep_model.run(a)
+    if ep_model_cli.requested(a):   # the cost model or its calibration: no process starts
+        return ep_model_cli.run(a)
     world, backend = spawn.plan(a.cpu)
     try:
         cfg = config_from_args(a, backend == "gloo")

@@ -1,5 +1,6 @@
-"""``llcomm bench ep --model``: the cost model of the two-level EP kernels
-(``llcomm/ep/hosts/kernels/dispatch.py``, ``combine.py``; docs/multihost.md, "Cost model").
+"""The cost model of the two-level EP kernels (``llcomm/ep/hosts/kernels/dispatch.py``,
+``forward.py``, ``combine.py``; docs/multihost.md, "Cost model"); ``ep_model_cli`` prints it
+(``llcomm bench ep --model``).
 
 Per GPU and per call, in two parts:
 
@@ -8,14 +9,13 @@ Per GPU and per call, in two parts:
   with probability ``1 - C(E - E/N, K) / C(E, K)``. ``wire_counts_exact``: the kernels' own
   formula from every rank's routing (docs/multihost.md, "The wire ledger"), which the tests
   hold to the ledger the kernels count in Triton's interpreter.
-- **How long.** Each op as its stages in series, since the kernels wait between stages
-  (``dispatch_model``, ``combine_model``), each stage timed from ``LinkParams``: a NIC stage
-  ``max(bytes / bandwidth, messages / rate) + latency``; an in-host stage the peer kernels'
-  2-GPU measurement scaled to the bytes it moves here (at least those bytes over NVLink); a
-  local pass over HBM at its bandwidth. The longest stage limits the op.
-
-The in-host stages are a scaling of a 2-GPU measurement, not a measurement at 8 GPUs per host,
-until a calibration on a GPU replaces them.
+- **How long.** Each op as its stages (``dispatch_model``, ``combine_model``), each timed from
+  ``LinkParams``: a NIC stage ``max(bytes / bandwidth, messages / rate) + latency``; an in-host
+  stage from ``InHost`` (the peer kernels' 2-GPU measurement scaled to its bytes), at least
+  its bytes over NVLink; a local pass over HBM at its bandwidth. A stage runs after the
+  previous one, or overlaps it (``Stage.overlaps``: the dispatch's forward runs during the
+  send), and ``OpModel`` derives the op's time and the stage that limits it from that
+  schedule.
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from . import options
 from ..ep.hosts.layout import ID_HEADER_WORDS
 from ..ep.hosts.layout import row_bytes as slot_bytes
+from ..ep.hosts.peer import default_num_blocks
+from .ep_inhost import BYTES_PER_US_PER_GBPS, SCALED, HostExchange, InHost
 
 #: Bytes of the int64 flag word that ends every message (``kernels/rail.py``, ``FLAG``).
 FLAG_BYTES = 8
@@ -34,8 +35,6 @@ FLAG_BYTES = 8
 PUT_ALIGN = 16
 #: Bytes of an int32 top-k id or an fp32 weight.
 WORD_BYTES = 4
-#: Bytes per µs in one GB/s (10^9 bytes per second).
-BYTES_PER_US_PER_GBPS = 1e3
 #: The tables' MB (10^6 bytes).
 MB = 1e6
 
@@ -49,27 +48,10 @@ NIC_LATENCY_US = 3.0
 NIC_MSG_RATE = 100e6
 #: GB/s of HBM3 on an H100 SXM (NVIDIA's datasheet; an H200 has 4.8 TB/s): the local passes.
 HBM_GBPS = 3350.0
-#: The peer kernels' FP8 dispatch on 2xH200: (payload bytes per rank, median µs) at 128 and 256
-#: tokens (bench/results/h200x2-ep-b256.json, commit 68e11b7, CUDA-graph rows).
-PEER_DISPATCH_FP8 = ((1_884_960, 13.2288), (3_773_616, 23.3584))
-#: The peer kernels' bf16 combine on 2xH200, the same run and rows.
-PEER_COMBINE_BF16 = ((3_655_680, 13.6352), (7_318_528, 24.3568))
-
 #: The tables' shape: tokens per GPU, hidden, experts, top-k, GPUs per host (DeepSeek-V3 decode).
 MODEL_SHAPE = dict(tokens=128, hidden=7168, experts=256, topk=8, ranks_per_host=8)
 #: The EP sizes of the tables.
 MODEL_EPS = (16, 32, 64)
-#: Published dispatch / combine µs at MODEL_SHAPE (FP8 dispatch, bf16 combine), by EP: (name,
-#: dispatch, combine, approximate). Their authors' figures; none was measured here. DeepEP V1:
-#: the low-latency table of DeepEP's README before its version 2 (H800, CX7 400 Gb/s); the
-#: layered mode: DeepEP's pull request 500, read from the request's logs.
-ANCHORS = {16: (("DeepEP V1 low-latency", 118, 195, False), ("pplx-garden", 110, 186, False),
-                ("NCCL EP (bf16)", 191, 201, True),
-                ("DeepEP layered low-latency (PR 500)", 37, 67, True)),
-           32: (("DeepEP V1 low-latency", 155, 273, False),),
-           64: (("DeepEP V1 low-latency", 173, 314, False),)}
-#: The project's goal, dispatch / combine µs, by EP.
-GOALS = {16: (30, 55), 64: (80, 150)}
 
 
 # -- what crosses hosts -----------------------------------------------------------------------
@@ -188,49 +170,26 @@ def wire_counts_exact(topks, rank: int, ranks_per_host: int, experts: int, row_b
 
 # -- how long -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class HostExchange:
-    """An in-host exchange's time as ``fixed_us + bytes / gbps``, ``bytes`` the payload a GPU
-    writes (its own rows included, as ``llcomm bench ep`` counts ``bytes``)."""
-
-    fixed_us: float
-    gbps: float
-
-    @classmethod
-    def fit(cls, points) -> HostExchange:
-        """The line through two measured ``(bytes, µs)`` points."""
-        (b0, t0), (b1, t1) = points
-        per_byte = (t1 - t0) / (b1 - b0)
-        return cls(t0 - b0 * per_byte, 1.0 / (per_byte * BYTES_PER_US_PER_GBPS))
-
-    def us(self, nbytes: float) -> float:
-        return self.fixed_us + nbytes / (self.gbps * BYTES_PER_US_PER_GBPS)
-
-
-@dataclass(frozen=True)
 class LinkParams:
     """What the stages are timed with (each default's provenance at its constant).
 
     The NIC's 45 GB/s is the 50 GB/s line rate of 400 Gb/s less about 10% for the headers of
     RDMA writes of a few KB: the sustained rate, not the peak, since a call's bytes are a few
     MB (DeepEP's V1 tables report 39 to 46 GB/s for its low-latency kernels at EP64 and beyond
-    on such NICs). The in-host exchanges are the peer kernels' 2-GPU measurements fitted as a
-    line in bytes (``HostExchange.fit``): a scaling, not a measurement at 8 GPUs per host."""
+    on such NICs). ``in_host``: the in-host stages' costs (``SCALED``)."""
 
     nvlink_gbps: float = NVLINK_GBPS
     nic_gbps: float = NIC_GBPS
     nic_latency_us: float = NIC_LATENCY_US
     nic_msg_rate: float = NIC_MSG_RATE
     hbm_gbps: float = HBM_GBPS
-    host_dispatch: HostExchange = HostExchange.fit(PEER_DISPATCH_FP8)
-    host_combine: HostExchange = HostExchange.fit(PEER_COMBINE_BF16)
+    in_host: InHost = SCALED
 
     def __post_init__(self):
-        for f in fields(self):
+        for f in fields(self):      # the in-host lines check themselves (HostExchange)
             v = getattr(self, f.name)
-            if isinstance(v, HostExchange):
-                if not (v.fixed_us >= 0 and v.gbps > 0 and math.isfinite(v.gbps)):
-                    raise ValueError(f"{f.name}={v}: expected fixed_us >= 0 and gbps > 0")
-            elif not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            if not isinstance(v, InHost) and not (isinstance(v, (int, float))
+                                                  and math.isfinite(v) and v > 0):
                 raise ValueError(f"{f.name}={v!r}: expected a positive number")
 
 
@@ -260,6 +219,11 @@ class Shape:
         return self.ranks // self.ranks_per_host
 
     @property
+    def blocks(self) -> int:
+        """Blocks of a launch (``HostsPeerEP``'s default, on a GPU of 128 SMs or more)."""
+        return default_num_blocks(self.hosts, self.ranks_per_host)
+
+    @property
     def row_bytes(self) -> int:
         """A dispatch row as the kernels send it (``layout.row_bytes``)."""
         return slot_bytes(self.hidden, self.itemsize, self.fp8)
@@ -275,60 +239,132 @@ class Shape:
         by symmetry also the rows a GPU receives, and the partials it sends back."""
         return self.ranks * self.tokens * hit_probability(self.experts, self.ranks, self.topk)
 
+    @property
+    def rows_per_token(self) -> float:
+        """Ranks of a host that a token reaching that host goes to (its rows there)."""
+        return (self.ranks_per_host * hit_probability(self.experts, self.ranks, self.topk)
+                / hit_probability(self.experts, self.hosts, self.topk))
+
+    @property
+    def last_batch_tokens(self) -> float:
+        """Tokens of the last batch a forwarder moves after the last row arrived: one per block
+        (each block walks its share in the order the sender's block put them, so the last
+        arrivals are each block's last token), at most one host's tokens routed here."""
+        return min(self.blocks * LAST_BATCH_TOKENS_PER_BLOCK,
+                   self.tokens * hit_probability(self.experts, self.hosts, self.topk))
+
     def wire(self) -> Wire:
         return wire_counts(self.ranks, self.ranks_per_host, self.tokens, self.topk,
                            self.experts, self.row_bytes, self.sum_bytes)
 
 
+#: Tokens per block in the last batch of an overlapping stage (``Shape.last_batch_tokens``).
+LAST_BATCH_TOKENS_PER_BLOCK = 1
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One stage: its name, what bounds it, the messages and bytes it moves, its time."""
+    """One stage: its name, what bounds it, the messages and bytes it moves, its time alone
+    (``us``). ``overlaps``: it starts with the previous stage instead of after it, and then
+    ends no earlier than its own time from that start, nor than ``tail_us`` (its last batch)
+    after the previous stage ends (``OpModel.schedule``)."""
 
     name: str
     bound: str
     messages: float
     nbytes: float
     us: float
+    overlaps: bool = False
+    tail_us: float = 0.0
 
 
 @dataclass(frozen=True)
 class OpModel:
-    """One op's stages, in series."""
+    """One op's stages, each after the previous one or overlapping it (``Stage.overlaps``)."""
 
     op: str
     stages: tuple
 
+    def schedule(self) -> list[tuple[float, float]]:
+        """``(start, end)`` µs of each stage: after the previous one, ``start`` is its end and
+        ``end = start + us``; overlapping it, ``start`` is its start and ``end = max(start +
+        us, previous end + tail_us)``."""
+        out: list[tuple[float, float]] = []
+        for s in self.stages:
+            if not out:
+                start, end = 0.0, s.us
+            elif s.overlaps:
+                start, prev_end = out[-1][0], out[-1][1]
+                end = max(start + s.us, prev_end + s.tail_us)
+            else:
+                start = out[-1][1]
+                end = start + s.us
+            out.append((start, end))
+        return out
+
     @property
     def total_us(self) -> float:
-        return sum(s.us for s in self.stages)
+        return self.schedule()[-1][1] if self.stages else 0.0
+
+    def on_path_us(self) -> list[float]:
+        """Per stage, the µs of ``total_us`` it accounts for on the critical path, traced back
+        from the end (they sum to the total): a stage whose own time decides its end counts
+        ``us`` and the path goes on from its start; an overlapping stage whose end is decided
+        by the previous stage's counts ``tail_us`` and the path goes on from that stage's
+        end; a stage hidden under one that overlaps it counts 0."""
+        sched, path = self.schedule(), [0.0] * len(self.stages)
+        i, at_end = len(self.stages) - 1, True
+        while i >= 0:
+            s = self.stages[i]
+            if at_end:
+                start, end = sched[i]
+                if s.overlaps and i > 0 and end > start + s.us:
+                    path[i] += s.tail_us            # the previous stage's end decided it
+                    i -= 1
+                    continue
+                path[i] += s.us
+            # at the start of stage i: an overlapping stage started with the previous one
+            at_end = not s.overlaps
+            i -= 1
+        return path
+
+    @property
+    def limit_stage(self) -> Stage:
+        """The stage with the largest share of the critical path: what limits the op."""
+        path = self.on_path_us()
+        return self.stages[max(range(len(path)), key=path.__getitem__)]
 
     @property
     def limit(self) -> str:
-        """The longest stage."""
-        return max(self.stages, key=lambda s: s.us).name
+        return self.limit_stage.name
 
 
 def _link_us(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * BYTES_PER_US_PER_GBPS)
 
 
+def _nic_us(messages: float, nbytes: float, p: LinkParams) -> tuple[float, str]:
+    """Messages out of this GPU's NIC: its bandwidth or its message rate (which, and the µs
+    without the latency)."""
+    by_rate = messages / p.nic_msg_rate * 1e6
+    by_bw = _link_us(nbytes, p.nic_gbps)
+    return max(by_bw, by_rate), ("NIC rate" if by_rate > by_bw else "NIC")
+
+
 def _nic(name: str, messages: float, nbytes: float, p: LinkParams) -> Stage:
     """Messages out of this GPU's NIC: its bandwidth or its message rate, then one latency."""
     if messages == 0:
         return Stage(name, "NIC", 0, 0, 0.0)
-    by_rate = messages / p.nic_msg_rate * 1e6
-    by_bw = _link_us(nbytes, p.nic_gbps)
-    return Stage(name, "NIC rate" if by_rate > by_bw else "NIC", messages, nbytes,
-                 max(by_bw, by_rate) + p.nic_latency_us)
+    us, bound = _nic_us(messages, nbytes, p)
+    return Stage(name, bound, messages, nbytes, us + p.nic_latency_us)
 
 
 def _in_host(name: str, nbytes: float, over_nvlink: float, cost: HostExchange,
              p: LinkParams) -> Stage:
     """A GPU writes ``nbytes`` inside its host, ``over_nvlink`` of them to other GPUs: the
-    peer kernels' cost scaled to those bytes, at least the NVLink time."""
-    nv, scaled = _link_us(over_nvlink, p.nvlink_gbps), cost.us(nbytes)
-    return Stage(name, "NVLink" if nv > scaled else "in host (scaled)", 0, nbytes,
-                 max(nv, scaled))
+    in-host cost of those bytes, at least their NVLink time."""
+    nv, own = _link_us(over_nvlink, p.nvlink_gbps), cost.us(nbytes)
+    return Stage(name, "NVLink" if nv > own else p.in_host.bound, 0, nbytes, max(nv, own))
 
 
 def _local(name: str, nbytes: float, p: LinkParams) -> Stage:
@@ -336,154 +372,59 @@ def _local(name: str, nbytes: float, p: LinkParams) -> Stage:
 
 
 def dispatch_model(s: Shape, p: LinkParams = LinkParams()) -> OpModel:
-    """send: the rows and id blocks out of the NIC (``wire_counts``); forward: the rows of the
-    rail's sources into the ranks of this host, and every source's ids to each of them; expand:
-    the received rows read and written once into ``recv_x``. The peer kernels' measured
-    dispatch includes its own copy into ``recv_x``, so forward and expand count that copy twice
-    (a bias towards slower)."""
-    w = s.wire().dispatch
+    """send: the id blocks, then the rows, out of the NIC (``wire_counts``); forward, during
+    the send: the rows of the rail's sources into the ranks of this host and every source's
+    ids to each of them, its own at once and the others' as they arrive, so it ends no
+    earlier than its own time nor than the last row's arrival (the send's end, latency
+    included) plus the last batch (``Shape.last_batch_tokens``: one token's rows per block) at
+    the stage's per-byte rate, at least over NVLink; expand, after every forwarder of the host:
+    the received rows read and written once into ``recv_x``. The 2-GPU dispatch that
+    ``SCALED`` fits includes its own copy into ``recv_x``, so with it forward and expand count
+    that copy twice (a bias towards slower)."""
+    w, R = s.wire().dispatch, s.ranks_per_host
     moved = s.host_rows * s.row_bytes
-    ids = s.hosts * s.tokens * s.topk * WORD_BYTES * (s.ranks_per_host - 1)
-    over = moved * (s.ranks_per_host - 1) / s.ranks_per_host + ids
+    ids = s.hosts * s.tokens * s.topk * WORD_BYTES * (R - 1)
+    fwd = _in_host("forward", moved, moved * (R - 1) / R + ids, p.in_host.forward, p)
+    batch = s.last_batch_tokens * s.rows_per_token * s.row_bytes
+    tail = max(_link_us(batch * (R - 1) / R, p.nvlink_gbps), p.in_host.forward.per_byte_us(batch))
     return OpModel("dispatch", (_nic("send", w.total()[0], w.wire_bytes, p),
-                                _in_host("forward", moved, over, p.host_dispatch, p),
+                                replace(fwd, overlaps=True, tail_us=tail),
                                 _local("expand", 2 * moved, p)))
 
 
+def _host_sums(s: Shape, messages: float, nbytes: float, p: LinkParams) -> Stage:
+    """The host sums: the partials of this host's ranks folded per token (``InHost.host_sums``;
+    without it the partials' cost holds the fold) and each sum for another host put on the NIC
+    as it is formed, so the slower of the two, then one latency. ``tail_us``, for when the
+    stage overlaps the partials: the last batch (one sum per block) folded and sent."""
+    nic = _nic("host sums", messages, nbytes, p)
+    fold = p.in_host.host_sums
+    batch = min(s.blocks * LAST_BATCH_TOKENS_PER_BLOCK, messages)
+    tail = _nic_us(batch, batch * (s.sum_bytes + FLAG_BYTES), p)[0] + p.nic_latency_us
+    if fold is not None:
+        tail += fold.per_byte_us(batch * s.rows_per_token * s.sum_bytes)
+        fold_us = fold.us(s.host_rows * s.sum_bytes) + p.nic_latency_us  # each partial, once
+        if fold_us > nic.us:
+            return replace(nic, bound=p.in_host.bound, us=fold_us, tail_us=tail)
+    return replace(nic, tail_us=tail)
+
+
 def combine_model(s: Shape, p: LinkParams = LinkParams()) -> OpModel:
-    """weights: one block to each other host's rail rank, then handed to this host's ranks;
-    partials: each expert rank's partial per (token, source) to the token's rail rank here (the
-    peer kernels' measured combine includes the fold of them, so the host sums add none);
-    host sums: one per (token, other host) out of the NIC; out: each own token's host sums read
-    and the output written."""
+    """The combine kernel's stages, each after a wait for the previous one's flags:
+    weights out, one block to each other host's rail rank; weights in, handed to this host's
+    ranks; partials, each expert rank's partial per (token, source) to the token's rail rank
+    here; host sums (``_host_sums``), one per (token, other host) out of the NIC; out, each own
+    token's host sums read and the output written."""
     w, n, N, R = s.wire().combine, s.tokens, s.hosts, s.ranks_per_host
     w_msgs = N - 1
     w_bytes = w_msgs * (_a16(WORD_BYTES * n * s.topk) + FLAG_BYTES)
-    weights = _nic("weights", w_msgs, w_bytes, p)
-    hand_out = _link_us(N * n * s.topk * WORD_BYTES * (R - 1), p.nvlink_gbps)
+    hand_out = N * n * s.topk * WORD_BYTES * (R - 1)
     part = s.host_rows * s.sum_bytes
     sums_read = n * N * hit_probability(s.experts, N, s.topk) * s.sum_bytes
+    sums = _host_sums(s, w.total()[0] - w_msgs, w.wire_bytes - w_bytes, p)
     return OpModel("combine", (
-        replace(weights, us=weights.us + hand_out),
-        _in_host("partials", part, part * (R - 1) / R, p.host_combine, p),
-        _nic("host sums", w.total()[0] - w_msgs, w.wire_bytes - w_bytes, p),
+        _nic("weights out", w_msgs, w_bytes, p),
+        Stage("weights in", "NVLink", 0, hand_out, _link_us(hand_out, p.nvlink_gbps)),
+        _in_host("partials", part, part * (R - 1) / R, p.in_host.partials, p),
+        replace(sums, overlaps=False),      # after every partial of the host (combine.py)
         _local("out", sums_read + n * s.sum_bytes, p)))
-
-
-# -- the tables ---------------------------------------------------------------------------------
-def _num(v: float, digits: int) -> str:
-    return f"{v:.{digits}f}" if v else ""
-
-
-def ep_table(s: Shape, p: LinkParams) -> list[str]:
-    """One configuration's tables: every stage, then each op's total, its limiting stage, the
-    project's goal and the published figures (at MODEL_SHAPE only)."""
-    ops = (dispatch_model(s, p), combine_model(s, p))
-    lines = [f"EP{s.ranks}: {s.hosts} hosts of {s.ranks_per_host} GPUs, {s.tokens} tokens per "
-             f"GPU, hidden {s.hidden}, top-{s.topk} of {s.experts}; dispatch rows "
-             f"{s.row_bytes} B ({'FP8' if s.fp8 else f'{s.itemsize}-byte'}), host sums "
-             f"{s.sum_bytes} B", "",
-             "| op | stage | bound by | messages | MB | µs |", "|---|---|---|---|---|---|"]
-    for m in ops:
-        lines += [f"| {m.op} | {st.name} | {st.bound} | {_num(st.messages, 1)} | "
-                  f"{st.nbytes / MB:.2f} | {st.us:.1f} |" for st in m.stages]
-    shape = {k: getattr(s, k) for k in MODEL_SHAPE}
-    anchors = ANCHORS.get(s.ranks, ()) if shape == MODEL_SHAPE and s.fp8 else ()
-    goal = GOALS.get(s.ranks) if shape == MODEL_SHAPE else None
-    head = ["op", "model µs", "limited by", "goal µs", "goal"] + [a[0] for a in anchors]
-    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, m in enumerate(ops):
-        row = [m.op, f"{m.total_us:.1f}", m.limit]
-        row += ([f"<= {goal[i]}", "met" if m.total_us <= goal[i] else "not met"] if goal
-                else ["-", "-"])
-        row += [(f"about {a[1 + i]}" if a[3] else str(a[1 + i])) for a in anchors]
-        lines.append("| " + " | ".join(row) + " |")
-    return lines
-
-
-def report(shapes, p: LinkParams = LinkParams()) -> str:
-    """The model's printout: the parameters, then ``ep_table`` for each shape."""
-    hd, hc = p.host_dispatch, p.host_combine
-    lines = ["two-level EP kernels, cost model per GPU and call (docs/multihost.md, 'Cost model')",
-             f"links: NVLink {p.nvlink_gbps:g} GB/s, NIC {p.nic_gbps:g} GB/s + "
-             f"{p.nic_latency_us:g} µs, {p.nic_msg_rate / 1e6:g} M messages/s, "
-             f"HBM {p.hbm_gbps:g} GB/s",
-             f"in host: the peer kernels on 2xH200 scaled by bytes (not measured at this size): "
-             f"dispatch {hd.fixed_us:.1f} µs + bytes / {hd.gbps:.0f} GB/s, combine "
-             f"{hc.fixed_us:.1f} µs + bytes / {hc.gbps:.0f} GB/s"]
-    for s in shapes:
-        lines += [""] + ep_table(s, p)
-    return "\n".join(lines)
-
-
-# -- llcomm bench ep --model ----------------------------------------------------------------------
-#: The flags that override LinkParams, and the field each sets.
-FLAGS = {"--nvlink-gbps": "nvlink_gbps", "--nic-gbps": "nic_gbps",
-         "--nic-latency-us": "nic_latency_us", "--nic-msg-rate": "nic_msg_rate"}
-
-
-def add_arguments(p) -> None:
-    """``--model`` and its parameters, on ``llcomm bench ep``'s parser."""
-    g = p.add_argument_group("cost model", "the two-level kernels' model (docs/multihost.md)")
-    g.add_argument("--model", action="store_true",
-                   help="print the cost model of the two-level kernels at EP16, 32 and 64 and "
-                        "exit, starting no process (--tokens, --hidden, --experts, --topk and "
-                        "--ranks-per-host change the shape)")
-    units = {"nvlink_gbps": "NVLink GB/s per GPU, each way", "nic_gbps": "NIC GB/s per GPU",
-             "nic_latency_us": "NIC one-way latency of a message, µs",
-             "nic_msg_rate": "NIC messages per second"}
-    for flag, field in FLAGS.items():
-        g.add_argument(flag, type=float, default=None, metavar="X",
-                       help=f"with --model: {units[field]} (default "
-                            f"{getattr(LinkParams(), field):g})")
-
-
-def requested(a) -> bool:
-    """Whether the command line asks for the model (or sets one of its parameters)."""
-    return a.model or any(getattr(a, f) is not None for f in FLAGS.values())
-
-
-def from_args(a) -> tuple[list[Shape], LinkParams]:
-    """The shapes and parameters of the command line; one ValueError naming each bad flag."""
-    problems, values = [], {}
-    for flag, field in FLAGS.items():
-        v = getattr(a, field)
-        if v is None:
-            continue
-        if not (math.isfinite(v) and v > 0):
-            problems.append(f"{flag} {v:g}: expected a positive number")
-        elif not a.model:
-            problems.append(f"{flag} needs --model")
-        values[field] = v
-    tokens = [MODEL_SHAPE["tokens"]]
-    if a.tokens:
-        try:
-            tokens = options.parse_ints(a.tokens, "--tokens")
-        except ValueError as e:
-            problems.append(str(e))
-    given = {"hidden": a.hidden, "experts": a.experts, "topk": a.topk,
-             "ranks_per_host": a.ranks_per_host or None}
-    shape = {k: (MODEL_SHAPE[k] if v is None else v) for k, v in given.items()}
-    shapes = []
-    for ep in MODEL_EPS:
-        for n in tokens:
-            try:
-                shapes.append(Shape(ranks=ep, tokens=n, **shape))
-            except ValueError as e:
-                flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items()
-                                  if v is not None)
-                problems.append(f"EP{ep} ({flags or 'defaults'}): {e}")
-    if problems:
-        raise ValueError("; ".join(dict.fromkeys(problems)))
-    return shapes, LinkParams(**values)
-
-
-def run(a) -> int:
-    """``llcomm bench ep --model``: print the model; 2 on a bad option."""
-    try:
-        shapes, params = from_args(a)
-    except ValueError as e:
-        print(f"llcomm bench ep: {e}")
-        return 2
-    print(report(shapes, params))
-    return 0

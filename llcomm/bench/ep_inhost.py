@@ -1,0 +1,84 @@
+"""The in-host stages of the two-level EP cost model (``ep_model``): what forwarding rows,
+forming partials and folding host sums inside a host cost, as lines in the bytes a GPU moves
+(``HostExchange``), and where they come from (``InHost``). ``SCALED``: the single-host peer
+kernels' dispatch and combine measured on 2 GPUs, fitted as a line through two token counts
+and evaluated at the bytes a forwarder moves at 8 GPUs per host: a scaling, not a measurement
+of these stages. The model keeps the NVLink time of their bytes as a floor on each in-host
+stage (``ep_model._in_host``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Bytes per µs in one GB/s (10^9 bytes per second).
+BYTES_PER_US_PER_GBPS = 1e3
+
+#: The peer kernels' FP8 dispatch on 2xH200: (payload bytes per rank, median µs) at 128 and 256
+#: tokens (bench/results/h200x2-ep-b256.json, commit 68e11b7, CUDA-graph rows).
+PEER_DISPATCH_FP8 = ((1_884_960, 13.2288), (3_773_616, 23.3584))
+#: The peer kernels' bf16 combine on 2xH200, the same run and rows.
+PEER_COMBINE_BF16 = ((3_655_680, 13.6352), (7_318_528, 24.3568))
+
+
+
+@dataclass(frozen=True)
+class HostExchange:
+    """An in-host stage's time as ``fixed_us + bytes / gbps``, ``bytes`` the payload a GPU
+    writes (its own rows included, as ``llcomm bench ep`` counts ``bytes``)."""
+
+    fixed_us: float
+    gbps: float
+
+    def __post_init__(self):
+        if not (self.fixed_us >= 0 and self.gbps > 0 and math.isfinite(self.gbps)):
+            raise ValueError(f"{self}: expected fixed_us >= 0 and gbps > 0")
+
+    @classmethod
+    def fit(cls, points) -> HostExchange:
+        """The least-squares line through measured ``(bytes, µs)`` points (through both of two);
+        through the origin where the line would start below 0 µs, or from one point."""
+        pts = [(float(b), float(t)) for b, t in points]
+        if not pts or any(b <= 0 or t <= 0 or not math.isfinite(t) for b, t in pts):
+            raise ValueError(f"{points}: expected (bytes, µs) points, each positive")
+        n = len(pts)
+        mb, mt = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
+        var = sum((b - mb) ** 2 for b, _ in pts)
+        per_byte = sum((b - mb) * (t - mt) for b, t in pts) / var if var else 0.0
+        fixed = mt - mb * per_byte
+        if per_byte <= 0 or fixed < 0:          # through the origin: µs per byte, no fixed part
+            per_byte, fixed = sum(t for _, t in pts) / sum(b for b, _ in pts), 0.0
+        return cls(fixed, 1.0 / (per_byte * BYTES_PER_US_PER_GBPS))
+
+    def us(self, nbytes: float) -> float:
+        return self.fixed_us + self.per_byte_us(nbytes)
+
+    def per_byte_us(self, nbytes: float) -> float:
+        """The time of ``nbytes`` more within a running stage: the line's slope, no fixed part."""
+        return nbytes / (self.gbps * BYTES_PER_US_PER_GBPS)
+
+
+@dataclass(frozen=True)
+class InHost:
+    """What the in-host stages cost, and where that comes from (``source``: ``"scaled"``, the
+    peer kernels' 2-GPU measurements scaled by bytes). ``host_sums``: the fold of the
+    partials, or None where the ``partials`` cost includes it (the 2-GPU combine does).
+    ``note`` says which measurement."""
+
+    source: str
+    note: str
+    forward: HostExchange
+    partials: HostExchange
+    host_sums: HostExchange | None = None
+
+    @property
+    def bound(self) -> str:
+        """What an in-host stage is bound by when its cost here exceeds the NVLink time."""
+        return f"in host ({self.source})"
+
+
+#: The in-host stages without a calibration: the 2-GPU peer kernels' lines.
+SCALED = InHost("scaled", "the peer kernels on 2xH200 scaled by bytes (not measured at this "
+                "size; bench/results/h200x2-ep-b256.json)",
+                HostExchange.fit(PEER_DISPATCH_FP8), HostExchange.fit(PEER_COMBINE_BF16))
+
