@@ -4,8 +4,8 @@ tests' own oracle) on random routings and against the ledger the two-level kerne
 Triton's interpreter; its expected counts against the mean of the exact ones over random
 uniform routings; each stage's time against its parameter; the schedule of stages that run
 after or during the one before (the pipelined dispatch), the op's time and the stage that
-limits it; the in-host constants against the result file they come from; and
-``llcomm bench ep --model``."""
+limits it; the in-host constants against the result file they come from; a calibration file
+read in their place; and ``llcomm bench ep --model``."""
 from __future__ import annotations
 
 import dataclasses
@@ -232,20 +232,20 @@ def test_the_dispatch_forwards_during_the_send(ranks):
 
 
 def test_a_fast_nic_leaves_the_forward_limiting_and_overlap_can_be_marked():
-    """With a NIC far faster than the links inside the host the forward limits the dispatch;
-    marking the host sums as overlapping the partials (one line in ``combine_model``) can
-    only shorten the combine, and shortens it when the sums outlast the partials."""
+    """With a NIC far faster than the links inside the host the forward limits the dispatch.
+    Marking the host sums as overlapping the partials (one line in ``combine_model``) hides
+    the partials under the sums at EP64, where the sums outlast them by far."""
     s = M.Shape(ranks=16)
     d = M.dispatch_model(s, M.LinkParams(nic_gbps=1e4, nic_latency_us=0.1))
     assert d.limit == "forward" and d.limit_stage.bound == "in host (scaled)"
     assert d.total_us == pytest.approx(d.stages[1].us + d.stages[2].us)
-    c = M.combine_model(s)
+    c = M.combine_model(M.Shape(ranks=64))
     stages = list(c.stages)
     i = [st.name for st in stages].index("host sums")
     stages[i] = dataclasses.replace(stages[i], overlaps=True)
     piped = M.OpModel("combine", tuple(stages))
-    assert stages[i].us > stages[i - 1].us and piped.total_us < c.total_us
-    assert piped.limit == "host sums"
+    assert stages[i].us > stages[i - 1].us and piped.total_us < c.total_us - stages[i - 1].us / 2
+    assert piped.limit == "host sums" and piped.on_path_us()[i - 1] == 0.0
 
 
 def test_parameters_and_shapes_are_checked():
@@ -259,7 +259,77 @@ def test_parameters_and_shapes_are_checked():
         I.HostExchange.fit([(100, -1.0)])
 
 
-def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys):
+# -- calibration files ---------------------------------------------------------------------------
+#: A made-up calibration for the tests: these lines are not a measurement of anything.
+FAKE_LINES = {"forward": (2.0, 900.0), "partials": (1.5, 1200.0), "host sums": (1.0, 2000.0)}
+
+
+def _fake_calibration(path: Path, date: str = "2030-01-01", machine: str = "1xTEST") -> Path:
+    rows = []
+    for ep in (16, 64):
+        s = M.Shape(ranks=ep)
+        for stage, (fixed, gbps) in FAKE_LINES.items():
+            nbytes = s.host_rows * (s.row_bytes if stage == "forward" else s.sum_bytes)
+            rows.append({"stage": stage, "ranks": ep, "bytes": nbytes,
+                         "median_us": fixed + nbytes / (gbps * 1e3)})
+    path.write_text(json.dumps({"commit": "0" * 40, "machine": machine, "date": date,
+                                "rows": rows}))
+    return path
+
+
+def test_a_calibration_file_gives_the_in_host_stages(tmp_path):
+    """The lines through a calibration's points are its own; the model's in-host stages are
+    those lines at the stage's bytes, at least their NVLink time, and name the calibration."""
+    got = I.load_calibration(_fake_calibration(tmp_path / "x1-ep-calibration.json"))
+    assert got.source == "calibrated" and "1xTEST" in got.note
+    for stage, c in (("forward", got.forward), ("partials", got.partials),
+                     ("host sums", got.host_sums)):
+        assert (c.fixed_us, c.gbps) == pytest.approx(FAKE_LINES[stage]), stage
+    p = M.LinkParams(in_host=got)
+    for ranks in (16, 64):
+        s = M.Shape(ranks=ranks)
+        fwd = M.dispatch_model(s, p).stages[1]
+        moved = s.host_rows * s.row_bytes
+        nv = (moved * 7 / 8 + s.hosts * s.tokens * s.topk * 4 * 7) / (M.NVLINK_GBPS * 1e3)
+        assert fwd.us == pytest.approx(max(got.forward.us(moved), nv))
+        assert fwd.bound == ("NVLink" if nv > got.forward.us(moved) else "in host (calibrated)")
+        part = M.combine_model(s, p).stages[2]
+        assert part.us >= got.partials.us(s.host_rows * s.sum_bytes) - 1e-9
+        sums = M.combine_model(s, p).stages[3]
+        assert sums.us >= got.host_sums.us(s.host_rows * s.sum_bytes) + M.NIC_LATENCY_US - 1e-9
+
+
+def test_a_bad_calibration_file_is_refused(tmp_path):
+    bad = tmp_path / "bad-ep-calibration.json"
+    bad.write_text(json.dumps({"rows": [{"stage": "forward", "bytes": 10, "median_us": 1.0}]}))
+    with pytest.raises(ValueError, match="partials"):
+        I.load_calibration(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        I.load_calibration(bad)
+
+
+def test_the_newest_calibration_is_the_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(I, "RESULTS", tmp_path)
+    assert I.newest_calibration() is None
+    assert cli.main(["bench", "ep", "--model"]) == 0
+    assert "in host (scaled): the peer kernels on 2xH200" in capsys.readouterr().out
+    _fake_calibration(tmp_path / "a-ep-calibration.json", "2030-01-01", "1xOLD")
+    _fake_calibration(tmp_path / "b-ep-calibration.json", "2031-01-01", "1xNEW")
+    assert I.newest_calibration() == tmp_path / "b-ep-calibration.json"
+    assert cli.main(["bench", "ep", "--model"]) == 0
+    out = capsys.readouterr().out
+    assert "in host (calibrated): calibrated on 1xNEW" in out and "b-ep-calibration.json" in out
+    assert cli.main(["bench", "ep", "--model", "--calibration",
+                     str(tmp_path / "a-ep-calibration.json")]) == 0
+    assert "calibrated on 1xOLD" in capsys.readouterr().out
+    assert cli.main(["bench", "ep", "--model", "--no-calibration"]) == 0
+    assert "in host (scaled)" in capsys.readouterr().out
+
+
+def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(I, "RESULTS", tmp_path)         # no calibration file: the 2-GPU scaling
+
     def no_launch(*a, **k):
         raise AssertionError("--model started processes")
     monkeypatch.setattr(spawn, "launch", no_launch)
@@ -284,6 +354,10 @@ def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys):
     (["--model", "--nic-latency-us", "inf"], "--nic-latency-us"),
     (["--nic-latency-us", "2"], "--nic-latency-us needs --model"),
     (["--model", "--experts", "100"], "--experts 100"),
+    (["--calibration", "x.json"], "--calibration needs --model"),
+    (["--no-calibration"], "--no-calibration needs --model"),
+    (["--model", "--calibration", "x.json", "--no-calibration"], "exclude each other"),
+    (["--model", "--calibration", "/nonexistent/x.json"], "cannot read"),
 ])
 def test_cli_rejects_a_bad_parameter(capsys, args, flag):
     assert cli.main(["bench", "ep", *args]) == 2

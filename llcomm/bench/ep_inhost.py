@@ -1,15 +1,23 @@
 """The in-host stages of the two-level EP cost model (``ep_model``): what forwarding rows,
 forming partials and folding host sums inside a host cost, as lines in the bytes a GPU moves
-(``HostExchange``), and where they come from (``InHost``). ``SCALED``: the single-host peer
-kernels' dispatch and combine measured on 2 GPUs, fitted as a line through two token counts
-and evaluated at the bytes a forwarder moves at 8 GPUs per host: a scaling, not a measurement
-of these stages. The model keeps the NVLink time of their bytes as a floor on each in-host
-stage (``ep_model._in_host``).
+(``HostExchange``), and where they come from (``InHost``):
+
+- ``SCALED``: the single-host peer kernels' dispatch and combine measured on 2 GPUs, fitted
+  as a line through two token counts and evaluated at the bytes a forwarder moves at 8 GPUs
+  per host: a scaling, not a measurement of these stages;
+- a calibration file: the stages themselves timed on one GPU at EP16 and EP64 sizes (rows of
+  ``stage``, ``ranks``, ``bytes`` and ``median_us``), a line per stage through its points
+  (``calibrated``); ``newest_calibration`` finds the newest one in ``bench/results/``.
+
+On one GPU the stages write into that GPU's memory, not over NVLink, so the model keeps the
+NVLink time of their bytes as a floor on each in-host stage (``ep_model._in_host``).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 #: Bytes per µs in one GB/s (10^9 bytes per second).
 BYTES_PER_US_PER_GBPS = 1e3
@@ -61,9 +69,9 @@ class HostExchange:
 @dataclass(frozen=True)
 class InHost:
     """What the in-host stages cost, and where that comes from (``source``: ``"scaled"``, the
-    peer kernels' 2-GPU measurements scaled by bytes). ``host_sums``: the fold of the
-    partials, or None where the ``partials`` cost includes it (the 2-GPU combine does).
-    ``note`` says which measurement."""
+    peer kernels' 2-GPU measurements scaled by bytes; ``"calibrated"``, the stages timed on one
+    GPU). ``host_sums``: the fold of the partials, or None where the
+    ``partials`` cost includes it (the 2-GPU combine does). ``note`` says which measurement."""
 
     source: str
     note: str
@@ -82,3 +90,59 @@ SCALED = InHost("scaled", "the peer kernels on 2xH200 scaled by bytes (not measu
                 "size; bench/results/h200x2-ep-b256.json)",
                 HostExchange.fit(PEER_DISPATCH_FP8), HostExchange.fit(PEER_COMBINE_BF16))
 
+
+# -- calibration files --------------------------------------------------------------------------
+#: Where result files are committed, and the end of a calibration file's name
+#: (``<gpu>x1-ep-calibration.json``).
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+CALIBRATION_SUFFIX = "-ep-calibration.json"
+#: The stages a calibration times, by the names of its rows' ``stage``.
+CALIBRATED_STAGES = ("forward", "partials", "host sums")
+
+
+def calibrated(result: dict, name: str = "calibration") -> InHost:
+    """The in-host costs of a calibration result: per stage, the line
+    through its rows' ``(bytes, median_us)`` (``HostExchange.fit``). ValueError naming what is
+    missing or bad."""
+    rows = result.get("rows")
+    if not isinstance(rows, list):
+        raise ValueError(f"{name}: no 'rows' list: not a calibration result file")
+    lines = {}
+    for stage in CALIBRATED_STAGES:
+        points = [(r.get("bytes"), r.get("median_us")) for r in rows
+                  if isinstance(r, dict) and r.get("stage") == stage]
+        try:
+            lines[stage] = HostExchange.fit(points)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: stage {stage!r}: {e}") from e
+    shapes = sorted({r.get("ranks") for r in rows if isinstance(r, dict)} - {None})
+    note = (f"calibrated on {result.get('machine', '?')} at commit "
+            f"{str(result.get('commit'))[:7]} ({name}, EP {'/'.join(map(str, shapes))}), "
+            "one GPU standing in for a host")
+    return InHost("calibrated", note, lines["forward"], lines["partials"], lines["host sums"])
+
+
+def load_calibration(path) -> InHost:
+    """``calibrated`` of the result file at ``path``; ValueError if it cannot be used."""
+    path = Path(path)
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read a calibration result: {e}") from e
+    if not isinstance(result, dict):
+        raise ValueError(f"{path}: not a calibration result file")
+    return calibrated(result, path.name)
+
+
+def newest_calibration(folder: Path | None = None) -> Path | None:
+    """The calibration file of ``folder`` (default ``RESULTS``) with the latest ``date`` (then
+    name), or None."""
+    best = None
+    for path in sorted(Path(folder or RESULTS).glob("*" + CALIBRATION_SUFFIX)):
+        try:
+            date = str(json.loads(path.read_text()).get("date", ""))
+        except (OSError, ValueError, AttributeError):
+            date = ""
+        if best is None or (date, path.name) >= best[0]:
+            best = ((date, path.name), path)
+    return None if best is None else best[1]

@@ -11,11 +11,11 @@ Per GPU and per call, in two parts:
   hold to the ledger the kernels count in Triton's interpreter.
 - **How long.** Each op as its stages (``dispatch_model``, ``combine_model``), each timed from
   ``LinkParams``: a NIC stage ``max(bytes / bandwidth, messages / rate) + latency``; an in-host
-  stage from ``InHost`` (the peer kernels' 2-GPU measurement scaled to its bytes), at least
-  its bytes over NVLink; a local pass over HBM at its bandwidth. A stage runs after the
-  previous one, or overlaps it (``Stage.overlaps``: the dispatch's forward runs during the
-  send), and ``OpModel`` derives the op's time and the stage that limits it from that
-  schedule.
+  stage from ``InHost`` (the peer kernels' 2-GPU measurement scaled to its bytes, or a
+  calibration of the stage on one GPU), at least its bytes over NVLink; a local pass over HBM
+  at its bandwidth. A stage runs after the previous one, or overlaps it (``Stage.overlaps``:
+  the dispatch's forward runs during the send), and ``OpModel`` derives the op's time and the
+  stage that limits it from that schedule.
 """
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ class LinkParams:
     The NIC's 45 GB/s is the 50 GB/s line rate of 400 Gb/s less about 10% for the headers of
     RDMA writes of a few KB: the sustained rate, not the peak, since a call's bytes are a few
     MB (DeepEP's V1 tables report 39 to 46 GB/s for its low-latency kernels at EP64 and beyond
-    on such NICs). ``in_host``: the in-host stages' costs (``SCALED``)."""
+    on such NICs). ``in_host``: the in-host stages' costs (``SCALED``, or a calibration)."""
 
     nvlink_gbps: float = NVLINK_GBPS
     nic_gbps: float = NIC_GBPS

@@ -3,13 +3,15 @@ and its options.
 
 It prints, per EP size, every stage (when it runs, what bounds it, its share of the critical
 path) and each op's time with the stage that limits it and why, next to the project's goals
-and published figures; it starts no process.
+and published figures; it starts no process. Its in-host stages come from a calibration file
+(``--calibration FILE``; by default the newest ``bench/results/<gpu>x1-ep-calibration.json``)
+or, without one (or with ``--no-calibration``), from the 2-GPU scaling (``ep_inhost``).
 """
 from __future__ import annotations
 
 import math
 
-from . import options
+from . import ep_inhost, options
 from .ep_model import MB, MODEL_EPS, MODEL_SHAPE, LinkParams, Shape, combine_model, dispatch_model
 
 #: Published dispatch / combine µs at MODEL_SHAPE (FP8 dispatch, bf16 combine), by EP: (name,
@@ -25,7 +27,8 @@ ANCHORS = {16: (("DeepEP V1 low-latency", 118, 195, False), ("pplx-garden", 110,
 GOALS = {16: (30, 55), 64: (80, 150)}
 #: Why a stage bound by each of these takes its time, as the summary says it.
 WHY = {"NIC": "NIC bandwidth", "NIC rate": "NIC message rate", "NVLink": "NVLink bandwidth",
-       "HBM": "HBM bandwidth", "in host (scaled)": "the in-host stage scaled from 2 GPUs"}
+       "HBM": "HBM bandwidth", "in host (scaled)": "the in-host stage scaled from 2 GPUs",
+       "in host (calibrated)": "the in-host calibration"}
 
 
 # -- the tables ---------------------------------------------------------------------------------
@@ -90,9 +93,9 @@ def report(shapes, p: LinkParams = LinkParams()) -> str:
              f"HBM {p.hbm_gbps:g} GB/s",
              f"in host ({h.source}): {h.note}: {', '.join(costs)}; each at least its NVLink "
              "time",
-             "pipelining: the forward runs during the send and ends at most its last batch (one "
-             "token's rows per block) after the last row arrives; the other stages run after "
-             "the one before"]
+             "pipelining: the forward runs during the send and ends no earlier than its own time "
+             "nor than its last batch (one token's rows per block) after the last row arrives; "
+             "each other stage runs after the one before"]
     for s in shapes:
         lines += [""] + ep_table(s, p)
     return "\n".join(lines)
@@ -118,10 +121,17 @@ def add_arguments(p) -> None:
         g.add_argument(flag, type=float, default=None, metavar="X",
                        help=f"with --model: {units[field]} (default "
                             f"{getattr(LinkParams(), field):g})")
+    g.add_argument("--calibration", metavar="FILE", default=None,
+                   help="with --model: the in-host stages from this calibration result (default: "
+                        "the newest bench/results/<gpu>x1-ep-calibration.json, else the 2-GPU "
+                        "scaling)")
+    g.add_argument("--no-calibration", action="store_true",
+                   help="with --model: the 2-GPU scaling, even where a calibration file exists")
 
 def requested(a) -> bool:
     """Whether the command line asks for the model (or sets one of its parameters)."""
-    return a.model or any(getattr(a, f) is not None for f in FLAGS.values())
+    return (a.model or a.calibration is not None or a.no_calibration
+            or any(getattr(a, f) is not None for f in FLAGS.values()))
 
 
 def shapes_from_args(a, eps, problems: list[str]) -> list[Shape]:
@@ -149,6 +159,21 @@ def shapes_from_args(a, eps, problems: list[str]) -> list[Shape]:
     return shapes
 
 
+def in_host_from_args(a, problems: list[str]):
+    """The in-host costs ``--calibration`` / ``--no-calibration`` ask for (the newest
+    committed calibration by default, else the 2-GPU scaling)."""
+    if a.no_calibration:
+        return ep_inhost.SCALED
+    path = a.calibration or ep_inhost.newest_calibration()
+    if path is None:
+        return ep_inhost.SCALED
+    try:
+        return ep_inhost.load_calibration(path)
+    except ValueError as e:
+        problems.append(f"--calibration: {e}")
+        return ep_inhost.SCALED
+
+
 def from_args(a) -> tuple[list[Shape], LinkParams]:
     """The shapes and parameters of the command line; one ValueError naming each bad flag."""
     problems, values = [], {}
@@ -161,10 +186,17 @@ def from_args(a) -> tuple[list[Shape], LinkParams]:
         elif not a.model:
             problems.append(f"{flag} needs --model")
         values[field] = v
+    for flag, given in (("--calibration", a.calibration is not None),
+                        ("--no-calibration", a.no_calibration)):
+        if given and not a.model:
+            problems.append(f"{flag} needs --model")
+    if a.calibration is not None and a.no_calibration:
+        problems.append("--calibration and --no-calibration exclude each other")
     shapes = shapes_from_args(a, MODEL_EPS, problems)
+    in_host = in_host_from_args(a, problems)
     if problems:
         raise ValueError("; ".join(dict.fromkeys(problems)))
-    return shapes, LinkParams(**values)
+    return shapes, LinkParams(**values, in_host=in_host)
 
 
 def run(a) -> int:
