@@ -117,7 +117,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     L = E // W
     isz = torch.tensor([], dtype=dtype).element_size()
     # FP8 calls in a buffer sized for buffer-dtype rows, as an EPBuffer without fp8=True
-    lay = hosts_layout(T, H, N, R, K, isz, NB, False)
+    lay = hosts_layout(T, H, N, R, K, isz, NB, False, E)
     heap, tab, host_words, err, ctrl, ledger = simulated_heap(lay, NB, nic_seed=nic_seed)
     dc, cc, _ = hosts_consts(lay, E, K, fp8)
     timeout_us = 20_000_000
@@ -268,6 +268,7 @@ def simulate_mutated(mutation: str, nic_seed):
             ids_at = FW._at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
                             tl.int32)
             ng = tl.load(ids_at)
+            FW._count(ids_at + FW.ID_HEADER, ng, g, wh, S, RG)
             if tl.program_id(0) == 0:
                 tl.store(fwd_ntok + g, ng)
                 for q in tl.static_range(S.R):
@@ -314,7 +315,7 @@ def simulate_absent_host(R, N, timeout_us):
     W, E, T, H, K, NB = N * R, 2 * N * R, 4, 32, 2, 1
     L = E // W
     dtype = torch.float32
-    lay = hosts_layout(T, H, N, R, K, 4, NB, False)
+    lay = hosts_layout(T, H, N, R, K, 4, NB, False, E)
     heap, tab, host_words, err, _, _ = simulated_heap(lay, NB, nic_seed=40 + R * N)
     dc, _, _ = hosts_consts(lay, E, K, 0)
     xs, topks, _ = make_case(W, E, T, H, K, 11, "random", dtype)
@@ -375,7 +376,7 @@ def simulate_held_back_host(R, N, watch_s):
 
     W, E, T, H, K, NB = N * R, 2 * N * R, 4, 32, 2, 1
     L, dtype, held = E // W, torch.float32, 1
-    lay = hosts_layout(T, H, N, R, K, 4, NB, False)
+    lay = hosts_layout(T, H, N, R, K, 4, NB, False, E)
     heap, tab, host_words, err, ctrl, _ = simulated_heap(lay, NB, nic_seed=50 + W)
     dc, _, _ = hosts_consts(lay, E, K, 0)
     xs, topks, _ = make_case(W, E, T, H, K, 13, "random", dtype)
@@ -455,7 +456,7 @@ def simulate_wait_stats(delay_s):
 
     R, N, E, T, H, K, NB = 2, 2, 8, 4, 32, 2, 1
     W, L, dtype = N * R, E // (N * R), torch.float32
-    lay = hosts_layout(T, H, N, R, K, 4, NB, False)
+    lay = hosts_layout(T, H, N, R, K, 4, NB, False, E)
     heap, tab, host_words, err, _, _ = simulated_heap(lay, NB)
     stats = [torch.zeros(W, dtype=torch.int64) for _ in range(W)]
     dc, _, _ = hosts_consts(lay, E, K, 0)

@@ -88,7 +88,7 @@ def simulate_masked_hosts(R, N, E, T, H, K, NB, dtype_name, seed, masked, absent
     W = N * R
     L = E // W
     isz = torch.tensor([], dtype=dtype).element_size()
-    lay = hosts_layout(T, H, N, R, K, isz, NB, False)
+    lay = hosts_layout(T, H, N, R, K, isz, NB, False, E)
     bits = sum(1 << r for r in masked)
     heap, tab, host_words, err, ctrl, ledger = simulated_heap(lay, NB, bits, nic_seed=seed)
     dc, cc, _ = hosts_consts(lay, E, K, 0)

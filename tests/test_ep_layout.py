@@ -178,7 +178,7 @@ def test_size_hint_across_hosts():
     import llcomm
     from llcomm.ep.hosts.peer import default_num_blocks, make_layout
     got = llcomm.EPBuffer.size_hint(128, 7168, 16, 256, num_ranks_per_host=8)
-    lay = make_layout(128, 7168, 2, 8, 2, False, default_num_blocks(2, 8))
+    lay = make_layout(128, 7168, 2, 8, 2, False, 256, default_num_blocks(2, 8))
     assert got == lay.total_bytes == 2 * lay.set_bytes
     spans = sorted(lay.offsets.items(), key=lambda kv: kv[1])
     assert spans[0][1] == 0 and all(b[1] > a[1] for a, b in zip(spans, spans[1:]))

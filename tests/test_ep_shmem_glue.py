@@ -45,7 +45,8 @@ def _glue_body(rank, world):
         self.nb = 4
         self.buf = buf
         self.layout = hosts_peer.make_layout(buf.max_tokens, buf.hidden, self.N, self.R,
-                                             buf.dtype.itemsize, buf.fp8, self.nb)
+                                             buf.dtype.itemsize, buf.fp8, buf.num_experts,
+                                             self.nb)
         self.tab = torch.zeros(self.W, dtype=torch.int64)
         self.timeout_us = buf.timeout_ms * P.US_PER_MS
         self.ctrl = torch.zeros((2, self.nb), dtype=torch.int64)

@@ -119,7 +119,8 @@ def variants(a, shmem: int):
     from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.ep.hosts.peer import hosts_consts, make_layout
     for fp8, name in ((0, "bf16"), (1, "fp8"), (2, "fp8_pow2")):
-        lay = make_layout(a.tokens, a.hidden, a.hosts, a.ranks_per_host, 2, bool(fp8), a.blocks)
+        lay = make_layout(a.tokens, a.hidden, a.hosts, a.ranks_per_host, 2, bool(fp8),
+                          a.experts, a.blocks)
         dc, cc, warps = hosts_consts(lay, a.experts, a.topk, fp8)
         dsig, csig = signatures("bf16")
         cc = dict(cc)

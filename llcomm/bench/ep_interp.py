@@ -55,7 +55,7 @@ def simulate(case: dict) -> dict:
     W, R, T = len(xs), case["ranks_per_host"], case["max_tokens"]
     N, (n, H), K, E = W // R, xs[0].shape, idx[0].shape[1], case["scale"].shape[0]
     L, dtype, NB = E // W, xs[0].dtype, NUM_BLOCKS
-    lay = hosts_layout(T, H, N, R, K, dtype.itemsize, NB, False)
+    lay = hosts_layout(T, H, N, R, K, dtype.itemsize, NB, False, E)
     heap, tab, host_words, err, ctrl, ledger = simulated_heap(lay, NB, nic_seed=NIC_SEED)
     dc, cc, _ = hosts_consts(lay, E, K, 0)
     recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype, device=CPU) for _ in range(W)]

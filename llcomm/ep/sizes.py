@@ -59,7 +59,7 @@ def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
                              f"{num_ranks_per_host!r}; expected a divisor of num_ranks="
                              f"{num_ranks}")
         return hosts_region_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                  num_ranks_per_host, dtype.itemsize, fp8)
+                                  num_ranks_per_host, dtype.itemsize, fp8, num_experts)
     return ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
                      dtype.itemsize, fp8=fp8, sets=num_sets(sends_in_flight),
                      num_blocks=default_num_blocks(EPSettings.read().num_blocks)).total_bytes

@@ -21,13 +21,14 @@ consecutive combines)::
       d_rail_ids   int32 [N, HEADER + T K]  each source host's d_stage_ids
       d_rail_rows  [N, T, row]          rows from each source host (only tokens routed here)
       d_host_ntok  int32 [W]            tokens of each source rank
+      d_host_cnt   int32 [W, L]         tokens of each source rank routed to each local expert
       d_host_ids   int32 [W, T K]       top-k ids of every token of each source rank
       d_host_rows  [W, T, row]          rows of each source rank routed to this rank
     combine
       c_rail_sig   int64 [N]            weights from each source host (one block sends)
       c_host_sig   int64 [NB, R]        weights forwarded inside the host
       c_host_entry int64 [R]            each rank of this host has begun the call (masks)
-      c_part_sig   int64 [NB, R]        partials from each rank of this host
+      c_part_sig   int64 [N, NB, R]     partials of a host's sources, per block and rank here
       c_back_sig   int64 [N, T]         the host sum of own token t from each host has arrived
       c_stage_w    fp32  [T K]          own top-k weights                    (put source)
       c_rail_w     fp32  [N, T K]       weights from each source host (16-byte strides)
@@ -58,7 +59,8 @@ ERR_WORDS = 7
 
 DISPATCH_REGIONS = ("d_rail_sig", "d_row_sig", "d_host_sig", "d_host_entry", "d_stage_ids",
                     "d_stage",
-                    "d_rail_ids", "d_rail_rows", "d_host_ntok", "d_host_ids", "d_host_rows")
+                    "d_rail_ids", "d_rail_rows", "d_host_ntok", "d_host_cnt", "d_host_ids",
+                    "d_host_rows")
 COMBINE_REGIONS = ("c_rail_sig", "c_host_sig", "c_host_entry", "c_part_sig", "c_back_sig",
                    "c_stage_w", "c_rail_w", "c_host_w", "c_part", "c_stage_back", "c_back")
 
@@ -112,9 +114,10 @@ class HostsLayout:
 
 
 def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: int, topk: int,
-                 itemsize: int, num_blocks: int, fp8: bool) -> HostsLayout:
+                 itemsize: int, num_blocks: int, fp8: bool, num_experts: int) -> HostsLayout:
     """The two-level region for these sizes. ``fp8``: rows sized for an FP8 dispatch, else for
-    the buffer dtype (a buffer serves one kind; the host side checks calls against it)."""
+    the buffer dtype (a buffer serves one kind; the host side checks calls against it).
+    ``num_experts``: sizes the count of each (source, local expert)."""
     N, R, T, K, NB = num_hosts, ranks_per_host, max_tokens, topk, num_blocks
     W = N * R
     if NB * max(N, R) > MAX_WAIT_FLAGS:
@@ -131,9 +134,10 @@ def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: i
         "d_host_entry": 8 * R,
         "d_stage_ids": ids,
         "d_stage": T * row, "d_rail_ids": N * ids, "d_rail_rows": N * T * row,
-        "d_host_ntok": 4 * W, "d_host_ids": W * 4 * T * K, "d_host_rows": W * T * row,
+        "d_host_ntok": 4 * W, "d_host_cnt": 4 * W * max(1, num_experts // W),
+        "d_host_ids": W * 4 * T * K, "d_host_rows": W * T * row,
         "c_rail_sig": 8 * N, "c_host_sig": 8 * NB * R, "c_host_entry": 8 * R,
-        "c_part_sig": 8 * NB * R,
+        "c_part_sig": 8 * N * NB * R,
         "c_back_sig": 8 * N * T, "c_stage_w": 4 * T * K,
         "c_rail_w": N * _align(4 * T * K, ROW_ALIGN), "c_host_w": W * 4 * T * K,
         "c_part": R * N * T * part, "c_stage_back": N * T * part, "c_back": N * T * part,

@@ -38,14 +38,16 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
         PUT_BYTES=row_bytes(H, lay.itemsize, bool(fp8)),
         RX_WORDS=(H if fp8 else H * lay.itemsize) // 4, SCALES=scales,
         SCALES_P2=max(1, hp // 128), RAIL_FLAGS_P2=_pow2(N), HOST_FLAGS_P2=_pow2(NB * R),
-        TOK_P2=_pow2(-(-T // NB)))
+        TOK_P2=_pow2(-(-T // NB)), WP=_pow2(W), LP=_pow2(num_experts // W),
+        EHP=_pow2(R * (num_experts // W)))
     o = lay.offsets
     d_regions = _bundle(
         HostDispatchRegions, SET_BYTES=lay.set_bytes, IDS_BYTES=lay.ids_block_bytes(),
         RAIL_SIG=o["d_rail_sig"], ROW_SIG=o["d_row_sig"], HOST_SIG=o["d_host_sig"],
         HOST_ENTRY=o["d_host_entry"], STAGE_IDS=o["d_stage_ids"],
         STAGE=o["d_stage"], RAIL_IDS=o["d_rail_ids"], RAIL_ROWS=o["d_rail_rows"],
-        HOST_NTOK=o["d_host_ntok"], HOST_IDS=o["d_host_ids"], HOST_ROWS=o["d_host_rows"])
+        HOST_NTOK=o["d_host_ntok"], HOST_CNT=o["d_host_cnt"], HOST_IDS=o["d_host_ids"],
+        HOST_ROWS=o["d_host_rows"])
     c_regions = _bundle(
         HostCombineRegions, SET_BYTES=lay.set_bytes, RAIL_SIG=o["c_rail_sig"],
         HOST_SIG=o["c_host_sig"], HOST_ENTRY=o["c_host_entry"], PART_SIG=o["c_part_sig"],
@@ -73,10 +75,11 @@ def ledger_bytes(ledger: torch.Tensor) -> int:
 
 
 def make_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: int,
-                itemsize: int, fp8: bool, num_blocks: int = DEFAULT_NUM_BLOCKS) -> HostsLayout:
+                itemsize: int, fp8: bool, num_experts: int,
+                num_blocks: int = DEFAULT_NUM_BLOCKS) -> HostsLayout:
     """The region of a buffer: id slots sized for MAX_TOPK, as ``size_hint`` takes no top-k."""
     return hosts_layout(max_tokens, hidden, num_hosts, ranks_per_host, MAX_TOPK, itemsize,
-                        num_blocks, fp8)
+                        num_blocks, fp8, num_experts)
 
 
 def default_num_blocks(num_hosts: int, ranks_per_host: int, sms: int | None = None) -> int:
@@ -88,11 +91,11 @@ def default_num_blocks(num_hosts: int, ranks_per_host: int, sms: int | None = No
 
 
 def hosts_region_bytes(max_tokens: int, hidden: int, num_ranks: int, ranks_per_host: int,
-                       itemsize: int, fp8: bool) -> int:
+                       itemsize: int, fp8: bool, num_experts: int) -> int:
     """Bytes of the two-level region per rank (``EPBuffer.size_hint(num_ranks_per_host=...)``),
     at ``default_num_blocks`` without an SM bound."""
     N = num_ranks // ranks_per_host
-    return make_layout(max_tokens, hidden, N, ranks_per_host, itemsize, fp8,
+    return make_layout(max_tokens, hidden, N, ranks_per_host, itemsize, fp8, num_experts,
                        default_num_blocks(N, ranks_per_host)).total_bytes
 
 
@@ -158,7 +161,7 @@ class HostsPeerEP:
         self.nb = nb
         self.buf = buf
         self.layout = lay = make_layout(buf.max_tokens, buf.hidden, self.N, self.R,
-                                        buf.dtype.itemsize, buf.fp8, nb)
+                                        buf.dtype.itemsize, buf.fp8, buf.num_experts, nb)
         self.heap, hdl = _shmem_heap(lay.total_bytes, self.device, buf.group)
         # the region table: own base for the rail puts (a symmetric address), the peer
         # addresses of this host's ranks for the stores inside the host

@@ -13,11 +13,14 @@ forwarder). One launch of NB blocks; stages (``HC_*`` bits), each after a bounde
 3. partials (``HC_PARTIALS``, after ``HC_PARTIALS_WAIT``): for each pair (s, t) with entries
    here, ``partial = dtype(fold over k in order: acc = acc + w[k] * fp32(y[row_of[s, t, k]]))``
    (fp32 from +0.0, rounded once), into ``c_part[me, s // R, t]`` of the forwarder of s on
-   this host (local rank ``s % R``), then ``c_part_sig[b, me]`` on every rank of the host.
-4. host sums (``HC_HOST_SUM``, after ``HC_HOST_SUM_WAIT``): for each forwarded token, the
-   partials of this host's ranks **in rank order**, ``acc = acc + fp32(partial)``, rounded
+   this host (local rank ``s % R``); sources in rank order, and after each host g's sources
+   ``c_part_sig[g, b, me]`` on every rank of the host.
+4. host sums (``HC_HOST_SUM``; its waits, ``HC_HOST_SUM_WAIT``, inside it): host by host, once
+   every rank's block b has signalled host g, for each of the block's forwarded tokens of g,
+   the partials of this host's ranks **in rank order**, ``acc = acc + fp32(partial)``, rounded
    once; a sum for an own token stays here (``c_back[h, t]``), the others are staged and sent
-   to the token's rank (``c_back[h, t]`` there, flag ``c_back_sig[h, t]``).
+   to the token's rank (``c_back[h, t]`` there, flag ``c_back_sig[h, t]``). So the sums of
+   host g cross the rail while the partials of later hosts are formed.
 5. out (``HC_OUT``, after ``HC_OUT_WAIT`` for the flags of the block's own tokens' sums):
    each own token's host sums **in host order**,
    ``acc = acc + fp32(host_sum)``, rounded once into ``out``.
@@ -33,10 +36,11 @@ import triton.language as tl
 
 from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison, poll_read,
                                      wait_bound)
-from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_EXIT, _at, _masked,
-                               _rank_bits, symbol)
+from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA, PHASE_EXIT,
+                               _at, _masked, _rank_bits, symbol)
 from .dispatch import Where, ids_arrived, ledger_add, ledger_store
-from .masks import announce, entry_wait, fed, hosts_wait, later_bound, ranks_wait
+from .masks import (HOST, announce, entry_wait, fed, hosts_wait, later_bound, masked_wait,
+                    ranks_wait)
 from .rail import FLAG, PUT_CHUNK, copy_words, host_signal, rail_send, rail_wait
 
 HC_WEIGHTS, HC_FORWARD_WAIT, HC_FORWARD, HC_PARTIALS_WAIT, HC_PARTIALS = 1, 2, 4, 8, 16
@@ -53,7 +57,6 @@ STAGE_FORWARD_WAIT = tl.constexpr(HC_FORWARD_WAIT)
 STAGE_FORWARD = tl.constexpr(HC_FORWARD)
 STAGE_PARTIALS_WAIT = tl.constexpr(HC_PARTIALS_WAIT)
 STAGE_PARTIALS = tl.constexpr(HC_PARTIALS)
-STAGE_HOST_SUM_WAIT = tl.constexpr(HC_HOST_SUM_WAIT)
 STAGE_HOST_SUM = tl.constexpr(HC_HOST_SUM)
 STAGE_OUT_WAIT = tl.constexpr(HC_OUT_WAIT)
 STAGE_OUT = tl.constexpr(HC_OUT)
@@ -115,41 +118,49 @@ def _weights_in(wts, fwd_ntok, msk, wh, word, S, RG):
 
 @triton.jit
 def _partials(eo, row_of, ntok_in, msk, wh, word, S, RG):
-    """Stage 3 (module doc); none for a source that is masked or whose forwarder is."""
+    """Stage 3 (module doc); none for a source that is masked or whose forwarder is. Sources
+    in rank order, so host by host: once this block has stored the partials of host g's
+    sources it signals ``c_part_sig[g, b, me]`` on every rank of the host (each forwards one
+    of them), and the host sums of g may leave while later hosts' partials are formed."""
     b = tl.program_id(0)
     DT = eo.dtype.element_ty
     hs = tl.arange(0, S.HP)
     hm = hs < S.H
     wp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_W, tl.float32)
-    for s in range(S.W):
-        fwd = wh.host * S.R + s % S.R               # the forwarder of source s on this host
-        part = (_at(wh.tab, fwd, wh.set_off + RG.PART, DT)
-                + ((wh.local * S.N + s // S.R) * S.T) * S.H)
-        for t in range(b, tl.where(fed(msk, s, wh, S), tl.load(ntok_in + s), 0), S.NB):
-            acc = tl.zeros([S.HP], tl.float32)
-            here = tl.full([], 0, tl.int32)
-            for k in tl.static_range(S.K):
-                r = tl.load(row_of + (s * S.T + t) * S.K + k)
-                if r >= 0:
-                    w = tl.load(wp + (s * S.T + t) * S.K + k)
-                    y = tl.load(eo + r.to(tl.int64) * S.H + hs, mask=hm, other=0.0)
-                    acc = acc + w * y.to(tl.float32)
-                    here = here | 1
-            if here != 0:
-                tl.store(part + t * S.H + hs, acc.to(DT), mask=hm)
-    for q in tl.static_range(S.R):
-        host_signal(wh.tab, wh.host * S.R + q,
-                    wh.set_off + RG.PART_SIG + (b * S.R + wh.local) * FLAG, word)
+    for g in range(S.N):
+        for j in range(S.R):
+            s = g * S.R + j
+            part = (_at(wh.tab, wh.host * S.R + j, wh.set_off + RG.PART, DT)   # forwarder j
+                    + ((wh.local * S.N + g) * S.T) * S.H)
+            for t in range(b, tl.where(fed(msk, s, wh, S), tl.load(ntok_in + s), 0), S.NB):
+                acc = tl.zeros([S.HP], tl.float32)
+                here = tl.full([], 0, tl.int32)
+                for k in tl.static_range(S.K):
+                    r = tl.load(row_of + (s * S.T + t) * S.K + k)
+                    if r >= 0:
+                        w = tl.load(wp + (s * S.T + t) * S.K + k)
+                        y = tl.load(eo + r.to(tl.int64) * S.H + hs, mask=hm, other=0.0)
+                        acc = acc + w * y.to(tl.float32)
+                        here = here | 1
+                if here != 0:
+                    tl.store(part + t * S.H + hs, acc.to(DT), mask=hm)
+        for q in tl.static_range(S.R):
+            host_signal(wh.tab, wh.host * S.R + q,
+                        wh.set_off + RG.PART_SIG + ((g * S.NB + b) * S.R + wh.local) * FLAG,
+                        word)
 
 
 @triton.jit
-def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM: tl.constexpr):
-    """Stage 4 (module doc). Masks (``msk``): no
+def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, DT: tl.constexpr, S,
+               RG, SHMEM: tl.constexpr, MASKS: tl.constexpr, STATS: tl.constexpr):
+    """Stage 4 (module doc), host by host: for host g, once every rank of this host has
+    stored this block's partials of g's sources (``c_part_sig[g, b]``: a bounded wait, which
+    with masks masks a late rank), the sums of this block's tokens of g. Masks (``msk``): no
     sums for a masked source; a masked rank's partial counts as zero, and a host sum is sent
     for every token routed here all the same (zeros when all its experts here are masked), so
     the token's rank never reads a stale slot. Each sum sent is one message with its own flag
-    (``c_back_sig[h, t]`` at the token's rank). Returns the block's ledger (messages and bytes
-    per host)."""
+    (``c_back_sig[h, t]`` at the token's rank). Returns ``(ok, msk, messages, bytes)``: the
+    block's ledger per host."""
     b = tl.program_id(0)
     hs = tl.arange(0, S.HP)
     hm = hs < S.H
@@ -158,8 +169,14 @@ def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM:
     msgs = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
     nbytes = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
     part = _at(wh.tab, wh.rank, wh.set_off + RG.PART, DT)
+    ok = tl.full([], 1, tl.int32) != 0
     for g in range(S.N):
-        ng = tl.where(_masked(msk, g * S.R + wh.local), 0, tl.load(fwd_ntok + g))
+        ok2, msk = masked_wait(_at(wh.tab, wh.rank, wh.set_off + RG.PART_SIG, tl.int64)
+                               + (g * S.NB + b) * S.R, word, timeout_us, err, OP_COMBINE,
+                               PHASE_DATA, ok, S.R, S.HOST_FLAGS_P2, S.R, HOST,
+                               tl.full([], 0, tl.int64), msk, 0, wh, S, MASKS, 0, stats, STATS)
+        ok = ok & (ok2 != 0)
+        ng = tl.where(_masked(msk, g * S.R + wh.local) | (ok == 0), 0, tl.load(fwd_ntok + g))
         for t in range(b, ng, S.NB):
             ids = tl.load(fwd_ids + (g * S.T + t) * S.K + ks, mask=ks < S.K, other=-1)
             dest = tl.where(ids >= 0, ids // S.L - wh.host * S.R, -1)  # local rank, or none
@@ -185,7 +202,7 @@ def _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT: tl.constexpr, S, RG, SHMEM:
                               row_bytes, wh.set_off + RG.BACK_SIG + (wh.host * S.T + t) * FLAG,
                               word, SHMEM)
                     msgs, nbytes = ledger_add(msgs, nbytes, g, row_bytes, S)
-    return msgs, nbytes
+    return ok, msk, msgs, nbytes
 
 
 @triton.jit
@@ -305,15 +322,11 @@ def hosts_combine_kernel(
     if STAGE_PARTIALS & STAGES:
         if ok:
             _partials(eo, row_of, ntok_in, msk, wh, word, SIZES, REGIONS)
-    if STAGE_HOST_SUM_WAIT & STAGES:
-        ok3, msk = ranks_wait(_at(tab, rank, wh.set_off + REGIONS.PART_SIG, tl.int64), word,
-                              later_us, err, OP_COMBINE, go=ok, msk=msk, epoch=seq + 1, wh=wh,
-                              S=SIZES, MASKS=MASKS, AGREE=0, stats=stats, STATS=STATS)
-        ok = ok & ok3
-    if STAGE_HOST_SUM & STAGES:
+    if STAGE_HOST_SUM & STAGES:     # its waits (HC_HOST_SUM_WAIT) are inside, host by host
         if ok:
-            h_msgs, h_bytes = _host_sums(fwd_ids, fwd_ntok, msk, wh, word, DT, SIZES, REGIONS,
-                                         SHMEM)
+            ok, msk, h_msgs, h_bytes = _host_sums(fwd_ids, fwd_ntok, msk, wh, word, later_us,
+                                                  err, stats, DT, SIZES, REGIONS, SHMEM, MASKS,
+                                                  STATS)
             ledger_store(ledger, h_msgs, h_bytes, SIZES, 1)
     if STAGE_OUT_WAIT & STAGES:
         ok = _sums_arrived(topk, n_tok, msk, wh, word, later_us, err, ok, SIZES, REGIONS,

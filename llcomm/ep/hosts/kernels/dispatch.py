@@ -2,7 +2,8 @@
 forwarded inside that host to the ranks that hold its experts.
 
 Rank ``r`` is local rank ``l = r % R`` of host ``h = r // R``. One launch of NB blocks; block b
-owns tokens ``b, b + NB, ...`` of every list it walks, and local experts ``b, b + NB, ...``.
+owns tokens ``b, b + NB, ...`` of every list it walks, and the expand's (source, local
+expert) pairs ``b, b + NB, ...``.
 Stages (``STAGES`` bits, ``HD_*``), separated by bounded waits:
 
 1. send (``HD_SEND``): block 0 first sends the token count and every token's top-k ids to
@@ -22,6 +23,8 @@ Stages (``STAGES`` bits, ``HD_*``), separated by bounded waits:
 3. expand (``HD_EXPAND``, after ``HD_EXPAND_WAIT`` for every forwarder's signals): for each
    local expert, the rows routed to it, sources in rank order, tokens in order, packed from 0
    into ``recv_x``, with ``src_info``, ``row_of`` and ``recv_count``: the single-host layout.
+   The forwarders counted each source's tokens per expert (``d_host_cnt``), so each (source,
+   expert) pair knows where its rows start, and the blocks share the pairs.
 
 The messages across hosts go through ``rail.py`` (SHMEM, or plain stores with ``SHMEM`` = 0),
 and each block counts them in its row of ``ledger`` (the wire ledger); everything inside a host
@@ -80,15 +83,17 @@ COPY_CHUNK = tl.constexpr(512)
 #: Also pow2s: of the hosts, the flags of a rail wait (``RAIL_FLAGS_P2``: one per host), of
 #: the flags of a host wait (``HOST_FLAGS_P2``: ``NB * R``), and of a block's share of T
 #: tokens (``TOK_P2``: its lanes in a wait for its messages, ``rail.rail_wait`` and
-#: ``forward.forward_host``).
+#: ``forward.forward_host``); and of W (``WP``), L (``LP``) and the host's experts R L
+#: (``EHP``): the expert counts' lanes.
 HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
                                      "ROW_BYTES", "PUT_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
-                                     "RAIL_FLAGS_P2", "HOST_FLAGS_P2", "TOK_P2"])
+                                     "RAIL_FLAGS_P2", "HOST_FLAGS_P2", "TOK_P2", "WP", "LP",
+                                     "EHP"])
 #: Byte offsets of the dispatch's regions in set 0 (``layout.py``), the set's size and an
 #: id block's size.
 HostDispatchRegions = namedtuple("HostDispatchRegions", [
     "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "ROW_SIG", "HOST_SIG", "HOST_ENTRY", "STAGE_IDS", "STAGE",
-    "RAIL_IDS", "RAIL_ROWS", "HOST_NTOK", "HOST_IDS", "HOST_ROWS"])
+    "RAIL_IDS", "RAIL_ROWS", "HOST_NTOK", "HOST_CNT", "HOST_IDS", "HOST_ROWS"])
 #: Where this call's data lives (runtime values): region table, this rank, its host and local
 #: index, the set's byte offset.
 Where = namedtuple("Where", ["tab", "rank", "host", "local", "set_off"])
@@ -230,23 +235,30 @@ def _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, S, RG,
 @triton.jit
 def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh, S, RG,
             FP8: tl.constexpr):
-    """Stage 3 (module doc). A source that is masked or whose forwarder here is masked
-    (``msk``) counts as having sent nothing."""
+    """Stage 3 (module doc), spread over every (source, local expert) pair with rows: pair
+    (s, e) starts at the rows of e from the sources before s (the forwarders' counts,
+    ``d_host_cnt``), so the pairs need no order among them and every block takes a share. A
+    source that is masked or whose forwarder here is masked (``msk``) counts as having sent
+    nothing."""
     b = tl.program_id(0)
     ks = tl.arange(0, S.KP)
     km = ks < S.K
     ntp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_NTOK, tl.int32)
+    cntp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_CNT, tl.int32)
     idp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_IDS, tl.int32)
     rows = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_ROWS, tl.int32)
     rx = recv_x.to(tl.pointer_type(tl.int32))
     ROW_WORDS: tl.constexpr = S.ROW_BYTES // 4
+    ws = tl.arange(0, S.WP)
+    fed_w = (ws < S.W) & fed(msk, ws, wh, S)
     if b == 0:
-        ws = tl.arange(0, 64)
-        for s0 in range(0, S.W, 64):
-            nts = tl.load(ntp + s0 + ws, mask=s0 + ws < S.W)
-            tl.store(ntok_out + s0 + ws, tl.where(fed(msk, s0 + ws, wh, S), nts, 0),
-                     mask=s0 + ws < S.W)
-    # row_of of the entries whose expert is not here: -1 (the expert blocks write the rest)
+        tl.store(ntok_out + ws, tl.where(fed_w, tl.load(ntp + ws, mask=ws < S.W), 0),
+                 mask=ws < S.W)
+        ls = tl.arange(0, S.LP)
+        c = tl.load(cntp + ws[:, None] * S.L + ls[None, :],
+                    mask=fed_w[:, None] & (ls < S.L)[None, :], other=0)
+        tl.store(recv_count + ls, tl.sum(c, 0), mask=ls < S.L)
+    # row_of of the entries whose expert is not here: -1 (the pairs write the rest)
     for s in range(S.W):
         for t in range(b, tl.where(fed(msk, s, wh, S), tl.load(ntp + s), 0), S.NB):
             ids = tl.load(idp + (s * S.T + t) * S.K + ks, mask=km, other=-1)
@@ -254,11 +266,13 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh
             tl.store(row_of + (s * S.T + t) * S.K + ks, tl.full([S.KP], -1, tl.int32),
                      mask=km & ~here)
     cs = tl.arange(0, COPY_CHUNK)
-    for e in range(b, S.L, S.NB):
+    for p in range(b, S.W * S.L, S.NB):
+        s = p // S.L
+        e = p % S.L
         eg = wh.rank * S.L + e
-        pos = tl.full([], 0, tl.int32)
-        for s in range(S.W):
-            ns = tl.where(fed(msk, s, wh, S), tl.load(ntp + s), 0)
+        if tl.where(fed(msk, s, wh, S), tl.load(cntp + s * S.L + e), 0) > 0:
+            pos = tl.sum(tl.load(cntp + ws * S.L + e, mask=fed_w & (ws < s), other=0), 0)
+            ns = tl.load(ntp + s)
             for t0 in range(0, ns, EXPAND_TILE):
                 ts = t0 + tl.arange(0, EXPAND_TILE)
                 m2 = (ts < ns)[:, None] & km[None, :]
@@ -286,7 +300,6 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh
                              + ((e * S.W * S.T + pre) * S.SCALES)[:, None] + ns_[None, :], sc,
                              mask=sm)
                 pos += tl.sum(routed, 0)
-        tl.store(recv_count + e, pos)
 
 
 @triton.jit

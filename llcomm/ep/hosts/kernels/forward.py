@@ -30,6 +30,8 @@ from .rail import copy_words, rail_arrived
 
 #: int32 words per step of a forwarded row's copy.
 COPY_CHUNK = tl.constexpr(512)
+#: Tokens per step of a source's expert count.
+COUNT_TILE = tl.constexpr(16)
 #: Words of an id block before the ids: the token count first.
 ID_HEADER = tl.constexpr(HL.ID_HEADER_WORDS)
 #: A poll's verdict, reduced block-wide in one maximum: a mismatch at SEEN_SHIFT, a lane index
@@ -68,11 +70,40 @@ def _forward_token(g, t, ids, src_off, fwd_ids, wh, S, RG):
 
 
 @triton.jit
+def _count(ids, ng, g, wh, S, RG):
+    """Block ``g % NB``: how many of source ``s = g * R + l``'s ng tokens (top-k ids at
+    ``ids``, int32 or int64, ``[ng, K]``) go to each expert of this host, a token that lists
+    one twice counted once, into ``d_host_cnt[s]`` of the rank holding the expert: where the
+    expand places s's rows needs only these counts (``dispatch._expand``)."""
+    if tl.program_id(0) == g % S.NB:
+        s = g * S.R + wh.local
+        bins = tl.arange(0, S.EHP)
+        first = wh.host * S.R * S.L            # this host's first expert
+        cnt = tl.zeros([S.EHP], tl.int32)
+        for t0 in range(0, ng, COUNT_TILE):
+            ts = t0 + tl.arange(0, COUNT_TILE)
+            tm = ts < ng
+            for k in tl.static_range(S.K):
+                idk = tl.load(ids + ts * S.K + k, mask=tm, other=-1)
+                fresh = tm & (idk >= 0) & (idk < S.E)
+                for j in tl.static_range(k):
+                    fresh = fresh & (tl.load(ids + ts * S.K + j, mask=tm, other=-1) != idk)
+                e = (idk - first).to(tl.int32)
+                cnt += tl.sum(((e[:, None] == bins[None, :]) & fresh[:, None]).to(tl.int32),
+                              axis=0)
+        for q in tl.static_range(S.R):
+            tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_CNT, tl.int32)
+                     + s * S.L + bins - q * S.L, cnt,
+                     mask=(bins >= q * S.L) & (bins < (q + 1) * S.L))
+
+
+@triton.jit
 def forward_own(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, S, RG):
     """This rank's own tokens (module doc): from the staging area, nothing to wait for. None
     when this rank is masked (``msk``)."""
     b = tl.program_id(0)
     ng = tl.where(_masked(msk, wh.rank), 0, n_tok)
+    _count(topk, ng, wh.host, wh, S, RG)
     if b == 0:
         tl.store(fwd_ntok + wh.host, ng)
         for q in tl.static_range(S.R):
@@ -95,6 +126,7 @@ def forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
     s = g * S.R + wh.local
     ids_at = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES, tl.int32)
     ng = tl.where(_masked(msk, s), 0, tl.load(ids_at))
+    _count(ids_at + ID_HEADER, ng, g, wh, S, RG)
     if b == 0:
         tl.store(fwd_ntok + g, ng)
         for q in tl.static_range(S.R):
