@@ -358,6 +358,9 @@ def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys, tm
     (["--no-calibration"], "--no-calibration needs --model"),
     (["--model", "--calibration", "x.json", "--no-calibration"], "exclude each other"),
     (["--model", "--calibration", "/nonexistent/x.json"], "cannot read"),
+    (["--calibrate", "--model"], "--calibrate does not take --model"),
+    (["--calibrate", "--nic-gbps", "9"], "--calibrate does not take --nic-gbps"),
+    (["--calibrate", "--iters", "0"], "--iters must be at least 1"),
 ])
 def test_cli_rejects_a_bad_parameter(capsys, args, flag):
     assert cli.main(["bench", "ep", *args]) == 2
@@ -369,3 +372,9 @@ def test_cli_rejects_a_parameter_that_is_not_a_number(capsys):
         cli.main(["bench", "ep", "--model", "--nic-gbps", "fast"])
     assert "--nic-gbps" in capsys.readouterr().err
 
+
+def test_calibrate_needs_a_gpu(monkeypatch, capsys):
+    """Where CUDA is absent (CI), ``--calibrate`` says so and writes nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "ep", "--calibrate"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out

@@ -5,9 +5,10 @@ forming partials and folding host sums inside a host cost, as lines in the bytes
 - ``SCALED``: the single-host peer kernels' dispatch and combine measured on 2 GPUs, fitted
   as a line through two token counts and evaluated at the bytes a forwarder moves at 8 GPUs
   per host: a scaling, not a measurement of these stages;
-- a calibration file: the stages themselves timed on one GPU at EP16 and EP64 sizes (rows of
-  ``stage``, ``ranks``, ``bytes`` and ``median_us``), a line per stage through its points
-  (``calibrated``); ``newest_calibration`` finds the newest one in ``bench/results/``.
+- a calibration file (``ep_calibrate``, ``llcomm bench ep --calibrate``): the stages
+  themselves timed on one GPU at EP16 and EP64 sizes (rows of ``stage``, ``ranks``, ``bytes``
+  and ``median_us``), a line per stage through its points (``calibrated``);
+  ``newest_calibration`` finds the newest one in ``bench/results/``.
 
 On one GPU the stages write into that GPU's memory, not over NVLink, so the model keeps the
 NVLink time of their bytes as a floor on each in-host stage (``ep_model._in_host``).
@@ -70,7 +71,7 @@ class HostExchange:
 class InHost:
     """What the in-host stages cost, and where that comes from (``source``: ``"scaled"``, the
     peer kernels' 2-GPU measurements scaled by bytes; ``"calibrated"``, the stages timed on one
-    GPU). ``host_sums``: the fold of the partials, or None where the
+    GPU, ``ep_calibrate``). ``host_sums``: the fold of the partials, or None where the
     ``partials`` cost includes it (the 2-GPU combine does). ``note`` says which measurement."""
 
     source: str
@@ -93,17 +94,19 @@ SCALED = InHost("scaled", "the peer kernels on 2xH200 scaled by bytes (not measu
 
 # -- calibration files --------------------------------------------------------------------------
 #: Where result files are committed, and the end of a calibration file's name
-#: (``<gpu>x1-ep-calibration.json``).
+#: (``<gpu>x1-ep-calibration.json``, ``ep_calibrate.default_path``).
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 CALIBRATION_SUFFIX = "-ep-calibration.json"
-#: The stages a calibration times, by the names of its rows' ``stage``.
+#: The stages a calibration times, by the names of its rows' ``stage`` (``ep_calibrate``), and
+#: the EP sizes it times them at (hosts of 8 GPUs: 2 and 8 hosts).
 CALIBRATED_STAGES = ("forward", "partials", "host sums")
+CALIBRATION_EPS = (16, 64)
 
 
 def calibrated(result: dict, name: str = "calibration") -> InHost:
-    """The in-host costs of a calibration result: per stage, the line
-    through its rows' ``(bytes, median_us)`` (``HostExchange.fit``). ValueError naming what is
-    missing or bad."""
+    """The in-host costs of a calibration result (``ep_calibrate``): per stage, the line through
+    its rows' ``(bytes, median_us)`` (``HostExchange.fit``). ValueError naming what is missing
+    or bad."""
     rows = result.get("rows")
     if not isinstance(rows, list):
         raise ValueError(f"{name}: no 'rows' list: not a calibration result file")

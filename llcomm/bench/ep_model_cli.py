@@ -1,11 +1,14 @@
-"""``llcomm bench ep --model``: the printout of the two-level kernels' cost model (``ep_model``)
-and its options.
+"""``llcomm bench ep --model`` and ``--calibrate``: the printout of the two-level kernels' cost
+model (``ep_model``) and the options of both.
 
-It prints, per EP size, every stage (when it runs, what bounds it, its share of the critical
-path) and each op's time with the stage that limits it and why, next to the project's goals
-and published figures; it starts no process. Its in-host stages come from a calibration file
-(``--calibration FILE``; by default the newest ``bench/results/<gpu>x1-ep-calibration.json``)
-or, without one (or with ``--no-calibration``), from the 2-GPU scaling (``ep_inhost``).
+``--model`` prints, per EP size, every stage (when it runs, what bounds it, its share of the
+critical path) and each op's time with the stage that limits it and why, next to the project's
+goals and published figures; it starts no process. Its in-host stages come from a calibration
+file (``--calibration FILE``; by default the newest
+``bench/results/<gpu>x1-ep-calibration.json``) or, without one (or with ``--no-calibration``),
+from the 2-GPU scaling (``ep_inhost``).
+``--calibrate`` times those stages on this machine's GPU and writes such a file
+(``ep_calibrate``).
 """
 from __future__ import annotations
 
@@ -101,14 +104,14 @@ def report(shapes, p: LinkParams = LinkParams()) -> str:
     return "\n".join(lines)
 
 
-# -- llcomm bench ep --model ---------------------------------------------------------------
+# -- llcomm bench ep --model / --calibrate ---------------------------------------------------
 #: The flags that override LinkParams, and the field each sets.
 FLAGS = {"--nvlink-gbps": "nvlink_gbps", "--nic-gbps": "nic_gbps",
          "--nic-latency-us": "nic_latency_us", "--nic-msg-rate": "nic_msg_rate"}
 
 
 def add_arguments(p) -> None:
-    """``--model`` and its parameters, on ``llcomm bench ep``'s parser."""
+    """``--model``, its parameters and ``--calibrate``, on ``llcomm bench ep``'s parser."""
     g = p.add_argument_group("cost model", "the two-level kernels' model (docs/multihost.md)")
     g.add_argument("--model", action="store_true",
                    help="print the cost model of the two-level kernels at EP16, 32 and 64 and "
@@ -127,10 +130,17 @@ def add_arguments(p) -> None:
                         "scaling)")
     g.add_argument("--no-calibration", action="store_true",
                    help="with --model: the 2-GPU scaling, even where a calibration file exists")
+    g.add_argument("--calibrate", action="store_true",
+                   help="time the two-level kernels' in-host stages on this machine's GPU (one "
+                        "rank of a host, EP16 and EP64) and write the calibration result "
+                        "(--json, default bench/results/<gpu>x1-ep-calibration.json); --iters "
+                        "replays of a graph of --graph-ops launches, after --warmup")
+
 
 def requested(a) -> bool:
-    """Whether the command line asks for the model (or sets one of its parameters)."""
-    return (a.model or a.calibration is not None or a.no_calibration
+    """Whether the command line asks for the model or the calibration (or sets one of their
+    parameters)."""
+    return (a.model or a.calibrate or a.calibration is not None or a.no_calibration
             or any(getattr(a, f) is not None for f in FLAGS.values()))
 
 
@@ -199,12 +209,34 @@ def from_args(a) -> tuple[list[Shape], LinkParams]:
     return shapes, LinkParams(**values, in_host=in_host)
 
 
+def calibrate_shapes(a) -> list[Shape]:
+    """The shapes ``--calibrate`` times (``ep_inhost.CALIBRATION_EPS``); one ValueError naming
+    each bad flag."""
+    problems = [f"--calibrate does not take {flag} (the model's)" for flag, given in
+                [("--model", a.model), ("--calibration", a.calibration is not None),
+                 ("--no-calibration", a.no_calibration)]
+                + [(f, getattr(a, v) is not None) for f, v in FLAGS.items()] if given]
+    shapes = shapes_from_args(a, ep_inhost.CALIBRATION_EPS, problems)
+    options.check_run_arguments(a, problems)
+    if a.graph_ops < 1:
+        problems.append("--graph-ops must be at least 1")
+    if problems:
+        raise ValueError("; ".join(dict.fromkeys(problems)))
+    return shapes
+
+
 def run(a) -> int:
-    """``llcomm bench ep --model``: print the model; 2 on a bad option."""
+    """``llcomm bench ep --model`` (print the model) or ``--calibrate``; 2 on a bad option."""
     try:
-        shapes, params = from_args(a)
+        if a.calibrate:
+            shapes = calibrate_shapes(a)
+        else:
+            shapes, params = from_args(a)
     except ValueError as e:
         print(f"llcomm bench ep: {e}")
         return 2
+    if a.calibrate:
+        from . import ep_calibrate
+        return ep_calibrate.run(a, shapes)
     print(report(shapes, params))
     return 0
