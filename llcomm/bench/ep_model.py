@@ -395,11 +395,12 @@ def dispatch_model(s: Shape, p: LinkParams = LinkParams()) -> OpModel:
 def _host_sums(s: Shape, messages: float, nbytes: float, p: LinkParams) -> Stage:
     """The host sums: the partials of this host's ranks folded per token (``InHost.host_sums``;
     without it the partials' cost holds the fold) and each sum for another host put on the NIC
-    as it is formed, so the slower of the two, then one latency. ``tail_us``, for when the
-    stage overlaps the partials: the last batch (one sum per block) folded and sent."""
+    as it is formed, so the slower of the two, then one latency. ``tail_us``: the stage
+    overlaps the partials, which the kernel forms host by host and signals per host, so what
+    is left after the last partial is the sums of one host: folded and sent."""
     nic = _nic("host sums", messages, nbytes, p)
     fold = p.in_host.host_sums
-    batch = min(s.blocks * LAST_BATCH_TOKENS_PER_BLOCK, messages)
+    batch = messages / max(1, s.hosts - 1)
     tail = _nic_us(batch, batch * (s.sum_bytes + FLAG_BYTES), p)[0] + p.nic_latency_us
     if fold is not None:
         tail += fold.per_byte_us(batch * s.rows_per_token * s.sum_bytes)
@@ -410,11 +411,12 @@ def _host_sums(s: Shape, messages: float, nbytes: float, p: LinkParams) -> Stage
 
 
 def combine_model(s: Shape, p: LinkParams = LinkParams()) -> OpModel:
-    """The combine kernel's stages, each after a wait for the previous one's flags:
-    weights out, one block to each other host's rail rank; weights in, handed to this host's
-    ranks; partials, each expert rank's partial per (token, source) to the token's rail rank
-    here; host sums (``_host_sums``), one per (token, other host) out of the NIC; out, each own
-    token's host sums read and the output written."""
+    """The combine kernel's stages: weights out, one block to each other host's rail rank;
+    weights in, handed to this host's ranks; partials, each expert rank's partial per (token,
+    source) to the token's rail rank here; host sums (``_host_sums``), one per (token, other
+    host) out of the NIC, during the partials (a host's sums leave once its partials are
+    complete); out, each own token's host sums read and the output written. Each stage but
+    the host sums starts after the one before it."""
     w, n, N, R = s.wire().combine, s.tokens, s.hosts, s.ranks_per_host
     w_msgs = N - 1
     w_bytes = w_msgs * (_a16(WORD_BYTES * n * s.topk) + FLAG_BYTES)
@@ -426,5 +428,5 @@ def combine_model(s: Shape, p: LinkParams = LinkParams()) -> OpModel:
         _nic("weights out", w_msgs, w_bytes, p),
         Stage("weights in", "NVLink", 0, hand_out, _link_us(hand_out, p.nvlink_gbps)),
         _in_host("partials", part, part * (R - 1) / R, p.in_host.partials, p),
-        replace(sums, overlaps=False),      # after every partial of the host (combine.py)
+        replace(sums, overlaps=True),       # host by host, as its partials complete
         _local("out", sums_read + n * s.sum_bytes, p)))

@@ -98,7 +98,8 @@ def report(shapes, p: LinkParams = LinkParams()) -> str:
              "time",
              "pipelining: the forward runs during the send and ends no earlier than its own time "
              "nor than its last batch (one token's rows per block) after the last row arrives; "
-             "each other stage runs after the one before"]
+             "the host sums run during the partials and end no earlier than one host's sums "
+             "after the last partial; each other stage runs after the one before"]
     for s in shapes:
         lines += [""] + ep_table(s, p)
     return "\n".join(lines)

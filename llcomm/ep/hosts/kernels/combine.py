@@ -296,7 +296,7 @@ def hosts_combine_kernel(
     msk = tl.full([], 0, tl.int64)
     if MASKS:
         msk = poll_read(err + ERR_MASK)
-    ok = 1
+    ok = tl.full([], 1, tl.int32) != 0
     if STAGE_FORWARD_WAIT & STAGES:
         ok, msk = hosts_wait(_at(tab, rank, wh.set_off + REGIONS.RAIL_SIG, tl.int64), word,
                              timeout_us, err, OP_COMBINE, go=1, msk=msk, epoch=seq + 1, wh=wh,
