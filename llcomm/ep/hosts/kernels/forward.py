@@ -14,9 +14,10 @@ Inside a host's tokens a block walks its share (tokens ``b, b + NB, ...``, the o
 the sender's block ``b`` put them) and forwards the longest prefix whose rows have arrived,
 polling again for the rest (``forward_host``). Per token, its flag is the signal that came with
 the row (no extra message: the put-with-signal carries it), and one SHMEM consistency step
-covers each batch of flags seen together, not each token: the alternative, a counter per block
-of tokens, would need the SHMEM signal to add instead of set, which rocSHMEM's layer cannot
-compile, and would save no message (docs/multihost.md, "Pipelining").
+covers each batch of flags seen together, not each token. The alternative, a counter per block
+of tokens, would save no message (each row is a put of its own either way) and needs a signal
+that adds instead of sets, whose count the receiver must know in advance (docs/multihost.md,
+"Pipelining").
 """
 import triton
 import triton.language as tl
