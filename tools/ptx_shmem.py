@@ -109,12 +109,20 @@ def summary(kernel) -> dict:
             "bytes": len(ptx)}
 
 
+#: Which of the two SHMEM functions (``MUST_CALL`` / ``ROC_MUST_CALL``: the put, the wait) a
+#: variant with SHMEM must call, and so which it must not: a whole op both; a send half only
+#: the put (it waits for nobody); the dispatch's receive half only the wait.
+BOTH, PUT, WAIT = (0, 1), (0,), (1,)
+
+
 def variants(a, shmem: int):
     """Every variant compiled, in print order: (label, kernel, signature, constexprs with
-    ``SHMEM``, num_warps, SHMEM on). Dispatch in bf16, FP8 and FP8 with power-of-two scales,
-    and the combine, each with ``SHMEM`` = ``shmem`` and 0; the bf16 dispatch and the combine
-    with rank masks and wait statistics with ``shmem`` only (the plain stores are the same
-    code)."""
+    ``SHMEM``, num_warps, SHMEM on, the SHMEM functions it must call: ``BOTH``, ``PUT`` or
+    ``WAIT``). Dispatch in bf16, FP8 and FP8 with power-of-two scales, and the combine, each
+    with ``SHMEM`` = ``shmem`` and 0; the bf16 dispatch and the combine with rank masks and
+    wait statistics, and each one's send and receive halves (``return_recv_hook``), with
+    ``shmem`` only (the plain stores are the same code); the stages that
+    ``llcomm bench ep --calibrate`` launches alone, plain only."""
     from llcomm.ep.hosts.kernels import combine as HC
     from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.ep.hosts.peer import hosts_consts, make_layout
@@ -125,19 +133,34 @@ def variants(a, shmem: int):
         dsig, csig = signatures("bf16")
         cc = dict(cc)
         cc.pop("enable_fp_fusion")
-        kernels = [(f"hosts_dispatch_{name}", HD.hosts_dispatch_kernel, dsig,
-                    dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL), (shmem, 0))]
+        D, C = HD.hosts_dispatch_kernel, HC.hosts_combine_kernel
+        kernels = [(f"hosts_dispatch_{name}", D, dsig, dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL),
+                    (shmem, 0), BOTH)]
         if fp8 == 0:
-            kernels += [("hosts_combine", HC.hosts_combine_kernel, csig,
-                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL), (shmem, 0)),
-                        ("hosts_dispatch_bf16_masks", HD.hosts_dispatch_kernel, dsig,
-                         dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, MASKS=1, STATS=1), (shmem,)),
-                        ("hosts_combine_masks", HC.hosts_combine_kernel, csig,
-                         dict(cc, STAGES=HC.HOSTS_COMBINE_ALL, MASKS=1, STATS=1), (shmem,))]
-        for kname, fn, sig, consts, values in kernels:
+            kernels += [
+                ("hosts_combine", C, csig, dict(cc, STAGES=HC.HOSTS_COMBINE_ALL), (shmem, 0),
+                 BOTH),
+                ("hosts_dispatch_bf16_masks", D, dsig,
+                 dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL, MASKS=1, STATS=1), (shmem,), BOTH),
+                ("hosts_combine_masks", C, csig,
+                 dict(cc, STAGES=HC.HOSTS_COMBINE_ALL, MASKS=1, STATS=1), (shmem,), BOTH),
+                ("hosts_dispatch_send_half", D, dsig,
+                 dict(dc, STAGES=HD.HOSTS_DISPATCH_SEND_HALF), (shmem,), PUT),
+                ("hosts_dispatch_recv_half", D, dsig,
+                 dict(dc, STAGES=HD.HOSTS_DISPATCH_RECV_HALF), (shmem,), WAIT),
+                ("hosts_combine_send_half", C, csig,
+                 dict(cc, STAGES=HC.HOSTS_COMBINE_SEND_HALF), (shmem,), PUT),
+                ("hosts_combine_recv_half", C, csig,
+                 dict(cc, STAGES=HC.HOSTS_COMBINE_RECV_HALF), (shmem,), BOTH),
+                ("hosts_forward_stage", D, dsig,
+                 dict(dc, STAGES=HD.HD_FORWARD_OWN | HD.HD_FORWARD), (0,), ()),
+                ("hosts_partials_stage", C, csig, dict(cc, STAGES=HC.HC_PARTIALS), (0,), ()),
+                ("hosts_host_sums_stage", C, csig,
+                 dict(cc, STAGES=HC.HC_HOST_SUM_WAIT | HC.HC_HOST_SUM), (0,), ())]
+        for kname, fn, sig, consts, values, need in kernels:
             for v in values:
                 yield (f"{kname}{'' if v else '_plain'}", fn, sig, dict(consts, SHMEM=v), warps,
-                       bool(v))
+                       bool(v), need if v else ())
 
 
 def undefined_symbols(elf: bytes) -> list[str]:
@@ -220,7 +243,7 @@ def main_gfx942(a) -> int:
     print(f"# {layer.__name__}, gfx942, no device library linked, {a.hosts} hosts x "
           f"{a.ranks_per_host} ranks, {a.tokens} tokens, hidden {a.hidden}, "
           f"top-{a.topk} of {a.experts}, {a.blocks} blocks")
-    for label, fn, sig, consts, warps, on in variants(a, ROCSHMEM.value):
+    for label, fn, sig, consts, warps, on, must in variants(a, ROCSHMEM.value):
         assert consts["SHMEM"] in (ROCSHMEM.value, PLAIN.value)
         try:
             k = compile_one(fn, sig, consts, warps, target=TARGETS["gfx942"])
@@ -233,7 +256,7 @@ def main_gfx942(a) -> int:
         roc = [f for f in declared if f.startswith("rocshmem")]
         other = [f for f in declared if not f.startswith(("rocshmem", "llvm."))]
         undefined = undefined_symbols(k.asm["hsaco"])
-        need = sorted(ROC_MUST_CALL) if on else []
+        need = sorted(ROC_MUST_CALL[i] for i in must)
         problems = [f"missing {f}" for f in need if f not in roc]
         problems += [f"must not call {f}" for f in declared
                      if any(fnmatch.fnmatch(f, p) for p in ROC_MUST_NOT_CALL)]
@@ -295,13 +318,13 @@ def main(argv=None) -> int:
     print(f"# {layer_name()}, bitcode {os.path.basename(libs[0][1])}, {a.hosts} hosts x "
           f"{a.ranks_per_host} ranks, {a.tokens} tokens, hidden {a.hidden}, "
           f"top-{a.topk} of {a.experts}, {a.blocks} blocks")
-    for label, fn, sig, consts, warps, shmem in variants(a, 1):
+    for label, fn, sig, consts, warps, shmem, must in variants(a, 1):
         k = compile_one(fn, sig, consts, warps, extern_libs=libs if shmem else None)
         ptx = k.asm["ptx"]
         s = summary(k)
         calls = [f for f in MUST_CALL if f in s["nvshmem"]]
         banned = [f for f in MUST_NOT_CALL if f in s["nvshmem"]]
-        ok = (len(calls) == len(MUST_CALL) and not banned and not s["unlinked"]) \
+        ok = (calls == [MUST_CALL[i] for i in must] and not banned and not s["unlinked"]) \
             if shmem else not s["nvshmem"]
         bad += not ok
         print(f"{label:28s} {'ok ' if ok else 'BAD'} nvshmem: "
