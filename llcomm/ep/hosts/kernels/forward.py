@@ -6,9 +6,10 @@ A rank forwards the tokens of the N sources of its rail (source ``s = g * R + l`
 - its own (g = h) from its staging area, at once, in the send half: they wait for nothing;
 - another host's once its id block (count and top-k ids, sent first, before any row) and then
   each row have arrived. Without rank masks the hosts are taken in the order their id blocks
-  arrive (``next_host``), so a late host holds back only its own tokens; with masks every
-  host's id block is waited for first (the call's mask must be agreed before rows move,
-  ``masks.py``), then the hosts in order.
+  arrive (``next_host``), so a host whose id block is late holds back no other host's tokens
+  (one taken up is seen through, its rows in order as they arrive, before the next); with
+  masks every host's id block is waited for first (the call's mask must be agreed before rows
+  move, ``masks.py``), then the hosts in order.
 
 Inside a host's tokens a block walks its share (tokens ``b, b + NB, ...``, the order in which
 the sender's block ``b`` put them) and forwards the longest prefix whose rows have arrived,
