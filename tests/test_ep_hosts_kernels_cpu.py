@@ -269,11 +269,7 @@ def simulate_mutated(mutation: str, nic_seed):
                             tl.int32)
             ng = tl.load(ids_at)
             FW._count(ids_at + FW.ID_HEADER, ng, g, wh, S, RG)
-            if tl.program_id(0) == 0:
-                tl.store(fwd_ntok + g, ng)
-                for q in tl.static_range(S.R):
-                    tl.store(FW._at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK,
-                                    tl.int32) + g * S.R + wh.local, ng)
+            FW.announce_count(g, ng, fwd_ntok, wh, S, RG)
             for t in range(tl.program_id(0), ng, S.NB):
                 FW._forward_token(g, t, FW.ids_row(ids_at + FW.ID_HEADER + t * S.K, True, S),
                                   wh.set_off + RG.RAIL_ROWS + (g * S.T + t) * S.ROW_BYTES,

@@ -322,25 +322,14 @@ def measure(st: Setup, timer: Callable) -> list[dict]:
 # -- the command ----------------------------------------------------------------------------------
 def graph_timer(ops: int, replays: int, warmup: int) -> Callable:
     """``timer(fn)``: a CUDA graph of ``ops`` calls (``timing.capture``, which calls ``fn``
-    once first), ``warmup`` replays, then ``replays`` timed ones: (median, p10, p90) µs per
-    call."""
-    import numpy as np
-
-    from .timing import capture
+    once first), ``warmup`` replays, then ``replays`` timed ones (``timing.replay_us``, this
+    process only): (median, p10, p90) µs per call."""
+    from .timing import Timing, capture, replay_us, stats_of
+    t = Timing(torch.device("cuda", torch.cuda.current_device()), replays, warmup, ops)
 
     def timer(fn):
-        graph = capture(fn, ops)
-        for _ in range(warmup):
-            graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(replays)]
-        for start, end in events:
-            start.record()
-            graph.replay()
-            end.record()
-        torch.cuda.synchronize()
-        us = np.array([a.elapsed_time(b) * 1e3 / ops for a, b in events])
-        return float(np.median(us)), float(np.percentile(us, 10)), float(np.percentile(us, 90))
+        s = stats_of(replay_us(capture(fn, ops), t))
+        return s.median_us, s.p10_us, s.p90_us
     return timer
 
 

@@ -41,12 +41,17 @@ class Stats:
     p90_us: float
 
 
+def stats_of(per_iter_us) -> Stats:
+    """Median / p10 / p90 of one process's iteration times."""
+    a = np.asarray(per_iter_us, dtype=np.float64)
+    return Stats(float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90)))
+
+
 def slowest_rank_stats(per_iter_us: list[float], device: torch.device) -> Stats:
     """Max over ranks of each iteration's time, then median / p10 / p90. A collective."""
     t = torch.tensor(per_iter_us, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    a = t.cpu().numpy()
-    return Stats(float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90)))
+    return stats_of(t.cpu().numpy())
 
 
 def time_eager(fn: Callable[[], object], t: Timing) -> Stats:
@@ -96,11 +101,13 @@ def capture(fn: Callable[[], object], ops: int, *, warm: bool = True) -> "torch.
     return graph
 
 
-def time_graph(graph: "torch.cuda.CUDAGraph", t: Timing) -> Stats:
-    """Per-op time of replays of ``graph`` (which holds ``t.ops`` ops). A collective."""
+def replay_us(graph: "torch.cuda.CUDAGraph", t: Timing,
+              before: Callable[[], object] = lambda: None) -> list[float]:
+    """Per-op µs of each of ``t.iters`` replays of ``graph`` (which holds ``t.ops`` ops), after
+    ``t.warmup`` replays and then ``before()``. This process only."""
     for _ in range(t.warmup):
         graph.replay()
-    barrier(t.device)
+    before()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(t.iters)]
     for start, end in events:
@@ -108,7 +115,12 @@ def time_graph(graph: "torch.cuda.CUDAGraph", t: Timing) -> Stats:
         graph.replay()
         end.record()
     torch.cuda.synchronize(t.device)
-    return slowest_rank_stats([s.elapsed_time(e) * 1e3 / t.ops for s, e in events], t.device)
+    return [s.elapsed_time(e) * 1e3 / t.ops for s, e in events]
+
+
+def time_graph(graph: "torch.cuda.CUDAGraph", t: Timing) -> Stats:
+    """Per-op time of replays of ``graph`` (which holds ``t.ops`` ops). A collective."""
+    return slowest_rank_stats(replay_us(graph, t, lambda: barrier(t.device)), t.device)
 
 
 # -- one thing to time, in each of its modes -----------------------------------------------------

@@ -100,17 +100,24 @@ def _count(ids, ng, g, wh, S, RG):
 
 
 @triton.jit
+def announce_count(g, ng, fwd_ntok, wh, S, RG):
+    """Block 0: the token count ng of source ``g * R + l`` into the handle (``fwd_ntok``) and
+    to every rank of this host (``d_host_ntok``)."""
+    if tl.program_id(0) == 0:
+        tl.store(fwd_ntok + g, ng)
+        for q in tl.static_range(S.R):
+            tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK, tl.int32)
+                     + g * S.R + wh.local, ng)
+
+
+@triton.jit
 def forward_own(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, S, RG):
     """This rank's own tokens (module doc): from the staging area, nothing to wait for. None
     when this rank is masked (``msk``)."""
     b = tl.program_id(0)
     ng = tl.where(_masked(msk, wh.rank), 0, n_tok)
     _count(topk, ng, wh.host, wh, S, RG)
-    if b == 0:
-        tl.store(fwd_ntok + wh.host, ng)
-        for q in tl.static_range(S.R):
-            tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK, tl.int32)
-                     + wh.rank, ng)
+    announce_count(wh.host, ng, fwd_ntok, wh, S, RG)
     for t in range(b, ng, S.NB):
         _forward_token(wh.host, t, ids_row(topk + t * S.K, True, S),
                        wh.set_off + RG.STAGE + t * S.ROW_BYTES, fwd_ids, wh, S, RG)
@@ -129,11 +136,7 @@ def forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
     ids_at = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES, tl.int32)
     ng = tl.where(_masked(msk, s), 0, tl.load(ids_at))
     _count(ids_at + ID_HEADER, ng, g, wh, S, RG)
-    if b == 0:
-        tl.store(fwd_ntok + g, ng)
-        for q in tl.static_range(S.R):
-            tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_NTOK, tl.int32) + s,
-                     ng)
+    announce_count(g, ng, fwd_ntok, wh, S, RG)
     NP: tl.constexpr = S.TOK_P2
     lane = tl.arange(0, NP)
     ts = b + S.NB * lane
@@ -171,9 +174,7 @@ def forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
                 rail_arrived(_lane_ptr(flags, lane, last), word, SHMEM)
             for i in range(done, upto):
                 t = b + S.NB * i
-                row_ids = tl.load(ids_at + ID_HEADER + t * S.K + ks, mask=ks < S.K, other=-1)
-                row_ids = tl.where((row_ids >= 0) & (row_ids < S.E), row_ids, -1).to(tl.int32)
-                _forward_token(g, t, row_ids,
+                _forward_token(g, t, ids_row(ids_at + ID_HEADER + t * S.K, True, S),
                                wh.set_off + RG.RAIL_ROWS + (g * S.T + t) * S.ROW_BYTES,
                                fwd_ids, wh, S, RG)
             done = upto
