@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from test_ep_oracle import (KINDS, expert_fn, make_case, oracle_combine, oracle_combine_f64,
-                            oracle_dispatch, oracle_dispatch_fp8, rank_partial, row_index)
+from test_ep_oracle import (KINDS, _e4m3_table, expert_fn, make_case, oracle_combine,
+                            oracle_combine_f64, oracle_dispatch, oracle_dispatch_fp8,
+                            oracle_quantize, rank_partial, row_index)
 
 ENV = "LLCOMM_EP_RANKS_PER_HOST"
 #: (ranks per host, hosts) of the distributed runs.
@@ -35,10 +36,13 @@ def _bits(t):
 
 
 # -- oracles -------------------------------------------------------------------------------------
-def oracle_combine_hosts(expert_outs, topks, weights, W: int, E: int, R: int, dtype):
+def oracle_combine_hosts(expert_outs, topks, weights, W: int, E: int, R: int, dtype,
+                         rail_fp8: bool = False):
     """Per rank ``out [n, H]``: per expert rank the k-order fold (rounded), per host the fold of
     its ranks' partials in rank order (rounded), then the fold of the hosts in host order
-    (rounded); fp32 element-wise, one operation at a time."""
+    (rounded); fp32 element-wise, one operation at a time. ``rail_fp8``: another host's fold
+    arrives as its e4m3 codes (``oracle_quantize`` of the fp32 fold) times their scales
+    (``rail_fp8_value``)."""
     L = E // W
     where = row_index(topks, W, E)
     H = expert_outs[0].shape[2]
@@ -54,11 +58,60 @@ def oracle_combine_hosts(expert_outs, topks, weights, W: int, E: int, R: int, dt
                     if acc is None:
                         continue
                     host_acc, hit = host_acc + acc.to(dtype).float(), True
-                if hit:
+                if hit and rail_fp8 and g != s // R:
+                    total = total + rail_fp8_value(host_acc)
+                elif hit:
                     total = total + host_acc.to(dtype).float()
             out[t] = total.to(dtype)
         outs.append(out)
     return outs
+
+
+def rail_fp8_value(row: torch.Tensor) -> torch.Tensor:
+    """What an fp32 host sum is after an FP8 rail hop: its e4m3 codes' values (decoded from a
+    table built from the bits) times their block's scale, in fp32."""
+    vals, codes = _e4m3_table()
+    value = torch.zeros(256, dtype=torch.float64)
+    value[codes] = vals
+    q, scales = oracle_quantize(row, False)
+    return value[q.long()].float() * scales.repeat_interleave(128)
+
+
+def rail_fp8_bound_fails(outs, expert_outs, topks, weights, W: int, E: int, R: int, dtype,
+                         tag: str, ranks=None) -> list[str]:
+    """The FP8 rail hop's bound (docs/multihost.md, "FP8 rail hop") against the exact fp64 sum:
+    per element, each host sum that crossed a rail within ``2**-4`` of its magnitude plus
+    ``2**-10`` of its 128-channel block's scale (amax / 448), plus the dtype's roundings (half
+    an ulp of each partial, host sum and output). Magnitudes in fp64 with 1% slack. ``ranks``:
+    the ranks whose ``outs`` to check (default all)."""
+    L, N = E // W, W // R
+    where = row_index(topks, W, E)
+    eps = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}[dtype]
+    fails = []
+    for s in range(W) if ranks is None else ranks:
+        for t, entry in enumerate(topks[s].tolist()):
+            exact, tol = 0.0, 0.0
+            for g in range(N):
+                parts = [p.double() for q in range(g * R, (g + 1) * R)
+                         if (p := rank_partial(expert_outs, weights, where, entry, s, t, q, L))
+                         is not None]
+                if not parts:
+                    continue
+                hs = sum(parts)
+                exact = exact + hs
+                tol = tol + eps * (sum(p.abs() for p in parts) + hs.abs())
+                if g != s // R:
+                    scale = hs.abs().reshape(-1, 128).amax(1).repeat_interleave(128) / 448
+                    tol = tol + 2.0 ** -4 * hs.abs() + 2.0 ** -10 * scale
+            if isinstance(exact, float):
+                continue
+            tol = 1.01 * (tol + eps * exact.abs())
+            err = (outs[s][t].double() - exact).abs()
+            if bool((err > tol).any()):
+                i = int((err - tol).argmax())
+                fails.append(f"{tag} rank {s} token {t}: |out - exact| {float(err[i]):.3g} over "
+                             f"the FP8 rail bound {float(tol[i]):.3g} at channel {i}")
+    return fails
 
 
 def expected_bytes(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: int,
@@ -169,6 +222,32 @@ def _fp8_case(buf, rank, W, E, T, H, K, seed, round_scale, tag, kind="random", t
     return fails
 
 
+def _rail_fp8_case(buf, rank, W, E, T, H, K, seed, tag):
+    """A combine with ``rail_fp8=True``: bit for bit the oracle that quantises each host sum
+    crossing hosts, within the documented bound of the exact sum, and ``fp8_sum_bytes`` per
+    host sum across hosts."""
+    from llcomm.ep.hosts.layout import fp8_sum_bytes
+    R = buf.hosts.ranks_per_host
+    xs, topks, ws = make_case(W, E, T, H, K, seed, "random")
+    recv_x, count, handle = buf.dispatch(xs[rank], topks[rank])
+    all_out = [expert_fn(*oracle_dispatch(xs, topks, W, E, T)[q][:2], q) for q in range(W)]
+    y = buf.combine(expert_fn(recv_x, count, rank), topks[rank], ws[rank], handle,
+                    rail_fp8=True)
+    fails = []
+    if not torch.equal(_bits(y), _bits(oracle_combine_hosts(all_out, topks, ws, W, E, R,
+                                                              torch.bfloat16, True)[rank])):
+        fails.append(f"{tag} FP8 rail combine differs from the oracle")
+    mine = [y if q == rank else torch.zeros(x.shape[0], H, dtype=torch.bfloat16)
+            for q, x in enumerate(xs)]
+    fails += rail_fp8_bound_fails(mine, all_out, topks, ws, W, E, R, torch.bfloat16, tag,
+                                  [rank])
+    _, want = expected_bytes(topks, W, E, R, rank, 0, fp8_sum_bytes(H), 1)
+    if buf.last_inter_host_bytes != want:
+        fails.append(f"{tag} FP8 rail combine put {buf.last_inter_host_bytes} bytes, expected "
+                     f"{want}")
+    return fails
+
+
 def _same_everywhere(buf, rank, W, E, T, H, K):
     """Every rank dispatches the same tokens: every rank's combine result has the same bits."""
     xs, topks, ws = make_case(W, E, T, H, K, 9, "random")
@@ -215,6 +294,8 @@ def _hosts_body(rank, W, R, seeds):
     for round_scale, kind in ((False, "random"), (True, "zero_and_max"), (False, "one_expert")):
         fails += _fp8_case(fp8, rank, W, E, T, 128, K, seeds[0], round_scale,
                            f"[{R}x{W // R} rank {rank} {kind} round_scale={round_scale}]", kind)
+    fails += _rail_fp8_case(fp8, rank, W, E, T, 128, K, seeds[0] + 70,
+                            f"[{R}x{W // R} rank {rank} rail_fp8]")
     return fails
 
 

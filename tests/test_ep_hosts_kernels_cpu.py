@@ -41,13 +41,17 @@ def _align16(n: int) -> int:
 
 
 def wire_formula(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: int,
-                 itemsize: int, K: int) -> tuple[dict, dict]:
+                 itemsize: int, K: int, carry: bool = False,
+                 rail_fp8: bool = False) -> tuple[dict, dict]:
     """What ``rank`` sends across hosts in one call, from every rank's routing, as ``{dest:
     (messages, flags, bytes)}`` for the dispatch and the combine: one message, with one flag,
     per row out (a token and another host holding one of its experts), per id block (one to
-    each other host), per weights block (one to each other host) and per host sum back (a
-    token of the other host's same local rank that names this host). Nothing depends on the
-    blocks, let alone the threads."""
+    each other host; with ``carry`` the weights after the ids), per weights block (one to each
+    other host; with ``carry`` 16 bytes that only mark the call's entry) and per host sum back
+    (a token of the other host's same local rank that names this host; with ``rail_fp8`` its
+    e4m3 bytes and scales). Nothing depends on the blocks, let alone the threads."""
+    from llcomm.ep.hosts.layout import fp8_sum_bytes
+    sum_bytes = fp8_sum_bytes(H) if rail_fp8 else H * itemsize
     L, N = E // W, W // R
     host, local = divmod(rank, R)
     n = topks[rank].shape[0]
@@ -61,8 +65,9 @@ def wire_formula(topks, W: int, E: int, R: int, rank: int, row_bytes: int, H: in
         dest = g * R + local
         rows = sum(g in hosts(e) for e in topks[rank].tolist())
         sums = sum(host in hosts(e) for e in topks[dest].tolist())
-        d[dest] = (rows + 1, rows + 1, rows * row_bytes + _align16(4 * (4 + n * K)))
-        c[dest] = (sums + 1, sums + 1, sums * H * itemsize + _align16(4 * n * K))
+        d[dest] = (rows + 1, rows + 1,
+                   rows * row_bytes + _align16(4 * (4 + n * K * (2 if carry else 1))))
+        c[dest] = (sums + 1, sums + 1, sums * sum_bytes + (16 if carry else _align16(4 * n * K)))
     return d, c
 
 
@@ -97,10 +102,13 @@ def run_groups(groups, launch, ranks, staged: bool) -> None:
 
 
 def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged=False,
-                   nic_seed=None):
+                   nic_seed=None, carry=False, rail_fp8=False):
     """Dispatch + combine for each (seed, kind) in turn on N hosts of R virtual ranks, the
     messages across hosts landed by a lazy NIC of seed ``nic_seed`` (None: whole, at once);
-    return a list of failures (empty: all right)."""
+    ``carry``: the dispatch carries the weights (the combine's own are poisoned, so a combine
+    that read them would fail); ``rail_fp8``: the host sums cross in FP8 (against the oracle
+    that quantises them, and within the documented bound of the exact sum). Return a list of
+    failures (empty: all right)."""
     import triton  # noqa: F401  (TRITON_INTERPRET is set by the caller)
     from llcomm.ep.hosts import nic as NIC
     from llcomm.ep.hosts.peer import hosts_consts, ledger_by_rank, size_tag
@@ -109,7 +117,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.runtime import protocol as P
     from llcomm.runtime.fp8_format import dequantize
-    from test_ep_hosts import oracle_combine_hosts
+    from test_ep_hosts import oracle_combine_hosts, rail_fp8_bound_fails
     from test_ep_oracle import (expert_fn, make_case, oracle_dispatch, oracle_dispatch_fp8)
 
     dtype = getattr(torch, dtype_name)
@@ -122,7 +130,7 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
     dc, cc, _ = hosts_consts(lay, E, K, fp8)
     timeout_us = 20_000_000
     d_tag = size_tag(P.OP_DISPATCH, H, K, fp8, dtype)
-    c_tag = size_tag(P.OP_COMBINE, H, K, 0, dtype)
+    c_tag = size_tag(P.OP_COMBINE, H, K, int(rail_fp8), dtype)
     d_groups, c_groups = stage_groups(staged)
 
     def run(groups, launch):
@@ -139,12 +147,17 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
                 recv = [torch.full((L, W * T, H), float("nan"), dtype=dtype) for _ in range(W)]
             scales = [torch.full((L, W * T, max(H // 128, 1)), float("nan")) for _ in range(W)]
             row_of, src, cnt, ntok, fwd_ids, fwd_ntok = poisoned_handles(N, R, L, T, K)
+            w_of = [torch.full((W, T, K), float("nan")) for _ in range(W)]
+            d_carry = dict(wts=None, w_of=None, CARRY=0)
+            if carry:
+                d_carry = [dict(wts=weights[r], w_of=w_of[r], CARRY=1) for r in range(W)]
 
             def dispatch(r, stages):
                 HD.hosts_dispatch_kernel[(NB,)](
                     xs[r], topks[r], xs[r].shape[0], recv[r], scales[r], row_of[r], src[r],
                     cnt[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][0], err[r], r, d_tag,
-                    timeout_us, ledger[r][0], None, **dict(dc, STAGES=stages, SHMEM=0))
+                    timeout_us, ledger[r][0], None, **dict(dc, STAGES=stages, SHMEM=0),
+                    **(d_carry[r] if carry else d_carry))
             run(d_groups, dispatch)
 
             if fp8:
@@ -177,14 +190,20 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
             outs_e = [expert_fn(recv[r], cnt[r], r) for r in range(W)]
             outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
 
+            poisoned_w = [torch.full_like(w, float("nan")) for w in weights]
+
             def combine(r, stages):
                 HC.hosts_combine_kernel[(NB,)](
-                    outs_e[r], topks[r], weights[r], xs[r].shape[0], outs[r], row_of[r],
-                    ntok[r], fwd_ids[r], fwd_ntok[r], tab, ctrl[r][1], err[r], r, c_tag,
-                    timeout_us, ledger[r][1], None, **dict(cc, STAGES=stages, SHMEM=0))
+                    outs_e[r], topks[r], poisoned_w[r] if carry else weights[r],
+                    xs[r].shape[0], outs[r], row_of[r], ntok[r], fwd_ids[r], fwd_ntok[r], tab,
+                    ctrl[r][1], err[r], r, c_tag, timeout_us, ledger[r][1], None,
+                    **dict(cc, STAGES=stages, SHMEM=0, RAIL_FP8=int(rail_fp8)),
+                    **(dict(w_of=w_of[r], CARRIED=1) if carry else {}))
             run(c_groups, combine)
 
-            want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, dtype)
+            want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, dtype, rail_fp8)
+            if rail_fp8:
+                fails += rail_fp8_bound_fails(outs, outs_e, topks, weights, W, E, R, dtype, tag)
             for r in range(W):
                 if not _same_up_to_interpreter_rounding(outs[r], want[r]):
                     d = (outs[r].float() - want[r].float()).abs()
@@ -193,7 +212,8 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
             carried = {}
             for r in range(W):
                 got = (ledger_by_rank(ledger[r][0], r, R), ledger_by_rank(ledger[r][1], r, R))
-                want_w = wire_formula(topks, W, E, R, r, row_bytes(H, isz, bool(fp8)), H, isz, K)
+                want_w = wire_formula(topks, W, E, R, r, row_bytes(H, isz, bool(fp8)), H, isz, K,
+                                      carry, rail_fp8)
                 if got != want_w:
                     fails.append(f"{tag} rank {r} wire ledger {got} != formula {want_w}")
                 for led in got:
@@ -217,12 +237,13 @@ def simulate_hosts(R, N, E, T, H, K, NB, dtype_name, seeds, kinds, fp8=0, staged
 @pytest.mark.parametrize("R,N", SHAPES)
 def test_two_level_kernels_concurrent(R, N):
     """Whole kernels, every rank at once through every wait; three calls in one heap (the
-    buffer sets alternate)."""
+    buffer sets alternate); the third with the weights carried by the dispatch."""
     seed = NIC_SEEDS[(R, N)]
     fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 4 * R * N,
                                5, 32, 3, 1, "float32", [1, 2], ["random"], 0, False, seed)
     fails += run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
-                                4, 32, 2, 1, "float16", [3], ["dups"], 0, False, seed + 10)
+                                4, 32, 2, 1, "float16", [3], ["dups"], 0, False, seed + 10,
+                                True)
     assert not fails, "\n".join(fails[:10])
 
 
@@ -233,6 +254,31 @@ def test_two_level_kernels_staged(R, N):
                                6, 32, 3, 2, "bfloat16", [4],
                                ["random", "one_expert", "sparse", "zero_and_max", "none"],
                                0, True, NIC_SEEDS[(R, N)] + 20)
+    assert not fails, "\n".join(fails[:10])
+
+
+@pytest.mark.parametrize("R,N", [(2, 3), (3, 2)])
+def test_two_level_kernels_staged_carried_weights(R, N):
+    """Staged, the weights carried by the dispatch: the combine's own are poisoned, and it
+    sends 16 bytes per other host instead of them (the ledger's formula)."""
+    fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
+                               6, 32, 3, 2, "float32", [6], ["random", "sparse"],
+                               0, True, NIC_SEEDS[(R, N)] + 40, True)
+    assert not fails, "\n".join(fails[:10])
+
+
+@pytest.mark.parametrize("R,N,dtype", [(2, 2, "float16"), (2, 3, "float32")])
+def test_two_level_kernels_fp8_rail_hop(R, N, dtype):
+    """The host sums cross hosts in FP8 (``RAIL_FP8``): bit for bit against the oracle that
+    quantises each crossing sum, and within the documented bound of the exact fp64 sum;
+    concurrent, then staged with carried weights. Not bf16: the interpreter's bf16 rounding
+    is not the GPU's, and one ulp of a sum can move its e4m3 code by a whole step."""
+    fails = run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
+                               4, 256, 3, 1, dtype, [7], ["random"], 0, False,
+                               NIC_SEEDS[(R, N)] + 50, False, True)
+    fails += run_in_interpreter("test_ep_hosts_kernels_cpu", "simulate_hosts", R, N, 2 * R * N,
+                                4, 256, 3, 2, dtype, [8], ["sparse"], 0, True,
+                                NIC_SEEDS[(R, N)] + 60, True, True)
     assert not fails, "\n".join(fails[:10])
 
 
@@ -263,7 +309,7 @@ def simulate_mutated(mutation: str, nic_seed):
 
         @triton.jit
         def no_wait(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
-                    SHMEM: tl.constexpr):
+                    SHMEM: tl.constexpr, CARRY: tl.constexpr):
             """forward.forward_host without the rows' flags: every token at once."""
             ids_at = FW._at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES,
                             tl.int32)
@@ -272,8 +318,10 @@ def simulate_mutated(mutation: str, nic_seed):
             FW.announce_count(g, ng, fwd_ntok, wh, S, RG)
             for t in range(tl.program_id(0), ng, S.NB):
                 FW._forward_token(g, t, FW.ids_row(ids_at + FW.ID_HEADER + t * S.K, True, S),
+                                  FW._weights_row(ids_at, FW.ID_HEADER + (ng + t) * S.K, S,
+                                                  CARRY),
                                   wh.set_off + RG.RAIL_ROWS + (g * S.T + t) * S.ROW_BYTES,
-                                  fwd_ids, wh, S, RG)
+                                  fwd_ids, wh, S, RG, CARRY)
             return tl.full([], 1, tl.int32) != 0
         HD.forward_host = no_wait
     else:

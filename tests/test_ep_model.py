@@ -35,10 +35,10 @@ MEAN_SHAPES = [(8, 2, 32, 4, 16, 60, 0.02), (16, 8, 256, 8, 128, 8, 0.01),
                (32, 8, 256, 8, 128, 6, 0.01), (64, 8, 256, 8, 128, 3, 0.01)]
 #: The stages each parameter drives (they must move with it), and the direction: -1 for a
 #: bandwidth or rate (more is faster), +1 for a latency.
-DRIVES = {"nvlink_gbps": (-1, {"forward", "weights in", "partials"}),
-          "nic_gbps": (-1, {"send", "weights out", "host sums"}),
-          "nic_latency_us": (1, {"send", "weights out", "host sums"}),
-          "nic_msg_rate": (-1, {"send", "weights out", "host sums"}),
+DRIVES = {"nvlink_gbps": (-1, {"forward", "weights in", "partials", "host sums"}),
+          "nic_gbps": (-1, {"send", "weights out", "entry", "host sums"}),
+          "nic_latency_us": (1, {"send", "weights out", "entry", "host sums"}),
+          "nic_msg_rate": (-1, {"send", "weights out", "entry", "host sums"}),
           "hbm_gbps": (-1, {"expand", "out"})}
 
 
@@ -151,11 +151,16 @@ def _stages(p: M.LinkParams, s: M.Shape) -> dict:
             for st in m.stages}
 
 
+def _stage(m: M.OpModel, name: str) -> M.Stage:
+    return next(st for st in m.stages if st.name == name)
+
+
 @pytest.mark.parametrize("field", sorted(DRIVES))
 @pytest.mark.parametrize("ranks", [16, 64])
-def test_each_stage_is_monotone_in_its_parameter(field, ranks):
+@pytest.mark.parametrize("carry", [True, False])
+def test_each_stage_is_monotone_in_its_parameter(field, ranks, carry):
     sign, driven = DRIVES[field]
-    s = M.Shape(ranks=ranks)
+    s = M.Shape(ranks=ranks, carry=carry)
     base = getattr(M.LinkParams(), field)
     runs = [_stages(M.LinkParams(**{field: base * f}), s) for f in (1e-3, 1e-2, 0.1, 1, 10, 1e2)]
     for name in runs[0]:
@@ -220,14 +225,21 @@ def test_the_dispatch_forwards_during_the_send(ranks):
     assert d.total_us == pytest.approx(max(fwd.us, send.us + fwd.tail_us) + expand.us)
     assert d.total_us < sum(st.us for st in d.stages)
     assert d.limit == ("forward" if fwd.us > send.us + fwd.tail_us else "send")
+    # weights carried by the dispatch: the entry, the partials and the host sums start together
     c = M.combine_model(s)
-    part, sums = c.stages[2], c.stages[3]
-    assert [st.name for st in c.stages if st.overlaps] == ["host sums"] and sums.tail_us > 0
-    before = sum(st.us for st in c.stages[:2])
-    assert c.total_us == pytest.approx(before + max(part.us, part.us + sums.tail_us, sums.us)
-                                       + c.stages[4].us)
+    entry, part, sums, out = c.stages
+    assert [st.name for st in c.stages if st.overlaps] == ["partials", "host sums"]
+    assert c.total_us == pytest.approx(max(entry.us, part.us, sums.us,
+                                           max(entry.us, part.us) + sums.tail_us) + out.us)
     assert c.total_us < sum(st.us for st in c.stages)
-    for m in (d, c):
+    # weights at the combine: they cross and are handed out before the partials
+    c2 = M.combine_model(dataclasses.replace(s, carry=False))
+    w_out, w_in, part2, sums2, out2 = c2.stages
+    assert [st.name for st in c2.stages if st.overlaps] == ["host sums"]
+    assert c2.total_us == pytest.approx(w_out.us + w_in.us + max(part2.us, sums2.us,
+                                        part2.us + sums2.tail_us) + out2.us)
+    assert c2.total_us > c.total_us
+    for m in (d, c, c2):
         path = m.on_path_us()
         assert sum(path) == pytest.approx(m.total_us)
         assert m.limit_stage is m.stages[path.index(max(path))]
@@ -299,9 +311,9 @@ def test_a_calibration_file_gives_the_in_host_stages(tmp_path):
         nv = (moved * 7 / 8 + s.hosts * s.tokens * s.topk * 4 * 7) / (M.NVLINK_GBPS * 1e3)
         assert fwd.us == pytest.approx(max(got.forward.us(moved), nv))
         assert fwd.bound == ("NVLink" if nv > got.forward.us(moved) else "in host (calibrated)")
-        part = M.combine_model(s, p).stages[2]
+        part = _stage(M.combine_model(s, p), "partials")
         assert part.us >= got.partials.us(s.host_rows * s.sum_bytes) - 1e-9
-        sums = M.combine_model(s, p).stages[3]
+        sums = _stage(M.combine_model(s, p), "host sums")
         assert sums.us >= got.host_sums.us(s.host_rows * s.sum_bytes) + M.NIC_LATENCY_US - 1e-9
 
 
@@ -346,7 +358,9 @@ def test_cli_prints_the_model_without_starting_processes(monkeypatch, capsys, tm
     assert "| dispatch | send | first | NIC |" in out
     assert "| dispatch | forward | during send |" in out
     assert "| combine | host sums | during partials | NIC |" in out
-    assert "| dispatch | 44.3 | send | NIC bandwidth |" in out          # EP16, pipelined
+    assert "| dispatch | 44.4 | send | NIC bandwidth |" in out          # EP16, pipelined
+    assert "| combine | 48.3 | host sums | NIC bandwidth | <= 55 | met |" in out
+    assert "| combine, weights at the combine | " in out
     assert "limited by" in out and "DeepEP V1 low-latency" in out and "not met" in out
     assert cli.main(["bench", "ep", "--model", "--nic-gbps", "90",
                      "--nic-latency-us", "1.5"]) == 0

@@ -62,7 +62,8 @@ def _glue_body(rank, world):
                            recv_count=torch.zeros(L, dtype=torch.int32),
                            ntok=torch.zeros(self.W, dtype=torch.int32),
                            fwd_ids=torch.zeros(self.N * T * MAX_TOPK, dtype=torch.int32),
-                           fwd_ntok=torch.zeros(self.N, dtype=torch.int32))
+                           fwd_ntok=torch.zeros(self.N, dtype=torch.int32),
+                           w_of=torch.zeros(self.W * T * MAX_TOPK, dtype=torch.float32))
                       for _ in range(HANDLE_SLOTS)]
         self._dispatch = Recorder(HD.hosts_dispatch_kernel)
         self._combine = Recorder(HC.hosts_combine_kernel)
@@ -84,11 +85,12 @@ def _glue_body(rank, world):
         if consts.get("MASKS") != masks:
             problems.append(f"{kernel.fn.__name__}: MASKS={consts.get('MASKS')}, expected "
                             f"{masks}")
-        names = [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
+        names = [n for n, p in zip(kernel.arg_names, kernel.params)
+                 if not p.is_constexpr and n not in consts]
         if len(args) != len(names):
             problems.append(f"{kernel.fn.__name__}: {len(args)} arguments for {names}")
             return {}
-        got = dict(zip(names, args))
+        got = dict(zip(names, args), **{n: consts[n] for n in ("wts", "w_of") if n in consts})
         if consts.get("STAGES") != stages or consts.get("SHMEM") != 1 or grid != (4,):
             problems.append(f"{kernel.fn.__name__}: stages {consts.get('STAGES')}, SHMEM "
                             f"{consts.get('SHMEM')}, grid {grid}")
@@ -117,7 +119,10 @@ def _glue_body(rank, world):
     # FP8 with a hook, then a combine with the weights the dispatch carried, split too
     (q, scales), cnt, handle, hook = buf.dispatch(x, idx, use_fp8=True, return_recv_hook=True,
                                                  topk_weights=w)
-    check(launches[-1], HD.HOSTS_DISPATCH_SEND_HALF, fp8=1)
+    sent = check(launches[-1], HD.HOSTS_DISPATCH_SEND_HALF, fp8=1)
+    if sent and not (launches[-1][3].get("CARRY") == 1 and sent["wts"] is w
+                     and tuple(sent["w_of"].shape) == (world, T, K)):
+        problems.append("dispatch: the weights were not carried (CARRY, wts, w_of)")
     hook()
     got = check(launches[-1], HD.HOSTS_DISPATCH_RECV_HALF, fp8=1)
     if got and not (got["recv_x"].dtype == torch.uint8 and got["recv_scales"] is scales):
@@ -125,8 +130,9 @@ def _glue_body(rank, world):
     eo = buf.get_combine_input(handle)
     out, hook = buf.combine(eo, idx, None, handle, return_recv_hook=True)
     got = check(launches[-1], HC.HOSTS_COMBINE_SEND_HALF)
-    if got and not torch.equal(got["wts"], w):
-        problems.append("combine: the carried weights were not passed")
+    if got and not (launches[-1][3].get("CARRIED") == 1 and sent
+                    and got["w_of"] is sent["w_of"]):
+        problems.append("combine: not told the dispatch carried the weights (CARRIED, w_of)")
     hook()
     check(launches[-1], HC.HOSTS_COMBINE_RECV_HALF)
     # rank masks: the kernels get MASKS=1; the mask methods change err[ERR_MASK] only

@@ -25,7 +25,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The kernels ``tools/ptx_shmem.py`` compiles per target (``variants``).
-VARIANTS = 17
+VARIANTS = 19
 
 
 @pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64",

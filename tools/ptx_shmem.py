@@ -115,14 +115,19 @@ def summary(kernel) -> dict:
 BOTH, PUT, WAIT = (0, 1), (0,), (1,)
 
 
+def _without(d: dict, *keys) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
 def variants(a, shmem: int):
     """Every variant compiled, in print order: (label, kernel, signature, constexprs with
     ``SHMEM``, num_warps, SHMEM on, the SHMEM functions it must call: ``BOTH``, ``PUT`` or
     ``WAIT``). Dispatch in bf16, FP8 and FP8 with power-of-two scales, and the combine, each
     with ``SHMEM`` = ``shmem`` and 0; the bf16 dispatch and the combine with rank masks and
     wait statistics, and each one's send and receive halves (``return_recv_hook``), with
-    ``shmem`` only (the plain stores are the same code); the stages that
-    ``llcomm bench ep --calibrate`` launches alone, plain only."""
+    ``shmem`` only (the plain stores are the same code); the dispatch carrying the weights and
+    the combine that reads them from the handle (``CARRY``, ``CARRIED``), ``shmem`` only; the
+    stages that ``llcomm bench ep --calibrate`` launches alone, plain only."""
     from llcomm.ep.hosts.kernels import combine as HC
     from llcomm.ep.hosts.kernels import dispatch as HD
     from llcomm.ep.hosts.peer import hosts_consts, make_layout
@@ -131,8 +136,9 @@ def variants(a, shmem: int):
                           a.experts, a.blocks)
         dc, cc, warps = hosts_consts(lay, a.experts, a.topk, fp8)
         dsig, csig = signatures("bf16")
-        cc = dict(cc)
+        cc = dict(cc, w_of=None)        # the weights not carried: the kernels' defaults
         cc.pop("enable_fp_fusion")
+        dc = dict(dc, wts=None, w_of=None)
         D, C = HD.hosts_dispatch_kernel, HC.hosts_combine_kernel
         kernels = [(f"hosts_dispatch_{name}", D, dsig, dict(dc, STAGES=HD.HOSTS_DISPATCH_ALL),
                     (shmem, 0), BOTH)]
@@ -152,6 +158,12 @@ def variants(a, shmem: int):
                  dict(cc, STAGES=HC.HOSTS_COMBINE_SEND_HALF), (shmem,), PUT),
                 ("hosts_combine_recv_half", C, csig,
                  dict(cc, STAGES=HC.HOSTS_COMBINE_RECV_HALF), (shmem,), BOTH),
+                ("hosts_dispatch_carry", D, dict(dsig, wts="*fp32", w_of="*fp32"),
+                 {**_without(dc, "wts", "w_of"), "STAGES": HD.HOSTS_DISPATCH_ALL, "CARRY": 1},
+                 (shmem,), BOTH),
+                ("hosts_combine_carried", C, dict(csig, w_of="*fp32"),
+                 {**_without(cc, "w_of"), "STAGES": HC.HOSTS_COMBINE_ALL, "CARRIED": 1},
+                 (shmem,), BOTH),
                 ("hosts_forward_stage", D, dsig,
                  dict(dc, STAGES=HD.HD_FORWARD_OWN | HD.HD_FORWARD), (0,), ()),
                 ("hosts_partials_stage", C, csig, dict(cc, STAGES=HC.HC_PARTIALS), (0,), ()),

@@ -103,10 +103,10 @@ def _rank_body(rank, W, R):
 
     ep = HostsPeerEP(_buf(rank, W, R, False), num_blocks=BLOCKS)
     bf = torch.bfloat16
-    calls = [(seed, kind, fp8) for seed, kind, fp8 in
-             ((1, "random", 0), (2, "dups", 0), (3, "random", 1), (4, "sparse", 2),
-              (5, "zero_and_max", 0), (6, "random", 0))]
-    for i, (seed, kind, fp8) in enumerate(calls):
+    # (seed, routing, FP8 mode, weights carried by the dispatch)
+    calls = ((1, "random", 0, False), (2, "dups", 0, True), (3, "random", 1, False),
+             (4, "sparse", 2, True), (5, "zero_and_max", 0, False), (6, "random", 0, True))
+    for i, (seed, kind, fp8, carry) in enumerate(calls):
         xs, topks, weights = make_case(W, E, T, H, K, seed, kind, bf)
         x, idx, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
         if fp8:
@@ -115,12 +115,14 @@ def _rank_body(rank, W, R):
             recv = torch.full((L, W * T, H), float("nan"), dtype=bf, device=dev)
         scales = torch.full((L, W * T, H // 128), float("nan"), device=dev)
         split = i == 1
-        cnt, src, state, rest = ep.dispatch(x, idx, recv, i % 2, fp8, scales, split=split)
+        cnt, src, state, rest = ep.dispatch(x, idx, recv, i % 2, fp8, scales, split=split,
+                                            topk_weights=w if carry else None)
         if rest is not None:
             rest()
         torch.cuda.synchronize()
         ep.precheck()
-        name = f"call {i} dispatch {kind} fp8={fp8}{' split' if split else ''}"
+        name = (f"call {i} dispatch {kind} fp8={fp8}{' split' if split else ''}"
+                f"{' carried weights' if carry else ''}")
         if fp8:
             codes, sc, ec, es = [t.to(dev) for t in
                                  oracle_dispatch_fp8(xs, topks, W, E, T, fp8 == 2)[rank]]
@@ -142,17 +144,18 @@ def _rank_body(rank, W, R):
         outs_e = [expert_fn(all_recv[q], all_cnt[q], q) for q in range(W)]
         mine = expert_fn(recv.cpu(), cnt.cpu(), rank).to(dev)
         out = torch.full((x.shape[0], H), float("nan"), dtype=bf, device=dev)
+        cw = None if carry else w
         if split:
-            ep.combine_send(mine, idx, w, state, out)()
+            ep.combine_send(mine, idx, cw, state, out)()
         else:
-            ep.combine(mine, idx, w, state, out)
+            ep.combine(mine, idx, cw, state, out)
         torch.cuda.synchronize()
         ep.precheck()
         want = oracle_combine_hosts(outs_e, topks, weights, W, E, R, bf)[rank]
         report(f"call {i} combine", torch.equal(out.cpu().view(torch.int16),
                                                   want.view(torch.int16)))
         got_w = (ep.wire_ledger(0), ep.wire_ledger(1))
-        want_w = wire_formula(topks, W, E, R, rank, row_bytes(H, 2, bool(fp8)), H, 2, K)
+        want_w = wire_formula(topks, W, E, R, rank, row_bytes(H, 2, bool(fp8)), H, 2, K, carry)
         report(f"call {i} wire ledger", got_w == want_w, f"{got_w} (formula {want_w})")
 
     # a CUDA graph: one launch outside the capture first (module loading is not capturable)
@@ -166,9 +169,9 @@ def _rank_body(rank, W, R):
     eo = torch.zeros_like(recv)
 
     def step():
-        cnt_, src_, state_, _ = ep.dispatch(sx, sidx, recv, 0, 0, None)
+        cnt_, src_, state_, _ = ep.dispatch(sx, sidx, recv, 0, 0, None, topk_weights=sw)
         eo.copy_(recv * 2)
-        ep.combine(eo, sidx, sw, state_, out)
+        ep.combine(eo, sidx, None, state_, out)       # the weights came with the dispatch
         return cnt_
     step()
     torch.cuda.synchronize()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..ep.hosts.layout import ID_HEADER_WORDS
+from ..ep.hosts.layout import ID_HEADER_WORDS, fp8_sum_bytes
 from ..ep.hosts.layout import row_bytes as slot_bytes
 from ..ep.hosts.peer import default_num_blocks
 from .ep_inhost import BYTES_PER_US_PER_GBPS, SCALED, HostExchange, InHost
@@ -35,6 +35,9 @@ FLAG_BYTES = 8
 PUT_ALIGN = 16
 #: Bytes of an int32 top-k id or an fp32 weight.
 WORD_BYTES = 4
+#: Bytes of the combine's entry message when the dispatch carried the weights
+#: (``kernels/combine.py``, ``ENTRY_BYTES``).
+ENTRY_BYTES = 16
 #: The tables' MB (10^6 bytes).
 MB = 1e6
 
@@ -106,19 +109,30 @@ class Wire:
     combine: OpWire
 
 
+def _id_block(n: int, k: int, carry: bool) -> int:
+    """Bytes of an id block: header, ids, and with ``carry`` the weights."""
+    return _a16(WORD_BYTES * (ID_HEADER_WORDS + n * k * (2 if carry else 1)))
+
+
+def _weights_block(n: int, k: int, carry: bool) -> int:
+    """Bytes of the combine's first message: the weights, or with ``carry`` the entry."""
+    return ENTRY_BYTES if carry else _a16(WORD_BYTES * n * k)
+
+
 def wire_counts(ranks: int, ranks_per_host: int, tokens: int, topk: int, experts: int,
-                row_bytes: int, sum_bytes: int) -> Wire:
+                row_bytes: int, sum_bytes: int, carry: bool = True) -> Wire:
     """Expected messages, flags and bytes from one GPU of host 0 to each other host (all alike)
     under uniform routing: ``rows = tokens * hit_probability(experts, N, topk)`` tokens have an
     expert there, each a row of ``row_bytes`` (dispatch) and a host sum of ``sum_bytes`` back
     (combine; the rail rank there sends as many as this GPU does, by symmetry), plus one id
-    block or weights block per host (``wire_counts_exact``)."""
+    block and one weights block (with ``carry``: the entry) per host
+    (``wire_counts_exact``)."""
     _check_topology(ranks, ranks_per_host, experts, topk)
     if tokens < 0:
         raise ValueError(f"tokens={tokens}: expected a count of tokens, 0 or more")
     rows = tokens * hit_probability(experts, ranks // ranks_per_host, topk)
-    ids = _a16(WORD_BYTES * (ID_HEADER_WORDS + tokens * topk))
-    wts = _a16(WORD_BYTES * tokens * topk)
+    ids = _id_block(tokens, topk, carry)
+    wts = _weights_block(tokens, topk, carry)
     others = range(1, ranks // ranks_per_host)
     return Wire(OpWire({g: (rows + 1, rows + 1, rows * row_bytes + ids) for g in others}),
                 OpWire({g: (rows + 1, rows + 1, rows * sum_bytes + wts) for g in others}))
@@ -139,14 +153,16 @@ def _hosts_hit(idx: torch.Tensor, experts: int, per_host: int, hosts: int) -> to
 
 
 def wire_counts_exact(topks, rank: int, ranks_per_host: int, experts: int, row_bytes: int,
-                      sum_bytes: int) -> Wire:
+                      sum_bytes: int, carry: bool = False) -> Wire:
     """What ``rank`` sends across hosts in one call, from every rank's ``[n, K]`` top-k ids
     (``topks``), by the kernels' formula. To the rail rank on each other host g:
 
     - dispatch: ``rows(g) + 1`` messages and as many flags: one row of ``row_bytes`` per own
-      token with an expert on g, and the id block, ``a16(4 (ID_HEADER_WORDS + n K))`` bytes;
+      token with an expert on g, and the id block, ``a16(4 (ID_HEADER_WORDS + n K))`` bytes
+      (``carry``, the weights carried by the dispatch: ``a16(4 (ID_HEADER_WORDS + 2 n K))``);
     - combine: ``sums(g) + 1``: one host sum of ``sum_bytes`` per token of that rail rank with
-      an expert on this rank's host, and the weights block, ``a16(4 n K)`` bytes;
+      an expert on this rank's host, and the weights block, ``a16(4 n K)`` bytes (``carry``:
+      the entry, ENTRY_BYTES);
 
     with ``n`` this rank's tokens and ``a16`` rounding up to 16. Nothing depends on blocks."""
     ranks = len(topks)
@@ -163,8 +179,8 @@ def wire_counts_exact(topks, rank: int, ranks_per_host: int, experts: int, row_b
             continue
         back = _hosts_hit(_routing(topks[g * ranks_per_host + local]), experts, per_host, hosts)
         rows, sums = int(out[:, g].sum()), int(back[:, host].sum())
-        d[g] = (rows + 1, rows + 1, rows * row_bytes + _a16(WORD_BYTES * (ID_HEADER_WORDS + n * k)))
-        c[g] = (sums + 1, sums + 1, sums * sum_bytes + _a16(WORD_BYTES * n * k))
+        d[g] = (rows + 1, rows + 1, rows * row_bytes + _id_block(n, k, carry))
+        c[g] = (sums + 1, sums + 1, sums * sum_bytes + _weights_block(n, k, carry))
     return Wire(OpWire(d), OpWire(c))
 
 
@@ -206,6 +222,11 @@ class Shape:
     topk: int = MODEL_SHAPE["topk"]
     fp8: bool = True
     itemsize: int = 2
+    #: the dispatch carries the weights (``EPBuffer.dispatch(topk_weights=)``), so the combine
+    #: sends only an entry flag before its host sums; False: DeepEP's API, weights at combine
+    carry: bool = True
+    #: the host sums cross hosts in FP8 (``combine(rail_fp8=True)``): ``fp8_sum_bytes`` each
+    rail_fp8: bool = False
 
     def __post_init__(self):
         _check_topology(self.ranks, self.ranks_per_host, self.experts, self.topk)
@@ -233,6 +254,12 @@ class Shape:
         return self.hidden * self.itemsize
 
     @property
+    def rail_sum_bytes(self) -> int:
+        """A host sum as it crosses hosts: ``sum_bytes``, or with ``rail_fp8`` its e4m3 bytes
+        and scales (``layout.fp8_sum_bytes``)."""
+        return fp8_sum_bytes(self.hidden) if self.rail_fp8 else self.sum_bytes
+
+    @property
     def host_rows(self) -> float:
         """Rows a forwarder writes inside its host, its own included: each of the ``hosts``
         sources of its rail sends ``tokens``, each to ``ranks_per_host * P(rank hit)`` ranks;
@@ -255,7 +282,7 @@ class Shape:
 
     def wire(self) -> Wire:
         return wire_counts(self.ranks, self.ranks_per_host, self.tokens, self.topk,
-                           self.experts, self.row_bytes, self.sum_bytes)
+                           self.experts, self.row_bytes, self.rail_sum_bytes, self.carry)
 
 
 #: Tokens per block in the last batch of an overlapping stage (``Shape.last_batch_tokens``).
@@ -392,41 +419,57 @@ def dispatch_model(s: Shape, p: LinkParams = LinkParams()) -> OpModel:
                                 _local("expand", 2 * moved, p)))
 
 
-def _host_sums(s: Shape, messages: float, nbytes: float, p: LinkParams) -> Stage:
-    """The host sums: the partials of this host's ranks folded per token (``InHost.host_sums``;
-    without it the partials' cost holds the fold) and each sum for another host put on the NIC
-    as it is formed, so the slower of the two, then one latency. ``tail_us``: the stage
-    overlaps the partials, which the kernel forms host by host and signals per host, so what
-    is left after the last partial is the sums of one host: folded and sent."""
+def _host_sums(s: Shape, messages: float, nbytes: float, partials_us: float,
+               entry_us: float, p: LinkParams) -> Stage:
+    """The host sums, overlapping the partials (``kernels/combine.py``,
+    ``_partials_and_sums``): the other hosts' sources first, each forwarder's source at a
+    different step in different blocks, so sums leave from the first step on (``partials_us /
+    (N R)``, and not before the entry flags have come, ``entry_us``) and stream out of the NIC;
+    the last one leaves after the last other host's partials (``partials_us (N - 1) / N``).
+    So: the later of first step + NIC time and last other host's partials + last batch, then
+    one latency. The fold of the partials (``InHost.host_sums``; without it the partials' cost
+    holds it) can bound it instead. ``tail_us``: this host's own sums after the last partial,
+    folded locally."""
     nic = _nic("host sums", messages, nbytes, p)
+    N, R = s.hosts, s.ranks_per_host
+    first = max(partials_us / (N * R), entry_us)
+    batch = messages / max(1, N - 1) / R                    # one step's sums
+    last = partials_us * (N - 1) / N + _nic_us(batch, batch * (s.rail_sum_bytes + FLAG_BYTES),
+                                               p)[0]
+    us = max(first + nic.us - p.nic_latency_us, last) + p.nic_latency_us
+    own = s.tokens * hit_probability(s.experts, N, s.topk) * s.rows_per_token * s.sum_bytes / N
     fold = p.in_host.host_sums
-    batch = messages / max(1, s.hosts - 1)
-    tail = _nic_us(batch, batch * (s.sum_bytes + FLAG_BYTES), p)[0] + p.nic_latency_us
+    tail = fold.per_byte_us(own / R) if fold is not None else 0.0
     if fold is not None:
-        tail += fold.per_byte_us(batch * s.rows_per_token * s.sum_bytes)
         fold_us = fold.us(s.host_rows * s.sum_bytes) + p.nic_latency_us  # each partial, once
-        if fold_us > nic.us:
+        if fold_us > us:
             return replace(nic, bound=p.in_host.bound, us=fold_us, tail_us=tail)
-    return replace(nic, tail_us=tail)
+    return replace(nic, us=us, tail_us=tail)
 
 
 def combine_model(s: Shape, p: LinkParams = LinkParams()) -> OpModel:
-    """The combine kernel's stages: weights out, one block to each other host's rail rank;
-    weights in, handed to this host's ranks; partials, each expert rank's partial per (token,
-    source) to the token's rail rank here; host sums (``_host_sums``), one per (token, other
-    host) out of the NIC, during the partials (a host's sums leave once its partials are
-    complete); out, each own token's host sums read and the output written. Each stage but
-    the host sums starts after the one before it."""
+    """The combine kernel's stages. With ``Shape.carry`` (the dispatch carried the weights):
+    entry, one 16-byte message to each other host's rail rank, whose latency only holds back
+    the first host sum; partials, each expert rank's partial per (token, source) to the
+    token's rail rank here, during it. Without: weights out, one block to each other host's
+    rail rank, then weights in, handed to this host's ranks, then the partials. Then host sums
+    (``_host_sums``), one per (token, other host) out of the NIC, during the partials; out,
+    each own token's host sums read and the output written, after them."""
     w, n, N, R = s.wire().combine, s.tokens, s.hosts, s.ranks_per_host
     w_msgs = N - 1
-    w_bytes = w_msgs * (_a16(WORD_BYTES * n * s.topk) + FLAG_BYTES)
-    hand_out = N * n * s.topk * WORD_BYTES * (R - 1)
+    w_bytes = w_msgs * (_weights_block(n, s.topk, s.carry) + FLAG_BYTES)
     part = s.host_rows * s.sum_bytes
+    partials = _in_host("partials", part, part * (R - 1) / R, p.in_host.partials, p)
     sums_read = n * N * hit_probability(s.experts, N, s.topk) * s.sum_bytes
-    sums = _host_sums(s, w.total()[0] - w_msgs, w.wire_bytes - w_bytes, p)
-    return OpModel("combine", (
-        _nic("weights out", w_msgs, w_bytes, p),
-        Stage("weights in", "NVLink", 0, hand_out, _link_us(hand_out, p.nvlink_gbps)),
-        _in_host("partials", part, part * (R - 1) / R, p.in_host.partials, p),
-        replace(sums, overlaps=True),       # host by host, as its partials complete
+    first = _nic("entry" if s.carry else "weights out", w_msgs, w_bytes, p)
+    sums = _host_sums(s, w.total()[0] - w_msgs, w.wire_bytes - w_bytes, partials.us,
+                      first.us if s.carry else 0.0, p)
+    if s.carry:
+        head = (first, replace(partials, overlaps=True))
+    else:
+        hand_out = N * n * s.topk * WORD_BYTES * (R - 1)
+        head = (first, Stage("weights in", "NVLink", 0, hand_out,
+                             _link_us(hand_out, p.nvlink_gbps)), partials)
+    return OpModel("combine", head + (
+        replace(sums, overlaps=True),       # as the partials of each source complete
         _local("out", sums_read + n * s.sum_bytes, p)))

@@ -13,6 +13,7 @@ from the 2-GPU scaling (``ep_inhost``).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from . import ep_inhost, options
 from .ep_model import MB, MODEL_EPS, MODEL_SHAPE, LinkParams, Shape, combine_model, dispatch_model
@@ -69,7 +70,14 @@ def ep_table(s: Shape, p: LinkParams) -> list[str]:
     goal = GOALS.get(s.ranks) if shape == MODEL_SHAPE else None
     head = ["op", "model µs", "limited by", "why", "goal µs", "goal"] + [a[0] for a in anchors]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, m in enumerate(ops):
+    # the combine once more with the weights given at the combine (DeepEP's API: they cross),
+    # and with the host sums crossing in FP8 (rail_fp8=True), where the hidden size allows it
+    more = [(1, replace(combine_model(replace(s, carry=False), p),
+                        op="combine, weights at the combine"))]
+    if s.hidden % 128 == 0:
+        more.append((1, replace(combine_model(replace(s, rail_fp8=True), p),
+                                op="combine, FP8 rail hop")))
+    for i, m in [(0, ops[0]), (1, ops[1])] + more:
         lim = m.limit_stage
         row = [m.op, f"{m.total_us:.1f}", lim.name, WHY.get(lim.bound, lim.bound)]
         row += ([f"<= {goal[i]}", "met" if m.total_us <= goal[i] else "not met"] if goal
@@ -98,8 +106,11 @@ def report(shapes, p: LinkParams = LinkParams()) -> str:
              "time",
              "pipelining: the forward runs during the send and ends no earlier than its own time "
              "nor than its last batch (one token's rows per block) after the last row arrives; "
-             "the host sums run during the partials and end no earlier than one host's sums "
-             "after the last partial; each other stage runs after the one before"]
+             "the combine's weights came with the dispatch (EPBuffer.dispatch(topk_weights=)), "
+             "so only an entry flag precedes the host sums, which leave from the partials' "
+             "first step on, the other hosts' first, and end no earlier than the last other "
+             "host's partials plus one step's sums; each other stage runs after the one "
+             "before"]
     for s in shapes:
         lines += [""] + ep_table(s, p)
     return "\n".join(lines)

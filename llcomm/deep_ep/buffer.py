@@ -441,7 +441,8 @@ class Buffer(NormalMode, ShrinkMasks, LocalBuffer, DeepEPSurface):
         fn = "low_latency_combine"
         self._check_open(fn)
         refuse(fn, {"use_logfmt=True": "there is no LogFMT combine; the partials travel in the "
-                    "buffer dtype"} if use_logfmt is True else {})
+                    "buffer dtype (across hosts, llcomm.EPBuffer.combine(rail_fp8=True) sends "
+                    "the host sums in FP8)"} if use_logfmt is True else {})
         cost = combine_wait_recv_cost_stats
         pr = V.Problems(f"deep_ep.Buffer.{fn}")
         check_bools(pr, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,

@@ -29,8 +29,8 @@ from ..runtime.settings import EPSettings
 from ..runtime.fp8_format import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE
 from .layout import check_shape_args
 from .deep_layouts import DeepEPOutputs, check_deep_ep
-from .checks import (check_fp8, check_handle, check_out, check_topk, check_wait_stats,
-                     check_weights)
+from .checks import (check_fp8, check_handle, check_out, check_rail_fp8, check_topk,
+                     check_wait_stats, check_weights)
 from .handle import EPHandle
 from .inflight import SendsInFlight, check_sends_in_flight
 from .hosts import transport
@@ -323,9 +323,9 @@ class EPBuffer(RankMasks):
         index = self._dispatches
         mode = (2 if round_scale else 1) if fp8 else 0
         recv = None
-        # the reference combine applies a copy made now; the peer dispatch pushes them now
-        carried = topk_weights.clone() if topk_weights is not None and self.backend != "peer" \
-            else None
+        # the reference combine applies a copy made now; the kernels' dispatch carries them now
+        carried = topk_weights.clone() if topk_weights is not None and self.backend not in (
+            "peer", "shmem") else None
         if self.backend == "peer":
             recv_count, src_info, state, recv = self._impl.dispatch(
                 x, topk_idx, recv_x, index % self.handle_slots, mode, scales,
@@ -333,7 +333,7 @@ class EPBuffer(RankMasks):
         elif self.backend == "shmem":
             recv_count, src_info, state, recv = self._impl.dispatch(
                 x, topk_idx, recv_x, index % self.handle_slots, mode, scales,
-                return_recv_hook, wait_stats)
+                return_recv_hook, wait_stats, topk_weights)
         elif not return_recv_hook:
             recv_count, src_info, state = self._impl.dispatch(x, topk_idx, recv_x, mode, scales,
                                                               topk_weights is not None)
@@ -364,7 +364,7 @@ class EPBuffer(RankMasks):
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor | None, handle: EPHandle, *,
                 out: torch.Tensor | None = None, return_recv_hook: bool = False,
-                wait_stats: torch.Tensor | None = None):
+                wait_stats: torch.Tensor | None = None, rail_fp8: bool = False):
         """Weighted sum of the experts' outputs back at each token's rank.
 
         Args:
@@ -384,6 +384,9 @@ class EPBuffer(RankMasks):
                 run (the receive half reads it); ``expert_out`` and ``topk_weights`` may be
                 reused after the send half.
             wait_stats: as in ``dispatch``: both of combine's waits (weights, partials).
+            rail_fp8: across hosts, each host sum crosses as e4m3 with one fp32 scale per 128
+                channels, about half the bytes, within the bound of docs/multihost.md ("FP8
+                rail hop"); no effect within a host.
         Returns:
             ``out[t] = sum_k topk_weights[t, k] * expert_out[expert k of t, its row]`` over the
             entries that are not -1 (zeros for a token with none), accumulated in fp32 in one
@@ -416,22 +419,23 @@ class EPBuffer(RankMasks):
         if n is not None:
             check_out(self, pr, "out", out, (n, self.hidden))
         check_wait_stats(self, "combine", pr, wait_stats)
+        kw = {"rail_fp8": True} if check_rail_fp8(self, pr, rail_fp8) else {}
         pr.raise_if_any()
         self._precheck("combine")
         if out is None:
             out = torch.empty((n, self.hidden), dtype=self.dtype, device=self.device)
-        if carried:         # peer: the kernel reads the handle slot's; the others: the copy
+        if carried:         # peer, shmem: the kernels read the handle's; reference: the copy
             topk_weights = handle._weights
         # peer: the wait statistics; reference: carried, for its call check; shmem: both
         more = {"peer": (wait_stats,), "shmem": (carried, wait_stats)}.get(self.backend,
                                                                           (carried,))
         if not return_recv_hook:
             return self._impl.combine(expert_out, topk_idx, topk_weights, handle._state, out,
-                                      *more)
+                                      *more, **kw)
         index = self._combines
         self._combines += 1
         recv = self._impl.combine_send(expert_out, topk_idx, topk_weights, handle._state, out,
-                                       *more)
+                                       *more, **kw)
         return out, self._inflight.hook("combine", index, recv, lambda: self._closed,
                                         handle.index)
 

@@ -122,3 +122,16 @@ def check_wait_stats(buf, fn: str, pr: V.Problems, t) -> None:
             f"kernels across hosts), and this buffer runs on the {buf.backend} backend (it "
             "moves the data in torch.distributed collectives, with no receive from one rank to "
             "time apart from the others); pass wait_stats=None")
+
+
+def check_rail_fp8(buf, pr: V.Problems, rail_fp8) -> bool:
+    """``rail_fp8``: a bool; True needs ``hidden`` a multiple of FP8_BLOCK (one scale per
+    block). Returns whether the host sums cross hosts in FP8: only where the buffer spans
+    hosts (within a host nothing crosses a rail, and the option changes nothing)."""
+    if not isinstance(rail_fp8, bool):
+        pr.add(f"rail_fp8 is {rail_fp8!r}; expected True or False")
+        return False
+    if rail_fp8 and buf.hidden % FP8_BLOCK:
+        pr.add(f"rail_fp8=True needs hidden to be a multiple of {FP8_BLOCK} (one scale per "
+               f"{FP8_BLOCK} channels); this buffer's hidden is {buf.hidden}")
+    return rail_fp8 and buf.hosts.spans_hosts

@@ -16,19 +16,23 @@ consecutive combines)::
       d_row_sig    int64 [N, T]         the row of each source host's token t has arrived
       d_host_sig   int64 [NB, R]        from each forwarder of this host, per block
       d_host_entry int64 [R]            each rank of this host has begun the call (masks)
-      d_stage_ids  int32 [HEADER + T K] own token count, then own top-k ids  (put source)
+      d_stage_ids  int32 [HEADER + 2 T K]  own token count, own top-k ids, then (weights
+                                        carried) own top-k weights (fp32)   (put source)
       d_stage      [T, row]             own rows, quantised for FP8          (put source)
       d_rail_ids   int32 [N, HEADER + T K]  each source host's d_stage_ids
       d_rail_rows  [N, T, row]          rows from each source host (only tokens routed here)
       d_host_ntok  int32 [W]            tokens of each source rank
       d_host_cnt   int32 [W, L]         tokens of each source rank routed to each local expert
       d_host_ids   int32 [W, T K]       top-k ids of every token of each source rank
+      d_host_w     fp32  [W, T K]       their top-k weights (weights carried by the dispatch)
       d_host_rows  [W, T, row]          rows of each source rank routed to this rank
     combine
-      c_rail_sig   int64 [N]            weights from each source host (one block sends)
+      c_rail_sig   int64 [N]            weights (or, carried by the dispatch, only the call's
+                                        entry) from each source host (one block sends)
       c_host_sig   int64 [NB, R]        weights forwarded inside the host
       c_host_entry int64 [R]            each rank of this host has begun the call (masks)
-      c_part_sig   int64 [N, NB, R]     partials of a host's sources, per block and rank here
+      c_part_sig   int64 [N, NB, R]     partials of the rail source on host g, per block and
+                                        rank here
       c_back_sig   int64 [N, T]         the host sum of own token t from each host has arrived
       c_stage_w    fp32  [T K]          own top-k weights                    (put source)
       c_rail_w     fp32  [N, T K]       weights from each source host (16-byte strides)
@@ -60,7 +64,7 @@ ERR_WORDS = 7
 DISPATCH_REGIONS = ("d_rail_sig", "d_row_sig", "d_host_sig", "d_host_entry", "d_stage_ids",
                     "d_stage",
                     "d_rail_ids", "d_rail_rows", "d_host_ntok", "d_host_cnt", "d_host_ids",
-                    "d_host_rows")
+                    "d_host_w", "d_host_rows")
 COMBINE_REGIONS = ("c_rail_sig", "c_host_sig", "c_host_entry", "c_part_sig", "c_back_sig",
                    "c_stage_w", "c_rail_w", "c_host_w", "c_part", "c_stage_back", "c_back")
 
@@ -109,8 +113,15 @@ class HostsLayout:
         return self.num_hosts * self.ranks_per_host
 
     def ids_block_bytes(self) -> int:
-        """Bytes of one staged (or received) id block: header and ``T * K`` ids."""
-        return _align(4 * (ID_HEADER_WORDS + self.max_tokens * self.topk))
+        """Bytes of one staged (or received) id block: header, ``T * K`` ids and room for as
+        many weights."""
+        return _align(4 * (ID_HEADER_WORDS + 2 * self.max_tokens * self.topk))
+
+
+def fp8_sum_bytes(hidden: int) -> int:
+    """Bytes of a host sum that crosses hosts in FP8 (``combine(rail_fp8=True)``): ``hidden``
+    e4m3 bytes, then one fp32 scale per FP8_BLOCK channels, padded to ROW_ALIGN."""
+    return _align(hidden + 4 * (hidden // FP8_BLOCK), ROW_ALIGN)
 
 
 def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: int, topk: int,
@@ -127,7 +138,7 @@ def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: i
         raise ValueError(f"max_tokens={T} over num_blocks={NB} blocks and {N} hosts: a block "
                          f"would poll more than {MAX_WAIT_FLAGS} message flags at once")
     row = row_bytes(hidden, itemsize, fp8)
-    ids = _align(4 * (ID_HEADER_WORDS + T * K))
+    ids = _align(4 * (ID_HEADER_WORDS + 2 * T * K))
     part = hidden * itemsize
     sizes = {
         "d_rail_sig": 8 * N, "d_row_sig": 8 * N * T, "d_host_sig": 8 * NB * R,
@@ -135,7 +146,7 @@ def hosts_layout(max_tokens: int, hidden: int, num_hosts: int, ranks_per_host: i
         "d_stage_ids": ids,
         "d_stage": T * row, "d_rail_ids": N * ids, "d_rail_rows": N * T * row,
         "d_host_ntok": 4 * W, "d_host_cnt": 4 * W * max(1, num_experts // W),
-        "d_host_ids": W * 4 * T * K, "d_host_rows": W * T * row,
+        "d_host_ids": W * 4 * T * K, "d_host_w": W * 4 * T * K, "d_host_rows": W * T * row,
         "c_rail_sig": 8 * N, "c_host_sig": 8 * NB * R, "c_host_entry": 8 * R,
         "c_part_sig": 8 * N * NB * R,
         "c_back_sig": 8 * N * T, "c_stage_w": 4 * T * K,

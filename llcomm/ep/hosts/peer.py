@@ -47,7 +47,7 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
         HOST_ENTRY=o["d_host_entry"], STAGE_IDS=o["d_stage_ids"],
         STAGE=o["d_stage"], RAIL_IDS=o["d_rail_ids"], RAIL_ROWS=o["d_rail_rows"],
         HOST_NTOK=o["d_host_ntok"], HOST_CNT=o["d_host_cnt"], HOST_IDS=o["d_host_ids"],
-        HOST_ROWS=o["d_host_rows"])
+        HOST_W=o["d_host_w"], HOST_ROWS=o["d_host_rows"])
     c_regions = _bundle(
         HostCombineRegions, SET_BYTES=lay.set_bytes, RAIL_SIG=o["c_rail_sig"],
         HOST_SIG=o["c_host_sig"], HOST_ENTRY=o["c_host_entry"], PART_SIG=o["c_part_sig"],
@@ -195,7 +195,8 @@ class HostsPeerEP:
                            recv_count=torch.zeros(L, dtype=torch.int32, device=dev),
                            ntok=torch.zeros(W, dtype=torch.int32, device=dev),
                            fwd_ids=torch.zeros(N * T * MAX_TOPK, dtype=torch.int32, device=dev),
-                           fwd_ntok=torch.zeros(N, dtype=torch.int32, device=dev))
+                           fwd_ntok=torch.zeros(N, dtype=torch.int32, device=dev),
+                           w_of=torch.zeros(W * T * MAX_TOPK, dtype=torch.float32, device=dev))
                       for _ in range(HANDLE_SLOTS)]
         self._dispatch = ShmemLauncher(HD.hosts_dispatch_kernel)
         self._combine = ShmemLauncher(HC.hosts_combine_kernel)
@@ -209,17 +210,18 @@ class HostsPeerEP:
                                                            topk, fp8)
         return hit
 
-    def _launch(self, launcher, args, consts, stages, num_warps):
+    def _launch(self, launcher, args, consts, stages, num_warps, extra=None):
         stats = int(args[-1] is not None)       # wait statistics: the last argument
         launcher((self.nb,), args, dict(consts, STAGES=stages, SHMEM=self.shmem,
-                                        MASKS=self.masks, STATS=stats, num_warps=num_warps))
+                                        MASKS=self.masks, STATS=stats, num_warps=num_warps,
+                                        **(extra or {})))
 
     def dispatch(self, x, topk_idx, recv_x, slot: int, fp8: int = 0, recv_scales=None,
-                 split: bool = False, wait_stats=None):
+                 split: bool = False, wait_stats=None, topk_weights=None):
         """Launch the dispatch into handle slot ``slot`` (``split``: its send half, and return
         the launch of its receive half as the fourth value; ``wait_stats``: a ``[W]`` int64
-        tensor the waits add to). Returns (recv_count, src_info, state, receive half or
-        None)."""
+        tensor the waits add to; ``topk_weights``: carried with the ids, so the combine sends
+        none across hosts). Returns (recv_count, src_info, state, receive half or None)."""
         HD = self.HD
         self._last = 0
         n, K = topk_idx.shape
@@ -227,6 +229,7 @@ class HostsPeerEP:
         T, W, N = self.buf.max_tokens, self.W, self.N
         row_of = s["row_of"][:W * T * K].view(W, T, K)
         fwd_ids = s["fwd_ids"][:N * T * K].view(N, T, K)
+        w_of = s["w_of"][:W * T * K].view(W, T, K)
         if fp8:
             recv_x = recv_x.view(torch.uint8)
         if x.data_ptr() % 16:
@@ -236,42 +239,52 @@ class HostsPeerEP:
         args = (x, topk_idx, n, recv_x, recv_scales if fp8 else recv_x, row_of, s["src_info"],
                 s["recv_count"], s["ntok"], fwd_ids, s["fwd_ntok"], self.tab, self.ctrl[0],
                 self.err, self.rank, tag, self.timeout_us, self.ledger[0], wait_stats)
-        state = (row_of, s["ntok"], fwd_ids, s["fwd_ntok"])
+        carry = int(topk_weights is not None)
+        extra = dict(wts=topk_weights, w_of=w_of if carry else None, CARRY=carry)
+        state = (row_of, s["ntok"], fwd_ids, s["fwd_ntok"], w_of if carry else None)
         if not split:
-            self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_ALL, warps)
+            self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_ALL, warps, extra)
             return s["recv_count"], s["src_info"], state, None
-        self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_SEND_HALF, warps)
+        self._launch(self._dispatch, args, dc, HD.HOSTS_DISPATCH_SEND_HALF, warps, extra)
         return s["recv_count"], s["src_info"], state, lambda: self._launch(
-            self._dispatch, args, dc, HD.HOSTS_DISPATCH_RECV_HALF, warps)
+            self._dispatch, args, dc, HD.HOSTS_DISPATCH_RECV_HALF, warps, extra)
 
-    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out, wait_stats):
-        row_of, ntok, fwd_ids, fwd_ntok = state
+    def _combine_args(self, expert_out, topk_idx, topk_weights, state, out, wait_stats,
+                      rail_fp8: bool):
+        """The combine's arguments, constexprs, warps, and its keywords: the handle's weights
+        (``w_of``) when the dispatch carried them (``topk_weights`` then only fills the
+        argument the kernel does not read), and ``RAIL_FP8``, which enters the flags' tag."""
+        row_of, ntok, fwd_ids, fwd_ntok, w_of = state
         K = topk_idx.shape[1]
         _, cc, warps = self._call_consts(K, 0)
-        tag = size_tag(P.OP_COMBINE, self.buf.hidden, K, 0, self.buf.dtype)
+        extra = dict(w_of=w_of, CARRIED=int(w_of is not None), RAIL_FP8=int(rail_fp8))
+        if topk_weights is None:
+            topk_weights = w_of
+        tag = size_tag(P.OP_COMBINE, self.buf.hidden, K, int(rail_fp8), self.buf.dtype)
         args = (expert_out, topk_idx, topk_weights, topk_idx.shape[0], out, row_of, ntok,
                 fwd_ids, fwd_ntok, self.tab, self.ctrl[1], self.err, self.rank, tag,
                 self.timeout_us, self.ledger[1], wait_stats)
-        return args, cc, warps
+        return args, cc, warps, extra
 
     def combine(self, expert_out, topk_idx, topk_weights, state, out, carried: bool = False,
-                wait_stats=None):
-        """``carried``: EPBuffer passes the dispatch's copy of the weights as topk_weights."""
+                wait_stats=None, rail_fp8: bool = False):
+        """``carried``: the dispatch carried the weights (they are in the handle's state);
+        ``topk_weights`` is then not read. ``rail_fp8``: the host sums cross hosts in FP8."""
         self._last = 1
-        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out,
-                                             wait_stats)
-        self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_ALL, warps)
+        args, cc, warps, extra = self._combine_args(expert_out, topk_idx, topk_weights, state,
+                                                    out, wait_stats, rail_fp8)
+        self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_ALL, warps, extra)
         return out
 
     def combine_send(self, expert_out, topk_idx, topk_weights, state, out,
-                     carried: bool = False, wait_stats=None):
+                     carried: bool = False, wait_stats=None, rail_fp8: bool = False):
         """Launch the combine's send half; return the launch of its receive half."""
         self._last = 1
-        args, cc, warps = self._combine_args(expert_out, topk_idx, topk_weights, state, out,
-                                             wait_stats)
-        self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_SEND_HALF, warps)
+        args, cc, warps, extra = self._combine_args(expert_out, topk_idx, topk_weights, state,
+                                                    out, wait_stats, rail_fp8)
+        self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_SEND_HALF, warps, extra)
         return lambda: self._launch(self._combine, args, cc, self.HC.HOSTS_COMBINE_RECV_HALF,
-                                    warps)
+                                    warps, extra)
 
     def wire_ledger(self, op: int) -> dict:
         """What this rank sent across hosts in the latest dispatch (op 0) or combine (op 1), as

@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.bounded import BoundedCalls
+from ...runtime.fp8_format import dequantize, quantize
 from ...runtime.hosts import Hosts
 from ..reference import ReferenceEP, expand_pairs, rank_partials, token_rows
+from .layout import fp8_sum_bytes as fp8_row_bytes
 
 #: Bytes of one row count in the dispatch's count exchange.
 COUNT_BYTES = 8
@@ -200,15 +202,23 @@ class TwoLevelReferenceEP(ReferenceEP):
         return count, src, route
 
     # -- combine ---------------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor, route: Route, out: torch.Tensor,
+                carried: bool = False, rail_fp8: bool = False):
+        return self.combine_send(expert_out, topk_idx, topk_weights, route, out, carried,
+                                 rail_fp8)()
+
     def combine_send(self, expert_out: torch.Tensor, topk_idx: torch.Tensor,
                      topk_weights: torch.Tensor, route: Route, out: torch.Tensor,
-                     carried: bool = False):
+                     carried: bool = False, rail_fp8: bool = False):
         """The send half: call check, the weights along the dispatch's route, this rank's
         partials, start sending them back inside the host. Returns the receive half (host
-        fold, rail back, host-order fold into ``out``)."""
+        fold, rail back, host-order fold into ``out``). ``rail_fp8``: each host sum for
+        another host crosses as the kernels' FP8 (``fp8_format.quantize`` of the fp32 sum;
+        its fp32 product with the scales is what arrives)."""
         P = self.world_size * self.max_tokens
         K = topk_idx.shape[1]
-        self._agree("combine", K, int(carried))
+        self._agree("combine", K, int(carried), int(rail_fp8))
         wait, w_rail = self._rows(self.rail_calls, "combine", topk_weights[route.rail_idx],
                                   route.rail_out, route.rail_in)
         wait()
@@ -223,9 +233,10 @@ class TwoLevelReferenceEP(ReferenceEP):
                                 route.host_in, route.host_out)
         sent_w = topk_weights.element_size() * K * sum(route.rail_out)   # none to this host
         return lambda: self._combine_back(wait, back, topk_weights.shape[0], route, sent_w,
-                                           out)
+                                           out, rail_fp8)
 
-    def _combine_back(self, wait, back, n, route: Route, sent_w: int, out: torch.Tensor):
+    def _combine_back(self, wait, back, n, route: Route, sent_w: int, out: torch.Tensor,
+                      rail_fp8: bool):
         H, dtype, dev = self.hidden, self.dtype, self.device
         held = n + sum(route.rail_in)
         wait()
@@ -240,10 +251,14 @@ class TwoLevelReferenceEP(ReferenceEP):
         went_here = torch.zeros(n, dtype=torch.bool, device=dev)
         went_here[route.hold_idx[route.hold_idx < n]] = True
         # Rail back: one host partial per (token, host) to the token's rank.
-        wait, from_hosts = self._rows(self.rail_calls, "combine", host_sum[n:], route.rail_in,
+        leaving, row_bytes = host_sum[n:], H * dtype.itemsize
+        if rail_fp8:
+            leaving = dequantize(*quantize(acc[n:]), torch.float32)
+            row_bytes = fp8_row_bytes(H)
+        wait, from_hosts = self._rows(self.rail_calls, "combine", leaving, route.rail_in,
                                       route.rail_out)
         wait()
-        self.inter_host_bytes = sent_w + H * dtype.itemsize * sum(route.rail_in)
+        self.inter_host_bytes = sent_w + row_bytes * sum(route.rail_in)
         # Source fold: the host partials in host order.
         total = torch.zeros((n, H), dtype=torch.float32, device=dev)
         start = 0

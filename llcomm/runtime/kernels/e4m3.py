@@ -92,3 +92,23 @@ def fp8_scales(v2, ROUND: tl.constexpr):
         ex = (bits >> F32_MANT_BITS) + ((bits & F32_MANT_MASK) != 0).to(tl.int32)
         sc = (ex << F32_MANT_BITS).to(tl.float32, bitcast=True)
     return sc
+
+
+#: e4m3's subnormal unit (2**-9): a code with exponent field 0 is its mantissa times this.
+E4M3_SUB_UNIT = tl.constexpr(2.0 ** -9)
+
+
+@triton.jit
+def e4m3_value(bits):
+    """fp32 value of float8_e4m3fn bits (an integer tensor, low byte): exact, as every e4m3
+    value is an fp32 one; normal codes by moving their fields into fp32's, subnormal ones as
+    mantissa times 2**-9. The inverse of ``e4m3_bits`` on the codes it makes (never 0x7F or
+    0xFF, e4m3fn's NaNs, which this does not special-case). Decoded on the bits, so the wire
+    format is OCP's e4m3fn on every GPU (AMD's gfx942 converts to e4m3fnuz)."""
+    b = bits.to(tl.int32) & 0xFF
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + E4M3_REBIAS) << F32_MANT_BITS) | (m << E4M3_DROP)).to(tl.float32,
+                                                                           bitcast=True)
+    mag = tl.where(e > 0, normal, m.to(tl.float32) * E4M3_SUB_UNIT)
+    return tl.where((b & 0x80) != 0, -mag, mag)

@@ -6,23 +6,26 @@ owns tokens ``b, b + NB, ...`` of every list it walks, and the expand's (source,
 expert) pairs ``b, b + NB, ...``.
 Stages (``STAGES`` bits, ``HD_*``), separated by bounded waits:
 
-1. send (``HD_SEND``): block 0 first sends the token count and every token's top-k ids to
-   every other host (``d_rail_ids[h]``, flag ``d_rail_sig[h]``); then each block stages each
+1. send (``HD_SEND``): block 0 first sends the token count and every token's top-k ids (with
+   ``CARRY`` their top-k weights after them, for the combine) to every other host
+   (``d_rail_ids[h]``, flag ``d_rail_sig[h]``); then each block stages each
    own token's row in the heap (FP8: quantised here, once) and sends it once to every *other*
    host holding one of its experts, at the rank of local index l there (its rail rank):
    ``d_rail_rows[h, t]``, flag ``d_row_sig[h, t]``. Each message is one put-with-signal with a
    flag of its own (``rail.py``).
 2. forward (``forward.py``). Own tokens (``HD_FORWARD_OWN``, in the send half, no wait): each
    goes from the staging area to the ranks of this host that hold its experts,
-   ``d_host_rows[s, t]`` there, and its ids to every rank of this host and into the handle
-   (``fwd_ids``: the combine retraces the route). Then (``HD_FORWARD``) the same for the
+   ``d_host_rows[s, t]`` there (with ``CARRY`` its weights too, ``d_host_w[s, t]``), and its
+   ids to every rank of this host and into the handle (``fwd_ids``: the combine retraces the
+   route). Then (``HD_FORWARD``) the same for the
    tokens of every other source ``s = g * R + l`` of its rail: host by host as their id blocks
    arrive, each token as soon as its row's flag is set (with masks, ``HD_FORWARD_WAIT`` first
    waits for every host's id block and agrees on the mask). Each block then signals
    ``d_host_sig[b, l]`` on every rank of the host.
 3. expand (``HD_EXPAND``, after ``HD_EXPAND_WAIT`` for every forwarder's signals): for each
    local expert, the rows routed to it, sources in rank order, tokens in order, packed from 0
-   into ``recv_x``, with ``src_info``, ``row_of`` and ``recv_count``: the single-host layout.
+   into ``recv_x``, with ``src_info``, ``row_of`` and ``recv_count``: the single-host layout
+   (with ``CARRY`` each entry's weight into the handle beside ``row_of``, ``w_of``).
    The forwarders counted each source's tokens per expert (``d_host_cnt``), so each (source,
    expert) pair knows where its rows start, and the blocks share the pairs.
 
@@ -93,7 +96,7 @@ HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "
 #: id block's size.
 HostDispatchRegions = namedtuple("HostDispatchRegions", [
     "SET_BYTES", "IDS_BYTES", "RAIL_SIG", "ROW_SIG", "HOST_SIG", "HOST_ENTRY", "STAGE_IDS", "STAGE",
-    "RAIL_IDS", "RAIL_ROWS", "HOST_NTOK", "HOST_CNT", "HOST_IDS", "HOST_ROWS"])
+    "RAIL_IDS", "RAIL_ROWS", "HOST_NTOK", "HOST_CNT", "HOST_IDS", "HOST_W", "HOST_ROWS"])
 #: Where this call's data lives (runtime values): region table, this rank, its host and local
 #: index, the set's byte offset.
 Where = namedtuple("Where", ["tab", "rank", "host", "local", "set_off"])
@@ -141,10 +144,11 @@ def ledger_store(ledger, msgs, nbytes, S, ADD: tl.constexpr):
 
 
 @triton.jit
-def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
-          SHMEM: tl.constexpr):
+def _send(x, topk, wts, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
+          SHMEM: tl.constexpr, CARRY: tl.constexpr):
     """Stage 1 (module doc): each message one put-with-signal with a flag of its own (a row:
-    ``d_row_sig[h, t]``; the id block: ``d_rail_sig[h]``). Stores this block's ledger row."""
+    ``d_row_sig[h, t]``; the id block: ``d_rail_sig[h]``). ``CARRY``: the id block holds the
+    top-k weights ``wts`` after the ids. Stores this block's ledger row."""
     b = tl.program_id(0)
     msgs = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
     nbytes = tl.zeros([S.RAIL_FLAGS_P2], tl.int64)
@@ -160,11 +164,15 @@ def _send(x, topk, n_tok, err, wh, word, ledger, S, RG, FP8: tl.constexpr,
             nbad += tl.sum(tl.sum((m2 & ((ids < -1) | (ids >= S.E))).to(tl.int32), 1), 0)
             ids = tl.where((ids >= 0) & (ids < S.E), ids, -1).to(tl.int32)
             tl.store(idp + ID_HEADER + ts[:, None] * S.K + ks[None, :], ids, mask=m2)
+            if CARRY:
+                w = tl.load(wts + ts[:, None] * S.K + ks[None, :], mask=m2, other=0.0)
+                tl.store(idp.to(tl.pointer_type(tl.float32)) + ID_HEADER + n_tok * S.K
+                         + ts[:, None] * S.K + ks[None, :], w, mask=m2)
         if nbad > 0:        # out-of-range top-k entries, for the host to report
             tl.store(tl.load(err + ERR_INPUT_ADDR).to(tl.pointer_type(tl.int64)),
                      nbad.to(tl.int64))
         tl.debug_barrier()
-        ids_bytes = (ID_HEADER * 4 + n_tok * S.K * 4 + 15) // 16 * 16
+        ids_bytes = (ID_HEADER * 4 + n_tok * S.K * 4 * (1 + CARRY) + 15) // 16 * 16
         for g in range(S.N):
             if g != wh.host:
                 rail_send(wh.tab, wh.rank, g * S.R + wh.local,
@@ -200,7 +208,8 @@ def ids_arrived(flags, word, wh, S, SHMEM: tl.constexpr):
 
 @triton.jit
 def _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, S, RG,
-             SHMEM: tl.constexpr, MASKS: tl.constexpr, STATS: tl.constexpr):
+             SHMEM: tl.constexpr, MASKS: tl.constexpr, STATS: tl.constexpr,
+             CARRY: tl.constexpr):
     """Stage 2 for the other hosts' sources (``forward.py``): without masks each host as its
     id block arrives (``next_host``), with masks (their id blocks already waited for) in host
     order; each host's tokens as their rows arrive. Then this block signals every rank of the
@@ -212,7 +221,8 @@ def _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, S, RG,
         bound = later_bound(timeout_us, MASKS)
         for g in range(S.N):
             if (g != wh.host) & ok:
-                ok = forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, bound, err, S, RG, SHMEM)
+                ok = forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, bound, err, S, RG, SHMEM,
+                                  CARRY)
     else:
         pending = ((tl.full([], 1, tl.int64) << S.N) - 1) & ~(tl.full([], 1, tl.int64)
                                                              << wh.host)
@@ -223,7 +233,7 @@ def _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, S, RG,
                 ok = g >= 0
             else:
                 ok = forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
-                                  SHMEM)
+                                  SHMEM, CARRY)
                 pending = pending & ~(tl.full([], 1, tl.int64) << g)
     if ok:
         for q in tl.static_range(S.R):
@@ -233,19 +243,20 @@ def _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, S, RG,
 
 
 @triton.jit
-def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh, S, RG,
-            FP8: tl.constexpr):
+def _expand(recv_x, recv_scales, row_of, w_of, src_info, recv_count, ntok_out, msk, wh, S, RG,
+            FP8: tl.constexpr, CARRY: tl.constexpr):
     """Stage 3 (module doc), spread over every (source, local expert) pair with rows: pair
     (s, e) starts at the rows of e from the sources before s (the forwarders' counts,
     ``d_host_cnt``), so the pairs need no order among them and every block takes a share. A
     source that is masked or whose forwarder here is masked (``msk``) counts as having sent
-    nothing."""
+    nothing. ``CARRY``: each entry's weight into the handle (``w_of``) beside ``row_of``."""
     b = tl.program_id(0)
     ks = tl.arange(0, S.KP)
     km = ks < S.K
     ntp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_NTOK, tl.int32)
     cntp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_CNT, tl.int32)
     idp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_IDS, tl.int32)
+    wp = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_W, tl.float32)
     rows = _at(wh.tab, wh.rank, wh.set_off + RG.HOST_ROWS, tl.int32)
     rx = recv_x.to(tl.pointer_type(tl.int32))
     ROW_WORDS: tl.constexpr = S.ROW_BYTES // 4
@@ -286,6 +297,9 @@ def _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh
                 tl.store(row_of + (s * S.T + ts[:, None]) * S.K + ks[None, :],
                          (e * S.W * S.T + pre)[:, None] + tl.zeros([1, S.KP], tl.int32),
                          mask=hit)
+                if CARRY:
+                    at = (s * S.T + ts[:, None]) * S.K + ks[None, :]
+                    tl.store(w_of + at, tl.load(wp + at, mask=hit), mask=hit)
                 src = rows + (s * S.T + ts) * ROW_WORDS
                 dst = rx + (e * S.W * S.T + pre) * S.RX_WORDS
                 for w0 in range(0, S.RX_WORDS, COPY_CHUNK):
@@ -339,7 +353,10 @@ def hosts_dispatch_kernel(
         SHMEM: tl.constexpr,        # rail.PLAIN, NVSHMEM or ROCSHMEM: the messages' backend
         MASKS: tl.constexpr = 0,    # 1: rank masks (err[ERR_MASK]; masks.py)
         STATS: tl.constexpr = 0,    # 1: wait statistics into stats (masks.masked_wait)
-        PDL: tl.constexpr = 0):
+        PDL: tl.constexpr = 0,
+        wts=None,       # [n_tok, K] fp32 top-k weights the dispatch carries (CARRY)
+        w_of=None,      # [W, T, K] fp32 handle: the weight of each entry row_of holds (CARRY)
+        CARRY: tl.constexpr = 0):   # 1: the weights travel with the ids, for the combine
     after_previous_kernel(PDL)
     b = tl.program_id(0)
     timeout_us, broken = wait_bound(timeout_us, err)
@@ -349,12 +366,12 @@ def hosts_dispatch_kernel(
     if STAGE_SEND & STAGES:
         if MASKS:
             announce(wh, wh.set_off + REGIONS.HOST_ENTRY, word, SIZES)
-        _send(x, topk, n_tok, err, wh, word, ledger, SIZES, REGIONS, FP8, SHMEM)
+        _send(x, topk, wts, n_tok, err, wh, word, ledger, SIZES, REGIONS, FP8, SHMEM, CARRY)
     msk = tl.full([], 0, tl.int64)     # masked ranks (MASKS only)
     if MASKS:
         msk = poll_read(err + ERR_MASK)
     if STAGE_FORWARD_OWN & STAGES:
-        forward_own(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, SIZES, REGIONS)
+        forward_own(topk, wts, n_tok, fwd_ids, fwd_ntok, msk, wh, SIZES, REGIONS, CARRY)
     ok = tl.full([], 1, tl.int32) != 0
     if STAGE_FORWARD_WAIT & STAGES:
         if MASKS:   # every host's id block first: the call's mask is agreed before rows move
@@ -373,7 +390,7 @@ def hosts_dispatch_kernel(
     if STAGE_FORWARD & STAGES:
         if ok:
             ok = _forward(fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, stats, SIZES,
-                          REGIONS, SHMEM, MASKS, STATS)
+                          REGIONS, SHMEM, MASKS, STATS, CARRY)
     if STAGE_EXPAND_WAIT & STAGES:
         ok2, msk = ranks_wait(_at(tab, rank, wh.set_off + REGIONS.HOST_SIG, tl.int64), word,
                               later_bound(timeout_us, MASKS), err, OP_DISPATCH, go=ok, msk=msk,
@@ -382,8 +399,8 @@ def hosts_dispatch_kernel(
         ok = ok & ok2
     if STAGE_EXPAND & STAGES:
         if (ok != 0) & (broken == 0):
-            _expand(recv_x, recv_scales, row_of, src_info, recv_count, ntok_out, msk, wh, SIZES,
-                    REGIONS, FP8)
+            _expand(recv_x, recv_scales, row_of, w_of, src_info, recv_count, ntok_out, msk, wh,
+                    SIZES, REGIONS, FP8, CARRY)
         else:
             _poison_counts(recv_count, ntok_out, SIZES)
         tl.store(ctrl + b, seq + 1)

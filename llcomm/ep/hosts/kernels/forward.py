@@ -52,10 +52,21 @@ def ids_row(ptr, valid, S):
 
 
 @triton.jit
-def _forward_token(g, t, ids, src_off, fwd_ids, wh, S, RG):
+def _weights_row(base, at, S, CARRY: tl.constexpr):
+    """``[KP]`` fp32 top-k weights at element ``at`` of ``base`` (a pointer read as fp32; None
+    without ``CARRY``, which gives zeros)."""
+    ks = tl.arange(0, S.KP)
+    w = tl.zeros([S.KP], tl.float32)
+    if CARRY:
+        w = tl.load(base.to(tl.pointer_type(tl.float32)) + at + ks, mask=ks < S.K, other=0.0)
+    return w
+
+
+@triton.jit
+def _forward_token(g, t, ids, w, src_off, fwd_ids, wh, S, RG, CARRY: tl.constexpr):
     """Token t of the rail source on host g: its ids into the handle (``fwd_ids``) and to every
-    rank of this host, its row (at byte ``src_off`` of this rank's heap) to those holding one
-    of its experts."""
+    rank of this host (with ``CARRY`` its weights ``w`` too), its row (at byte ``src_off`` of
+    this rank's heap) to those holding one of its experts."""
     s = g * S.R + wh.local
     ks = tl.arange(0, S.KP)
     km = ks < S.K
@@ -66,6 +77,9 @@ def _forward_token(g, t, ids, src_off, fwd_ids, wh, S, RG):
         tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_IDS, tl.int32) + (s * S.T + t) * S.K + ks,
                  ids, mask=km)
         if tl.max((dest == q).to(tl.int32), 0) > 0:
+            if CARRY:
+                tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_W, tl.float32)
+                         + (s * S.T + t) * S.K + ks, w, mask=km)
             copy_words(_at(wh.tab, qr, wh.set_off + RG.HOST_ROWS, tl.int32)
                        + (s * S.T + t) * (S.ROW_BYTES // 4),
                        _at(wh.tab, wh.rank, src_off, tl.int32), S.PUT_BYTES // 4, COPY_CHUNK)
@@ -111,26 +125,27 @@ def announce_count(g, ng, fwd_ntok, wh, S, RG):
 
 
 @triton.jit
-def forward_own(topk, n_tok, fwd_ids, fwd_ntok, msk, wh, S, RG):
+def forward_own(topk, wts, n_tok, fwd_ids, fwd_ntok, msk, wh, S, RG, CARRY: tl.constexpr):
     """This rank's own tokens (module doc): from the staging area, nothing to wait for. None
-    when this rank is masked (``msk``)."""
+    when this rank is masked (``msk``). ``CARRY``: their weights ``wts`` go along."""
     b = tl.program_id(0)
     ng = tl.where(_masked(msk, wh.rank), 0, n_tok)
     _count(topk, ng, wh.host, wh, S, RG)
     announce_count(wh.host, ng, fwd_ntok, wh, S, RG)
     for t in range(b, ng, S.NB):
         _forward_token(wh.host, t, ids_row(topk + t * S.K, True, S),
-                       wh.set_off + RG.STAGE + t * S.ROW_BYTES, fwd_ids, wh, S, RG)
+                       _weights_row(wts, t * S.K, S, CARRY),
+                       wh.set_off + RG.STAGE + t * S.ROW_BYTES, fwd_ids, wh, S, RG, CARRY)
 
 
 @triton.jit
 def forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
-                 SHMEM: tl.constexpr):
+                 SHMEM: tl.constexpr, CARRY: tl.constexpr):
     """The tokens of the rail source on host g, after its id block has arrived: this block's
     share, each forwarded once its row's flag ``d_row_sig[g, t]`` holds ``word`` (module doc:
     the longest arrived prefix at a time). None for a masked source (``msk``). Returns 1, or 0
     after writing the error word (a mismatch, or a timeout naming host g as a rail wait
-    does)."""
+    does). ``CARRY``: the id block holds the tokens' weights after their ids."""
     b = tl.program_id(0)
     s = g * S.R + wh.local
     ids_at = _at(wh.tab, wh.rank, wh.set_off + RG.RAIL_IDS + g * RG.IDS_BYTES, tl.int32)
@@ -175,8 +190,9 @@ def forward_host(g, fwd_ids, fwd_ntok, msk, wh, word, timeout_us, err, S, RG,
             for i in range(done, upto):
                 t = b + S.NB * i
                 _forward_token(g, t, ids_row(ids_at + ID_HEADER + t * S.K, True, S),
+                               _weights_row(ids_at, ID_HEADER + (ng + t) * S.K, S, CARRY),
                                wh.set_off + RG.RAIL_ROWS + (g * S.T + t) * S.ROW_BYTES,
-                               fwd_ids, wh, S, RG)
+                               fwd_ids, wh, S, RG, CARRY)
             done = upto
             if done >= n_lanes:
                 status = -1
