@@ -128,7 +128,7 @@ def build(s: Shape, device: torch.device, seed: int = 0, num_blocks: int | None 
                       num_blocks=num_blocks or default_num_blocks(N, R, sms))
     NB, o = lay.num_blocks, lay.offsets
     dc, cc, warps = hosts_consts(lay, E, K, int(s.fp8))
-    put = dc["SIZES"].PUT_BYTES
+    put = int(dc["SIZES"].PUT_BYTES)       # a plain int: the result file holds it
     # one set of the region is enough: the counters stay at 0, so set 0 is the only one used
     regions = [torch.zeros(lay.set_bytes, dtype=torch.uint8, device=device)
                for _ in range(R + N - 1)]
