@@ -56,7 +56,7 @@ def test_two_level_kernels_compile_with_rocshmem_for_gfx942():
     assert len(lines) == VARIANTS and all(" ok " in ln for ln in lines), p.stdout
     whole = [ln for ln in lines if "_plain" not in ln and "_half" not in ln]
     plain = [ln for ln in lines if "_plain" in ln]
-    assert len(whole) == 6 and len(plain) == 7, p.stdout
+    assert len(whole) == 8 and len(plain) == 7, p.stdout
     assert all("rocshmem_putmem_signal_wg" in ln and "rocshmem_uint64_wait_until" in ln
                and not any(s in ln for s in ("quiet", "fence", "signal_op", "atomic_set"))
                for ln in whole), p.stdout
