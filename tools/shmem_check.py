@@ -80,6 +80,10 @@ def _buf(rank, W, R, fp8, masks=False):
         fp8=fp8, timeout_ms=TIMEOUT_MS, enable_masks=masks)
 
 
+#: Set for the PEs by ``--progress``.
+PROGRESS_ENV = "LLCOMM_SHMEM_CHECK_PROGRESS"
+
+
 def _rank_body(rank, W, R):
     import torch.distributed as dist
 
@@ -95,11 +99,15 @@ def _rank_body(rank, W, R):
     dev = torch.device("cuda", 0)
     L = E // W
     lines, fails = [], 0
+    t0 = time.monotonic()
+    progress = os.environ.get(PROGRESS_ENV) == "1"
 
     def report(name, ok, extra=""):
         nonlocal fails
         fails += not ok
         lines.append(f"rank {rank} {'ok  ' if ok else 'FAIL'} {name} {extra}")
+        if progress:        # as it happens: a run stopped from outside still shows how far
+            print(f"# +{time.monotonic() - t0:.0f} s {lines[-1]}", file=sys.stderr, flush=True)
 
     ep = HostsPeerEP(_buf(rank, W, R, False), num_blocks=BLOCKS)
     bf = torch.bfloat16
@@ -107,6 +115,9 @@ def _rank_body(rank, W, R):
     calls = ((1, "random", 0, False), (2, "dups", 0, True), (3, "random", 1, False),
              (4, "sparse", 2, True), (5, "zero_and_max", 0, False), (6, "random", 0, True))
     for i, (seed, kind, fp8, carry) in enumerate(calls):
+        if progress:
+            print(f"# +{time.monotonic() - t0:.0f} s rank {rank} call {i} begins", file=sys.stderr,
+                  flush=True)
         xs, topks, weights = make_case(W, E, T, H, K, seed, kind, bf)
         x, idx, w = xs[rank].to(dev), topks[rank].to(dev), weights[rank].to(dev)
         if fp8:
@@ -335,6 +346,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pes", type=int, default=2)
     ap.add_argument("--ranks-per-host", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--progress", action="store_true",
+                    help="each PE also prints every check as it ends, with the seconds since "
+                    "its start, to stderr")
     ap.add_argument("--remote", choices=REMOTE,
                     help="force NVSHMEM's remote transport between the PEs (module doc)")
     ap.add_argument("--hca", help="with --remote: the RDMA port, NAME:PORT (default: the first "
@@ -343,6 +357,8 @@ def main(argv=None) -> int:
     if a.hca and not a.remote:
         ap.error("--hca goes with --remote")
     env = remote_preflight(a, ap) if a.remote else {}
+    if a.progress:
+        env = dict(env, **{PROGRESS_ENV: "1"})
     from llcomm.multiproc import run
     t0 = time.monotonic()
     results = run(_rank_body, a.pes, a.ranks_per_host, backend="gloo", timeout=600, env=env)
