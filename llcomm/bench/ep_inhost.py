@@ -34,19 +34,23 @@ PEER_COMBINE_BF16 = ((3_655_680, 13.6352), (7_318_528, 24.3568))
 @dataclass(frozen=True)
 class HostExchange:
     """An in-host stage's time as ``fixed_us + bytes / gbps``, ``bytes`` the payload a GPU
-    writes (its own rows included, as ``llcomm bench ep`` counts ``bytes``)."""
+    writes (its own rows included, as ``llcomm bench ep`` counts ``bytes``). A negative
+    ``fixed_us`` comes only from ``fit`` through two measured points between which the stage
+    grows faster than its bytes (with the sources a block walks, say): then the line is an
+    interpolation between them, and ``us`` is never below 0."""
 
     fixed_us: float
     gbps: float
 
     def __post_init__(self):
-        if not (self.fixed_us >= 0 and self.gbps > 0 and math.isfinite(self.gbps)):
-            raise ValueError(f"{self}: expected fixed_us >= 0 and gbps > 0")
+        if not (math.isfinite(self.fixed_us) and self.gbps > 0 and math.isfinite(self.gbps)):
+            raise ValueError(f"{self}: expected a finite fixed_us and gbps > 0")
 
     @classmethod
     def fit(cls, points) -> HostExchange:
-        """The least-squares line through measured ``(bytes, µs)`` points (through both of two);
-        through the origin where the line would start below 0 µs, or from one point."""
+        """The least-squares line through measured ``(bytes, µs)`` points (through both of two,
+        whatever its fixed part); through the origin from one point, or where more than two
+        would give a line starting below 0 µs or not rising."""
         pts = [(float(b), float(t)) for b, t in points]
         if not pts or any(b <= 0 or t <= 0 or not math.isfinite(t) for b, t in pts):
             raise ValueError(f"{points}: expected (bytes, µs) points, each positive")
@@ -55,12 +59,12 @@ class HostExchange:
         var = sum((b - mb) ** 2 for b, _ in pts)
         per_byte = sum((b - mb) * (t - mt) for b, t in pts) / var if var else 0.0
         fixed = mt - mb * per_byte
-        if per_byte <= 0 or fixed < 0:          # through the origin: µs per byte, no fixed part
+        if per_byte <= 0 or (fixed < 0 and n != 2):     # through the origin: µs per byte
             per_byte, fixed = sum(t for _, t in pts) / sum(b for b, _ in pts), 0.0
         return cls(fixed, 1.0 / (per_byte * BYTES_PER_US_PER_GBPS))
 
     def us(self, nbytes: float) -> float:
-        return self.fixed_us + self.per_byte_us(nbytes)
+        return max(0.0, self.fixed_us + self.per_byte_us(nbytes))
 
     def per_byte_us(self, nbytes: float) -> float:
         """The time of ``nbytes`` more within a running stage: the line's slope, no fixed part."""
