@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..ep.hosts.layout import ID_HEADER_WORDS, fp8_sum_bytes
+from ..ep.hosts.layout import ENTRY_BYTES, ID_HEADER_WORDS, fp8_sum_bytes
 from ..ep.hosts.layout import row_bytes as slot_bytes
 from ..ep.hosts.peer import default_num_blocks
 from .ep_inhost import BYTES_PER_US_PER_GBPS, SCALED, HostExchange, InHost
@@ -35,9 +35,6 @@ FLAG_BYTES = 8
 PUT_ALIGN = 16
 #: Bytes of an int32 top-k id or an fp32 weight.
 WORD_BYTES = 4
-#: Bytes of the combine's entry message when the dispatch carried the weights
-#: (``kernels/combine.py``, ``ENTRY_BYTES``).
-ENTRY_BYTES = 16
 #: The tables' MB (10^6 bytes).
 MB = 1e6
 

@@ -118,6 +118,11 @@ class HostsLayout:
         return _align(4 * (ID_HEADER_WORDS + 2 * self.max_tokens * self.topk))
 
 
+#: Bytes of the combine's entry message, sent instead of the weights when the dispatch carried
+#: them (a put moves whole 16-byte units).
+ENTRY_BYTES = 16
+
+
 def fp8_sum_bytes(hidden: int) -> int:
     """Bytes of a host sum that crosses hosts in FP8 (``combine(rail_fp8=True)``): ``hidden``
     e4m3 bytes, then one fp32 scale per FP8_BLOCK channels, padded to ROW_ALIGN."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ...runtime import protocol as P
-from .layout import ERR_WORDS, HostsLayout, hosts_layout, row_bytes
-from ..layout import DEFAULT_NUM_BLOCKS, ERR_MASK, MAX_TOPK
+from .layout import ERR_WORDS, HostsLayout, fp8_sum_bytes, hosts_layout, row_bytes
+from ..layout import DEFAULT_NUM_BLOCKS, ERR_MASK, FP8_BLOCK, MAX_TOPK
 from ..masks import update_mask_word
 from ..peer import MAX_WARPS, VECTORS_PER_THREAD, PeerEP, _bundle, _pow2
 
@@ -39,7 +39,8 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
         RX_WORDS=(H if fp8 else H * lay.itemsize) // 4, SCALES=scales,
         SCALES_P2=max(1, hp // 128), RAIL_FLAGS_P2=_pow2(N), HOST_FLAGS_P2=_pow2(NB * R),
         TOK_P2=_pow2(-(-T // NB)), WP=_pow2(W), LP=_pow2(num_experts // W),
-        EHP=_pow2(R * (num_experts // W)))
+        EHP=_pow2(R * (num_experts // W)),
+        SUM_FP8_BYTES=fp8_sum_bytes(H) if H % FP8_BLOCK == 0 else 0)
     o = lay.offsets
     d_regions = _bundle(
         HostDispatchRegions, SET_BYTES=lay.set_bytes, IDS_BYTES=lay.ids_block_bytes(),

@@ -46,6 +46,7 @@ from ....runtime.kernels.sync import (EPOCH_SHIFT, after_previous_kernel, poison
                                      wait_bound)
 from ...kernels.common import (EP_RANK_VARYING, ERR_MASK, OP_COMBINE, PHASE_DATA, PHASE_EXIT,
                                _at, _masked, _rank_bits, symbol)
+from .. import layout as HL
 from .dispatch import Where, ids_arrived, ledger_add, ledger_store
 from .masks import (HOST, announce, entry_wait, fed, hosts_wait, later_bound, masked_wait,
                     ranks_wait)
@@ -68,9 +69,8 @@ STAGE_FORWARD = tl.constexpr(HC_FORWARD)
 STAGE_PARTIALS_WAIT = tl.constexpr(HC_PARTIALS_WAIT)
 STAGE_PARTIALS = tl.constexpr(HC_PARTIALS)
 STAGE_HOST_SUM = tl.constexpr(HC_HOST_SUM)
-#: Bytes of the entry message that replaces the weights when the dispatch carried them (a put
-#: moves whole 16-byte units).
-ENTRY_BYTES = tl.constexpr(16)
+#: Bytes of the entry message that replaces the weights when the dispatch carried them.
+ENTRY_BYTES = tl.constexpr(HL.ENTRY_BYTES)
 STAGE_OUT_WAIT = tl.constexpr(HC_OUT_WAIT)
 STAGE_OUT = tl.constexpr(HC_OUT)
 
@@ -185,7 +185,7 @@ def _host_sum(g, fwd_ids, fwd_ntok, msk, ok, msgs, nbytes, wh, word, timeout_us,
     row_bytes = S.H * DT.primitive_bitwidth // 8
     put_bytes = row_bytes
     if RAIL_FP8:
-        put_bytes = (S.H + 4 * (S.H // FP8_BLOCK) + 15) // 16 * 16
+        put_bytes = S.SUM_FP8_BYTES
     part = _at(wh.tab, wh.rank, wh.set_off + RG.PART, DT)
     ok2, msk = masked_wait(_at(wh.tab, wh.rank, wh.set_off + RG.PART_SIG, tl.int64)
                            + (g * S.NB + b) * S.R, word, timeout_us, err, OP_COMBINE,

@@ -87,11 +87,12 @@ COPY_CHUNK = tl.constexpr(512)
 #: the flags of a host wait (``HOST_FLAGS_P2``: ``NB * R``), and of a block's share of T
 #: tokens (``TOK_P2``: its lanes in a wait for its messages, ``rail.rail_wait`` and
 #: ``forward.forward_host``); and of W (``WP``), L (``LP``) and the host's experts R L
-#: (``EHP``): the expert counts' lanes.
+#: (``EHP``): the expert counts' lanes. ``SUM_FP8_BYTES``: a host sum crossing hosts in FP8
+#: (``layout.fp8_sum_bytes``; 0 where hidden is no multiple of 128).
 HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
                                      "ROW_BYTES", "PUT_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
                                      "RAIL_FLAGS_P2", "HOST_FLAGS_P2", "TOK_P2", "WP", "LP",
-                                     "EHP"])
+                                     "EHP", "SUM_FP8_BYTES"])
 #: Byte offsets of the dispatch's regions in set 0 (``layout.py``), the set's size and an
 #: id block's size.
 HostDispatchRegions = namedtuple("HostDispatchRegions", [
