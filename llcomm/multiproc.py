@@ -13,8 +13,10 @@ port between its choice and its use (picking a port by binding and closing a soc
 that window open). Each child connects to it, initialises the default process group (NCCL with
 rank r on GPU r, or gloo), runs ``fn(rank, world_size, *args)`` and destroys the group in
 ``finally``, then leaves at once (``os._exit(0)``: no interpreter finalization, where gloo's
-threads can abort a process that has passed). Each rank reports back over a queue: its return
-value, or its exception with the rank's traceback, which ``run`` raises as ``RankFailed``.
+threads can abort a process that has passed; ``interpreter_exit=True`` keeps the finalization
+for libraries that must release what they hold there). Each rank reports back over a queue:
+its return value, or its exception with the rank's traceback, which ``run`` raises as
+``RankFailed``.
 Nothing hangs: once any rank fails the others get ``FAILURE_GRACE_S``; past ``timeout`` seconds
 every remaining process is killed, and the error names the ranks that never finished.
 
@@ -81,6 +83,7 @@ class Rendezvous:
     backend: str
     timeout_s: float
     env: tuple = ()
+    interpreter_exit: bool = False
 
 
 def rank_main(fn, rank: int, world_size: int, rdv: Rendezvous, args: tuple, results) -> None:
@@ -126,13 +129,14 @@ def rank_main(fn, rank: int, world_size: int, rdv: Rendezvous, args: tuple, resu
     results.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    if not rdv.interpreter_exit:
+        os._exit(0)
 
 
 def run(fn: Callable, world_size: int, *args, backend: str = "gloo",
         timeout: float | None = 120, env: dict | None = None,
         expect_exit: dict[int, int] | None = None, clean_exit: bool = False,
-        worker: Callable = rank_main) -> list:
+        worker: Callable = rank_main, interpreter_exit: bool = False) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes (module doc).
 
     ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Returns the ranks'
@@ -144,19 +148,22 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo",
     backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r on GPU r). env: variables every rank sets
     first (``MULTICAST_OFF_ENV``, say). expect_exit, clean_exit: module doc. worker: what each
     child runs, ``rank_main``'s arguments (a tool may wrap it to set a process up first).
+    interpreter_exit: a rank leaves through the interpreter's finalization, where libraries
+    release what they hold (NVSHMEM's PEs), instead of ``os._exit(0)``.
     """
     __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this helper's frames
     for attempt in range(1, INIT_ATTEMPTS + 1):
         try:
             return _run_once(fn, world_size, args, backend, timeout, dict(env or {}),
-                             dict(expect_exit or {}), clean_exit, worker)
+                             dict(expect_exit or {}), clean_exit, worker, interpreter_exit)
         except GroupNotFormed:
             if attempt == INIT_ATTEMPTS:
                 raise
 
 
 def _run_once(fn, world_size: int, args: tuple, backend: str, timeout: float | None, env: dict,
-              expect_exit: dict[int, int], clean_exit: bool, worker) -> list:
+              expect_exit: dict[int, int], clean_exit: bool, worker,
+              interpreter_exit: bool = False) -> list:
     """One run of ``run``: store, spawn, ``fn``, reports."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -165,7 +172,7 @@ def _run_once(fn, world_size: int, args: tuple, backend: str, timeout: float | N
     group_s = GROUP_TIMEOUT_S if timeout is None else timeout
     store = dist.TCPStore(HOST, 0, world_size=None, is_master=True,
                           timeout=datetime.timedelta(seconds=group_s), wait_for_workers=False)
-    rdv = Rendezvous(store.port, backend, group_s, tuple(env.items()))
+    rdv = Rendezvous(store.port, backend, group_s, tuple(env.items()), interpreter_exit)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=worker, name=f"llcomm-rank{r}", daemon=True,

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
@@ -68,6 +69,8 @@ TIMEOUT_MS = 60_000
 SHORT_TIMEOUT_MS = 2_000
 #: how late the last PE starts the wait-statistics dispatch
 STATS_DELAY_S = 0.3
+#: ``--progress``: a PE still running this long after its report prints its Python stacks
+EXIT_WATCH_S = 30
 
 
 def _buf(rank, W, R, fp8, masks=False):
@@ -245,6 +248,8 @@ def _rank_body(rank, W, R):
             report("absent PE: CommTimeoutError", True,
                    f"after {time.monotonic() - t0:.1f} s: {str(e)[:80]}")
     dist.barrier()
+    if progress:    # a PE still alive this long after its report shows where it is stuck
+        faulthandler.dump_traceback_later(EXIT_WATCH_S, exit=False)
     return {"rank": rank, "lines": lines, "failed": fails}
 
 
@@ -349,6 +354,10 @@ def main(argv=None) -> int:
     ap.add_argument("--progress", action="store_true",
                     help="each PE also prints every check as it ends, with the seconds since "
                     "its start, to stderr")
+    ap.add_argument("--exit", choices=("interpreter", "hard"), default="interpreter",
+                    help="how a PE leaves once it reported: through the interpreter's "
+                    "finalization (default), or at once with os._exit as llcomm.multiproc's "
+                    "other callers do")
     ap.add_argument("--remote", choices=REMOTE,
                     help="force NVSHMEM's remote transport between the PEs (module doc)")
     ap.add_argument("--hca", help="with --remote: the RDMA port, NAME:PORT (default: the first "
@@ -361,7 +370,8 @@ def main(argv=None) -> int:
         env = dict(env, **{PROGRESS_ENV: "1"})
     from llcomm.multiproc import run
     t0 = time.monotonic()
-    results = run(_rank_body, a.pes, a.ranks_per_host, backend="gloo", timeout=600, env=env)
+    results = run(_rank_body, a.pes, a.ranks_per_host, backend="gloo", timeout=600, env=env,
+                  interpreter_exit=a.exit == "interpreter")
     failed = sum(r["failed"] for r in results)
     for r in results:
         print("\n".join(r["lines"]))
@@ -378,4 +388,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # not sys.exit: at exit multiprocessing joins its daemonic children without a bound, and a
+    # PE that cannot leave the driver would hold this process after its verdict is printed
+    os._exit(rc)
