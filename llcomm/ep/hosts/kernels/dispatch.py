@@ -81,7 +81,8 @@ COPY_CHUNK = tl.constexpr(512)
 #: Sizes of the two-level kernels (constexpr ``SIZES``): hosts N, ranks per host R, ranks W,
 #: max tokens T, hidden H and pow2 HP, top-k K and pow2 KP, experts E, local experts L, blocks
 #: NB, and a row slot: its stride in bytes (``ROW_BYTES``), the bytes a call's row fills and
-#: sends (``PUT_BYTES``: an FP8 row in a buffer sized for bf16 is about half), its int32 words to
+#: sends (``PUT_BYTES``: an FP8 row in a buffer sized for bf16 is about half; its int32
+#: words' pow2 ``PUT_WP``: the forwarder loads a row as one tile), its int32 words to
 #: recv_x (``RX_WORDS``) and FP8 scales (``SCALES``, pow2 ``SCALES_P2``; 0 without FP8).
 #: Also pow2s: of the hosts, the flags of a rail wait (``RAIL_FLAGS_P2``: one per host), of
 #: the flags of a host wait (``HOST_FLAGS_P2``: ``NB * R``), and of a block's share of T
@@ -90,7 +91,8 @@ COPY_CHUNK = tl.constexpr(512)
 #: (``EHP``): the expert counts' lanes. ``SUM_FP8_BYTES``: a host sum crossing hosts in FP8
 #: (``layout.fp8_sum_bytes``; 0 where hidden is no multiple of 128).
 HostSizes = namedtuple("HostSizes", ["N", "R", "W", "T", "H", "HP", "K", "KP", "E", "L", "NB",
-                                     "ROW_BYTES", "PUT_BYTES", "RX_WORDS", "SCALES", "SCALES_P2",
+                                     "ROW_BYTES", "PUT_BYTES", "PUT_WP", "RX_WORDS", "SCALES",
+                                     "SCALES_P2",
                                      "RAIL_FLAGS_P2", "HOST_FLAGS_P2", "TOK_P2", "WP", "LP",
                                      "EHP", "SUM_FP8_BYTES"])
 #: Byte offsets of the dispatch's regions in set 0 (``layout.py``), the set's size and an

@@ -28,12 +28,10 @@ from ....runtime.kernels.sync import (EPOCH_SHIFT, STATUS_MISMATCH, STATUS_TIMEO
 from .. import layout as HL
 from ...kernels.common import (BLOCK_WIDE, OP_DISPATCH, PHASE_ENTRY, SEEN_SHIFT, _at, _bit_or,
                                _masked)
-from .rail import copy_words, rail_arrived
+from .rail import rail_arrived
 
-#: int32 words per step of a forwarded row's copy.
-COPY_CHUNK = tl.constexpr(512)
-#: Tokens per step of a source's expert count.
-COUNT_TILE = tl.constexpr(16)
+#: Tokens per step of a source's expert count (a [COUNT_TILE, R L] tile of bits per step).
+COUNT_TILE = tl.constexpr(32)
 #: Words of an id block before the ids: the token count first.
 ID_HEADER = tl.constexpr(HL.ID_HEADER_WORDS)
 #: A poll's verdict, reduced block-wide in one maximum: a mismatch at SEEN_SHIFT, a lane index
@@ -66,12 +64,17 @@ def _weights_row(base, at, S, CARRY: tl.constexpr):
 def _forward_token(g, t, ids, w, src_off, fwd_ids, wh, S, RG, CARRY: tl.constexpr):
     """Token t of the rail source on host g: its ids into the handle (``fwd_ids``) and to every
     rank of this host (with ``CARRY`` its weights ``w`` too), its row (at byte ``src_off`` of
-    this rank's heap) to those holding one of its experts."""
+    this rank's heap) to those holding one of its experts. The row is loaded once, as one tile,
+    and stored to each of them: a step per token, not per chunk and rank."""
     s = g * S.R + wh.local
     ks = tl.arange(0, S.KP)
     km = ks < S.K
     tl.store(fwd_ids + (g * S.T + t) * S.K + ks, ids, mask=km)
     dest = tl.where(ids >= 0, ids // S.L - wh.host * S.R, -1)   # local rank, or none
+    ws = tl.arange(0, S.PUT_WP)
+    wm = ws < S.PUT_BYTES // 4
+    here = tl.max(((dest >= 0) & (dest < S.R)).to(tl.int32), 0) > 0
+    row = tl.load(_at(wh.tab, wh.rank, src_off, tl.int32) + ws, mask=wm & here, other=0)
     for q in tl.static_range(S.R):
         qr = wh.host * S.R + q
         tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_IDS, tl.int32) + (s * S.T + t) * S.K + ks,
@@ -80,9 +83,8 @@ def _forward_token(g, t, ids, w, src_off, fwd_ids, wh, S, RG, CARRY: tl.constexp
             if CARRY:
                 tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_W, tl.float32)
                          + (s * S.T + t) * S.K + ks, w, mask=km)
-            copy_words(_at(wh.tab, qr, wh.set_off + RG.HOST_ROWS, tl.int32)
-                       + (s * S.T + t) * (S.ROW_BYTES // 4),
-                       _at(wh.tab, wh.rank, src_off, tl.int32), S.PUT_BYTES // 4, COPY_CHUNK)
+            tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_ROWS, tl.int32)
+                     + (s * S.T + t) * (S.ROW_BYTES // 4) + ws, row, mask=wm)
 
 
 @triton.jit
@@ -99,14 +101,14 @@ def _count(ids, ng, g, wh, S, RG):
         for t0 in range(0, ng, COUNT_TILE):
             ts = t0 + tl.arange(0, COUNT_TILE)
             tm = ts < ng
+            # which of this host's experts each token lists: a token naming one twice sets
+            # its bit once; then one block-wide sum per tile
+            lists = tl.zeros([COUNT_TILE, S.EHP], tl.int32) != 0
             for k in tl.static_range(S.K):
                 idk = tl.load(ids + ts * S.K + k, mask=tm, other=-1)
-                fresh = tm & (idk >= 0) & (idk < S.E)
-                for j in tl.static_range(k):
-                    fresh = fresh & (tl.load(ids + ts * S.K + j, mask=tm, other=-1) != idk)
-                e = (idk - first).to(tl.int32)
-                cnt += tl.sum(((e[:, None] == bins[None, :]) & fresh[:, None]).to(tl.int32),
-                              axis=0)
+                e = tl.where((idk >= 0) & (idk < S.E), idk - first, -1).to(tl.int32)
+                lists = lists | (e[:, None] == bins[None, :])
+            cnt += tl.sum(lists.to(tl.int32), axis=0)
         for q in tl.static_range(S.R):
             tl.store(_at(wh.tab, wh.host * S.R + q, wh.set_off + RG.HOST_CNT, tl.int32)
                      + s * S.L + bins - q * S.L, cnt,
