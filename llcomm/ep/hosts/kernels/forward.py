@@ -73,8 +73,9 @@ def _forward_token(g, t, ids, w, src_off, fwd_ids, wh, S, RG, CARRY: tl.constexp
     dest = tl.where(ids >= 0, ids // S.L - wh.host * S.R, -1)   # local rank, or none
     ws = tl.arange(0, S.PUT_WP)
     wm = ws < S.PUT_BYTES // 4
-    here = tl.max(((dest >= 0) & (dest < S.R)).to(tl.int32), 0) > 0
-    row = tl.load(_at(wh.tab, wh.rank, src_off, tl.int32) + ws, mask=wm & here, other=0)
+    here = tl.max(((dest >= 0) & (dest < S.R)).to(tl.int32), 0)      # read only if needed
+    row = tl.load(_at(wh.tab, wh.rank, src_off, tl.int32) + ws,
+                  mask=ws < tl.where(here > 0, S.PUT_BYTES // 4, 0), other=0)
     for q in tl.static_range(S.R):
         qr = wh.host * S.R + q
         tl.store(_at(wh.tab, qr, wh.set_off + RG.HOST_IDS, tl.int32) + (s * S.T + t) * S.K + ks,
