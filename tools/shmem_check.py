@@ -392,5 +392,5 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # not sys.exit: at exit multiprocessing joins its daemonic children without a bound, and a
-    # PE that cannot leave the driver would hold this process after its verdict is printed
+    # PE that does not end would hold this process after its verdict is printed
     os._exit(rc)
