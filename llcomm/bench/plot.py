@@ -7,6 +7,8 @@ out.png`` redraws one from a result file alone.
   own lines), one for ``--overlap``'s steps, one line per op (+ variant) + impl + mode.
 - ``decode``: ms per step vs batch, one panel per part (``tp``, ``ep``), one line per impl + mode
   (``none`` is the step without communication).
+- ``ep-calibration``: µs per launch vs the bytes of each in-host stage, one line per stage
+  through its EP16 and EP64 points (what ``llcomm bench ep --model`` fits).
 
 Eager lines are dashed.
 """
@@ -55,6 +57,10 @@ LAYOUTS = {
                               f"{r.get('hidden', '?')}", series_label),
     "decode": Layout("batch", "tokens per rank (batch)", "ms_per_step", "median ms per step",
                      lambda r: f"{r['part']}: {r['model']}", series_label),
+    "ep-calibration": Layout("bytes", "bytes a rank writes in the stage (EP16, then EP64)",
+                             "median_us", "median µs per launch",
+                             lambda r: "two-level EP, in-host stages",
+                             lambda r: r["stage"], xlog=0),
 }
 
 
