@@ -32,11 +32,11 @@ def hosts_consts(lay: HostsLayout, num_experts: int, topk: int, fp8: int):
     W = N * R
     hp = _pow2(H)
     scales = H // 128 if fp8 else 0
+    put = row_bytes(H, lay.itemsize, bool(fp8))
     sizes = _bundle(
         HostSizes, N=N, R=R, W=W, T=T, H=H, HP=hp, K=topk, KP=_pow2(topk), E=num_experts,
         L=num_experts // W, NB=NB, ROW_BYTES=lay.row_bytes,
-        PUT_BYTES=row_bytes(H, lay.itemsize, bool(fp8)),
-        PUT_WP=_pow2(row_bytes(H, lay.itemsize, bool(fp8)) // 4),
+        PUT_BYTES=put, PUT_WP=_pow2(put // 4),
         RX_WORDS=(H if fp8 else H * lay.itemsize) // 4, SCALES=scales,
         SCALES_P2=max(1, hp // 128), RAIL_FLAGS_P2=_pow2(N), HOST_FLAGS_P2=_pow2(NB * R),
         TOK_P2=_pow2(-(-T // NB)), WP=_pow2(W), LP=_pow2(num_experts // W),
